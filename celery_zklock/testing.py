@@ -1,0 +1,500 @@
+"""Real servers for tests: ZooKeeper (single or ensemble), Redis and a TCP proxy.
+
+Everything listens on free 127.0.0.1 ports and keeps its data in a temp
+directory that :meth:`stop` removes. Nothing here assumes a server on 2181 or
+6379, and nothing here fakes ZooKeeper.
+
+Example::
+
+    with ZooKeeperServer() as zk, RedisServer() as redis:
+        app.conf.zklock_hosts = zk.hosts
+        app.conf.broker_url = redis.url
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from signal import SIGCONT, SIGKILL, SIGSTOP, SIGTERM
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "HarnessError",
+    "RedisServer",
+    "TcpProxy",
+    "ZooKeeperEnsemble",
+    "ZooKeeperServer",
+    "find_zookeeper_jar",
+    "free_port",
+    "four_letter_word",
+]
+
+#: Where Debian's ``libzookeeper-java`` puts the server; its manifest names every dependency.
+DEBIAN_ZOOKEEPER_JAR = "/usr/share/java/zookeeper.jar"
+#: Optional slf4j binding so the server's log reaches its log file; without it the server is silent.
+SLF4J_SIMPLE_JAR = "/usr/share/java/slf4j-simple.jar"
+
+
+class HarnessError(RuntimeError):
+    """A test server could not be found or started; the message says which and why."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_zookeeper_jar() -> str:
+    """Locate the ZooKeeper server jar: ``$ZOOKEEPER_HOME`` first, then Debian's package."""
+    home = os.environ.get("ZOOKEEPER_HOME")
+    if home:
+        jars = sorted(Path(home).glob("zookeeper-3*.jar")) + sorted(Path(home, "lib").glob("*.jar"))
+        if jars:
+            return os.pathsep.join(str(j) for j in jars)
+        raise HarnessError(f"ZOOKEEPER_HOME={home} holds no zookeeper jar")
+    if os.path.exists(DEBIAN_ZOOKEEPER_JAR):
+        return DEBIAN_ZOOKEEPER_JAR
+    raise HarnessError(
+        "ZooKeeper is not installed: install Debian's 'zookeeper' package "
+        "(make test does) or set ZOOKEEPER_HOME"
+    )
+
+
+def four_letter_word(port: int, word: str, timeout: float = 2.0) -> str:
+    """Send a four-letter command (``ruok``, ``mntr``, ``wchs``, ``srvr``) and return the reply."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(word.encode())
+        chunks = []
+        while True:
+            data = s.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _wait_for(check, timeout: float, what: str, log: Optional[Path] = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    tail = ""
+    if log is not None and log.exists():
+        tail = "\n--- last lines of " + str(log) + " ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+    raise HarnessError(f"{what} did not come up within {timeout:.0f}s{tail}")
+
+
+class _Process:
+    """A child process with a log file, stopped by SIGTERM then SIGKILL."""
+
+    def __init__(self, argv: Sequence[str], log: Path, cwd: Path) -> None:
+        self.argv = list(argv)
+        self.log = log
+        self.cwd = cwd
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, start_new_session=True
+            )
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def send(self, sig: int) -> None:
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: int = SIGTERM, timeout: float = 10.0) -> None:
+        if not self.running:
+            return
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ZooKeeperServer:
+    """One real ZooKeeper server, standalone or a member of a :class:`ZooKeeperEnsemble`.
+
+    ``tick_ms`` is low so session timeouts from 1 s to 60 s are accepted, and
+    the container-node reaper runs every ``container_check_ms`` so tests of key
+    cleanup take seconds, not minutes.
+
+    Example::
+
+        with ZooKeeperServer() as zk:
+            client = KazooClient(hosts=zk.hosts)
+    """
+
+    def __init__(
+        self,
+        *,
+        port: Optional[int] = None,
+        tick_ms: int = 500,
+        container_check_ms: int = 500,
+        base_dir: Optional[Path] = None,
+        myid: Optional[int] = None,
+        peers: Optional[List[Tuple[int, int, int]]] = None,
+        extra_config: Optional[Dict[str, str]] = None,
+        jvm_flags: Sequence[str] = (),
+    ) -> None:
+        self.port = port or free_port()
+        self.tick_ms = tick_ms
+        self.container_check_ms = container_check_ms
+        self._owns_dir = base_dir is None
+        self.dir = Path(base_dir or tempfile.mkdtemp(prefix="zklock-zk-"))
+        self.myid = myid
+        self.peers = peers
+        self.extra_config = dict(extra_config or {})
+        self.jvm_flags = list(jvm_flags)
+        self.log = self.dir / "server.log"
+        self._process: Optional[_Process] = None
+
+    @property
+    def hosts(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _write_config(self) -> Path:
+        data = self.dir / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        lines = {
+            "tickTime": str(self.tick_ms),
+            "initLimit": "20",
+            "syncLimit": "10",
+            "dataDir": str(data),
+            "clientPort": str(self.port),
+            "clientPortAddress": "127.0.0.1",
+            "minSessionTimeout": str(2 * self.tick_ms),
+            "maxSessionTimeout": "60000",
+            "admin.enableServer": "false",
+            "4lw.commands.whitelist": "*",
+            "maxClientCnxns": "0",
+        }
+        if self.peers:
+            for sid, quorum_port, election_port in self.peers:
+                lines[f"server.{sid}"] = f"127.0.0.1:{quorum_port}:{election_port}"
+            (data / "myid").write_text(f"{self.myid}\n")
+        lines.update(self.extra_config)
+        cfg = self.dir / "zoo.cfg"
+        cfg.write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
+        return cfg
+
+    def start(self, wait: bool = True) -> "ZooKeeperServer":
+        """Start (or restart) the server; with ``wait`` block until it answers ``ruok``."""
+        java = shutil.which("java")
+        if java is None:
+            raise HarnessError("Java is not installed: install Debian's 'default-jre-headless' (make test does)")
+        classpath = find_zookeeper_jar()
+        if os.path.exists(SLF4J_SIMPLE_JAR):
+            classpath += os.pathsep + SLF4J_SIMPLE_JAR
+        cfg = self._write_config()
+        argv = [
+            java,
+            "-Xmx256m",
+            "-XX:+UseSerialGC",
+            "-XX:TieredStopAtLevel=1",
+            f"-Dznode.container.checkIntervalMs={self.container_check_ms}",
+            "-Dznode.container.maxPerMinute=10000000",
+            "-Dzookeeper.admin.enableServer=false",
+            *self.jvm_flags,
+            "-cp",
+            classpath,
+            "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+            str(cfg),
+        ]
+        self._process = _Process(argv, self.log, self.dir)
+        self._process.start()
+        if wait:
+            self.wait_serving()
+        return self
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        _wait_for(self.is_serving, timeout, f"ZooKeeper on port {self.port}", self.log)
+
+    def is_serving(self) -> bool:
+        """True when the server answers requests (for an ensemble member: has a quorum)."""
+        if not self.running:
+            raise HarnessError(f"ZooKeeper on port {self.port} exited; see {self.log}:\n{self.log_tail()}")
+        try:
+            return "Mode:" in four_letter_word(self.port, "srvr", timeout=1.0)
+        except OSError:
+            return False
+
+    def mode(self) -> str:
+        """``standalone``, ``leader`` or ``follower`` (empty when not serving)."""
+        for line in four_letter_word(self.port, "srvr").splitlines():
+            if line.startswith("Mode:"):
+                return line.split(":", 1)[1].strip()
+        return ""
+
+    def mntr(self) -> Dict[str, str]:
+        out = {}
+        for line in four_letter_word(self.port, "mntr").splitlines():
+            if "\t" in line:
+                k, v = line.split("\t", 1)
+                out[k] = v
+        return out
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.running
+
+    def stop(self, sig: int = SIGTERM) -> None:
+        """Stop the server process (SIGKILL for a crash); data stays until :meth:`close`."""
+        if self._process is not None:
+            self._process.stop(sig)
+
+    def pause(self) -> None:
+        if self._process is not None:
+            self._process.send(SIGSTOP)
+
+    def resume(self) -> None:
+        if self._process is not None:
+            self._process.send(SIGCONT)
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.resume()
+        self.stop()
+        if self._owns_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "ZooKeeperServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ZooKeeperEnsemble:
+    """A real 3-server (or ``size``-server) ensemble on loopback.
+
+    Example::
+
+        with ZooKeeperEnsemble() as ens:
+            client = KazooClient(hosts=ens.hosts)
+            ens.leader().stop(SIGKILL)
+    """
+
+    def __init__(self, size: int = 3, **server_options: object) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="zklock-ensemble-"))
+        peers = [(sid, free_port(), free_port()) for sid in range(1, size + 1)]
+        self.servers = [
+            ZooKeeperServer(base_dir=self.dir / f"server{sid}", myid=sid, peers=peers, **server_options)  # type: ignore[arg-type]
+            for sid, _, _ in peers
+        ]
+
+    @property
+    def hosts(self) -> str:
+        return ",".join(s.hosts for s in self.servers)
+
+    def start(self) -> "ZooKeeperEnsemble":
+        for server in self.servers:
+            server.start(wait=False)
+        for server in self.servers:
+            server.wait_serving()
+        return self
+
+    def leader(self) -> ZooKeeperServer:
+        for server in self.servers:
+            if server.running and server.is_serving() and server.mode() == "leader":
+                return server
+        raise HarnessError("the ensemble has no leader")
+
+    def log_tail(self) -> str:
+        return "\n".join(f"--- server {s.myid} ---\n{s.log_tail(15)}" for s in self.servers)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "ZooKeeperEnsemble":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RedisServer:
+    """A real ``redis-server`` on a free port, no persistence, its own temp directory.
+
+    Example::
+
+        with RedisServer() as redis:
+            app.conf.broker_url = redis.url
+    """
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="zklock-redis-"))
+        self.log = self.dir / "redis.log"
+        self._process: Optional[_Process] = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise HarnessError("Redis is not installed: install Debian's 'redis-server' package (make test does)")
+        argv = [
+            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+        ]
+        self._process = _Process(argv, self.log, self.dir)
+        self._process.start()
+
+        def ping() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+
+        _wait_for(ping, 20, f"Redis on port {self.port}", self.log)
+        return self
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TcpProxy:
+    """A loopback TCP proxy whose links can be cut, to make partitions without root.
+
+    Modes: ``pass`` forwards both ways; ``blackhole`` keeps connections open but
+    forwards nothing (a partition: the client hears nothing, no RST);
+    ``drop_replies`` forwards requests to the server but swallows its replies
+    (the request happens, the client never learns it did).
+    :meth:`reset` closes every open connection (a crash-like RST).
+
+    Example::
+
+        with TcpProxy(zk.port) as proxy:
+            client = KazooClient(hosts=proxy.hosts)
+            proxy.mode = "blackhole"
+    """
+
+    MODES = ("pass", "blackhole", "drop_replies")
+
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self._mode = "pass"
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = int(self._sock.getsockname()[1])
+        self._conns: List[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"TcpProxy:{self.port}", daemon=True)
+
+    @property
+    def hosts(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in self.MODES:
+            raise ValueError(f"TcpProxy mode must be one of {self.MODES}, not {value!r}")
+        self._mode = value
+
+    def start(self) -> "TcpProxy":
+        self._thread.start()
+        return self
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, server]
+            for src, dst, is_reply in ((client, server, False), (server, client, True)):
+                threading.Thread(target=self._pump, args=(src, dst, is_reply), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, is_reply: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                mode = self._mode
+                if mode == "blackhole" or (mode == "drop_replies" and is_reply):
+                    continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def reset(self) -> None:
+        """Close every proxied connection now; new connections are accepted as before."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+        self.reset()
+
+    def __enter__(self) -> "TcpProxy":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
