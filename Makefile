@@ -1,0 +1,51 @@
+# Every target sets itself up: system packages, virtualenv, package.
+# Servers are started by the test harness (celery_zklock/testing.py) on free
+# loopback ports and removed afterwards; nothing here touches 2181 or 6379.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: test demo bench chaos system venv clean
+
+test: system venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: system venv
+	$(BIN)/python example_project/demo.py
+
+bench: system venv
+	$(BIN)/python benchmarks/bench_lock.py
+
+chaos: system venv
+	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
+
+# Java, ZooKeeper and Redis from the distribution, only when missing.
+system:
+	@missing=""; \
+	command -v java >/dev/null 2>&1 || missing="$$missing default-jre-headless"; \
+	[ -n "$$ZOOKEEPER_HOME" ] || [ -e /usr/share/java/zookeeper.jar ] || missing="$$missing zookeeper"; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing from the distribution:$$missing"; \
+	  if ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "error: missing$$missing and there is no apt-get to install them; install them by hand (or set ZOOKEEPER_HOME)"; exit 1; fi; \
+	  ( $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing ) >/tmp/celery-zklock-apt.log 2>&1 \
+	    || { echo "error: could not install$$missing with apt-get (log: /tmp/celery-zklock-apt.log)"; exit 1; }; \
+	fi
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9))' || { echo "error: $(PYTHON) is older than Python 3.9"; exit 1; }
+	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV) || { echo "error: could not create a virtualenv with $(PYTHON) (install python3-venv)"; exit 1; }
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache *.egg-info

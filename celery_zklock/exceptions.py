@@ -1,0 +1,34 @@
+"""One exception root for everything celery-zklock raises.
+
+Example::
+
+    try:
+        with celery_zklock.lock(app, "report:2024", timeout=5):
+            ...
+    except celery_zklock.ZkLockError as exc:
+        log.error("locking failed: %s", exc)
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigurationError", "LockLost", "LockNotAcquired", "ZkLockError", "ZooKeeperUnavailable"]
+
+
+class ZkLockError(Exception):
+    """Root of every celery-zklock error."""
+
+
+class ConfigurationError(ZkLockError, ValueError):
+    """A ``zklock_*`` setting or an argument has a bad value; the message names it."""
+
+
+class ZooKeeperUnavailable(ZkLockError):
+    """ZooKeeper could not be reached within ``zklock_connect_timeout``."""
+
+
+class LockNotAcquired(ZkLockError):
+    """The lock was not acquired (timeout, or contention under a non-waiting policy)."""
+
+
+class LockLost(ZkLockError):
+    """A held lock is lost or in doubt: its session expired or may have expired."""

@@ -1,0 +1,493 @@
+"""The lock engine: ZooKeeper's lock recipe once, with exclusive, read, write and
+semaphore as small :class:`Rule` values (the way Curator splits ``LockInternals``
+from its drivers).
+
+Each contender creates an EPHEMERAL_SEQUENTIAL child ``<uuid><node_name><seq>``
+of the key's node, reads the children *without* a watch, and asks its rule
+whether it holds. If not, it watches only the node(s) the rule names, so a
+release wakes one waiter, not all of them. Node names are kazoo's, so kazoo's
+``Lock``, ``ReadLock`` and ``WriteLock`` on the same path contend with ours.
+
+Example::
+
+    lock = Lock(session, "/celery-zklock/locks/k-report", READ)
+    if lock.acquire(timeout=5):
+        try:
+            store.write(data, fence=lock.fencing_token)
+        finally:
+            lock.release()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import posixpath
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
+
+from kazoo.exceptions import (
+    ConnectionClosedError,
+    ConnectionLoss,
+    NodeExistsError,
+    NoNodeError,
+    SessionExpiredError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.serialization import Create2
+from kazoo.security import OPEN_ACL_UNSAFE
+
+from ..client import Session, SessionState
+from ..exceptions import LockLost, LockNotAcquired
+
+__all__ = ["EXCLUSIVE", "READ", "WRITE", "Decision", "Lock", "LockState", "Rule", "check_timeout", "semaphore"]
+
+logger = logging.getLogger("celery_zklock")
+
+_SEQUENCE_RE = re.compile(r"(__lock__|__rlock__|__sem__)(-?\d{10})$")
+
+
+class Decision(NamedTuple):
+    holds: bool
+    #: Node names to watch (with ``exists``) while waiting; empty when holding.
+    watch: Tuple[str, ...]
+    #: True when the one watched node is a *waiter* that may become a holder:
+    #: if it has already been promoted (its version went up), look again.
+    watch_promotion: bool
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a contender's node is called, who blocks it, and how many may hold at once.
+
+    Example::
+
+        >>> EXCLUSIVE.decide(["a__lock__0000000001", "b__lock__0000000002"], "b__lock__0000000002")
+        Decision(holds=False, watch=('a__lock__0000000001',), watch_promotion=False)
+    """
+
+    node_name: str
+    blocked_by: FrozenSet[str]
+    leases: int = 1
+
+    def decide(self, children: Iterable[str], me: str) -> Decision:
+        """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch."""
+        mine = _SEQUENCE_RE.search(me)
+        if mine is None:
+            raise ValueError(f"{me!r} is not a contender node")
+        my_seq = int(mine.group(2))
+        ahead = []
+        for child in children:
+            m = _SEQUENCE_RE.search(child)
+            # Nodes of other kinds and foreign junk never block us.
+            if m is not None and m.group(1) in self.blocked_by and int(m.group(2)) < my_seq:
+                ahead.append((int(m.group(2)), child))
+        if len(ahead) < self.leases:
+            return Decision(True, (), False)
+        ahead.sort()
+        if len(ahead) == self.leases:
+            # First in line: any holder leaving frees a place for us, so watch
+            # them all (for a mutex that is just the predecessor).
+            return Decision(False, tuple(c for _, c in ahead), False)
+        # Further back: only our predecessor. With several leases it may be
+        # promoted while we sleep; it touches its node then, waking us alone.
+        return Decision(False, (ahead[-1][1],), self.leases > 1)
+
+
+#: The writer's rule, also used for exclusive locks: every earlier node blocks.
+WRITE = Rule("__lock__", frozenset({"__lock__", "__rlock__"}))
+EXCLUSIVE = WRITE
+#: Readers are blocked only by earlier writers.
+READ = Rule("__rlock__", frozenset({"__lock__"}))
+
+
+def semaphore(limit: int) -> Rule:
+    """The rule of a counting semaphore: at most ``limit`` holders per key, FIFO."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive int, not {limit!r}")
+    return Rule("__sem__", frozenset({"__sem__"}), limit)
+
+
+class LockState:
+    UNLOCKED = "unlocked"
+    WAITING = "waiting"
+    HELD = "held"
+    IN_DOUBT = "in_doubt"  # connection suspended: the server may still count us
+    LOST = "lost"  # the session may have expired: someone else may hold it
+
+
+class _CreateContainer(Create2):
+    """CreateContainer (opcode 19): kazoo lacks it. Same wire format as create2."""
+
+    type = 19
+
+
+_CONTAINER_FLAG = 4
+_Timeout = object()
+
+
+class Lock:
+    """One contender for the lock at ``path`` under ``rule``. Not re-entrant; one owner at a time.
+
+    ``on_state(lock, state)`` is called (from kazoo's thread: do not block)
+    when a held lock becomes ``in_doubt``, ``held`` again, or ``lost``.
+
+    Example::
+
+        with Lock(session, path, WRITE, timeout=5) as held:
+            save(fence=held.fencing_token)
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        path: str,
+        rule: Rule = EXCLUSIVE,
+        *,
+        data: bytes = b"",
+        timeout: Optional[float] = None,
+        on_state: Optional[Callable[["Lock", str], None]] = None,
+    ) -> None:
+        if not isinstance(path, str) or not path.startswith("/") or path.endswith("/"):
+            raise ValueError(f"path must be an absolute znode path, not {path!r}")
+        if not isinstance(data, bytes):
+            raise TypeError(f"data must be bytes, not {type(data).__name__}")
+        self.session = session
+        self.path = path
+        self.rule = rule
+        self.data = data
+        self.timeout = check_timeout(timeout)
+        self.on_state = on_state
+        self.node: Optional[str] = None
+        #: The lock node's czxid: strictly increases from one holder of a key to the next.
+        self.fencing_token: Optional[int] = None
+        self.state = LockState.UNLOCKED
+        #: Watch events this contender received (the herd-effect test counts them).
+        self.wakeups = 0
+        self._generation = -1
+        self._prefix = ""
+        self._created = False
+        self._cancelled = False
+        self._event = threading.Event()
+        self._mutex = threading.Lock()
+
+    # -- public -------------------------------------------------------------------
+    @property
+    def is_held(self) -> bool:
+        """True only while the lock is held and our session can still vouch for it."""
+        return (
+            self.state == LockState.HELD
+            and self.session.generation == self._generation
+            and self.session.is_alive()
+        )
+
+    def ensure(self) -> None:
+        """Raise :class:`LockLost` unless the lock is held beyond doubt (call before a side effect)."""
+        if not self.is_held:
+            state = self.state
+            if state == LockState.HELD:
+                state = LockState.IN_DOUBT if self.session.generation == self._generation else LockState.LOST
+            raise LockLost(f"lock {self.path} is {state.replace('_', ' ')}")
+
+    def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:
+        """Wait up to ``timeout`` seconds (forever if None) for the lock; True when held.
+
+        On timeout, cancel or error our node is removed, so no waiter is left behind.
+        """
+        timeout = check_timeout(timeout)
+        if self.state != LockState.UNLOCKED:
+            raise RuntimeError(f"lock {self.path} is already {self.state}; locks are not re-entrant")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._prefix = uuid.uuid4().hex + self.rule.node_name
+        self._created = False
+        self._cancelled = False
+        self.state = LockState.WAITING
+        self.session.add_listener(self)
+        got = False
+        try:
+            got = self._acquire(blocking, deadline)
+        finally:
+            if not got:
+                self._abandon()
+        return got
+
+    def cancel(self) -> None:
+        """Make a waiting :meth:`acquire` (in another thread) give up and return False."""
+        self._cancelled = True
+        self._event.set()
+
+    def release(self) -> bool:
+        """Give the lock back. Does not wait for the server: the delete is pipelined,
+        and re-sent after a reconnect if the connection broke under it."""
+        with self._mutex:
+            if self.state not in (LockState.HELD, LockState.IN_DOUBT, LockState.LOST):
+                return False
+            self.state = LockState.UNLOCKED
+        self.session.remove_listener(self)
+        self._delete_own_node()
+        return True
+
+    def __enter__(self) -> "Lock":
+        if not self.acquire(timeout=self.timeout):
+            raise LockNotAcquired(f"lock {self.path} not acquired within {self.timeout}s")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<Lock {self.path} {self.rule.node_name.strip('_')} {self.state} token={self.fencing_token}>"
+
+    # -- the engine -------------------------------------------------------------------
+    def _acquire(self, blocking: bool, deadline: Optional[float]) -> bool:
+        while True:
+            if self._cancelled:
+                return False
+            try:
+                return self._contend(blocking, deadline)
+            except (ConnectionLoss, SessionExpiredError):
+                # Whether our create happened is unknown: _enter finds our node
+                # by its uuid prefix before it ever creates a second one.
+                if not self._wait_connected(deadline):
+                    return False
+            except _TimedOut:
+                return False
+
+    def _contend(self, blocking: bool, deadline: Optional[float]) -> bool:
+        session = self.session
+        client = session.client
+        generation = session.generation
+        children = self._enter(deadline)
+        waited = False
+        while True:
+            if session.generation != generation:
+                raise SessionExpiredError()  # our node may be gone: find or re-create it
+            decision = self.rule.decide(children, self.node)  # type: ignore[arg-type]
+            if decision.holds:
+                return self._become_holder(generation, promoted=waited)
+            if not blocking or self._cancelled:
+                return False
+            self._event.clear()
+            if not self._watch(decision, deadline):
+                if not self._event.wait(_remaining(deadline)):
+                    return False
+            waited = True
+            if self._cancelled:
+                return False
+            children = _wait(client.get_children_async(self.path), deadline)
+            self._adopt_lowest(children)
+
+    def _watch(self, decision: Decision, deadline: Optional[float]) -> bool:
+        """Set exists-watches; False means wait for one to fire, True means look again now."""
+        for name in decision.watch:
+            stat = _wait(self.session.client.exists_async(f"{self.path}/{name}", watch=self._on_watch), deadline)
+            if stat is None:
+                return True  # already gone
+            if decision.watch_promotion and stat.version > 0:
+                return True  # our predecessor became a holder before our watch was set
+        return False
+
+    def _enter(self, deadline: Optional[float]) -> List[str]:
+        """Make sure we have exactly one node in the queue; return the children as seen after it."""
+        session = self.session
+        client = session.client
+        if self._created:
+            try:
+                children = _wait(client.get_children_async(self.path), deadline)
+            except NoNodeError:
+                children = []
+            if self._adopt_lowest(children):
+                return children
+        while True:
+            if self.path not in session.known_parents:
+                session.ensure_path(posixpath.dirname(self.path))
+                container = _CreateContainer(client.chroot + self.path, b"", client.default_acl or OPEN_ACL_UNSAFE,
+                                             _CONTAINER_FLAG)
+                parent_created = client.handler.async_result()
+                client._call(container, parent_created)
+            else:
+                parent_created = None
+            # ZooKeeper answers one session's requests in order, so sending the
+            # read right behind the create costs one round trip, and the read
+            # already sees our node.
+            self._created = True
+            created = client.create_async(
+                f"{self.path}/{self._prefix}", self.data, ephemeral=True, sequence=True, include_data=True
+            )
+            listed = client.get_children_async(self.path)
+            if parent_created is not None:
+                try:
+                    _wait(parent_created, deadline)
+                except NodeExistsError:
+                    pass
+            try:
+                path, stat = _wait(created, deadline)
+            except NoNodeError:
+                # The key's node was reaped (it is a container) between uses: make it again.
+                session.known_parents.pop(self.path, None)
+                _consume(listed)
+                continue
+            children = _wait(listed, deadline)
+            session.remember_parent(self.path)
+            self.node = posixpath.basename(path)
+            self.fencing_token = stat.czxid
+            return children
+
+    def _adopt_lowest(self, children: List[str]) -> bool:
+        """Take the lowest node carrying our prefix as ours and delete any other (an orphan of
+        a create whose reply was lost); False when we have none."""
+        mine = sorted((c for c in children if c.startswith(self._prefix)), key=_sequence)
+        if not mine:
+            return False
+        if mine[0] != self.node:
+            stat = self.session.client.exists(f"{self.path}/{mine[0]}")
+            if stat is None:
+                return False
+            self.node, self.fencing_token = mine[0], stat.czxid
+        for extra in mine[1:]:
+            _delete_later(self.session, f"{self.path}/{extra}")
+        return True
+
+    def _become_holder(self, generation: int, promoted: bool) -> bool:
+        with self._mutex:
+            self._generation = generation
+            self.state = LockState.HELD
+        if promoted and self.rule.leases > 1:
+            # Tell the waiter behind us (if any) that it may now be first in line.
+            self.session.client.set_async(f"{self.path}/{self.node}", self.data)
+        return True
+
+    def _abandon(self) -> None:
+        with self._mutex:
+            self.state = LockState.UNLOCKED
+        self.session.remove_listener(self)
+        if self.node is not None:
+            self._delete_own_node()
+        elif self._created:
+            _sweep_prefix(self.session, self.path, self._prefix)
+
+    def _delete_own_node(self) -> None:
+        node, self.node = self.node, None
+        if node is not None:
+            _delete_later(self.session, f"{self.path}/{node}")
+
+    def _wait_connected(self, deadline: Optional[float]) -> bool:
+        while not self._cancelled:
+            if self.session.client.connected:
+                return True
+            self._event.clear()
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                return False
+            self._event.wait(0.1 if remaining is None else min(remaining, 0.1))
+        return False
+
+    # -- callbacks (kazoo's event thread) -------------------------------------------------
+    def _on_watch(self, event: Any) -> None:
+        self.wakeups += 1
+        self._event.set()
+
+    def on_session_state(self, state: str) -> None:
+        self._event.set()  # a waiting contender re-checks
+        with self._mutex:
+            if self.state not in (LockState.HELD, LockState.IN_DOUBT):
+                return
+            if state == SessionState.LOST or self.session.generation != self._generation:
+                new = LockState.LOST
+            elif state == SessionState.SUSPENDED:
+                new = LockState.IN_DOUBT
+            else:
+                new = LockState.HELD
+            if new == self.state:
+                return
+            self.state = new
+        if new == LockState.LOST:
+            logger.warning("lock %s lost (token %s): its session may have expired", self.path, self.fencing_token)
+            # If the session survives after all, our node must not block others forever.
+            self._delete_own_node()
+        if self.on_state is not None:
+            self.on_state(self, new)
+
+
+class _TimedOut(Exception):
+    pass
+
+
+def check_timeout(timeout: Optional[float]) -> Optional[float]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be None or a non-negative number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def _remaining(deadline: Optional[float]) -> Optional[float]:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _wait(result: Any, deadline: Optional[float]) -> Any:
+    try:
+        return result.get(timeout=_remaining(deadline))
+    except KazooTimeoutError:
+        raise _TimedOut() from None
+
+
+def _consume(result: Any) -> None:
+    result.rawlink(lambda r: r.exception)
+
+
+def _sequence(name: str) -> int:
+    m = _SEQUENCE_RE.search(name)
+    return int(m.group(2)) if m else -1
+
+
+def _delete_later(session: Session, path: str) -> None:
+    """Delete ``path`` without waiting; re-send after a connection loss until it is done
+    or the session is gone (which deletes an ephemeral node anyway)."""
+    client = session._client
+    if client is None:
+        return
+
+    def done(result: Any) -> None:
+        try:
+            result.get_nowait()
+        except ConnectionLoss:
+            _delete_later(session, path)
+        except (NoNodeError, SessionExpiredError, ConnectionClosedError):
+            pass
+        except Exception:
+            logger.warning("could not delete lock node %s", path, exc_info=True)
+
+    try:
+        client.delete_async(path).rawlink(done)
+    except Exception:  # closed client: the session's end removes the node
+        pass
+
+
+def _sweep_prefix(session: Session, parent: str, prefix: str) -> None:
+    """Delete our node if a create whose reply we never saw made one (requests run in order,
+    so this read comes after that create)."""
+    client = session._client
+    if client is None:
+        return
+
+    def listed(result: Any) -> None:
+        try:
+            children = result.get_nowait()
+        except ConnectionLoss:
+            _sweep_prefix(session, parent, prefix)
+            return
+        except Exception:
+            return
+        for child in children:
+            if child.startswith(prefix):
+                _delete_later(session, f"{parent}/{child}")
+
+    try:
+        client.get_children_async(parent).rawlink(listed)
+    except Exception:
+        pass

@@ -1,0 +1,99 @@
+"""Session-scoped real servers, one isolated zklock_root per test, and server logs on failure."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Iterator, List
+
+import pytest
+from celery import Celery
+from kazoo.client import KazooClient
+
+from celery_zklock.client import Session, close_sessions
+from celery_zklock.conf import Settings
+from celery_zklock.testing import RedisServer, ZooKeeperEnsemble, ZooKeeperServer
+
+_started: List[object] = []
+
+
+@pytest.fixture(scope="session")
+def zk_server() -> Iterator[ZooKeeperServer]:
+    with ZooKeeperServer() as server:
+        _started.append(server)
+        yield server
+        _started.remove(server)
+
+
+@pytest.fixture(scope="session")
+def zk_ensemble() -> Iterator[ZooKeeperEnsemble]:
+    with ZooKeeperEnsemble() as ensemble:
+        _started.append(ensemble)
+        yield ensemble
+        _started.remove(ensemble)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        _started.append(server)
+        yield server
+        _started.remove(server)
+
+
+@pytest.fixture
+def zk_root() -> str:
+    """A root of its own for each test, so tests never see each other's nodes."""
+    return f"/t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def app(zk_server: ZooKeeperServer, zk_root: str) -> Iterator[Celery]:
+    app = Celery(f"test-{zk_root[3:]}", set_as_current=False)
+    app.conf.zklock_hosts = zk_server.hosts
+    app.conf.zklock_root = zk_root
+    app.conf.zklock_session_timeout = 4
+    app.conf.zklock_connect_timeout = 5
+    yield app
+    close_sessions()
+
+
+@pytest.fixture
+def settings(zk_server: ZooKeeperServer, zk_root: str) -> Settings:
+    return Settings(hosts=zk_server.hosts, root=zk_root, session_timeout=4, connect_timeout=5)
+
+
+@pytest.fixture
+def new_session(settings: Settings) -> Iterator:
+    """Factory of extra sessions (each its own ZooKeeper session), closed after the test."""
+    made: List[Session] = []
+
+    def make(**overrides: object) -> Session:
+        s = Settings(**{**settings.__dict__, **overrides})  # type: ignore[arg-type]
+        session = Session(s).start()
+        made.append(session)
+        return session
+
+    yield make
+    for session in made:
+        session.close()
+
+
+@pytest.fixture
+def kazoo(zk_server: ZooKeeperServer) -> Iterator[KazooClient]:
+    """A plain kazoo client: an observer, or a non-Celery process using kazoo's own recipes."""
+    client = KazooClient(hosts=zk_server.hosts)
+    client.start(timeout=10)
+    yield client
+    client.stop()
+    client.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for server in _started:
+            tail = server.log_tail()  # type: ignore[attr-defined]
+            if tail:
+                report.sections.append((f"log of {type(server).__name__}", tail))

@@ -1,0 +1,36 @@
+import pytest
+
+from celery_zklock.conf import Settings
+from celery_zklock.exceptions import ConfigurationError
+
+
+def test_defaults():
+    s = Settings.from_conf({})
+    assert (s.hosts, s.root, s.session_timeout, s.connect_timeout, s.auth) == (
+        "127.0.0.1:2181", "/celery-zklock", 10.0, 15.0, None)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("zklock_hosts", ""), ("zklock_hosts", "host:99999"), ("zklock_hosts", "a b:1"), ("zklock_hosts", 5),
+    ("zklock_root", "relative"), ("zklock_root", "/"), ("zklock_root", "/a/"), ("zklock_root", "/a//b"),
+    ("zklock_root", "/a/../b"),
+    ("zklock_session_timeout", 0), ("zklock_session_timeout", -1), ("zklock_session_timeout", "10"),
+    ("zklock_session_timeout", float("nan")), ("zklock_connect_timeout", True),
+    ("zklock_auth", "nocolon"), ("zklock_auth", ":pw"),
+])
+def test_bad_values_name_the_setting(name, value):
+    with pytest.raises(ConfigurationError, match=name):
+        Settings.from_conf({name: value})
+
+
+def test_password_is_never_shown():
+    s = Settings.from_conf({"zklock_auth": "alice:s3cret"})
+    assert s.auth == ("alice", "s3cret")
+    assert "s3cret" not in repr(s)
+    with pytest.raises(ConfigurationError) as err:
+        Settings.from_conf({"zklock_auth": "s3cret-without-user"})
+    assert "s3cret" not in str(err.value)
+
+
+def test_chroot_and_ipv6_hosts():
+    assert Settings.from_conf({"zklock_hosts": "a:1,[::1]:2/app"}).hosts == "a:1,[::1]:2/app"

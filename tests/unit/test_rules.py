@@ -1,0 +1,45 @@
+import pytest
+
+from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, Decision, semaphore
+
+
+def n(kind: str, seq: int, who: str = "u") -> str:
+    return f"{who}{seq:x}__{kind}__{seq:010d}"
+
+
+def test_exclusive_watches_only_its_predecessor():
+    kids = [n("lock", 3), n("lock", 1), n("rlock", 2), n("lock", 4)]
+    assert EXCLUSIVE.decide(kids, n("lock", 1)) == Decision(True, (), False)
+    assert EXCLUSIVE.decide(kids, n("lock", 4)) == Decision(False, (n("lock", 3),), False)
+    assert EXCLUSIVE is WRITE
+
+
+def test_reader_waits_for_last_earlier_writer_only():
+    kids = [n("rlock", 1), n("lock", 2), n("rlock", 3), n("lock", 4), n("rlock", 5)]
+    assert READ.decide(kids, n("rlock", 1)).holds
+    assert READ.decide(kids, n("rlock", 3)) == Decision(False, (n("lock", 2),), False)
+    assert READ.decide(kids, n("rlock", 5)) == Decision(False, (n("lock", 4),), False)
+    assert READ.decide([n("rlock", 1), n("rlock", 2)], n("rlock", 2)).holds
+
+
+def test_junk_children_never_block():
+    kids = ["garbage", "x__lock__12", "__lock__abcdefghij", n("lock", 7)]
+    assert EXCLUSIVE.decide(kids, n("lock", 7)).holds
+
+
+def test_semaphore_first_waiter_watches_every_holder():
+    sem = semaphore(2)
+    kids = [n("sem", i) for i in range(1, 6)]
+    assert sem.decide(kids, n("sem", 2)).holds
+    assert sem.decide(kids, n("sem", 3)) == Decision(False, (n("sem", 1), n("sem", 2)), False)
+    assert sem.decide(kids, n("sem", 5)) == Decision(False, (n("sem", 4),), True)
+
+
+def test_sequence_sort_is_numeric_across_kinds():
+    assert EXCLUSIVE.decide([n("lock", 10), n("rlock", 9)], n("lock", 10)).watch == (n("rlock", 9),)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_semaphore_limit_validation(bad):
+    with pytest.raises(ValueError, match="limit"):
+        semaphore(bad)
