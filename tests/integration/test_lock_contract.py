@@ -12,6 +12,7 @@ import pytest
 from celery_zklock import Lock, LockNotAcquired
 from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, Rule, semaphore
 from tests.history import Hold, max_concurrency, violations
+from tests.util import children, wait_until
 
 KINDS = {
     "exclusive": (EXCLUSIVE, "exclusive"),
@@ -35,12 +36,6 @@ def make_lock(new_session, zk_root) -> Callable[..., Lock]:
 
     return make
 
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_history_respects_the_limit(kind, make_lock):
@@ -90,10 +85,10 @@ def test_timeout_returns_false_and_leaves_no_node(kind, make_lock, kazoo):
     with pytest.raises(LockNotAcquired):
         with make_lock(rule, timeout=0.1):
             pass
-    wait_until(lambda: len(kazoo.get_children(holders[0].path)) == rule.leases)
+    wait_until(lambda: len(children(kazoo, holders[0].path)) == rule.leases)
     for h in holders:
         h.release()
-    wait_until(lambda: kazoo.get_children(holders[0].path) == [])
+    wait_until(lambda: children(kazoo, holders[0].path) == [])
 
 
 def test_cancel_wakes_a_waiter(kind, make_lock, kazoo):
@@ -105,11 +100,11 @@ def test_cancel_wakes_a_waiter(kind, make_lock, kazoo):
     result: List[bool] = []
     t = threading.Thread(target=lambda: result.append(waiter.acquire()))
     t.start()
-    wait_until(lambda: len(kazoo.get_children(waiter.path)) == rule.leases + 1)
+    wait_until(lambda: len(children(kazoo, waiter.path)) == rule.leases + 1)
     waiter.cancel()
     t.join(5)
     assert result == [False]
-    wait_until(lambda: len(kazoo.get_children(waiter.path)) == rule.leases)
+    wait_until(lambda: len(children(kazoo, waiter.path)) == rule.leases)
 
 
 def test_context_manager_and_state(kind, make_lock):
@@ -141,7 +136,7 @@ def test_fifo_for_single_holder_kinds(make_lock, kazoo):
             t.start()
             threads.append(t)
             # Queue them one after the other: the next asks only once this one's node exists.
-            wait_until(lambda n=i + 2: len(kazoo.get_children(holder.path)) == n)
+            wait_until(lambda n=i + 2: len(children(kazoo, holder.path)) == n)
         holder.release()
         for t in threads:
             t.join(30)
