@@ -79,6 +79,8 @@ class Session:
         #: Lock parents this session created or saw recently: skip their creation.
         self.known_parents: "OrderedDict[str, None]" = OrderedDict()
         self._ensured: Dict[str, bool] = {}
+        #: How often a key's node had been reaped when we came to use it (a metric).
+        self.parents_recreated = 0
 
     # -- life cycle -------------------------------------------------------
     @property

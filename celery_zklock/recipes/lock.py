@@ -325,16 +325,22 @@ class Lock:
                 except NodeExistsError:
                     pass
             try:
+                # Replies come in order: once the read is answered, so is the create.
+                children = _wait(listed, deadline)
+            except NoNodeError:
+                children = None
+            try:
                 path, stat = _wait(created, deadline)
             except NoNodeError:
                 # The key's node was reaped (it is a container) between uses: make it again.
                 session.known_parents.pop(self.path, None)
-                _consume(listed)
+                session.parents_recreated += 1
                 continue
-            children = _wait(listed, deadline)
             session.remember_parent(self.path)
             self.node = posixpath.basename(path)
             self.fencing_token = stat.czxid
+            if children is None:  # cannot happen (our node keeps the parent alive); read again
+                children = _wait(client.get_children_async(self.path), deadline)
             return children
 
     def _adopt_lowest(self, children: List[str]) -> bool:
@@ -434,10 +440,6 @@ def _wait(result: Any, deadline: Optional[float]) -> Any:
         return result.get(timeout=_remaining(deadline))
     except KazooTimeoutError:
         raise _TimedOut() from None
-
-
-def _consume(result: Any) -> None:
-    result.rawlink(lambda r: r.exception)
 
 
 def _sequence(name: str) -> int:

@@ -1,0 +1,90 @@
+"""Uncontended acquire+release latency: celery-zklock against kazoo's Lock, same server, one run.
+
+Runs the implementations in interleaved blocks so drift on the machine hits
+both alike. A release does not wait for its delete, so the honest measure is
+the time of a whole acquire+release cycle: the next acquire pays for the
+previous delete if the server has not finished it.
+
+    python benchmarks/bench_lock.py [--rounds 10] [--block 200] [--fsync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from celery import Celery  # noqa: E402
+from kazoo.client import KazooClient  # noqa: E402
+
+import celery_zklock  # noqa: E402
+from celery_zklock.client import close_sessions  # noqa: E402
+from celery_zklock.testing import ZooKeeperServer  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--block", type=int, default=200)
+    parser.add_argument("--fsync", action="store_true", help="let the server fsync each write (production-like)")
+    args = parser.parse_args()
+
+    extra = {"forceSync": "yes"} if args.fsync else {}
+    with ZooKeeperServer(extra_config=extra) as zk:
+        app = Celery("bench", set_as_current=False)
+        app.conf.zklock_hosts = zk.hosts
+        kazoo = KazooClient(hosts=zk.hosts)
+        kazoo.start()
+        path = celery_zklock.lock_path(app, "bench")
+        reused = kazoo.Lock(path + "-reused")
+
+        def ours() -> None:
+            lock = celery_zklock.lock(app, "bench")
+            lock.acquire()
+            lock.release()
+
+        def kazoo_new() -> None:
+            lock = kazoo.Lock(path + "-kazoo")
+            lock.acquire()
+            lock.release()
+
+        def kazoo_reused() -> None:
+            reused.acquire()
+            reused.release()
+
+        cases: Dict[str, Callable[[], None]] = {
+            "celery-zklock lock()": ours,
+            "kazoo Lock, new per use": kazoo_new,
+            "kazoo Lock, reused": kazoo_reused,
+        }
+        samples: Dict[str, List[float]] = {name: [] for name in cases}
+        for fn in cases.values():  # warm up: connections, paths, JIT of the server
+            for _ in range(100):
+                fn()
+        for _ in range(args.rounds):
+            for name, fn in cases.items():
+                for _ in range(args.block):
+                    t0 = time.perf_counter()
+                    fn()
+                    samples[name].append(time.perf_counter() - t0)
+        kazoo.stop()
+        close_sessions()
+
+    base = statistics.median(samples["kazoo Lock, new per use"])
+    print(f"acquire+release, uncontended, {args.rounds * args.block} cycles each, "
+          f"ZooKeeper 3.8 on loopback, forceSync={'yes' if args.fsync else 'no'}")
+    print(f"{'implementation':<28}{'median ms':>10}{'p90 ms':>9}{'vs kazoo new':>14}")
+    for name, values in samples.items():
+        values.sort()
+        med = statistics.median(values)
+        p90 = values[int(len(values) * 0.9)]
+        print(f"{name:<28}{med * 1000:>10.3f}{p90 * 1000:>9.3f}{med / base:>13.2f}x")
+
+
+if __name__ == "__main__":
+    main()
