@@ -11,7 +11,7 @@ import pytest
 
 from celery_zklock import Lock, LockNotAcquired
 from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, Rule, semaphore
-from tests.history import Hold, max_concurrency, violations
+from celery_zklock.testing import Hold, max_concurrency, violations
 from tests.util import children, wait_until
 
 KINDS = {
@@ -128,7 +128,7 @@ def test_fifo_for_single_holder_kinds(make_lock, kazoo):
         waiters = [make_lock(rule) for _ in range(6)]
         threads = []
         for i, w in enumerate(waiters):
-            def run(w=w, i=i) -> None:
+            def run(w=w, i=i, order=order) -> None:
                 assert w.acquire(timeout=30)
                 order.append(i)
                 w.release()
@@ -136,7 +136,7 @@ def test_fifo_for_single_holder_kinds(make_lock, kazoo):
             t.start()
             threads.append(t)
             # Queue them one after the other: the next asks only once this one's node exists.
-            wait_until(lambda n=i + 2: len(children(kazoo, holder.path)) == n)
+            wait_until(lambda n=i + 2, path=holder.path: len(children(kazoo, path)) == n)
         holder.release()
         for t in threads:
             t.join(30)

@@ -10,7 +10,7 @@ from typing import Iterator
 import pytest
 
 from celery_zklock.testing import ZooKeeperServer
-from tests.history import Hold, violations
+from celery_zklock.testing import Hold, violations
 
 
 @pytest.fixture(scope="module")
