@@ -9,19 +9,31 @@ Example::
 """
 
 from .api import lock, lock_path
-from .exceptions import ConfigurationError, LockLost, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
+from .exceptions import (
+    ConfigurationError,
+    KeyBuildError,
+    LockLost,
+    LockNotAcquired,
+    ZkLockError,
+    ZooKeeperUnavailable,
+)
 from .recipes.lock import Lock, LockState
+from .task import ZkLockedTask, current_lock, zk_locked
 
 __all__ = [
     "ConfigurationError",
+    "KeyBuildError",
     "Lock",
     "LockLost",
     "LockNotAcquired",
     "LockState",
     "ZkLockError",
+    "ZkLockedTask",
     "ZooKeeperUnavailable",
+    "current_lock",
     "lock",
     "lock_path",
+    "zk_locked",
 ]
 
 __version__ = "0.1.0"

@@ -84,4 +84,4 @@ def lock(
     check_timeout(timeout)
     path = lock_path(app, key, limit)
     return Lock(session or session_for(settings_of(app)), path, rule, data=holder_data(key=key, **holder),
-                timeout=timeout)
+                timeout=timeout, key=key, mode=mode if limit is None else "semaphore")

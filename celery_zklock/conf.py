@@ -15,7 +15,12 @@ from typing import Any, Mapping, Optional, Tuple
 
 from .exceptions import ConfigurationError
 
-__all__ = ["DEFAULTS", "Settings"]
+__all__ = ["CONTENTION_POLICIES", "DEFAULTS", "LOCK_LOST_POLICIES", "Settings", "TaskDefaults"]
+
+#: What a task does when its lock is held by someone else.
+CONTENTION_POLICIES = ("wait", "skip", "retry", "raise")
+#: What happens to a running body whose lock is lost.
+LOCK_LOST_POLICIES = ("interrupt", "flag")
 
 #: Setting name -> default. The README's settings table mirrors this.
 DEFAULTS: Mapping[str, Any] = {
@@ -24,6 +29,8 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_session_timeout": 10.0,
     "zklock_connect_timeout": 15.0,
     "zklock_auth": None,
+    "zklock_default_on_contention": "wait",
+    "zklock_default_timeout": 60.0,
 }
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(:(\d{1,5}))?$")
@@ -105,4 +112,38 @@ class Settings:
             session_timeout=_positive_seconds("zklock_session_timeout", get("zklock_session_timeout")),
             connect_timeout=_positive_seconds("zklock_connect_timeout", get("zklock_connect_timeout")),
             auth=_auth(conf.get("zklock_auth")),
+        )
+
+
+def choice(name: str, value: Any, allowed: Tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``allowed``, else raise naming ``name``."""
+    if value not in allowed:
+        raise ConfigurationError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    return str(value)
+
+
+def optional_seconds(name: str, value: Any) -> Optional[float]:
+    """None (wait forever) or a non-negative number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+        raise ConfigurationError(f"{name} must be None or a non-negative number of seconds, not {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class TaskDefaults:
+    """Defaults for locked tasks, from ``zklock_default_*`` settings."""
+
+    on_contention: str = DEFAULTS["zklock_default_on_contention"]
+    timeout: Optional[float] = DEFAULTS["zklock_default_timeout"]
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> "TaskDefaults":
+        timeout = conf.get("zklock_default_timeout", DEFAULTS["zklock_default_timeout"])
+        return cls(
+            on_contention=choice("zklock_default_on_contention",
+                                 conf.get("zklock_default_on_contention") or DEFAULTS["zklock_default_on_contention"],
+                                 CONTENTION_POLICIES),
+            timeout=optional_seconds("zklock_default_timeout", timeout),
         )

@@ -11,7 +11,7 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "LockLost", "LockNotAcquired", "ZkLockError", "ZooKeeperUnavailable"]
+__all__ = ["ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "ZkLockError", "ZooKeeperUnavailable"]
 
 
 class ZkLockError(Exception):
@@ -20,6 +20,10 @@ class ZkLockError(Exception):
 
 class ConfigurationError(ZkLockError, ValueError):
     """A ``zklock_*`` setting or an argument has a bad value; the message names it."""
+
+
+class KeyBuildError(ConfigurationError):
+    """A task's lock key could not be built from the arguments of one call; names template and argument."""
 
 
 class ZooKeeperUnavailable(ZkLockError):

@@ -11,8 +11,20 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import inspect
+import json
+import string
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Union
 
-__all__ = ["MAX_NAME", "encode_key", "check_key"]
+from .exceptions import ConfigurationError, KeyBuildError
+
+__all__ = ["MAX_NAME", "KeyPart", "KeyBuildError", "bind_arguments", "build_keys", "check_key", "check_key_parts",
+           "default_key", "encode_key"]
+
+#: One part of a task's lock key: a ``str.format`` template over the task's
+#: arguments, or a callable taking the task's arguments and returning a str.
+KeyPart = Union[str, Callable[..., str]]
+
 
 #: Longest encoded name kept whole; longer ones keep a readable prefix plus a hash.
 MAX_NAME = 200
@@ -48,3 +60,105 @@ def encode_key(key: str) -> str:
     if cut != -1:
         prefix = prefix[:cut]
     return f"h-{prefix}~{hashlib.sha256(raw).hexdigest()}"
+
+
+def _template_roots(template: str) -> List[str]:
+    """The argument names a template refers to: ``"{order.id}-{items[0]}"`` -> ["order", "items"]."""
+    roots = []
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is None:
+            continue
+        root = field.split(".", 1)[0].split("[", 1)[0]
+        roots.append(root)
+    return roots
+
+
+def check_key_parts(key: Any, fn: Callable[..., Any], where: str) -> Tuple[KeyPart, ...]:
+    """Validate a ``key`` option against ``fn``'s signature when the task is defined.
+
+    Returns the parts (empty for "no key": the default key is used). ``where``
+    names the task and option in error messages.
+    """
+    if key is None:
+        return ()
+    parts = list(key) if isinstance(key, (list, tuple)) else [key]
+    if not parts:
+        raise ConfigurationError(f"{where}: key must not be an empty list")
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for part in parts:
+        if callable(part):
+            continue
+        if not isinstance(part, str):
+            raise ConfigurationError(
+                f"{where}: key must be a str template, a callable or a list of these, not {type(part).__name__}")
+        try:
+            roots = _template_roots(part)
+        except ValueError as exc:
+            raise ConfigurationError(f"{where}: key template {part!r} is malformed: {exc}") from None
+        for root in roots:
+            if root == "" or root.isdigit():
+                raise ConfigurationError(f"{where}: key template {part!r} must name arguments, like {{invoice_id}}")
+            if root not in params and not takes_any:
+                raise ConfigurationError(
+                    f"{where}: key template {part!r} names {root!r}, which is not an argument of "
+                    f"{fn.__name__}{inspect.signature(fn)}")
+    return tuple(parts)
+
+
+def bind_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                   skip_first: bool = False) -> Dict[str, Any]:
+    """The task's arguments by name, defaults applied (``**kwargs`` contents merged in)."""
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    names = list(sig.parameters)
+    values: Dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if skip_first and name == names[0]:
+            continue  # the task itself, for bind=True
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            values.update(value)
+        else:
+            values[name] = value
+    return values
+
+
+def default_key(task_name: str, arguments: Mapping[str, Any]) -> str:
+    """The task's name plus a canonical rendering of its arguments (independent of their order)."""
+    return f"{task_name}:" + json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                                        default=_canonical)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    return {type(value).__qualname__: repr(value)}
+
+
+def build_keys(parts: Sequence[KeyPart], arguments: Mapping[str, Any], call_args: Sequence[Any],
+               call_kwargs: Mapping[str, Any], where: str) -> List[str]:
+    """Render each key part for one call; raise :class:`KeyBuildError` naming the template and argument."""
+    keys = []
+    for part in parts:
+        if callable(part):
+            try:
+                value = part(*call_args, **call_kwargs)
+            except Exception as exc:
+                raise KeyBuildError(f"{where}: key callable {_name(part)} raised {type(exc).__name__}: {exc}") from exc
+            if not isinstance(value, str):
+                raise KeyBuildError(f"{where}: key callable {_name(part)} returned {type(value).__name__}, not str")
+            keys.append(value)
+            continue
+        try:
+            keys.append(string.Formatter().vformat(part, (), arguments))
+        except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
+            raise KeyBuildError(f"{where}: cannot build key {part!r} from the task's arguments: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    return keys
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", repr(fn))

@@ -105,6 +105,9 @@ EXCLUSIVE = WRITE
 READ = Rule("__rlock__", frozenset({"__lock__"}))
 
 
+_MODE_NAMES = {"__lock__": "write", "__rlock__": "read", "__sem__": "semaphore"}
+
+
 def semaphore(limit: int) -> Rule:
     """The rule of a counting semaphore: at most ``limit`` holders per key, FIFO."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -151,6 +154,8 @@ class Lock:
         data: bytes = b"",
         timeout: Optional[float] = None,
         on_state: Optional[Callable[["Lock", str], None]] = None,
+        key: Optional[str] = None,
+        mode: Optional[str] = None,
     ) -> None:
         if not isinstance(path, str) or not path.startswith("/") or path.endswith("/"):
             raise ValueError(f"path must be an absolute znode path, not {path!r}")
@@ -162,12 +167,17 @@ class Lock:
         self.data = data
         self.timeout = check_timeout(timeout)
         self.on_state = on_state
+        #: The key this lock is for (informational) and its mode: exclusive, write, read or semaphore.
+        self.key = key
+        self.mode = mode or _MODE_NAMES[rule.node_name]
         self.node: Optional[str] = None
         #: The lock node's czxid: strictly increases from one holder of a key to the next.
         self.fencing_token: Optional[int] = None
         self.state = LockState.UNLOCKED
         #: Watch events this contender received (the herd-effect test counts them).
         self.wakeups = 0
+        #: The nodes that blocked the last acquire that did not get the lock.
+        self.blocked_by: Tuple[str, ...] = ()
         self._generation = -1
         self._prefix = ""
         self._created = False
@@ -231,6 +241,17 @@ class Lock:
         self._delete_own_node()
         return True
 
+    def holders(self) -> List[str]:
+        """The node data of the contenders that blocked our last attempt (who holds it, for logs)."""
+        out = []
+        for name in self.blocked_by:
+            try:
+                data, _ = self.session.client.get(f"{self.path}/{name}")
+            except NoNodeError:
+                continue
+            out.append(data.decode("utf-8", "replace")[:500])
+        return out
+
     def __enter__(self) -> "Lock":
         if not self.acquire(timeout=self.timeout):
             raise LockNotAcquired(f"lock {self.path} not acquired within {self.timeout}s")
@@ -269,6 +290,7 @@ class Lock:
             decision = self.rule.decide(children, self.node)  # type: ignore[arg-type]
             if decision.holds:
                 return self._become_holder(generation, promoted=waited)
+            self.blocked_by = decision.watch
             if not blocking or self._cancelled:
                 return False
             self._event.clear()

@@ -1,0 +1,328 @@
+"""Celery glue: ``@zk_locked`` and ``ZkLockedTask`` take a lock keyed by the task's
+own arguments before its body runs, and give it back on every path.
+
+Example::
+
+    @app.task(bind=True)
+    @zk_locked(key="invoice:{invoice_id}", on_contention="wait", timeout=30)
+    def charge(self, invoice_id, amount):
+        current_lock().ensure()
+        ledger.charge(invoice_id, amount, fence=current_lock().fencing_token)
+
+    @app.task(base=ZkLockedTask, zklock={"key": "report:{day}", "mode": "read"})
+    def read_report(day): ...
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from celery import Task
+from celery._state import connect_on_app_finalize, get_current_task
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutdown
+
+from . import signals
+from .api import holder_data, lock_path, rule_for, settings_of
+from .client import close_sessions, session_for
+from .conf import CONTENTION_POLICIES, LOCK_LOST_POLICIES, TaskDefaults, choice, optional_seconds
+from .exceptions import ConfigurationError, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
+from .interrupt import BodyGuard
+from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
+from .recipes.lock import Lock, LockState
+
+__all__ = ["LockSpec", "ZkLockedTask", "current_lock", "zk_locked"]
+
+logger = logging.getLogger("celery_zklock")
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<from settings>"
+
+
+#: "Use the zklock_default_* setting".
+DEFAULT: Any = _Default()
+_OPTIONS = ("key", "mode", "limit", "on_contention", "timeout", "retry_countdown", "on_lock_lost")
+
+
+@dataclass(frozen=True)
+class LockSpec:
+    """A task's validated lock options (built once, when the task is defined)."""
+
+    where: str
+    parts: Tuple[KeyPart, ...] = ()
+    mode: str = "exclusive"
+    limit: Optional[int] = None
+    on_contention: Any = DEFAULT
+    timeout: Any = DEFAULT
+    retry_countdown: float = 5.0
+    on_lock_lost: str = "interrupt"
+
+    @classmethod
+    def make(cls, fn: Callable[..., Any], where: str, options: Dict[str, Any]) -> "LockSpec":
+        """Validate lock options against the task function; errors name the task and the option."""
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ConfigurationError(f"{where}: unknown lock option(s) {unknown}; known: {list(_OPTIONS)}")
+        mode = options.get("mode", "exclusive")
+        limit = options.get("limit")
+        try:
+            rule_for(mode, limit)
+        except ValueError as exc:
+            raise ConfigurationError(f"{where}: {exc}") from None
+        policy = options.get("on_contention", DEFAULT)
+        if policy is not DEFAULT:
+            choice(f"{where}: on_contention", policy, CONTENTION_POLICIES)
+        timeout = options.get("timeout", DEFAULT)
+        if timeout is not DEFAULT:
+            optional_seconds(f"{where}: timeout", timeout)
+        countdown = options.get("retry_countdown", 5.0)
+        if optional_seconds(f"{where}: retry_countdown", countdown) is None:
+            raise ConfigurationError(f"{where}: retry_countdown must be a number of seconds, not None")
+        return cls(
+            where=where,
+            parts=check_key_parts(options.get("key"), fn, where),
+            mode=mode,
+            limit=limit,
+            on_contention=policy,
+            timeout=timeout,
+            retry_countdown=float(countdown),
+            on_lock_lost=choice(f"{where}: on_lock_lost", options.get("on_lock_lost", "interrupt"),
+                                LOCK_LOST_POLICIES),
+        )
+
+
+def zk_locked(
+    key: Union[KeyPart, Sequence[KeyPart], None] = None,
+    mode: str = "exclusive",
+    on_contention: Any = DEFAULT,
+    timeout: Any = DEFAULT,
+    *,
+    limit: Optional[int] = None,
+    retry_countdown: float = 5.0,
+    on_lock_lost: str = "interrupt",
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Lock a task on a key built from its arguments; put it *below* ``@app.task``.
+
+    Example::
+
+        @app.task
+        @zk_locked(key=["account:{src}", "account:{dst}"])
+        def transfer(src, dst, amount): ...
+    """
+    options = {"key": key, "mode": mode, "on_contention": on_contention, "timeout": timeout, "limit": limit,
+               "retry_countdown": retry_countdown, "on_lock_lost": on_lock_lost}
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        where = f"task {getattr(fn, 'name', None) or f'{fn.__module__}.{fn.__qualname__}'}"
+        if isinstance(fn, Task) or hasattr(fn, "apply_async"):
+            raise ConfigurationError(f"{where}: put @zk_locked below @app.task, not above it")
+        spec = LockSpec.make(fn, where, options)
+
+        @functools.wraps(fn)
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            task = get_current_task()
+            if task is None:
+                raise ConfigurationError(f"{spec.where}: @zk_locked functions run only as Celery tasks")
+            bound = bool(args) and args[0] is task
+            return run_locked(task, spec, fn, args, kwargs, bound, lambda: fn(*args, **kwargs))
+
+        locked.__zklock_spec__ = spec  # type: ignore[attr-defined]
+        return locked
+
+    return decorate
+
+
+class ZkLockedTask(Task):
+    """A Task base class whose ``zklock`` option (a dict of ``zk_locked``'s arguments)
+    locks every call. Without ``zklock`` it locks on the task name plus its arguments.
+
+    Example::
+
+        @app.task(base=ZkLockedTask, zklock={"key": "report:{day}", "mode": "read"})
+        def read_report(day): ...
+    """
+
+    #: Lock options, as for :func:`zk_locked`: key, mode, limit, on_contention,
+    #: timeout, retry_countdown, on_lock_lost.
+    zklock: Optional[Dict[str, Any]] = None
+    _zklock_spec: Optional[LockSpec] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "run" in cls.__dict__ or "zklock" in cls.__dict__:
+            # Validate when the task is defined, not when it first runs.
+            options = cls.zklock if cls.zklock is not None else {}
+            if not isinstance(options, dict):
+                raise ConfigurationError(f"task {cls.name or cls.__name__}: zklock must be a dict of lock options")
+            cls._zklock_spec = LockSpec.make(cls.run, f"task {cls.name or cls.__name__}", options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec = type(self)._zklock_spec or LockSpec.make(self.run, f"task {self.name}", {})
+        call = super().__call__
+        return run_locked(self, spec, self.run, args, kwargs, False, lambda: call(*args, **kwargs))
+
+
+# -- the one code path both forms share ---------------------------------------------------
+_local = threading.local()
+
+
+def current_lock() -> Union[Lock, List[Lock], None]:
+    """The lock held by the running task (a list, in lock order, for a multi-key task), or None.
+
+    Example::
+
+        current_lock().ensure()   # raises LockLost if the lock is lost or in doubt
+        db.write(row, fence=current_lock().fencing_token)
+    """
+    stack = getattr(_local, "stack", None)
+    if not stack:
+        return None
+    held = stack[-1]
+    return held[0] if len(held) == 1 else list(held)
+
+
+def _defaults(app: Any) -> TaskDefaults:
+    cached = getattr(app, "_zklock_task_defaults", None)
+    if cached is None:
+        cached = app._zklock_task_defaults = TaskDefaults.from_conf(app.conf)
+    return cached
+
+
+def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+               bound: bool, body: Callable[[], Any]) -> Any:
+    """Build the keys, take the locks in one global order, run ``body``, release on every path."""
+    app = task.app
+    where = f"task {task.name}"
+    defaults = _defaults(app)
+    policy = defaults.on_contention if spec.on_contention is DEFAULT else spec.on_contention
+    timeout = defaults.timeout if spec.timeout is DEFAULT else spec.timeout
+    call_args = args[1:] if bound else args
+    try:
+        arguments = bind_arguments(fn, args, kwargs, skip_first=bound)
+    except TypeError as exc:
+        raise TypeError(f"{where}: {exc}") from None
+    keys = build_keys(spec.parts, arguments, call_args, kwargs, where) if spec.parts else [
+        default_key(task.name, arguments)]
+    # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
+    ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
+    try:
+        session = session_for(settings_of(app))
+    except ZooKeeperUnavailable as exc:
+        raise ZooKeeperUnavailable(f"{where}: {exc}") from None
+    request = task.request
+    data = holder_data(task=task.name, task_id=request.id, worker=request.hostname)
+    guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
+    on_state = functools.partial(_on_state, task, guard)
+    rule = rule_for(spec.mode, spec.limit)
+    mode = spec.mode if spec.limit is None else "semaphore"
+    locks = [Lock(session, path, rule, data=data, key=key, mode=mode, on_state=on_state) for path, key in ordered]
+    held: List[Lock] = []
+    acquired_at = time.monotonic()
+    deadline = None if timeout is None else acquired_at + timeout
+    try:
+        for lock in locks:
+            wait = policy == "wait"
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if lock.acquire(blocking=wait, timeout=remaining if wait else None):
+                held.append(lock)
+                signals.lock_acquired.send(sender=task, lock=lock)
+                continue
+            return _contended(task, spec, policy, timeout, lock, held)
+        acquired_at = time.monotonic()
+        stack = _local.__dict__.setdefault("stack", [])
+        stack.append(held)
+        try:
+            if guard is None:
+                return body()
+            with guard:
+                return body()
+        finally:
+            stack.pop()
+    finally:
+        held_seconds = time.monotonic() - acquired_at
+        for lock in reversed(held):
+            lock.release()
+            signals.lock_released.send(sender=task, lock=lock, held_seconds=held_seconds)
+
+
+def _contended(task: Task, spec: LockSpec, policy: str, timeout: Optional[float], lock: Lock,
+               held: List[Lock]) -> Any:
+    for other in reversed(held):  # give back what we took before waiting on nothing
+        other.release()
+    held.clear()
+    signals.lock_contended.send(sender=task, lock=lock, policy=policy)
+    where = f"task {task.name}"
+    if policy == "skip":
+        logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.key, lock.mode,
+                    "; ".join(lock.holders()) or "another contender")
+        return None
+    message = (f"{where}: lock {lock.key!r} ({lock.mode}) not acquired" +
+               (f" within {timeout:g}s" if policy == "wait" and timeout is not None else ""))
+    if policy == "retry":
+        raise task.retry(countdown=spec.retry_countdown, exc=LockNotAcquired(message))
+    raise LockNotAcquired(message)
+
+
+def _on_state(task: Task, guard: Optional[BodyGuard], lock: Lock, state: str) -> None:
+    # Runs on kazoo's or the session watchdog's thread: never block here.
+    if state != LockState.LOST:
+        return
+    interrupted = guard.interrupt() if guard is not None else False
+    logger.warning("task %s: lock %r lost while its body ran%s", task.name, lock.key,
+                   "; raising LockLost in the body" if interrupted else "")
+    signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted)
+
+
+# -- worker wiring ----------------------------------------------------------------------------
+def _is_locked(task: Any) -> bool:
+    return isinstance(task, ZkLockedTask) or hasattr(getattr(task, "run", None), "__zklock_spec__")
+
+
+def _check_tasks(sender: Any, **kwargs: Any) -> None:
+    """A ``zklock`` option on a task that is not a ZkLockedTask would be silently ignored: refuse it."""
+    for name, task in sender.tasks.items():
+        if getattr(task, "zklock", None) is not None and not isinstance(task, ZkLockedTask):
+            raise ConfigurationError(f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)")
+
+
+@connect_on_app_finalize
+def _watch_app(app: Any) -> None:
+    app.on_after_finalize.connect(_check_tasks, weak=False)
+
+
+@worker_init.connect(weak=False)
+def _validate_settings(sender: Any = None, **kwargs: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None or not any(_is_locked(t) for t in app.tasks.values()):
+        return
+    try:
+        settings_of(app)
+        _defaults(app)
+    except ZkLockError as exc:
+        logger.critical("celery-zklock: %s", exc)
+        raise SystemExit(1) from None  # Celery logs and swallows Exceptions from signal handlers
+
+
+@worker_process_init.connect(weak=False)
+def _open_session(**kwargs: Any) -> None:
+    from celery import current_app
+
+    app = current_app._get_current_object()
+    if not any(_is_locked(t) for t in app.tasks.values()):
+        return  # unlocked apps pay nothing
+    try:
+        session_for(settings_of(app))
+    except ZooKeeperUnavailable as exc:
+        logger.error("celery-zklock: %s; locked tasks will fail until ZooKeeper is reachable", exc)
+
+
+@worker_process_shutdown.connect(weak=False)
+@worker_shutdown.connect(weak=False)
+def _close_sessions(**kwargs: Any) -> None:
+    close_sessions()  # ends our sessions now, so our locks go now
