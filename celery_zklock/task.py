@@ -35,7 +35,7 @@ from .interrupt import BodyGuard
 from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
 from .recipes.lock import Lock, LockState
 
-__all__ = ["LockSpec", "ZkLockedTask", "current_lock", "zk_locked"]
+__all__ = ["LockSpec", "ZkLockedTask", "current_lock", "problems", "zk_locked"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -284,29 +284,46 @@ def _is_locked(task: Any) -> bool:
     return isinstance(task, ZkLockedTask) or hasattr(getattr(task, "run", None), "__zklock_spec__")
 
 
-def _check_tasks(sender: Any, **kwargs: Any) -> None:
-    """A ``zklock`` option on a task that is not a ZkLockedTask would be silently ignored: refuse it."""
-    for name, task in sender.tasks.items():
-        if getattr(task, "zklock", None) is not None and not isinstance(task, ZkLockedTask):
-            raise ConfigurationError(f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)")
+def problems(app: Any) -> List[str]:
+    """What is wrong with an app's locked tasks that only shows once all tasks exist.
+
+    A ``zklock`` option on a task that is not a ZkLockedTask would be silently
+    ignored by Celery, so it is reported here.
+    """
+    return [f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
+            for name, task in app.tasks.items()
+            if getattr(task, "zklock", None) is not None and not isinstance(task, ZkLockedTask)]
+
+
+def _log_problems(sender: Any, **kwargs: Any) -> None:
+    # Celery swallows exceptions raised here; the worker refuses to start in _validate below.
+    for problem in problems(sender):
+        logger.error("celery-zklock: %s", problem)
 
 
 @connect_on_app_finalize
 def _watch_app(app: Any) -> None:
-    app.on_after_finalize.connect(_check_tasks, weak=False)
+    app.on_after_finalize.connect(_log_problems, weak=False)
 
 
 @worker_init.connect(weak=False)
-def _validate_settings(sender: Any = None, **kwargs: Any) -> None:
+def _validate(sender: Any = None, **kwargs: Any) -> None:
+    """Refuse to start a worker whose locked tasks or zklock_* settings are wrong."""
     app = getattr(sender, "app", None)
-    if app is None or not any(_is_locked(t) for t in app.tasks.values()):
+    if app is None:
         return
-    try:
-        settings_of(app)
-        _defaults(app)
-    except ZkLockError as exc:
-        logger.critical("celery-zklock: %s", exc)
-        raise SystemExit(1) from None  # Celery logs and swallows Exceptions from signal handlers
+    found = problems(app)
+    if any(_is_locked(t) for t in app.tasks.values()):
+        try:
+            settings_of(app)
+            _defaults(app)
+        except ZkLockError as exc:
+            found.append(str(exc))
+    if found:
+        for problem in found:
+            logger.critical("celery-zklock: %s", problem)
+        # SystemExit, not an Exception: Celery logs and swallows Exceptions from signal handlers.
+        raise SystemExit(1)
 
 
 @worker_process_init.connect(weak=False)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
+    "CeleryWorker",
     "HarnessError",
     "Hold",
     "RedisServer",
@@ -504,6 +505,91 @@ class TcpProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CeleryWorker:
+    """A real ``celery worker`` subprocess with its own log file.
+
+    Example::
+
+        with CeleryWorker("tests.worker_app", name="w1", pool="prefork", concurrency=2, env=env) as w:
+            result = task.delay(1).get(timeout=10)
+    """
+
+    def __init__(self, app: str, name: str = "w1", pool: str = "prefork", concurrency: int = 2,
+                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = ()) -> None:
+        import sys
+
+        self.name = name
+        self.dir = Path(tempfile.mkdtemp(prefix=f"zklock-worker-{name}-"))
+        self.log = self.dir / "worker.log"
+        self.argv = [
+            sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h", "-P", pool,
+            "-c", str(concurrency), "--loglevel", "INFO", "-f", str(self.log),
+            "--without-gossip", "--without-mingle", "--without-heartbeat", *extra_args,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, wait: bool = True, timeout: float = 60.0) -> "CeleryWorker":
+        with open(self.dir / "stdout.log", "ab") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        if wait:
+            _wait_for(lambda: self._ready(), timeout, f"celery worker {self.name}", self.log)
+        return self
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise HarnessError(f"celery worker {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+        return self.log.exists() and " ready." in self.log.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def children(self) -> List[int]:
+        """Pids of the pool's child processes (prefork)."""
+        out = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self, sig: int = SIGTERM, timeout: float = 60.0) -> int:
+        """Stop the worker (SIGTERM: warm shutdown) and return its exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        """The worker's output: what it printed before its log file existed, then the log file."""
+        return "".join(f.read_text(errors="replace") for f in (self.dir / "stdout.log", self.log) if f.exists())
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 9)
+            except OSError:
+                pass
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "CeleryWorker":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
         self.close()
 
 

@@ -1,0 +1,189 @@
+"""Real `celery worker` processes (prefork and threads), a real Redis broker, real ZooKeeper.
+
+Every test records each body in Redis and checks the whole history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from typing import Dict, Iterator, List
+
+import pytest
+import redis
+
+from celery_zklock.testing import CeleryWorker, Hold, TcpProxy, free_port, max_concurrency, violations
+from tests import worker_app
+from tests.util import children, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def queue() -> str:
+    return f"q-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def env(redis_server, zk_server, zk_root, queue) -> Dict[str, str]:
+    redis.Redis.from_url(redis_server.url).delete("history")
+    worker_app.app.conf.update(broker_url=redis_server.url, result_backend=redis_server.url,
+                               zklock_hosts=zk_server.hosts, zklock_root=zk_root)
+    return {"ZKT_BROKER": redis_server.url, "ZKT_HOSTS": zk_server.hosts, "ZKT_ROOT": zk_root,
+            "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": "4", "PYTHONPATH": os.getcwd()}
+
+
+@pytest.fixture
+def workers(env) -> Iterator:
+    started: List[CeleryWorker] = []
+
+    def start(name: str, pool: str = "prefork", concurrency: int = 2, queue: str = "", **overrides: str
+              ) -> CeleryWorker:
+        worker = CeleryWorker("tests.worker_app", name=name, pool=pool, concurrency=concurrency,
+                              env={**env, **overrides}, extra_args=["-Q", queue or env["ZKT_QUEUE"]])
+        started.append(worker)
+        return worker.start()
+
+    yield start
+    for w in started:
+        w.stop(timeout=20)
+        w.close()
+
+
+def events(redis_url: str) -> List[dict]:
+    return [json.loads(x) for x in redis.Redis.from_url(redis_url).lrange("history", 0, -1)]
+
+
+def holds(redis_url: str) -> List[Hold]:
+    return [Hold(e["key"], e["mode"], e["token"], e["start"], e["end"], f"{e['worker']}/{e['pid']}")
+            for e in events(redis_url) if e["event"] == "body"]
+
+
+def send(task, queue: str, *args) -> object:
+    return task.apply_async(args=args, queue=queue)
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_exclusive_bodies_never_overlap_across_two_workers(pool, workers, queue, redis_server, kazoo, zk_root):
+    workers("w1", pool)
+    workers("w2", pool)
+    results = [send(worker_app.exclusive, queue, f"key{i % 3}", 0.03) for i in range(36)]
+    assert sorted(r.get(timeout=120) for r in results) == sorted(f"key{i % 3}" for i in range(36))
+    history = holds(redis_server.url)
+    ids = [e["task_id"] for e in events(redis_server.url) if e["event"] == "body"]
+    assert sorted(ids) == sorted(r.id for r in results), "a task ran twice or not at all"
+    assert violations(history) == []
+    assert len({h.who for h in history}) >= 2, "the load did not spread over the workers"
+    wait_until(lambda: all(children(kazoo, f"{zk_root}/locks/{n}") == []
+                           for n in children(kazoo, f"{zk_root}/locks")), timeout=10)
+
+
+def test_readers_overlap_and_writers_exclude(workers, queue, redis_server):
+    workers("w1", concurrency=3)
+    workers("w2", concurrency=3)
+    results = [send(worker_app.write if i % 4 == 0 else worker_app.read, queue, "doc", 0.15) for i in range(24)]
+    for r in results:
+        r.get(timeout=120)
+    history = holds(redis_server.url)
+    assert len(history) == 24
+    assert violations(history) == []
+    assert max_concurrency([h for h in history if h.mode == "read"], "doc") >= 2, "readers never shared"
+
+
+def test_skip_runs_or_skips_each_task_and_logs_the_holder(workers, queue, redis_server):
+    w1 = workers("w1")
+    w2 = workers("w2")
+    results = [send(worker_app.skipping, queue, "sync", 0.4) for _ in range(6)]
+    outcomes = [r.get(timeout=60) for r in results]
+    ran = holds(redis_server.url)
+    assert violations(ran) == []
+    assert outcomes.count("ran") == len(ran) >= 1
+    assert outcomes.count(None) == 6 - len(ran) >= 1
+    logs = w1.log_text() + w2.log_text()
+    # Every skip is logged with its key; the holder's data when it still holds (it may just have let go).
+    assert logs.count("skipped: lock 'k:sync' (exclusive) is held by ") == outcomes.count(None)
+    assert '"task": "tests.worker_app.skipping"' in logs
+
+
+def test_retry_frees_the_slot_and_every_task_runs_once(workers, queue, redis_server):
+    workers("w1")
+    workers("w2")
+    results = [send(worker_app.retrying, queue, "api", 0.1) for _ in range(6)]
+    assert [r.get(timeout=120) for r in results] == ["ran"] * 6
+    history = holds(redis_server.url)
+    assert len(history) == 6 and violations(history) == []
+    assert sorted(e["task_id"] for e in events(redis_server.url)) == sorted(r.id for r in results)
+
+
+def test_killed_child_frees_its_lock_within_the_session_timeout(workers, queue, redis_server):
+    workers("w1")
+    victim = send(worker_app.long_body, queue, "crash", 30)
+    wait_until(lambda: any(e["event"] == "started" for e in events(redis_server.url)), timeout=30)
+    pid = next(e["pid"] for e in events(redis_server.url) if e["event"] == "started")
+    nxt = send(worker_app.exclusive, queue, "crash", 0.01)
+    time.sleep(0.5)  # let the next task queue up behind the holder
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert nxt.get(timeout=30) == "crash"
+    started = next(h.start for h in holds(redis_server.url) if h.key == "crash")
+    assert started - killed <= 4 + 1.5, f"lock freed {started - killed:.1f}s after the kill"
+    assert victim.state in ("FAILURE", "PENDING", "STARTED")
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_cut_worker_body_gets_lock_lost_before_another_starts(pool, workers, queue, redis_server, zk_server):
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", pool, concurrency=1, ZKT_HOSTS=proxy.hosts)
+        long_task = send(worker_app.long_body, queue, "cut", 40)
+        wait_until(lambda: any(e["event"] == "started" for e in events(redis_server.url)), timeout=30)
+        proxy.mode = "blackhole"  # w1 hears nothing from ZooKeeper any more
+        cut = time.monotonic()
+        # Its own queue: the cut worker may have prefetched anything sent to the shared one.
+        workers("w2", pool, concurrency=1, queue=queue + "-w2")
+        second = send(worker_app.exclusive, queue + "-w2", "cut", 0.01)
+        assert second.get(timeout=60) == "cut"
+        with pytest.raises(Exception, match="lock was lost"):
+            long_task.get(timeout=30)
+        history = events(redis_server.url)
+        lost = next(e["time"] for e in history if e["event"] == "lock_lost")
+        started = next(e["start"] for e in history if e["event"] == "body")
+        assert cut < lost < started, (lost - cut, started - cut)
+        print(f"{pool}: LockLost {lost - cut:.2f}s after the cut, next body {started - cut:.2f}s after")
+        proxy.mode = "pass"
+
+
+def test_warm_shutdown_lets_waiting_tasks_run_and_frees_everything(workers, queue, redis_server, kazoo, zk_root):
+    w1 = workers("w1", concurrency=3)
+    results = [send(worker_app.exclusive, queue, "shutdown", 0.5) for _ in range(3)]
+    wait_until(lambda: len(holds(redis_server.url)) >= 1, timeout=30)
+    assert w1.stop(signal.SIGTERM, timeout=30) == 0  # warm: running and waiting tasks finish
+    history = holds(redis_server.url)
+    assert len(history) == 3 and violations(history) == []
+    assert [r.get(timeout=5) for r in results] == ["shutdown"] * 3
+    assert children(kazoo, f"{zk_root}/locks/k-k:shutdown") == []
+
+
+def test_unreachable_zookeeper_fails_locked_tasks_clearly_and_spares_the_rest(workers, queue):
+    dead = f"127.0.0.1:{free_port()}"
+    w1 = workers("w1", concurrency=1, ZKT_HOSTS=dead, ZKT_CONNECT_TIMEOUT="2")
+    assert send(worker_app.unlocked, queue, 21).get(timeout=30) == 42
+    locked = send(worker_app.exclusive, queue, "x", 0.01)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"could not reach ZooKeeper at zklock_hosts='127\.0\.0\.1:\d+'"):
+        locked.get(timeout=30)
+    assert time.monotonic() - t0 < 2 * 2 + 3
+    assert f"could not reach ZooKeeper at zklock_hosts='{dead}'" in w1.log_text()
+
+
+def test_worker_with_bad_settings_refuses_to_start(env, queue):
+    worker = CeleryWorker("tests.worker_app", name="bad", env={**env, "ZKT_SESSION_TIMEOUT": "-3"},
+                          extra_args=["-Q", queue])
+    worker.start(wait=False)
+    try:
+        assert worker.proc.wait(60) != 0
+        assert "zklock_session_timeout must be a positive number of seconds" in worker.log_text()
+    finally:
+        worker.close()

@@ -1,0 +1,128 @@
+"""Lock options and key building: pure functions and define-time checks, no servers."""
+
+from dataclasses import dataclass
+
+import pytest
+from celery import Celery
+
+from celery_zklock import ConfigurationError, KeyBuildError, ZkLockedTask, zk_locked
+from celery_zklock.conf import TaskDefaults
+from celery_zklock.keys import bind_arguments, build_keys, check_key_parts, default_key
+
+
+@dataclass
+class Order:
+    id: int
+
+
+def charge(self, invoice_id, amount, order=None, items=(), **extra):
+    pass
+
+
+def test_templates_over_bound_arguments():
+    args = bind_arguments(charge, ["TASK", 7, 10], {"order": Order(3), "items": ["x"], "tenant": "t1"},
+                          skip_first=True)
+    parts = check_key_parts(["invoice:{invoice_id}", "order:{order.id}", "{items[0]}", "{tenant}"], charge, "t")
+    assert build_keys(parts, args, [7, 10], {}, "t") == ["invoice:7", "order:3", "x", "t1"]
+
+
+def test_callable_keys_get_the_task_arguments():
+    parts = check_key_parts(lambda invoice_id, amount: f"inv-{invoice_id}", charge, "t")
+    assert build_keys(parts, {}, [5, 1], {}, "t") == ["inv-5"]
+
+
+def test_default_key_is_order_independent():
+    a = default_key("t.f", bind_arguments(charge, ["T", 1, 2], {}, skip_first=True))
+    b = default_key("t.f", bind_arguments(charge, ["T"], {"amount": 2, "invoice_id": 1}, skip_first=True))
+    c = default_key("t.f", bind_arguments(charge, ["T", 1, 3], {}, skip_first=True))
+    assert a == b != c
+    assert a.startswith("t.f:")
+
+
+@pytest.mark.parametrize("key, message", [
+    ("invoice:{nope}", "names 'nope', which is not an argument"),
+    ("invoice:{}", "must name arguments"),
+    ("invoice:{0}", "must name arguments"),
+    ("invoice:{", "malformed"),
+    (42, "key must be a str template, a callable or a list"),
+    ([], "must not be an empty list"),
+])
+def test_bad_templates_fail_at_definition(key, message):
+    def fn(invoice_id):
+        pass
+    with pytest.raises(ConfigurationError, match=message):
+        check_key_parts(key, fn, "task t.fn")
+
+
+def test_keys_that_cannot_be_built_name_template_and_argument():
+    with pytest.raises(KeyBuildError, match=r"task t: cannot build key 'order:\{order.id\}'.*'NoneType'.*'id'"):
+        build_keys(["order:{order.id}"], {"order": None}, [], {}, "task t")
+    with pytest.raises(KeyBuildError, match="key callable .* raised ZeroDivisionError"):
+        build_keys([lambda x: str(1 / 0)], {}, [1], {}, "task t")
+    with pytest.raises(KeyBuildError, match="returned int, not str"):
+        build_keys([lambda x: 5], {}, [1], {}, "task t")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"mode": "shared"}, "mode must be one of"),
+    ({"on_contention": "block"}, "on_contention must be one of"),
+    ({"timeout": -1}, "timeout must be None or a non-negative"),
+    ({"on_lock_lost": "ignore"}, "on_lock_lost must be one of"),
+    ({"limit": 0}, "limit must be a positive int"),
+    ({"limit": 2, "mode": "read"}, "cannot be combined"),
+    ({"retry_countdown": -5}, "retry_countdown"),
+])
+def test_bad_decorator_options_name_task_and_option(options, message):
+    def fn(x):
+        pass
+    with pytest.raises(ConfigurationError, match=rf"task .*fn.*{message}"):
+        zk_locked(**options)(fn)
+
+
+def test_base_class_options_are_checked_when_the_task_is_defined():
+    app = Celery("opts", set_as_current=False)
+    with pytest.raises(ConfigurationError, match=r"task .*read_report: unknown lock option"):
+        @app.task(base=ZkLockedTask, zklock={"key": "r:{day}", "colour": "red"}, shared=False)
+        def read_report(day):
+            pass
+        read_report.name  # noqa: B018 - evaluating the task creates its class
+
+
+def test_zklock_option_without_the_base_class_is_reported(caplog):
+    from celery_zklock.task import _validate, problems
+
+    app = Celery("stray", set_as_current=False)
+
+    @app.task(zklock={"key": "x"}, shared=False)
+    def stray(x):
+        pass
+
+    app.finalize()
+    assert problems(app) == [f"task {stray.name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"]
+    assert "the zklock option needs base=ZkLockedTask" in caplog.text
+
+    class Worker:
+        pass
+
+    worker = Worker()
+    worker.app = app
+    with pytest.raises(SystemExit):  # a worker refuses to start
+        _validate(sender=worker)
+
+
+def test_decorator_above_app_task_is_refused():
+    app = Celery("order", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="below @app.task"):
+        @zk_locked(key="x")
+        @app.task(shared=False)
+        def f(x):
+            pass
+
+
+def test_task_defaults_settings():
+    assert TaskDefaults.from_conf({}) == TaskDefaults("wait", 60.0)
+    assert TaskDefaults.from_conf({"zklock_default_timeout": None}).timeout is None
+    with pytest.raises(ConfigurationError, match="zklock_default_on_contention"):
+        TaskDefaults.from_conf({"zklock_default_on_contention": "spin"})
+    with pytest.raises(ConfigurationError, match="zklock_default_timeout"):
+        TaskDefaults.from_conf({"zklock_default_timeout": "10"})

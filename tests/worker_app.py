@@ -1,0 +1,102 @@
+"""The app real `celery worker` processes run in the cross-process tests.
+
+Every locked body records (key, mode, fencing token, start, end, pid, worker,
+task id) in Redis, so the tests can check the whole history afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, current_task
+
+from celery_zklock import LockLost, ZkLockedTask, current_lock, zk_locked
+
+app = Celery("worker_app")
+app.conf.update(
+    broker_url=os.environ.get("ZKT_BROKER", "memory://"),
+    result_backend=os.environ.get("ZKT_BROKER", "cache+memory://"),
+    zklock_hosts=os.environ.get("ZKT_HOSTS", "127.0.0.1:1"),
+    zklock_root=os.environ.get("ZKT_ROOT", "/zklock-tests"),
+    zklock_session_timeout=float(os.environ.get("ZKT_SESSION_TIMEOUT", "4")),
+    zklock_connect_timeout=float(os.environ.get("ZKT_CONNECT_TIMEOUT", "5")),
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
+)
+_redis: Any = None
+
+
+def history() -> Any:
+    global _redis
+    if _redis is None:
+        _redis = redis.Redis.from_url(app.conf.broker_url)
+    return _redis
+
+
+def note(event: str, **fields: Any) -> None:
+    request = current_task.request
+    history().rpush("history", json.dumps({
+        "event": event, "time": time.monotonic(), "pid": os.getpid(), "worker": request.hostname,
+        "task_id": request.id, **fields}))
+
+
+def hold(seconds: float, key: str) -> None:
+    lock = current_lock()
+    start = time.monotonic()
+    deadline = start + seconds
+    while time.monotonic() < deadline:  # short sleeps: a lost lock interrupts between them
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    note("body", key=key, mode=lock.mode, token=lock.fencing_token, start=start, end=time.monotonic())
+
+
+@app.task(bind=True)
+@zk_locked(key="k:{key}", timeout=60)
+def exclusive(self, key: str, seconds: float) -> str:
+    hold(seconds, key)
+    return key
+
+
+@app.task(base=ZkLockedTask, zklock={"key": "rw:{key}", "mode": "read", "timeout": 60})
+def read(key: str, seconds: float) -> None:
+    hold(seconds, key)
+
+
+@app.task(base=ZkLockedTask, zklock={"key": "rw:{key}", "mode": "write", "timeout": 60})
+def write(key: str, seconds: float) -> None:
+    hold(seconds, key)
+
+
+@app.task
+@zk_locked(key="k:{key}", on_contention="skip")
+def skipping(key: str, seconds: float) -> str:
+    hold(seconds, key)
+    return "ran"
+
+
+@app.task(bind=True, max_retries=200)
+@zk_locked(key="k:{key}", on_contention="retry", retry_countdown=0.2)
+def retrying(self, key: str, seconds: float) -> str:
+    hold(seconds, key)
+    return "ran"
+
+
+@app.task(bind=True)
+@zk_locked(key="k:{key}", timeout=60)
+def long_body(self, key: str, seconds: float) -> str:
+    note("started", key=key, token=current_lock().fencing_token)
+    try:
+        hold(seconds, key)
+    except LockLost:
+        note("lock_lost", key=key)
+        raise
+    return "done"
+
+
+@app.task
+def unlocked(x: int) -> int:
+    return x * 2
