@@ -88,6 +88,29 @@ def kazoo(zk_server: ZooKeeperServer) -> Iterator[KazooClient]:
     client.close()
 
 
+@pytest.fixture(scope="session")
+def celery_config(redis_server: RedisServer, zk_server: ZooKeeperServer) -> dict:
+    """Configuration of Celery's ``celery_app`` fixture: real Redis, real ZooKeeper."""
+    return {
+        "broker_url": redis_server.url,
+        "result_backend": redis_server.url,
+        "zklock_hosts": zk_server.hosts,
+        "zklock_root": "/in-process",
+        "zklock_session_timeout": 4,
+        "broker_connection_retry_on_startup": True,
+    }
+
+
+@pytest.fixture
+def celery_worker(celery_app: Celery, celery_worker_pool: str) -> Iterator:
+    """Celery's own in-thread worker (celery.contrib.pytest). pytest-celery 1.x replaces the
+    fixture of this name with one that needs Docker, which these machines do not have."""
+    from celery.contrib.testing.worker import start_worker
+
+    with start_worker(celery_app, pool=celery_worker_pool, perform_ping_check=False) as worker:
+        yield worker
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
     outcome = yield

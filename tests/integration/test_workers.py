@@ -187,3 +187,23 @@ def test_worker_with_bad_settings_refuses_to_start(env, queue):
         assert "zklock_session_timeout must be a positive number of seconds" in worker.log_text()
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("how", ["soft_time_limit", "revoke_terminate"])
+def test_interrupted_body_gives_its_lock_back_at_once(how, workers, queue, redis_server):
+    workers("w1", concurrency=2)
+    options = {"soft_time_limit": 1} if how == "soft_time_limit" else {}
+    victim = worker_app.long_body.apply_async(args=("soft", 30), queue=queue, **options)
+    wait_until(lambda: any(e["event"] == "started" for e in events(redis_server.url)), timeout=30)
+    nxt = send(worker_app.exclusive, queue, "soft", 0.01)
+    if how == "revoke_terminate":
+        time.sleep(0.5)
+        # SIGUSR1 raises SoftTimeLimitExceeded in the pool child, which survives.
+        worker_app.app.control.revoke(victim.id, terminate=True, signal="SIGUSR1")
+    interrupted = time.monotonic()
+    assert nxt.get(timeout=30) == "soft"
+    started = next(h.start for h in holds(redis_server.url) if h.key == "soft")
+    # Released by the body's own exit, not by session expiry (4 s).
+    assert started - interrupted < 2.5, started - interrupted
+    with pytest.raises(Exception, match="SoftTimeLimitExceeded" if options else "terminated"):
+        victim.get(timeout=10)

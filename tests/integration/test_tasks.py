@@ -1,0 +1,191 @@
+"""Locked tasks in-process, with Celery's own `celery_app` and `celery_worker` fixtures
+(a real worker in a thread, a real Redis broker, a real ZooKeeper)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, List
+
+import pytest
+from celery import Celery
+
+import celery_zklock
+from celery_zklock import LockLost, LockNotAcquired, ZkLockedTask, current_lock, signals, zk_locked
+from celery_zklock.testing import Hold, TcpProxy, violations
+from tests.util import children, wait_until
+
+
+@pytest.fixture
+def received() -> Any:
+    """Every celery-zklock signal sent during the test, as (name, kwargs)."""
+    seen: List[tuple] = []
+    handlers = []
+    for name in ("lock_acquired", "lock_contended", "lock_released", "lock_lost"):
+        def handler(sender=None, _name=name, **kwargs):
+            seen.append((_name, kwargs))
+        getattr(signals, name).connect(handler, weak=False)
+        handlers.append((name, handler))
+    yield seen
+    for name, handler in handlers:
+        getattr(signals, name).disconnect(handler)
+
+
+def test_lock_is_given_back_on_return_exception_and_retry(celery_app, celery_worker, kazoo, received):
+    attempts: List[int] = []
+
+    @celery_app.task(bind=True)
+    @zk_locked(key="invoice:{invoice_id}")
+    def charge(self, invoice_id, fail=None):
+        lock = current_lock()
+        assert lock.is_held and lock.key == f"invoice:{invoice_id}" and lock.mode == "exclusive"
+        if fail == "error":
+            raise ValueError("card declined")
+        if fail == "retry":
+            attempts.append(lock.fencing_token)
+            if len(attempts) == 1:
+                raise self.retry(countdown=0.1)
+        return lock.fencing_token
+
+    celery_worker.reload()
+    path = celery_zklock.lock_path(celery_app, "invoice:7")
+    assert isinstance(charge.delay(7).get(timeout=20), int)
+    with pytest.raises(ValueError, match="card declined"):
+        charge.delay(7, fail="error").get(timeout=20)
+    charge.delay(7, fail="retry").get(timeout=20)
+    assert len(attempts) == 2 and attempts[0] < attempts[1]
+    assert children(kazoo, path) == []
+    names = [n for n, _ in received]
+    assert names.count("lock_acquired") == names.count("lock_released") == 4
+    assert all(kw["held_seconds"] >= 0 for n, kw in received if n == "lock_released")
+    assert current_lock() is None
+
+
+def test_base_class_and_multi_key_locks(celery_app, celery_worker):
+    @celery_app.task(base=ZkLockedTask, zklock={"key": "report:{day}", "mode": "read"})
+    def read_report(day):
+        lock = current_lock()
+        return [lock.key, lock.mode, lock.path]
+
+    @celery_app.task
+    @zk_locked(key=["account:{dst}", "account:{src}"])
+    def transfer(src, dst, amount):
+        return [lock.key for lock in current_lock()]
+
+    @celery_app.task(base=ZkLockedTask)
+    def anonymous(a, b=2):
+        return current_lock().key
+
+    celery_worker.reload()
+    key, mode, path = read_report.delay("mon").get(timeout=20)
+    assert (key, mode, path) == ("report:mon", "read", celery_zklock.lock_path(celery_app, "report:mon"))
+    # One global order, whatever the order of the arguments.
+    assert transfer.delay("b", "a", 1).get(timeout=20) == ["account:a", "account:b"]
+    assert transfer.delay("a", "b", 1).get(timeout=20) == ["account:a", "account:b"]
+    assert anonymous.delay(1).get(timeout=20) == anonymous.delay(b=2, a=1).get(timeout=20)
+
+
+def test_opposite_transfers_never_deadlock(celery_app):
+    history: List[Hold] = []
+
+    @celery_app.task
+    @zk_locked(key=["account:{src}", "account:{dst}"], timeout=30)
+    def transfer(src, dst):
+        start = time.monotonic()
+        time.sleep(0.005)
+        for lock in current_lock():
+            history.append(Hold(lock.key, "exclusive", lock.fencing_token, start, time.monotonic(), src))
+        return True
+
+    def run(i: int) -> None:
+        for _ in range(8):
+            assert transfer.apply(args=("a", "b") if i % 2 else ("b", "a")).get() is True
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert len(history) == 64 and violations(history) == []
+
+
+def test_contention_policies(celery_app, received):
+    def task(policy, **options):
+        @celery_app.task(bind=True, name=f"policy.{policy}", max_retries=2)
+        @zk_locked(key="crm:{customer}", on_contention=policy, **options)
+        def sync(self, customer):
+            return "ran"
+        return sync
+
+    raising = task("raise")
+    holder = celery_zklock.lock(celery_app, "crm:9")
+    assert holder.acquire()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LockNotAcquired, match=r"task policy.raise: lock 'crm:9' \(exclusive\) not acquired"):
+            raising.apply(args=(9,)).get()
+        assert time.monotonic() - t0 < 1
+        t0 = time.monotonic()
+        with pytest.raises(LockNotAcquired, match="not acquired within 0.5s"):
+            task("wait", timeout=0.5).apply(args=(9,)).get()
+        assert 0.5 <= time.monotonic() - t0 < 3
+        assert task("skip").apply(args=(9,)).get() is None
+        # retry: retried up to max_retries, then the LockNotAcquired is the task's error.
+        with pytest.raises(LockNotAcquired):
+            task("retry", retry_countdown=0).apply(args=(9,)).get()
+    finally:
+        holder.release()
+    policies = [kw["policy"] for n, kw in received if n == "lock_contended"]
+    assert policies == ["raise", "wait", "skip", "retry", "retry", "retry"]
+    assert raising.apply(args=(9,)).get() == "ran"  # free again: the same task now runs
+
+
+def test_flag_mode_marks_the_lost_lock_and_lets_the_body_finish(zk_server, zk_root, received):
+    with TcpProxy(zk_server.port) as proxy:
+        app = Celery("flag", set_as_current=False)
+        app.conf.update(zklock_hosts=proxy.hosts, zklock_root=zk_root, zklock_session_timeout=3)
+        seen: List[Any] = []
+
+        @app.task
+        @zk_locked(key="long", on_lock_lost="flag")
+        def long_task():
+            lock = current_lock()
+            proxy.mode = "blackhole"
+            wait_until(lambda: not lock.is_held and lock.state == "lost", timeout=10)
+            with pytest.raises(LockLost):
+                lock.ensure()
+            seen.append(lock.state)
+            return "finished"
+
+        assert long_task.apply().get() == "finished"
+        assert seen == ["lost"]
+        lost = [kw for n, kw in received if n == "lock_lost"]
+        assert len(lost) == 1 and lost[0]["interrupted"] is False
+        proxy.mode = "pass"
+
+
+def test_bad_key_at_call_time_fails_before_the_body(celery_app):
+    ran: List[bool] = []
+
+    @celery_app.task
+    @zk_locked(key="order:{order.id}")
+    def ship(order):
+        ran.append(True)
+
+    with pytest.raises(celery_zklock.KeyBuildError, match=r"task .*ship: cannot build key 'order:\{order.id\}'"):
+        ship.apply(args=(None,)).get()
+    assert ran == []
+
+
+def test_unlocked_tasks_open_no_session(celery_app, zk_root):
+    from celery_zklock import client
+
+    celery_app.conf.zklock_root = zk_root  # settings of its own: no session shared with other tests
+
+    @celery_app.task
+    def plain(x):
+        return x + 1
+
+    assert plain.apply(args=(1,)).get() == 2
+    assert not any(settings.root == zk_root for _, settings in client._sessions)
