@@ -56,9 +56,12 @@ def lock_path(app: Any, key: str, limit: Optional[int] = None) -> str:
     return f"{settings_of(app).root}/{tree}/{encode_key(key)}"
 
 
+_HOST = socket.gethostname()
+
+
 def holder_data(**extra: Any) -> bytes:
     """Node data naming the holder, so an operator can see who holds what."""
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **extra}, sort_keys=True).encode()
+    return json.dumps({"host": _HOST, "pid": os.getpid(), **extra}, sort_keys=True).encode()
 
 
 def lock(

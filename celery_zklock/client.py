@@ -18,16 +18,19 @@ Example::
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
+import select
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kazoo.client import KazooClient
-from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.exceptions import ConnectionLoss
+from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
 from kazoo.protocol.states import KazooState
 
 from .conf import Settings
@@ -42,6 +45,37 @@ logger = logging.getLogger("celery_zklock")
 LOSS_MARGIN = 0.1
 #: Heartbeats per session timeout; more means fresher proof that we are alive.
 HEARTBEATS_PER_TIMEOUT = 6
+
+
+class PollHandler(SequentialThreadingHandler):
+    """kazoo's threading handler with a cheaper ``select``.
+
+    kazoo creates and closes an epoll selector on each call, about fourteen
+    times per lock cycle; ``poll`` needs no setup, and has no fd limit either.
+    """
+
+    def select(self, rlist: Any, wlist: Any, xlist: Any, timeout: Optional[float] = None) -> Any:
+        if timeout is not None and timeout < 0:
+            raise ValueError("timeout must be non-negative")
+        poller = select.poll()
+        objects: Dict[int, List[Any]] = {}
+        for objs, mask in ((rlist, select.POLLIN), (wlist, select.POLLOUT)):
+            for obj in objs:
+                fd = obj if isinstance(obj, int) else obj.fileno()
+                if fd < 0:
+                    raise ValueError("Invalid file descriptor: -1")  # what kazoo's own select raises
+                objects.setdefault(fd, []).append((obj, mask))
+                poller.register(fd, sum({m for _, m in objects[fd]}))
+        readable, writable = [], []
+        for fd, events in poller.poll(None if timeout is None else timeout * 1000):
+            if events & select.POLLNVAL:
+                raise ValueError("Invalid event mask or fd")
+            for obj, mask in objects[fd]:
+                if mask == select.POLLIN and events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    readable.append(obj)
+                elif mask == select.POLLOUT and events & (select.POLLOUT | select.POLLERR):
+                    writable.append(obj)
+        return readable, writable, []
 
 
 class SessionState:
@@ -81,6 +115,9 @@ class Session:
         self._ensured: Dict[str, bool] = {}
         #: How often a key's node had been reaped when we came to use it (a metric).
         self.parents_recreated = 0
+        # Deletes nobody waits for. Checked later, not through a callback: a
+        # kazoo callback wakes another thread, which costs more than the check.
+        self._deletes: "collections.deque[Tuple[str, Any]]" = collections.deque()
 
     # -- life cycle -------------------------------------------------------
     @property
@@ -97,6 +134,7 @@ class Session:
         s = self.settings
         client = KazooClient(
             hosts=s.hosts,
+            handler=PollHandler(),
             timeout=s.session_timeout,
             auth_data=[("digest", f"{s.auth[0]}:{s.auth[1]}")] if s.auth else None,
             # kazoo retries a broken connection forever, which is what a worker wants.
@@ -225,6 +263,7 @@ class Session:
     def _check(self) -> float:
         """Heartbeat, declare the session lost if its clock ran out; return seconds to sleep."""
         self._heartbeat()
+        self.retry_deletes()
         now = time.monotonic()
         if self.state != SessionState.LOST and now >= self.lost_at():
             logger.warning(
@@ -238,6 +277,34 @@ class Session:
         return max(interval, 0.005)
 
     # -- helpers for recipes ---------------------------------------------------
+    def delete_later(self, path: str) -> None:
+        """Delete a node without waiting; re-sent if the connection breaks under it.
+
+        If the session ends instead, the server deletes the (ephemeral) node itself.
+        """
+        client = self._client
+        if client is None:
+            return
+        try:
+            result = client.delete_async(path)
+        except Exception:  # a closed client: the session's end removes the node
+            return
+        with self._lock:
+            self._deletes.append((path, result))
+
+    def retry_deletes(self) -> None:
+        """Re-send deletes that failed with a connection loss; forget those that are done."""
+        resend = []
+        with self._lock:
+            pending = self._deletes
+            while pending and pending[0][1].ready():  # answered in order: stop at the first open one
+                path, result = pending.popleft()
+                if isinstance(result.exception, ConnectionLoss):
+                    resend.append(path)
+        for path in resend:
+            self.delete_later(path)
+
+
     def ensure_path(self, path: str) -> None:
         """Create a persistent path once per session (cached)."""
         if not self._ensured.get(path):

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -109,7 +110,7 @@ def check_key_parts(key: Any, fn: Callable[..., Any], where: str) -> Tuple[KeyPa
 def bind_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                    skip_first: bool = False) -> Dict[str, Any]:
     """The task's arguments by name, defaults applied (``**kwargs`` contents merged in)."""
-    sig = inspect.signature(fn)
+    sig = _signature(fn)
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     names = list(sig.parameters)
@@ -122,6 +123,11 @@ def bind_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[
         else:
             values[name] = value
     return values
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)  # slow enough to matter on every task call
 
 
 def default_key(task_name: str, arguments: Mapping[str, Any]) -> str:

@@ -31,9 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 from kazoo.exceptions import (
-    ConnectionClosedError,
     ConnectionLoss,
-    NodeExistsError,
     NoNodeError,
     SessionExpiredError,
 )
@@ -317,6 +315,7 @@ class Lock:
         """Make sure we have exactly one node in the queue; return the children as seen after it."""
         session = self.session
         client = session.client
+        session.retry_deletes()
         if self._created:
             try:
                 children = _wait(client.get_children_async(self.path), deadline)
@@ -325,45 +324,39 @@ class Lock:
             if self._adopt_lowest(children):
                 return children
         while True:
-            if self.path not in session.known_parents:
+            known = self.path in session.known_parents
+            if not known:
                 session.ensure_path(posixpath.dirname(self.path))
                 container = _CreateContainer(client.chroot + self.path, b"", client.default_acl or OPEN_ACL_UNSAFE,
                                              _CONTAINER_FLAG)
-                parent_created = client.handler.async_result()
-                client._call(container, parent_created)
-            else:
-                parent_created = None
-            # ZooKeeper answers one session's requests in order, so sending the
-            # read right behind the create costs one round trip, and the read
-            # already sees our node.
+                client._call(container, client.handler.async_result())  # NodeExists is fine: nobody waits
             self._created = True
             created = client.create_async(
                 f"{self.path}/{self._prefix}", self.data, ephemeral=True, sequence=True, include_data=True
             )
-            listed = client.get_children_async(self.path)
-            if parent_created is not None:
-                try:
-                    _wait(parent_created, deadline)
-                except NodeExistsError:
-                    pass
-            try:
-                # Replies come in order: once the read is answered, so is the create.
-                children = _wait(listed, deadline)
-            except NoNodeError:
-                children = None
+            # ZooKeeper answers one session's requests in order, so the read sent
+            # right behind the create costs no extra round trip and sees our node.
+            # A key we just (re)made skips it: see the sequence check below.
+            listed = client.get_children_async(self.path) if known else None
             try:
                 path, stat = _wait(created, deadline)
             except NoNodeError:
                 # The key's node was reaped (it is a container) between uses: make it again.
                 session.known_parents.pop(self.path, None)
                 session.parents_recreated += 1
+                if listed is not None:
+                    listed.rawlink(_ignore)
                 continue
             session.remember_parent(self.path)
             self.node = posixpath.basename(path)
             self.fencing_token = stat.czxid
-            if children is None:  # cannot happen (our node keeps the parent alive); read again
-                children = _wait(client.get_children_async(self.path), deadline)
-            return children
+            if listed is not None:
+                return _wait(listed, deadline)
+            if _sequence(self.node) == 0:
+                # The sequence number is the parent's child-change count before our
+                # create: 0 means no contender ever came before us under this node.
+                return [self.node]
+            return _wait(client.get_children_async(self.path), deadline)
 
     def _adopt_lowest(self, children: List[str]) -> bool:
         """Take the lowest node carrying our prefix as ours and delete any other (an orphan of
@@ -377,7 +370,7 @@ class Lock:
                 return False
             self.node, self.fencing_token = mine[0], stat.czxid
         for extra in mine[1:]:
-            _delete_later(self.session, f"{self.path}/{extra}")
+            self.session.delete_later(f"{self.path}/{extra}")
         return True
 
     def _become_holder(self, generation: int, promoted: bool) -> bool:
@@ -401,7 +394,7 @@ class Lock:
     def _delete_own_node(self) -> None:
         node, self.node = self.node, None
         if node is not None:
-            _delete_later(self.session, f"{self.path}/{node}")
+            self.session.delete_later(f"{self.path}/{node}")
 
     def _wait_connected(self, deadline: Optional[float]) -> bool:
         while not self._cancelled:
@@ -464,32 +457,13 @@ def _wait(result: Any, deadline: Optional[float]) -> Any:
         raise _TimedOut() from None
 
 
+def _ignore(result: Any) -> None:
+    pass
+
+
 def _sequence(name: str) -> int:
     m = _SEQUENCE_RE.search(name)
     return int(m.group(2)) if m else -1
-
-
-def _delete_later(session: Session, path: str) -> None:
-    """Delete ``path`` without waiting; re-send after a connection loss until it is done
-    or the session is gone (which deletes an ephemeral node anyway)."""
-    client = session._client
-    if client is None:
-        return
-
-    def done(result: Any) -> None:
-        try:
-            result.get_nowait()
-        except ConnectionLoss:
-            _delete_later(session, path)
-        except (NoNodeError, SessionExpiredError, ConnectionClosedError):
-            pass
-        except Exception:
-            logger.warning("could not delete lock node %s", path, exc_info=True)
-
-    try:
-        client.delete_async(path).rawlink(done)
-    except Exception:  # closed client: the session's end removes the node
-        pass
 
 
 def _sweep_prefix(session: Session, parent: str, prefix: str) -> None:
@@ -509,7 +483,7 @@ def _sweep_prefix(session: Session, parent: str, prefix: str) -> None:
             return
         for child in children:
             if child.startswith(prefix):
-                _delete_later(session, f"{parent}/{child}")
+                session.delete_later(f"{parent}/{child}")
 
     try:
         client.get_children_async(parent).rawlink(listed)

@@ -1,0 +1,67 @@
+"""Tasks for bench_tasks.py: the same trivial body, unlocked, locked, and with kazoo's Lock inside."""
+
+import logging
+import os
+
+import redis
+from celery import Celery
+from celery.signals import after_setup_logger
+from kazoo.client import KazooClient
+
+from celery_zklock import zk_locked
+
+app = Celery("bench_app")
+app.conf.update(
+    broker_url=os.environ.get("BENCH_BROKER", "memory://"),
+    zklock_hosts=os.environ.get("BENCH_ZK", "127.0.0.1:1"),
+    zklock_root="/bench",
+    task_ignore_result=True,
+    broker_connection_retry_on_startup=True,
+)
+_clients: dict = {}
+
+
+@after_setup_logger.connect
+def _quiet(**kwargs):
+    # A log line per task would cost more than the lock; keep the worker's "ready." line.
+    for name in ("celery.app.trace", "celery.worker.strategy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _client(kind: str):
+    pid_kind = (os.getpid(), kind)  # one per process, made after fork
+    if pid_kind not in _clients:
+        if kind == "redis":
+            _clients[pid_kind] = redis.Redis.from_url(app.conf.broker_url)
+        else:
+            zk = KazooClient(hosts=app.conf.zklock_hosts)
+            zk.start()
+            _clients[pid_kind] = zk
+    return _clients[pid_kind]
+
+
+def done(counter: str) -> None:
+    _client("redis").incr(counter)
+
+
+@app.task
+def unlocked(i, counter):
+    done(counter)
+
+
+@app.task
+@zk_locked(key="distinct:{i}")
+def locked_distinct(i, counter):
+    done(counter)
+
+
+@app.task
+@zk_locked(key="hot:{hot}")
+def locked_hot(i, hot, counter):
+    done(counter)
+
+
+@app.task
+def kazoo_lock_in_body(i, counter):
+    with _client("kazoo").Lock(f"/bench/kazoo/{i}"):
+        done(counter)
