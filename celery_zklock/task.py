@@ -314,6 +314,11 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
         return
     found = problems(app)
     if any(_is_locked(t) for t in app.tasks.values()):
+        pool = getattr(sender, "pool_cls", None)
+        pool_name = f"{getattr(pool, '__module__', '')}.{getattr(pool, '__name__', pool)}"
+        if "gevent" in pool_name or "eventlet" in pool_name:
+            found.append(f"the {pool_name.rsplit('.', 2)[-2]} pool is not supported: celery-zklock's session "
+                         "uses threads; run locked tasks under the prefork, threads or solo pool")
         try:
             settings_of(app)
             _defaults(app)
