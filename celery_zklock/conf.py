@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from .exceptions import ConfigurationError
 
-__all__ = ["CONTENTION_POLICIES", "DEFAULTS", "LOCK_LOST_POLICIES", "Settings", "TaskDefaults"]
+__all__ = ["CONTENTION_POLICIES", "DEFAULTS", "LOCK_LOST_POLICIES", "Settings", "TaskDefaults", "beat_name"]
 
 #: What a task does when its lock is held by someone else.
 CONTENTION_POLICIES = ("wait", "skip", "retry", "raise")
@@ -31,6 +31,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_auth": None,
     "zklock_default_on_contention": "wait",
     "zklock_default_timeout": 60.0,
+    "zklock_beat_name": None,
 }
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(:(\d{1,5}))?$")
@@ -147,3 +148,13 @@ class TaskDefaults:
                                  CONTENTION_POLICIES),
             timeout=optional_seconds("zklock_default_timeout", timeout),
         )
+
+
+def beat_name(conf: Mapping[str, Any], main: Optional[str]) -> str:
+    """The beat election's name: ``zklock_beat_name``, else the app's main name, else ``celery``."""
+    name = conf.get("zklock_beat_name")
+    if name is None:
+        return main or "celery"
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"zklock_beat_name must be a non-empty str, not {name!r}")
+    return name

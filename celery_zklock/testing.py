@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
+    "CeleryBeat",
     "CeleryWorker",
     "HarnessError",
     "Hold",
@@ -508,59 +509,54 @@ class TcpProxy:
         self.close()
 
 
-class CeleryWorker:
-    """A real ``celery worker`` subprocess with its own log file.
+class _CeleryProcess:
+    """A real ``celery`` subprocess (worker or beat) with its own directory and log file."""
 
-    Example::
+    kind = ""
 
-        with CeleryWorker("tests.worker_app", name="w1", pool="prefork", concurrency=2, env=env) as w:
-            result = task.delay(1).get(timeout=10)
-    """
-
-    def __init__(self, app: str, name: str = "w1", pool: str = "prefork", concurrency: int = 2,
-                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, app: str, name: str, args: Sequence[str], env: Optional[Dict[str, str]]) -> None:
         import sys
 
         self.name = name
-        self.dir = Path(tempfile.mkdtemp(prefix=f"zklock-worker-{name}-"))
-        self.log = self.dir / "worker.log"
-        self.argv = [
-            sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h", "-P", pool,
-            "-c", str(concurrency), "--loglevel", "INFO", "-f", str(self.log),
-            "--without-gossip", "--without-mingle", "--without-heartbeat", *extra_args,
-        ]
+        self.dir = Path(tempfile.mkdtemp(prefix=f"zklock-{self.kind}-{name}-"))
+        self.log = self.dir / f"{self.kind}.log"
+        self.argv = [sys.executable, "-m", "celery", "-A", app, self.kind, "--loglevel", "INFO",
+                     "-f", str(self.log), *args]
         self.env = {**os.environ, **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
 
-    def start(self, wait: bool = True, timeout: float = 60.0) -> "CeleryWorker":
+    def start(self, wait: bool = True, timeout: float = 60.0) -> "_CeleryProcess":
         with open(self.dir / "stdout.log", "ab") as out:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         cwd=self.dir, start_new_session=True)
         if wait:
-            _wait_for(lambda: self._ready(), timeout, f"celery worker {self.name}", self.log)
+            _wait_for(self._ready, timeout, f"celery {self.kind} {self.name}", self.log)
         return self
 
     def _ready(self) -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:
-            raise HarnessError(f"celery worker {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-        return self.log.exists() and " ready." in self.log.read_text(errors="replace")
+            raise HarnessError(f"celery {self.kind} {self.name} exited with {self.proc.returncode}:\n"
+                               f"{self.log_tail()}")
+        return self.ready_line in self.log_text()
+
+    ready_line = ""
 
     @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
 
-    def children(self) -> List[int]:
-        """Pids of the pool's child processes (prefork)."""
-        out = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
 
     def stop(self, sig: int = SIGTERM, timeout: float = 60.0) -> int:
-        """Stop the worker (SIGTERM: warm shutdown) and return its exit code."""
+        """Stop the process (SIGTERM: warm shutdown) and return its exit code."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
+            self.proc.send_signal(SIGCONT)
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
@@ -570,7 +566,7 @@ class CeleryWorker:
         return self.proc.returncode
 
     def log_text(self) -> str:
-        """The worker's output: what it printed before its log file existed, then the log file."""
+        """What the process printed before its log file existed, then the log file."""
         return "".join(f.read_text(errors="replace") for f in (self.dir / "stdout.log", self.log) if f.exists())
 
     def log_tail(self, lines: int = 40) -> str:
@@ -585,12 +581,52 @@ class CeleryWorker:
             self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "CeleryWorker":
+    def __enter__(self) -> "_CeleryProcess":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self.close()
+
+
+class CeleryWorker(_CeleryProcess):
+    """A real ``celery worker`` subprocess.
+
+    Example::
+
+        with CeleryWorker("tests.worker_app", name="w1", pool="prefork", concurrency=2, env=env) as w:
+            result = task.delay(1).get(timeout=10)
+    """
+
+    kind = "worker"
+    ready_line = " ready."
+
+    def __init__(self, app: str, name: str = "w1", pool: str = "prefork", concurrency: int = 2,
+                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = ()) -> None:
+        super().__init__(app, name, ["-n", f"{name}@%h", "-P", pool, "-c", str(concurrency), "--without-gossip",
+                                     "--without-mingle", "--without-heartbeat", *extra_args], env)
+
+    def children(self) -> List[int]:
+        """Pids of the pool's child processes (prefork)."""
+        out = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+class CeleryBeat(_CeleryProcess):
+    """A real ``celery beat`` subprocess (by default with ``LeaderScheduler``).
+
+    Example::
+
+        with CeleryBeat("proj", name="b1", env=env) as beat:
+            beat.signal(signal.SIGSTOP)
+    """
+
+    kind = "beat"
+    ready_line = "beat: Starting..."
+
+    def __init__(self, app: str, name: str = "b1", scheduler: str = "celery_zklock.beat:LeaderScheduler",
+                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = ()) -> None:
+        super().__init__(app, name, ["-S", scheduler, *extra_args], env)
 
 
 # -- histories -------------------------------------------------------------------

@@ -1,0 +1,206 @@
+"""Singleton ``celery beat``: only the elected leader dispatches.
+
+``LeaderScheduler`` keeps each entry's ``last_run_at`` and ``total_run_count``
+in ZooKeeper, so a new leader on another host continues where the old one
+stopped. Before sending a due entry it records the run in one transaction
+that also checks that its own election node still exists: if the transaction
+fails, it has lost leadership and sends nothing.
+
+Example::
+
+    celery -A proj beat -S celery_zklock.beat:LeaderScheduler
+
+``leader_only(Cls)`` makes a scheduler that keeps its own shared state
+(django-celery-beat, redbeat) dispatch only while it leads::
+
+    celery -A proj beat -S "proj.schedulers:LeaderOnlyDatabaseScheduler"
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from datetime import datetime, timezone
+from typing import Any, Optional, Type, TypeVar
+
+from celery.beat import ScheduleEntry, Scheduler
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from .api import settings_of
+from .client import session_for
+from .conf import beat_name
+from .exceptions import ConfigurationError, ZkLockError
+from .keys import encode_key
+from .recipes.election import Election
+
+__all__ = ["LeaderScheduler", "leader_only"]
+
+logger = logging.getLogger("celery_zklock.beat")
+
+S = TypeVar("S", bound=Type[Scheduler])
+
+
+class _Leadership:
+    """Mixin: run an election, tick the scheduler only while leading, leave at close."""
+
+    #: The election of this beat (None when constructed lazily, to be introspected only).
+    election: Optional[Election] = None
+    #: ``<zklock_root>/beat/<zklock_beat_name>``.
+    beat_path: str = ""
+    _leading = False
+
+    def setup_schedule(self) -> None:
+        try:
+            self._join()
+        except ZkLockError as exc:
+            logger.critical("celery-zklock: %s", exc)
+            raise SystemExit(1) from None  # one clear line, not a traceback
+
+    def _join(self) -> None:
+        app = self.app  # type: ignore[attr-defined]
+        settings = settings_of(app)
+        name = beat_name(app.conf, app.main)
+        self.beat_path = f"{settings.root}/beat/{encode_key(name)}"
+        super().setup_schedule()  # type: ignore[misc]
+        session = session_for(settings)  # ZooKeeperUnavailable within zklock_connect_timeout
+        data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}).encode()
+        self.election = Election(session, f"{self.beat_path}/election", data)
+        self.election.start()
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        election = self.election
+        if election is None or not election.is_leader:
+            if self._leading:
+                self._leading = False
+                logger.warning("beat: not leading any more (%s): dispatch stopped",
+                               election.state if election else "closed")
+            # Wait on the election, not on ZooKeeper: we are woken the moment we lead.
+            if election is None or not election.wait_leader(self.max_interval):  # type: ignore[attr-defined]
+                return 0.0 if election is not None and election.is_leader else 0.05
+        if not self._leading:
+            self._leading = True
+            self.on_leadership()
+        return super().tick(*args, **kwargs)  # type: ignore[misc]
+
+    def on_leadership(self) -> None:
+        """Called once each time this beat becomes the leader, before its first dispatch."""
+        logger.info("beat: leading; dispatching from now on")
+
+    def close(self) -> None:
+        try:
+            super().close()  # type: ignore[misc]
+        finally:
+            if self.election is not None:
+                self.election.close()  # deletes our node: a standby takes over at once
+
+
+def leader_only(scheduler_cls: S) -> S:
+    """A subclass of ``scheduler_cls`` that dispatches only while it leads the election.
+
+    Example::
+
+        from django_celery_beat.schedulers import DatabaseScheduler
+        LeaderOnlyDatabaseScheduler = leader_only(DatabaseScheduler)
+    """
+    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+        raise TypeError(f"leader_only() needs a celery.beat.Scheduler subclass, not {scheduler_cls!r}")
+    return type(f"LeaderOnly{scheduler_cls.__name__}", (_Leadership, scheduler_cls), {  # type: ignore[return-value]
+        "__module__": scheduler_cls.__module__,
+        "__doc__": f"{scheduler_cls.__name__} that dispatches only while it leads the beat election.",
+    })
+
+
+class LeaderScheduler(_Leadership, Scheduler):
+    """The stock scheduler, leader-elected, with its state in ZooKeeper and fenced dispatch.
+
+    A crash between recording a run and sending it loses that one run rather
+    than sending it twice: the record comes first, so no leader can send a
+    run that another leader also sends.
+    """
+
+    #: Seconds between syncs do not matter: every run is recorded before it is sent.
+    sync_every = 3600
+
+    def _join(self) -> None:
+        if not self.app.conf.beat_schedule:
+            raise ConfigurationError("beat_schedule is empty: LeaderScheduler has nothing to schedule")
+        super()._join()
+
+    # -- state in ZooKeeper ----------------------------------------------------
+    def _entry_path(self, name: str) -> str:
+        return f"{self.beat_path}/entries/{encode_key(name)}"
+
+    def on_leadership(self) -> None:
+        """Continue exactly where the previous leader stopped: load every entry's state."""
+        client = self.election.session.client  # type: ignore[union-attr]
+        client.ensure_path(f"{self.beat_path}/entries")
+        for name, entry in list(self.schedule.items()):
+            try:
+                raw, _ = client.get(self._entry_path(name))
+            except NoNodeError:
+                continue  # never run under this election
+            try:
+                state = json.loads(raw)
+                last = datetime.fromtimestamp(float(state["last_run_at"]), timezone.utc)
+                count = int(state["total_run_count"])
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.error("beat: state of entry %r at %s is corrupt (%s); treating it as never run",
+                             name, self._entry_path(name), exc)
+                continue
+            self.schedule[name] = entry.__class__(**dict(entry, last_run_at=last, total_run_count=count))
+        self._heap = None  # rebuild the heap from the loaded state
+        super().on_leadership()
+
+    def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
+        # tick() has already reserved the run: self.schedule[name] is the entry
+        # as it will be after this run. Record that, fenced on our leadership,
+        # before anything is sent.
+        election = self.election
+        new = self.schedule.get(entry.name, entry)
+        if election is None or not election.is_leader or not self._record(election, new):
+            logger.warning("beat: lost leadership before sending %s; not sent", entry.name)
+            self.schedule[entry.name] = entry  # the run was not taken: keep the old state
+            return
+        if not election.session.is_alive():
+            # The session may have expired while we recorded: another leader may be sending.
+            logger.warning("beat: leadership in doubt after recording %s; not sent (run counted)", entry.name)
+            return
+        options = dict(entry.options)
+        options["headers"] = {**options.get("headers", {}), "zklock_beat": {
+            "pid": os.getpid(), "host": socket.gethostname(), "token": election.token,
+            "entry": entry.name, "run": new.total_run_count, "sent": time.time()}}
+        entry.options = options
+        super().apply_entry(entry, producer=producer)
+
+    def _record(self, election: Election, entry: ScheduleEntry) -> bool:
+        client = election.session.client
+        node = election.node_path
+        if node is None:
+            return False
+        data = json.dumps({"last_run_at": entry.last_run_at.timestamp(),
+                           "total_run_count": entry.total_run_count}).encode()
+        path = self._entry_path(entry.name)
+        for _ in range(2):
+            tx = client.transaction()
+            tx.check(node, -1)  # -1: any version; fails if our election node is gone
+            if client.exists(path) is None:
+                tx.create(path, data)
+            else:
+                tx.set_data(path, data)
+            try:
+                results = tx.commit()
+            except Exception as exc:  # connection trouble: leadership unproven
+                logger.warning("beat: could not record %s (%s)", entry.name, exc)
+                return False
+            if not any(isinstance(r, Exception) for r in results):
+                return True
+            if isinstance(results[1], NodeExistsError):
+                continue  # created meanwhile by a former leader: set it instead
+            logger.warning("beat: record of %s refused: %s", entry.name, results)
+            return False
+        return False
+

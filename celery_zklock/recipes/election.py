@@ -1,0 +1,185 @@
+"""Leader election on the lock engine: the holder of the election lock leads.
+
+An explicit state machine, like Curator's ``LeaderLatch``::
+
+    LATENT --start()--> STANDBY <--> LEADER
+                           ^  \\        |  (connection suspended)
+                           |   \\       v
+                           +---- SUSPENDED          any --close()--> CLOSED
+
+A standby waits on the recipe's single watch (herd-free), so it costs
+nothing while it waits. ``on_change(state)`` fires only when the state really
+changes, from a background thread.
+
+Example::
+
+    election = Election(session, "/celery-zklock/beat/proj/election", data=b'{"pid": 42}')
+    election.start()
+    if election.wait_leader(timeout=5):
+        ...  # lead, checking election.is_leader before each side effect
+    election.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, List, Optional
+
+from kazoo.exceptions import NoNodeError
+
+from ..client import Session
+from .lock import EXCLUSIVE, Lock, LockState, _sequence
+
+__all__ = ["Election", "ElectionState"]
+
+logger = logging.getLogger("celery_zklock")
+
+
+class ElectionState:
+    LATENT = "latent"  # not started
+    STANDBY = "standby"  # queued behind the leader
+    LEADER = "leader"  # holds the election lock, beyond doubt
+    SUSPENDED = "suspended"  # was leader; connection broken, leadership unproven
+    CLOSED = "closed"
+
+
+class Election:
+    """One candidate in the election at ``path``."""
+
+    def __init__(self, session: Session, path: str, data: bytes = b"",
+                 on_change: Optional[Callable[[str], None]] = None) -> None:
+        self.session = session
+        self.path = path
+        self.data = data
+        self.on_change = on_change
+        self.state = ElectionState.LATENT
+        self._lock: Optional[Lock] = None
+        self._changed = threading.Condition()
+        self._lost = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- public -----------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        """True only while we lead beyond doubt (our lock is held and our session vouches for it)."""
+        lock = self._lock
+        return self.state == ElectionState.LEADER and lock is not None and lock.is_held
+
+    @property
+    def node_path(self) -> Optional[str]:
+        """Our election node, for fencing: a write conditioned on it exists only while we lead."""
+        lock = self._lock
+        return f"{self.path}/{lock.node}" if lock is not None and lock.node else None
+
+    @property
+    def token(self) -> Optional[int]:
+        """The fencing token of our leadership (our node's czxid)."""
+        return self._lock.fencing_token if self._lock is not None else None
+
+    def start(self) -> "Election":
+        if self.state != ElectionState.LATENT:
+            raise RuntimeError(f"election {self.path} already {self.state}")
+        self._set(ElectionState.STANDBY)
+        self._thread = threading.Thread(target=self._run, name="celery-zklock-election", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_leader(self, timeout: Optional[float] = None) -> bool:
+        """Block until we lead (True) or ``timeout`` passes or the election closes (False)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.state in (ElectionState.LEADER, ElectionState.CLOSED), timeout)
+        return self.is_leader
+
+    def leader(self) -> Optional[str]:
+        """The current leader's node data (who leads), or None when nobody does."""
+        candidates = self.candidates()
+        return candidates[0] if candidates else None
+
+    def candidates(self) -> List[str]:
+        """Every candidate's node data, leader first."""
+        client = self.session.client
+        out: List[str] = []
+        try:
+            children = sorted(client.get_children(self.path), key=_sequence)
+        except NoNodeError:
+            return out
+        for name in children:
+            try:
+                out.append(client.get(f"{self.path}/{name}")[0].decode("utf-8", "replace"))
+            except NoNodeError:
+                pass  # left while we looked
+        return out
+
+    def close(self) -> None:
+        """Leave the election now: our node is deleted so a standby takes over at once."""
+        if self.state == ElectionState.CLOSED:
+            return
+        self._set(ElectionState.CLOSED)
+        self._lost.set()
+        lock = self._lock
+        if lock is not None:
+            lock.cancel()
+            node = lock.node
+            lock.release()
+            if node:
+                # Wait briefly for the delete: the process may exit right after.
+                try:
+                    self.session.client.delete_async(f"{self.path}/{node}").get(timeout=2)
+                except Exception:
+                    pass  # already gone, or the session's end removes it
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    # -- the state machine ---------------------------------------------------------
+    def _set(self, state: str) -> None:
+        with self._changed:
+            if self.state == state or (self.state == ElectionState.CLOSED and state != ElectionState.CLOSED):
+                return
+            self.state = state
+            self._changed.notify_all()
+        if self.on_change is not None:
+            try:
+                self.on_change(state)
+            except Exception:
+                logger.exception("election state listener failed")
+
+    def _on_lock_state(self, lock: Lock, state: str) -> None:
+        if lock is not self._lock:
+            return
+        if state == LockState.IN_DOUBT:
+            self._set(ElectionState.SUSPENDED)
+        elif state == LockState.HELD:
+            self._set(ElectionState.LEADER)
+        elif state == LockState.LOST:
+            self._lost.set()
+
+    def _run(self) -> None:
+        announced = False
+        while self.state != ElectionState.CLOSED:
+            lock = Lock(self.session, self.path, EXCLUSIVE, data=self.data, on_state=self._on_lock_state)
+            self._lock = lock
+            self._lost.clear()
+            try:
+                if not announced:
+                    announced = True
+                    leader = self.leader()
+                    if leader is not None:
+                        logger.info("beat election %s: standby; the leader is %s", self.path, leader)
+                if not lock.acquire():
+                    continue  # cancelled (closing) or interrupted: the loop condition decides
+            except Exception:
+                logger.exception("election %s: could not take part; retrying", self.path)
+                self._lost.wait(1.0)
+                continue
+            if self.state == ElectionState.CLOSED:
+                lock.release()
+                break
+            logger.info("beat election %s: leading (token %s)", self.path, lock.fencing_token)
+            self._set(ElectionState.LEADER)
+            self._lost.wait()
+            lock.release()
+            if self.state != ElectionState.CLOSED:
+                logger.warning("beat election %s: leadership lost; standing by again", self.path)
+                self._set(ElectionState.STANDBY)
+                announced = False

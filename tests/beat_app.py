@@ -1,0 +1,43 @@
+"""The app real `celery beat` processes run in the beat tests: a 1-second entry (and
+optionally a crontab one). No worker is needed: the tests read what beat sent
+straight from the Redis broker's queue."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from celery.schedules import crontab
+
+app = Celery("beat_app")
+app.conf.update(
+    broker_url=os.environ.get("ZKT_BROKER", "memory://"),
+    zklock_hosts=os.environ.get("ZKT_HOSTS", "127.0.0.1:1"),
+    zklock_root=os.environ.get("ZKT_ROOT", "/zklock-tests"),
+    zklock_session_timeout=float(os.environ.get("ZKT_SESSION_TIMEOUT", "4")),
+    zklock_connect_timeout=float(os.environ.get("ZKT_CONNECT_TIMEOUT", "5")),
+    broker_connection_retry_on_startup=True,
+    task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
+    beat_max_loop_interval=1,
+    beat_schedule={} if os.environ.get("ZKT_EMPTY_SCHEDULE") else {
+        "every-second": {"task": "tests.beat_app.tick", "schedule": 1.0},
+        **({"every-minute": {"task": "tests.beat_app.tick", "schedule": crontab(minute="*")}}
+           if os.environ.get("ZKT_CRONTAB") else {}),
+    },
+)
+
+
+@app.task
+def tick() -> None:
+    pass
+
+
+def _leader_only_persistent():  # a scheduler with its own state, made leader-only
+    from celery.beat import PersistentScheduler
+
+    from celery_zklock.beat import leader_only
+
+    return leader_only(PersistentScheduler)
+
+
+LeaderOnlyPersistent = _leader_only_persistent()
