@@ -16,28 +16,27 @@ from celery_zklock.testing import RedisServer, ZooKeeperEnsemble, ZooKeeperServe
 _started: List[object] = []
 
 
-@pytest.fixture(scope="session")
-def zk_server() -> Iterator[ZooKeeperServer]:
-    with ZooKeeperServer() as server:
+def _serve(server):
+    """Start a server for the session; its log goes into the report of any failing test."""
+    with server:
         _started.append(server)
         yield server
         _started.remove(server)
+
+
+@pytest.fixture(scope="session")
+def zk_server() -> Iterator[ZooKeeperServer]:
+    yield from _serve(ZooKeeperServer())
 
 
 @pytest.fixture(scope="session")
 def zk_ensemble() -> Iterator[ZooKeeperEnsemble]:
-    with ZooKeeperEnsemble() as ensemble:
-        _started.append(ensemble)
-        yield ensemble
-        _started.remove(ensemble)
+    yield from _serve(ZooKeeperEnsemble())
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        _started.append(server)
-        yield server
-        _started.remove(server)
+    yield from _serve(RedisServer())
 
 
 @pytest.fixture

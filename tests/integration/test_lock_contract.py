@@ -22,6 +22,26 @@ KINDS = {
 }
 
 
+def run_contenders(contender: Callable[[int], None], n: int, timeout: float = 90) -> None:
+    """Run ``contender(i)`` in n threads; fail the test with the first error any of them raised."""
+    errors: List[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            contender(i)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a contender is stuck"
+    if errors:
+        raise errors[0]
+
+
 @pytest.fixture(params=sorted(KINDS))
 def kind(request):
     return KINDS[request.param]
@@ -41,30 +61,21 @@ def make_lock(new_session, zk_root) -> Callable[..., Lock]:
 def test_history_respects_the_limit(kind, make_lock):
     rule, mode = kind
     history: List[Hold] = []
-    errors: List[BaseException] = []
 
     def contender(i: int) -> None:
-        try:
-            lock_session = None
-            for _ in range(12):
-                lock = make_lock(rule, session=lock_session)
-                lock_session = lock.session
-                assert lock.acquire(timeout=30)
-                start = time.monotonic()
-                assert lock.is_held
-                time.sleep(random.uniform(0, 0.004))
-                end = time.monotonic()
-                history.append(Hold("k", mode, lock.fencing_token, start, end, f"c{i}"))
-                lock.release()
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        lock_session = None
+        for _ in range(12):
+            lock = make_lock(rule, session=lock_session)
+            lock_session = lock.session
+            assert lock.acquire(timeout=30)
+            start = time.monotonic()
+            assert lock.is_held
+            time.sleep(random.uniform(0, 0.004))
+            end = time.monotonic()
+            history.append(Hold("k", mode, lock.fencing_token, start, end, f"c{i}"))
+            lock.release()
 
-    threads = [threading.Thread(target=contender, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors
+    run_contenders(contender, 6)
     assert len(history) == 72
     assert violations(history) == []
     # The limit is reached, not just respected: the semaphore really admits several.
@@ -161,29 +172,21 @@ def test_readers_share_writers_exclude(make_lock):
 
 def test_read_write_history(make_lock):
     history: List[Hold] = []
-    errors: List[BaseException] = []
 
     def contender(i: int) -> None:
-        try:
-            session = None
-            for j in range(10):
-                mode = "write" if (i + j) % 3 == 0 else "read"
-                lock = make_lock(WRITE if mode == "write" else READ, session=session)
-                session = lock.session
-                assert lock.acquire(timeout=30)
-                start = time.monotonic()
-                time.sleep(random.uniform(0.001, 0.006))
-                history.append(Hold("k", mode, lock.fencing_token, start, time.monotonic(), f"c{i}"))
-                lock.release()
-        except BaseException as exc:  # pragma: no cover
-            errors.append(exc)
+        session = None
+        for j in range(10):
+            mode = "write" if (i + j) % 3 == 0 else "read"
+            lock = make_lock(WRITE if mode == "write" else READ, session=session)
+            session = lock.session
+            assert lock.acquire(timeout=30)
+            start = time.monotonic()
+            time.sleep(random.uniform(0.001, 0.006))
+            history.append(Hold("k", mode, lock.fencing_token, start, time.monotonic(), f"c{i}"))
+            lock.release()
 
-    threads = [threading.Thread(target=contender, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and len(history) == 60
+    run_contenders(contender, 6)
+    assert len(history) == 60
     assert violations(history) == []
     assert max_concurrency([h for h in history if h.mode == "read"], "k") >= 2, "readers never shared the lock"
 
