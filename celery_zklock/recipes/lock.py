@@ -268,7 +268,7 @@ class Lock:
                 return False
             try:
                 return self._contend(blocking, deadline)
-            except (ConnectionLoss, SessionExpiredError):
+            except (ConnectionLoss, SessionExpiredError, _NodeGone):
                 # Whether our create happened is unknown: _enter finds our node
                 # by its uuid prefix before it ever creates a second one.
                 if not self._wait_connected(deadline):
@@ -285,6 +285,10 @@ class Lock:
         while True:
             if session.generation != generation:
                 raise SessionExpiredError()  # our node may be gone: find or re-create it
+            if self.node not in children:
+                # Deleted by someone else while the session lives: deciding from our old
+                # sequence number could make us "hold" with no node. Queue again.
+                raise _NodeGone()
             decision = self.rule.decide(children, self.node)  # type: ignore[arg-type]
             if decision.holds:
                 return self._become_holder(generation, promoted=waited)
@@ -435,6 +439,10 @@ class Lock:
 
 
 class _TimedOut(Exception):
+    pass
+
+
+class _NodeGone(Exception):
     pass
 
 

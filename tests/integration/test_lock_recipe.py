@@ -203,3 +203,33 @@ def test_bad_input_fails_before_touching_zookeeper():
     with pytest.raises(ValueError, match="cannot be combined"):
         celery_zklock.lock(app, "k", mode="read", limit=2)
     assert time.monotonic() - t0 < 1
+
+
+def test_a_waiter_whose_node_is_deleted_by_someone_else_never_holds_without_a_node(new_session, zk_root, kazoo):
+    path = f"{zk_root}/locks/k-hostile"
+    holder = Lock(new_session(), path, EXCLUSIVE)
+    assert holder.acquire()
+    waiter, third = Lock(new_session(), path, EXCLUSIVE), Lock(new_session(), path, EXCLUSIVE)
+    got = {waiter: threading.Event(), third: threading.Event()}
+
+    def wait_for(lock: Lock) -> None:
+        if lock.acquire(timeout=30):
+            got[lock].set()
+
+    threads = [threading.Thread(target=wait_for, args=(waiter,))]
+    threads[0].start()
+    wait_until(lambda: len(children(kazoo, path)) == 2)
+    kazoo.delete(f"{path}/{waiter.node}")  # a foreign client removes the waiter's node
+    threads.append(threading.Thread(target=wait_for, args=(third,)))
+    threads[1].start()
+    wait_until(lambda: len(children(kazoo, path)) == 2)
+    holder.release()
+    # The waiter wakes, finds its node gone, and queues again behind the third.
+    assert got[third].wait(10)
+    time.sleep(0.5)
+    assert not got[waiter].is_set() and not waiter.is_held, "two holders: one of them without a node"
+    third.release()
+    assert got[waiter].wait(10) and children(kazoo, path) == [waiter.node]
+    waiter.release()
+    for t in threads:
+        t.join(10)
