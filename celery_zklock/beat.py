@@ -80,7 +80,7 @@ class _Leadership:
                                election.state if election else "closed")
             # Wait on the election, not on ZooKeeper: we are woken the moment we lead.
             if election is None or not election.wait_leader(self.max_interval):  # type: ignore[attr-defined]
-                return 0.0 if election is not None and election.is_leader else 0.05
+                return 0.05  # beat sleeps this long, then ticks (and waits) again
         if not self._leading:
             self._leading = True
             self.on_leadership()

@@ -234,6 +234,8 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
                 signals.lock_acquired.send(sender=task, lock=lock)
                 continue
             return _contended(task, spec, policy, timeout, lock, held)
+        for lock in held:
+            lock.ensure()  # one may have been lost while we waited for another: no body then
         acquired_at = time.monotonic()
         stack = _local.__dict__.setdefault("stack", [])
         stack.append(held)
