@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from signal import SIGCONT, SIGSTOP, SIGTERM
+from signal import SIGCONT, SIGKILL, SIGSTOP, SIGTERM
 import socket
 import subprocess
 import tempfile
@@ -233,7 +233,11 @@ class ZooKeeperServer:
         self._process = _Process(argv, self.log, self.dir)
         self._process.start()
         if wait:
-            self.wait_serving()
+            try:
+                self.wait_serving()
+            except BaseException:
+                self.stop(SIGKILL)  # never leave a half-started server behind
+                raise
         return self
 
     def wait_serving(self, timeout: float = 60.0) -> None:
@@ -384,7 +388,11 @@ class RedisServer:
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
 
-        _wait_for(ping, 20, f"Redis on port {self.port}", self.log)
+        try:
+            _wait_for(ping, 20, f"Redis on port {self.port}", self.log)
+        except BaseException:
+            self._process.stop(SIGKILL)
+            raise
         return self
 
     def log_tail(self, lines: int = 20) -> str:
@@ -530,7 +538,11 @@ class _CeleryProcess:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                          cwd=self.dir, start_new_session=True)
         if wait:
-            _wait_for(self._ready, timeout, f"celery {self.kind} {self.name}", self.log)
+            try:
+                _wait_for(self._ready, timeout, f"celery {self.kind} {self.name}", self.log)
+            except BaseException:
+                self.close()  # never leave a half-started process behind
+                raise
         return self
 
     def _ready(self) -> bool:
