@@ -43,6 +43,13 @@ def redis_server() -> Iterator[RedisServer]:
     yield from _serve(RedisServer())
 
 
+@pytest.fixture(autouse=True)
+def _close_sessions_after_each_test() -> Iterator[None]:
+    """Sessions opened by a test (tasks run in-process open them lazily) end with it."""
+    yield
+    close_sessions()
+
+
 @pytest.fixture
 def zk_root() -> str:
     """A root of its own for each test, so tests never see each other's nodes."""
