@@ -81,8 +81,7 @@ def lock(
     ``limit=N`` gives a counting semaphore instead (N holders at most).
     Extra keyword arguments go into the holder's node data.
     """
-    # Validate everything before touching ZooKeeper.
-    check_key(key)
+    # Validate everything before touching ZooKeeper (lock_path checks the key).
     rule = rule_for(mode, limit)
     check_timeout(timeout)
     path = lock_path(app, key, limit)

@@ -87,6 +87,11 @@ def four_letter_word(port: int, word: str, timeout: float = 2.0) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+def _tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a log file ("" when it does not exist yet)."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
 def _wait_for(check, timeout: float, what: str, log: Optional[Path] = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -96,26 +101,28 @@ def _wait_for(check, timeout: float, what: str, log: Optional[Path] = None) -> N
         except OSError:
             pass
         time.sleep(0.05)
-    tail = ""
-    if log is not None and log.exists():
-        lines = log.read_text(errors="replace").splitlines()[-30:]
-        tail = f"\n--- last lines of {log} ---\n" + "\n".join(lines)
+    tail = f"\n--- last lines of {log} ---\n{_tail(log, 30)}" if log is not None and log.exists() else ""
     raise HarnessError(f"{what} did not come up within {timeout:.0f}s{tail}")
 
 
 class _Process:
-    """A child process with a log file, stopped by SIGTERM then SIGKILL."""
+    """A child process in a session of its own, its output in a log file.
 
-    def __init__(self, argv: Sequence[str], log: Path, cwd: Path) -> None:
+    Stopping sends SIGCONT first (a paused process cannot act on SIGTERM),
+    then the signal, then SIGKILL to the whole group if it does not exit.
+    """
+
+    def __init__(self, argv: Sequence[str], log: Path, cwd: Path, env: Optional[Dict[str, str]] = None) -> None:
         self.argv = list(argv)
         self.log = log
         self.cwd = cwd
+        self.env = env
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, start_new_session=True
+                self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, env=self.env, start_new_session=True
             )
 
     @property
@@ -127,15 +134,27 @@ class _Process:
             assert self.proc is not None
             self.proc.send_signal(sig)
 
-    def stop(self, sig: int = SIGTERM, timeout: float = 10.0) -> None:
-        if not self.running:
-            return
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    def stop(self, sig: int = SIGTERM, timeout: float = 10.0) -> int:
+        """Stop the process and return its exit code (0 if it never started)."""
+        if self.proc is None:
+            return 0
+        if self.running:
+            self.proc.send_signal(SIGCONT)
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the process and everything it started (a prefork worker's children)."""
+        if self.running:
+            assert self.proc is not None
+            try:
+                os.killpg(self.proc.pid, SIGKILL)
+            except OSError:
+                pass
             self.proc.wait()
 
 
@@ -285,13 +304,10 @@ class ZooKeeperServer:
             self._process.send(SIGCONT)
 
     def log_tail(self, lines: int = 40) -> str:
-        if not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return _tail(self.log, lines)
 
     def close(self) -> None:
         """Stop the server and remove its directory."""
-        self.resume()
         self.stop()
         if self._owns_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -396,7 +412,7 @@ class RedisServer:
         return self
 
     def log_tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+        return _tail(self.log, lines)
 
     def close(self) -> None:
         if self._process is not None:
@@ -528,15 +544,15 @@ class _CeleryProcess:
         self.name = name
         self.dir = Path(tempfile.mkdtemp(prefix=f"zklock-{self.kind}-{name}-"))
         self.log = self.dir / f"{self.kind}.log"
-        self.argv = [sys.executable, "-m", "celery", "-A", app, self.kind, "--loglevel", "INFO",
-                     "-f", str(self.log), *args]
-        self.env = {**os.environ, **(env or {})}
-        self.proc: Optional[subprocess.Popen] = None
+        argv = [sys.executable, "-m", "celery", "-A", app, self.kind, "--loglevel", "INFO", "-f", str(self.log), *args]
+        self._process = _Process(argv, self.dir / "stdout.log", self.dir, env={**os.environ, **(env or {})})
+
+    @property
+    def proc(self) -> Optional[subprocess.Popen]:
+        return self._process.proc
 
     def start(self, wait: bool = True, timeout: float = 60.0) -> "_CeleryProcess":
-        with open(self.dir / "stdout.log", "ab") as out:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=self.dir, start_new_session=True)
+        self._process.start()
         if wait:
             try:
                 _wait_for(self._ready, timeout, f"celery {self.kind} {self.name}", self.log)
@@ -546,10 +562,9 @@ class _CeleryProcess:
         return self
 
     def _ready(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise HarnessError(f"celery {self.kind} {self.name} exited with {self.proc.returncode}:\n"
-                               f"{self.log_tail()}")
+        if not self._process.running:
+            code = self.proc.returncode if self.proc is not None else None
+            raise HarnessError(f"celery {self.kind} {self.name} exited with {code}:\n{self.log_tail()}")
         return self.ready_line in self.log_text()
 
     ready_line = ""
@@ -560,22 +575,11 @@ class _CeleryProcess:
         return self.proc.pid
 
     def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
+        self._process.send(sig)
 
     def stop(self, sig: int = SIGTERM, timeout: float = 60.0) -> int:
         """Stop the process (SIGTERM: warm shutdown) and return its exit code."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(SIGCONT)
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-        return self.proc.returncode
+        return self._process.stop(sig, timeout)
 
     def log_text(self) -> str:
         """What the process printed before its log file existed, then the log file."""
@@ -585,12 +589,7 @@ class _CeleryProcess:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, 9)
-            except OSError:
-                pass
-            self.proc.wait()
+        self._process.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "_CeleryProcess":
