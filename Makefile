@@ -23,12 +23,13 @@ bench: system venv
 chaos: system venv
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
 
-# Java, ZooKeeper and Redis from the distribution, only when missing.
+# Java, ZooKeeper and Redis (and openssl for the TLS test's CA) from the distribution, only when missing.
 system:
 	@missing=""; \
 	command -v java >/dev/null 2>&1 || missing="$$missing default-jre-headless"; \
 	[ -n "$$ZOOKEEPER_HOME" ] || [ -e /usr/share/java/zookeeper.jar ] || missing="$$missing zookeeper"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing from the distribution:$$missing"; \
 	  if ! command -v apt-get >/dev/null 2>&1; then \

@@ -136,8 +136,9 @@ class LeaderScheduler(_Leadership, Scheduler):
 
     def on_leadership(self) -> None:
         """Continue exactly where the previous leader stopped: load every entry's state."""
-        client = self.election.session.client  # type: ignore[union-attr]
-        client.ensure_path(f"{self.beat_path}/entries")
+        session = self.election.session  # type: ignore[union-attr]
+        session.ensure_path(f"{self.beat_path}/entries")
+        client = session.client
         for name, entry in list(self.schedule.items()):
             try:
                 raw, _ = client.get(self._entry_path(name))

@@ -31,10 +31,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
 from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
+from kazoo.protocol.serialization import Auth
 from kazoo.protocol.states import KazooState
+from kazoo.security import ACL, CREATOR_ALL_ACL, READ_ACL_UNSAFE, Permissions
 
 from .conf import Settings
-from .exceptions import ZooKeeperUnavailable
+from .exceptions import ConfigurationError, ZooKeeperUnavailable
 
 __all__ = ["Session", "SessionState", "close_sessions", "session_for"]
 
@@ -137,6 +139,12 @@ class Session:
             handler=PollHandler(),
             timeout=s.session_timeout,
             auth_data=[("digest", f"{s.auth[0]}:{s.auth[1]}")] if s.auth else None,
+            default_acl=acl_for(s),
+            use_ssl=s.use_ssl,
+            ca=s.ca,
+            certfile=s.certfile,
+            keyfile=s.keyfile,
+            verify_certs=s.verify_certs,
             # kazoo retries a broken connection forever, which is what a worker wants.
             connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2},
         )
@@ -306,9 +314,22 @@ class Session:
 
 
     def ensure_path(self, path: str) -> None:
-        """Create a persistent path once per session (cached)."""
+        """Create a persistent path once per session (cached).
+
+        With ``zklock_acl='creator'`` a path someone else created open to the
+        world is refused: whoever may create or delete in it could forge or
+        remove our lock nodes.
+        """
         if not self._ensured.get(path):
             self.client.ensure_path(path)
+            if self.settings.acl != "open":
+                # Every level from the root down: an open level lets others replace what is below it.
+                root = self.settings.root
+                levels = [path] if not path.startswith(root) else [
+                    root + path[len(root):][:i] for i in range(len(path) - len(root) + 1)
+                    if i == len(path) - len(root) or path[len(root) + i] == "/"]
+                for level in levels:
+                    check_acl(level, self.client.get_acls(level)[0])
             self._ensured[path] = True
 
     def remember_parent(self, path: str) -> None:
@@ -316,6 +337,38 @@ class Session:
         self.known_parents.move_to_end(path)
         while len(self.known_parents) > 4096:
             self.known_parents.popitem(last=False)
+
+
+def acl_for(settings: Settings) -> Optional[List[ACL]]:
+    """The ACL of every node we create (None: kazoo's default, open to anyone)."""
+    if settings.acl == "creator":
+        # Changes only by our credential; reads by anyone, so tools can show holders.
+        return [*CREATOR_ALL_ACL, *READ_ACL_UNSAFE]
+    return None
+
+
+def check_acl(path: str, acls: List[ACL]) -> None:
+    """Raise if ``acls`` lets someone without our credential change ``path``'s children."""
+    for acl in acls:
+        if acl.id.scheme == "world" and acl.perms & (Permissions.CREATE | Permissions.DELETE | Permissions.WRITE):
+            raise ConfigurationError(
+                f"zklock_acl='creator': {path} is writable by anyone, so its lock nodes cannot be protected; "
+                f"as its owner run 'setAcl -R {path} auth::cdrwa,world:anyone:r', or pick a new zklock_root"
+            )
+
+
+class _HideCredentials(logging.Filter):
+    """kazoo logs every request at DEBUG, its digest ``Auth`` (with the password) too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, Auth) for a in args):
+            record.args = tuple(f"Auth(scheme={a.scheme!r}, auth=<hidden>)" if isinstance(a, Auth) else a
+                                for a in args)
+        return True
+
+
+logging.getLogger("kazoo.client").addFilter(_HideCredentials())
 
 
 def _watchdog_loop(ref: "weakref.ref[Session]") -> None:

@@ -9,18 +9,25 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
 from .exceptions import ConfigurationError
 
-__all__ = ["CONTENTION_POLICIES", "DEFAULTS", "LOCK_LOST_POLICIES", "Settings", "TaskDefaults", "beat_name"]
+__all__ = [
+    "ACL_POLICIES", "CONTENTION_POLICIES", "DEFAULTS", "LOCK_LOST_POLICIES", "Settings", "TaskDefaults", "beat_name",
+]
 
 #: What a task does when its lock is held by someone else.
 CONTENTION_POLICIES = ("wait", "skip", "retry", "raise")
 #: What happens to a running body whose lock is lost.
 LOCK_LOST_POLICIES = ("interrupt", "flag")
+
+#: Who may change our nodes: ``open`` (anyone, ZooKeeper's default) or ``creator``
+#: (only clients with the same ``zklock_auth`` credential; everyone may read).
+ACL_POLICIES = ("open", "creator")
 
 #: Setting name -> default. The README's settings table mirrors this.
 DEFAULTS: Mapping[str, Any] = {
@@ -29,6 +36,12 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_session_timeout": 10.0,
     "zklock_connect_timeout": 15.0,
     "zklock_auth": None,
+    "zklock_acl": "open",
+    "zklock_use_ssl": False,
+    "zklock_ca": None,
+    "zklock_certfile": None,
+    "zklock_keyfile": None,
+    "zklock_verify_certs": True,
     "zklock_default_on_contention": "wait",
     "zklock_default_timeout": 60.0,
     "zklock_beat_name": None,
@@ -47,6 +60,9 @@ def _hosts(value: Any) -> str:
     name = "zklock_hosts"
     if not isinstance(value, str) or not value.strip():
         raise ConfigurationError(f"{name} must be a non-empty connect string like 'zk1:2181,zk2:2181', not {value!r}")
+    if "@" in value:
+        # Not echoed: whatever precedes the '@' is probably a password.
+        raise ConfigurationError(f"{name} must not hold credentials (user:password@host); put them in zklock_auth")
     servers, _, chroot = value.strip().partition("/")
     for host in servers.split(","):
         m = _HOST_RE.match(host.strip())
@@ -76,6 +92,22 @@ def _auth(value: Any) -> Optional[Tuple[str, str]]:
     return user, password
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
+def _file(name: str, value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"{name} must be the path of a PEM file, not {value!r}")
+    if not os.path.isfile(value) or not os.access(value, os.R_OK):
+        raise ConfigurationError(f"{name} names {value!r}, which is not a readable file")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """The validated connection settings of one app (hashable: one session per distinct value)."""
@@ -85,18 +117,37 @@ class Settings:
     session_timeout: float = DEFAULTS["zklock_session_timeout"]
     connect_timeout: float = DEFAULTS["zklock_connect_timeout"]
     auth: Optional[Tuple[str, str]] = None
+    acl: str = DEFAULTS["zklock_acl"]
+    use_ssl: bool = False
+    ca: Optional[str] = None
+    certfile: Optional[str] = None
+    keyfile: Optional[str] = None
+    verify_certs: bool = True
 
     def __post_init__(self) -> None:
         _hosts(self.hosts)
         _znode_path("zklock_root", self.root)
         _positive_seconds("zklock_session_timeout", self.session_timeout)
         _positive_seconds("zklock_connect_timeout", self.connect_timeout)
+        choice("zklock_acl", self.acl, ACL_POLICIES)
+        if self.acl == "creator" and self.auth is None:
+            raise ConfigurationError("zklock_acl='creator' needs zklock_auth: ZooKeeper ties 'creator' to a credential")
+        _flag("zklock_use_ssl", self.use_ssl)
+        _flag("zklock_verify_certs", self.verify_certs)
+        for name, value in (("zklock_ca", self.ca), ("zklock_certfile", self.certfile),
+                            ("zklock_keyfile", self.keyfile)):
+            _file(name, value)
+            if value is not None and not self.use_ssl:
+                raise ConfigurationError(f"{name} is set but zklock_use_ssl is False; set zklock_use_ssl=True")
+        if (self.certfile is None) != (self.keyfile is None):
+            # kazoo silently skips the client certificate unless it has both.
+            raise ConfigurationError("zklock_certfile and zklock_keyfile must be set together")
 
     def __repr__(self) -> str:  # keep the password out of logs and tracebacks
         user = self.auth[0] + ":***" if self.auth else None
         return (
             f"Settings(hosts={self.hosts!r}, root={self.root!r}, session_timeout={self.session_timeout}, "
-            f"connect_timeout={self.connect_timeout}, auth={user!r})"
+            f"connect_timeout={self.connect_timeout}, auth={user!r}, acl={self.acl!r}, use_ssl={self.use_ssl})"
         )
 
     @classmethod
@@ -113,6 +164,12 @@ class Settings:
             session_timeout=_positive_seconds("zklock_session_timeout", get("zklock_session_timeout")),
             connect_timeout=_positive_seconds("zklock_connect_timeout", get("zklock_connect_timeout")),
             auth=_auth(conf.get("zklock_auth")),
+            acl=get("zklock_acl"),
+            use_ssl=get("zklock_use_ssl"),
+            ca=conf.get("zklock_ca"),
+            certfile=conf.get("zklock_certfile"),
+            keyfile=conf.get("zklock_keyfile"),
+            verify_certs=get("zklock_verify_certs"),
         )
 
 

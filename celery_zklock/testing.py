@@ -45,6 +45,7 @@ __all__ = [
 DEBIAN_ZOOKEEPER_JAR = "/usr/share/java/zookeeper.jar"
 #: Optional slf4j binding so the server's log reaches its log file; without it the server is silent.
 SLF4J_SIMPLE_JAR = "/usr/share/java/slf4j-simple.jar"
+NETTY_CODEC_JAR = "/usr/share/java/netty-codec.jar"
 
 
 class HarnessError(RuntimeError):
@@ -182,8 +183,11 @@ class ZooKeeperServer:
         peers: Optional[List[Tuple[int, int, int]]] = None,
         extra_config: Optional[Dict[str, str]] = None,
         jvm_flags: Sequence[str] = (),
+        secure: bool = False,
     ) -> None:
         self.port = port or free_port()
+        #: With ``secure``, a TLS client port as well (give the ``ssl.*`` settings in extra_config).
+        self.secure_port = free_port() if secure else None
         self.tick_ms = tick_ms
         self.container_check_ms = container_check_ms
         self._owns_dir = base_dir is None
@@ -198,6 +202,12 @@ class ZooKeeperServer:
     @property
     def hosts(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def secure_hosts(self) -> str:
+        if self.secure_port is None:
+            raise HarnessError("this server was not started with secure=True")
+        return f"127.0.0.1:{self.secure_port}"
 
     def _write_config(self) -> Path:
         data = self.dir / "data"
@@ -217,6 +227,10 @@ class ZooKeeperServer:
             # Test data is thrown away: skip the fsync per write that would dominate every test.
             "forceSync": "no",
         }
+        if self.secure_port is not None:
+            lines["secureClientPort"] = str(self.secure_port)
+            lines["secureClientPortAddress"] = "127.0.0.1"
+            lines["serverCnxnFactory"] = "org.apache.zookeeper.server.NettyServerCnxnFactory"
         if self.peers:
             for sid, quorum_port, election_port in self.peers:
                 lines[f"server.{sid}"] = f"127.0.0.1:{quorum_port}:{election_port}"
@@ -234,6 +248,11 @@ class ZooKeeperServer:
         classpath = find_zookeeper_jar()
         if os.path.exists(SLF4J_SIMPLE_JAR):
             classpath += os.pathsep + SLF4J_SIMPLE_JAR
+        if self.secure_port is not None and classpath.startswith(DEBIAN_ZOOKEEPER_JAR):
+            # Debian's manifest leaves out netty-codec, which the TLS (Netty) server needs.
+            if not os.path.exists(NETTY_CODEC_JAR):
+                raise HarnessError(f"ZooKeeper's TLS port needs {NETTY_CODEC_JAR} (Debian's libnetty-java)")
+            classpath += os.pathsep + NETTY_CODEC_JAR
         cfg = self._write_config()
         argv = [
             java,

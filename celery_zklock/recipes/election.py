@@ -29,7 +29,7 @@ from typing import Callable, List, Optional
 from kazoo.exceptions import NoNodeError
 
 from ..client import Session
-from .lock import EXCLUSIVE, Lock, LockState, _sequence
+from .lock import _SEQUENCE_RE, EXCLUSIVE, Lock, LockState, _sequence
 
 __all__ = ["Election", "ElectionState"]
 
@@ -101,7 +101,8 @@ class Election:
         client = self.session.client
         out: List[str] = []
         try:
-            children = sorted(client.get_children(self.path), key=_sequence)
+            # Only real candidates: junk others put here never passes for the leader.
+            children = sorted((c for c in client.get_children(self.path) if _SEQUENCE_RE.search(c)), key=_sequence)
         except NoNodeError:
             return out
         for name in children:

@@ -34,3 +34,32 @@ def test_password_is_never_shown():
 
 def test_chroot_and_ipv6_hosts():
     assert Settings.from_conf({"zklock_hosts": "a:1,[::1]:2/app"}).hosts == "a:1,[::1]:2/app"
+
+
+@pytest.mark.parametrize("conf, name", [
+    ({"zklock_acl": "creatr"}, "zklock_acl"),
+    ({"zklock_acl": "creator"}, "zklock_acl"),  # without zklock_auth
+    ({"zklock_use_ssl": "yes"}, "zklock_use_ssl"),
+    ({"zklock_use_ssl": True, "zklock_verify_certs": 0}, "zklock_verify_certs"),
+    ({"zklock_use_ssl": True, "zklock_ca": "/nonexistent/ca.pem"}, "zklock_ca"),
+    ({"zklock_ca": __file__}, "zklock_ca"),  # without zklock_use_ssl
+    ({"zklock_use_ssl": True, "zklock_certfile": __file__}, "zklock_certfile and zklock_keyfile"),
+    ({"zklock_use_ssl": True, "zklock_keyfile": 7}, "zklock_keyfile"),
+])
+def test_bad_security_settings_name_the_setting(conf, name):
+    with pytest.raises(ConfigurationError, match=name):
+        Settings.from_conf(conf)
+
+
+def test_security_settings():
+    s = Settings.from_conf({"zklock_auth": "u:p", "zklock_acl": "creator", "zklock_use_ssl": True,
+                            "zklock_ca": __file__, "zklock_certfile": __file__, "zklock_keyfile": __file__,
+                            "zklock_verify_certs": False})
+    assert (s.acl, s.use_ssl, s.ca, s.certfile, s.keyfile, s.verify_certs) == (
+        "creator", True, __file__, __file__, __file__, False)
+
+
+def test_credentials_in_the_connect_string_are_refused_unshown():
+    with pytest.raises(ConfigurationError, match="zklock_hosts") as err:
+        Settings.from_conf({"zklock_hosts": "alice:s3cret@zk1:2181"})
+    assert "s3cret" not in str(err.value)
