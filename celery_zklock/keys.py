@@ -10,11 +10,14 @@ Example::
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import functools
 import hashlib
 import inspect
 import json
 import string
+import uuid
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Union
 
 from .exceptions import ConfigurationError, KeyBuildError
@@ -131,17 +134,56 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature:
 
 
 def default_key(task_name: str, arguments: Mapping[str, Any]) -> str:
-    """The task's name plus a canonical rendering of its arguments (independent of their order)."""
-    return f"{task_name}:" + json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                                        default=_canonical)
+    """The task's name plus a canonical rendering of its arguments (independent of their order).
+
+    Strings are JSON strings and every other type has its own unquoted form, so
+    arguments that differ (``1``, ``"1"``, ``1.0``, ``True``, ``b"1"``) give
+    different keys. Tuples render as lists: Celery's JSON serializer delivers
+    them as lists, and a task must lock the same key when it is retried.
+    Types with no stable rendering raise :class:`KeyBuildError`.
+
+        >>> default_key("billing.charge", {"invoice_id": 42, "note": None})
+        'billing.charge:{"invoice_id":42,"note":null}'
+    """
+    try:
+        return f"{task_name}:" + _render(dict(arguments))
+    except RecursionError:
+        raise KeyBuildError(f"task {task_name}: its arguments nest too deeply (or contain themselves) "
+                            "to build a default lock key; give key=...") from None
+    except _Unrenderable as exc:
+        raise KeyBuildError(f"task {task_name}: argument value of type {exc} has no stable rendering for a "
+                            "lock key; give key=... naming what identifies the work") from None
 
 
-def _canonical(value: Any) -> Any:
+class _Unrenderable(Exception):
+    pass
+
+
+def _render(value: Any) -> str:
+    # One unambiguous grammar: the first character tells the type, strings are
+    # JSON-quoted, so no two different values render alike.
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        return repr(value) if value == value else "nan"  # every NaN is one key
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_render(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = sorted((_render(k), _render(v)) for k, v in value.items())
+        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
     if isinstance(value, (set, frozenset)):
-        return sorted(value, key=repr)
-    if isinstance(value, bytes):
-        return {"bytes": value.hex()}
-    return {type(value).__qualname__: repr(value)}
+        return "set[" + ",".join(sorted(_render(v) for v in value)) + "]"
+    if isinstance(value, (bytes, bytearray)):
+        return "bytes:" + bytes(value).hex()
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return f"{type(value).__name__}:{value.isoformat()}"
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return f"{type(value).__name__}:{value}"
+    raise _Unrenderable(type(value).__qualname__)
 
 
 def build_keys(parts: Sequence[KeyPart], arguments: Mapping[str, Any], call_args: Sequence[Any],

@@ -52,3 +52,122 @@ def test_injective_and_valid(a, b):
 @given(st.text(min_size=1).map(lambda s: s * 200))
 def test_long_forms_are_valid(key):
     assert valid_name(encode_key(key))
+
+
+# -- hostile input: any arguments give a valid, injective key or a clear error -------------------
+import datetime  # noqa: E402
+import decimal  # noqa: E402
+import math  # noqa: E402
+import unicodedata  # noqa: E402
+import uuid  # noqa: E402
+
+from celery_zklock.exceptions import KeyBuildError  # noqa: E402
+from celery_zklock.keys import default_key  # noqa: E402
+
+scalars = (st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.binary()
+           | st.decimals() | st.uuids() | st.datetimes() | st.dates())
+hashables = st.recursive(scalars.filter(lambda v: not isinstance(v, decimal.Decimal) or not v.is_nan()),
+                         lambda inner: st.tuples(inner, inner) | st.frozensets(inner, max_size=3), max_leaves=6)
+arguments = st.recursive(
+    scalars,
+    lambda inner: (st.lists(inner, max_size=4) | st.tuples(inner, inner)
+                   | st.dictionaries(hashables, inner, max_size=4) | st.frozensets(hashables, max_size=4)),
+    max_leaves=12,
+)
+
+
+def typed(v):
+    """What makes two arguments the same lock key: their values *and* types (tuples are lists)."""
+    if isinstance(v, (bytes, bytearray)):
+        return ("bytes", bytes(v))
+    if v is None or isinstance(v, (bool, str, uuid.UUID, datetime.date)):
+        return (type(v).__name__, v)
+    if isinstance(v, int):
+        return ("int", v)
+    if isinstance(v, float):
+        return ("float", "nan" if math.isnan(v) else repr(v))
+    if isinstance(v, decimal.Decimal):
+        return ("Decimal", str(v))
+    if isinstance(v, (list, tuple)):
+        return ("list", tuple(typed(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", frozenset((typed(k), typed(x)) for k, x in v.items()))
+    return ("set", frozenset(typed(x) for x in v))
+
+
+def lookalikes(v):
+    """Values that print, compare or serialize like ``v``: where a careless encoding collides."""
+    out = [str(v), repr(v), [v], (v,), {str(v): None}]
+    if isinstance(v, bytes):
+        out += [v.decode("latin-1"), v.hex(), {"bytes": v.hex()}, bytearray(v)]
+    if isinstance(v, str):
+        out += [v.encode(), v.upper(), f'"{v}"']
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        out += [float(v), bool(v), -v, decimal.Decimal(str(v)) if math.isfinite(v) else v]
+        if isinstance(v, float) and math.isfinite(v):
+            out.append(int(v))
+    if isinstance(v, (list, tuple)):
+        out += [list(v), tuple(v), list(reversed(v)), ",".join(map(str, v))]
+    if isinstance(v, dict):
+        out += [list(v.items()), list(v), list(v.values())]
+    return out
+
+
+def check_pair(a, b):
+    key_a, key_b = default_key("t.f", {"x": a}), default_key("t.f", {"x": b})
+    assert valid_name(encode_key(key_a))
+    assert (key_a == key_b) == (typed(a) == typed(b)), (a, b)
+    assert (encode_key(key_a) == encode_key(key_b)) == (key_a == key_b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(arguments, arguments)
+def test_default_keys_of_any_arguments_are_valid_and_injective(a, b):
+    check_pair(a, b)
+    for other in lookalikes(a):
+        check_pair(a, other)
+
+
+@pytest.mark.parametrize("a, b", [(1, "1"), (1, 1.0), (1, True), (0.0, -0.0), (b"1", "1"), (b"hi", {"bytes": "6869"}),
+                                  ({1: "a"}, {"1": "a"}), ([1, 2], {1, 2}), (None, "null"), ("a,b", ["a", "b"])])
+def test_lookalike_arguments_get_distinct_keys(a, b):
+    assert default_key("t.f", {"x": a}) != default_key("t.f", {"x": b})
+
+
+def test_mixed_key_types_and_tuples_as_lists():
+    assert default_key("t.f", {"x": {1: "a", "b": 2}})  # no TypeError from sorting mixed keys
+    assert default_key("t.f", {"x": (1, 2)}) == default_key("t.f", {"x": [1, 2]})  # JSON delivers tuples as lists
+
+
+@pytest.mark.parametrize("value", [object(), lambda: 1, Exception("x")])
+def test_arguments_without_a_stable_rendering_are_a_clear_error(value):
+    with pytest.raises(KeyBuildError, match="task t.f: argument value of type .* give key="):
+        default_key("t.f", {"x": value})
+
+
+def test_self_containing_arguments_are_a_clear_error():
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(KeyBuildError, match="nest too deeply"):
+        default_key("t.f", {"x": loop})
+
+
+def _variants(s):
+    yield s.swapcase()
+    yield s.upper()
+    yield unicodedata.normalize("NFD", s)
+    yield unicodedata.normalize("NFKC", s)
+    for a, b in (("/", "%2F"), ("/", ":"), (":", "-"), ("-", "_"), (".", "%2E"), (" ", "+")):
+        yield s.replace(a, b)
+    yield s + "/"
+    yield "x" * 300 + s  # same long prefix...
+    yield "x" * 300 + s + "."  # ...differing only past it
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from("aAbB/:%-_. é\u0301\ufb01Å\u212b"), max_size=12))
+def test_case_normalisation_separator_and_length_variants_never_share_a_node(s):
+    for v in _variants(s):
+        if v != s:
+            assert encode_key(v) != encode_key(s), (s, v)
+    assert encode_key("x" * 300 + s) != encode_key("x" * 300 + s + ".")
