@@ -85,5 +85,7 @@ def lock(
     rule = rule_for(mode, limit)
     check_timeout(timeout)
     path = lock_path(app, key, limit)
-    return Lock(session or session_for(settings_of(app)), path, rule, data=holder_data(key=key, **holder),
-                timeout=timeout, key=key, mode=mode if limit is None else "semaphore")
+    mode = mode if limit is None else "semaphore"
+    extra = {} if limit is None else {"limit": limit}
+    return Lock(session or session_for(settings_of(app)), path, rule, data=holder_data(key=key, mode=mode, **extra,
+                **holder), timeout=timeout, key=key, mode=mode)

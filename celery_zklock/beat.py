@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from typing import Any, Optional, Type, TypeVar
 
 from celery.beat import ScheduleEntry, Scheduler
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from .api import settings_of
 from .client import session_for
@@ -82,13 +82,24 @@ class _Leadership:
             if election is None or not election.wait_leader(self.max_interval):  # type: ignore[attr-defined]
                 return 0.05  # beat sleeps this long, then ticks (and waits) again
         if not self._leading:
+            try:
+                self.on_leadership()
+            except KazooException as exc:  # the connection broke while we loaded state: not leading yet
+                logger.warning("beat: could not take over the schedule (%s); trying again", exc)
+                return 0.5
             self._leading = True
-            self.on_leadership()
         return super().tick(*args, **kwargs)  # type: ignore[misc]
 
     def on_leadership(self) -> None:
         """Called once each time this beat becomes the leader, before its first dispatch."""
         logger.info("beat: leading; dispatching from now on")
+        election = self.election
+        node = election.node_path if election is not None else None
+        if election is not None and node is not None:
+            # For `celery zklock status`: since when this beat leads (fire and forget).
+            since = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            info = {**json.loads(election.data), "leader_since": since}
+            election.session.client.set_async(node, json.dumps(info).encode())
 
     def close(self) -> None:
         try:
@@ -186,13 +197,13 @@ class LeaderScheduler(_Leadership, Scheduler):
                            "total_run_count": entry.total_run_count}).encode()
         path = self._entry_path(entry.name)
         for _ in range(2):
-            tx = client.transaction()
-            tx.check(node, -1)  # -1: any version; fails if our election node is gone
-            if client.exists(path) is None:
-                tx.create(path, data)
-            else:
-                tx.set_data(path, data)
             try:
+                tx = client.transaction()
+                tx.check(node, -1)  # -1: any version; fails if our election node is gone
+                if client.exists(path) is None:
+                    tx.create(path, data)
+                else:
+                    tx.set_data(path, data)
                 results = tx.commit()
             except Exception as exc:  # connection trouble: leadership unproven
                 logger.warning("beat: could not record %s (%s)", entry.name, exc)

@@ -216,12 +216,15 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
     except ZooKeeperUnavailable as exc:
         raise ZooKeeperUnavailable(f"{where}: {exc}") from None
     request = task.request
-    data = holder_data(task=task.name, task_id=request.id, worker=request.hostname)
     guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
     on_state = functools.partial(_on_state, task, guard)
     rule = rule_for(spec.mode, spec.limit)
     mode = spec.mode if spec.limit is None else "semaphore"
-    locks = [Lock(session, path, rule, data=data, key=key, mode=mode, on_state=on_state) for path, key in ordered]
+    limit = {} if spec.limit is None else {"limit": spec.limit}  # lets `celery zklock locks` tell holders apart
+    locks = [Lock(session, path, rule, key=key, mode=mode, on_state=on_state,
+                  data=holder_data(key=key, mode=mode, task=task.name, task_id=request.id, worker=request.hostname,
+                                   **limit))
+             for path, key in ordered]
     held: List[Lock] = []
     acquired_at = time.monotonic()
     deadline = None if timeout is None else acquired_at + timeout

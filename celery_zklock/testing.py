@@ -397,8 +397,10 @@ class RedisServer:
             app.conf.broker_url = redis.url
     """
 
-    def __init__(self) -> None:
+    def __init__(self, persistent: bool = False) -> None:
         self.port = free_port()
+        #: Keep data across :meth:`stop` / :meth:`start` (an append-only file, fsynced per write).
+        self.persistent = persistent
         self.dir = Path(tempfile.mkdtemp(prefix="zklock-redis-"))
         self.log = self.dir / "redis.log"
         self._process: Optional[_Process] = None
@@ -413,7 +415,8 @@ class RedisServer:
             raise HarnessError("Redis is not installed: install Debian's 'redis-server' package (make test does)")
         argv = [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+            "--save", "", "--protected-mode", "yes",
+            *(["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]),
         ]
         self._process = _Process(argv, self.log, self.dir)
         self._process.start()
@@ -433,9 +436,13 @@ class RedisServer:
     def log_tail(self, lines: int = 20) -> str:
         return _tail(self.log, lines)
 
-    def close(self) -> None:
+    def stop(self, sig: int = SIGTERM) -> None:
+        """Stop the server (start() again restarts it on the same port)."""
         if self._process is not None:
-            self._process.stop()
+            self._process.stop(sig)
+
+    def close(self) -> None:
+        self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "RedisServer":
@@ -599,6 +606,14 @@ class _CeleryProcess:
     def stop(self, sig: int = SIGTERM, timeout: float = 60.0) -> int:
         """Stop the process (SIGTERM: warm shutdown) and return its exit code."""
         return self._process.stop(sig, timeout)
+
+    def crash(self) -> None:
+        """SIGKILL the process and its children at once, as a machine crash would (logs stay)."""
+        self._process.kill()
+
+    @property
+    def running(self) -> bool:
+        return self._process.running
 
     def log_text(self) -> str:
         """What the process printed before its log file existed, then the log file."""

@@ -123,6 +123,31 @@ def celery_worker(celery_app: Celery, celery_worker_pool: str) -> Iterator:
         yield worker
 
 
+_chaos_rows: List[dict] = []
+
+
+@pytest.fixture
+def chaos_report():
+    """Record one row of the chaos table that ends the test run."""
+    def record(fault: str, counts: dict, worst: float) -> None:
+        _chaos_rows.append({"fault": fault, **counts, "worst": worst})
+    return record
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _chaos_rows:
+        return
+    head = ("fault", "tasks run", "overlaps", "double dispatches", "lost tasks", "double runs",
+            "worst takeover/recovery")
+    rows = [(r["fault"], str(r["tasks run"]), str(r["overlaps"]), str(r["double dispatches"]), str(r["lost tasks"]),
+             str(r["double runs"]), f"{r['worst']:.2f} s") for r in _chaos_rows]
+    terminalreporter.section("chaos results")
+    terminalreporter.write_line("| " + " | ".join(head) + " |")
+    terminalreporter.write_line("|" + "|".join("---" for _ in head) + "|")
+    for row in rows:
+        terminalreporter.write_line("| " + " | ".join(row) + " |")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
     outcome = yield

@@ -1,0 +1,248 @@
+"""``celery -A proj zklock``: see who holds which lock and who leads beat, and check the setup.
+
+Registered through the ``celery.commands`` entry point::
+
+    celery -A proj zklock check              # settings, connection, server version and mode, round trip
+    celery -A proj zklock status             # beat election, held locks, the server we asked
+    celery -A proj zklock locks --key 'invoice:*' --json
+
+It reads ZooKeeper only (with the app's credential, if any): it never changes a lock.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+from urllib.parse import unquote
+
+import click
+from kazoo.exceptions import NoNodeError
+
+from .api import settings_of
+from .client import Session, check_acl
+from .conf import Settings, beat_name
+from .exceptions import ZkLockError
+from .keys import encode_key
+from .recipes.lock import _SEQUENCE_RE, READ, WRITE, Rule, semaphore
+
+__all__ = ["elections", "locks", "server_info", "zklock"]
+
+
+# -- reading the tree (no Celery here: these take a started Session) ---------------------------
+def _children(session: Session, path: str) -> List[str]:
+    try:
+        return session.client.get_children(path)
+    except NoNodeError:
+        return []
+
+
+def _read(session: Session, parent: str, names: List[str]) -> Dict[str, Any]:
+    """Data and stat of many children, fetched in one pipelined burst; vanished ones left out."""
+    pending = [(name, session.client.get_async(f"{parent}/{name}")) for name in names]
+    out = {}
+    for name, result in pending:
+        try:
+            out[name] = result.get(timeout=10)
+        except NoNodeError:
+            pass  # released while we looked
+    return out
+
+
+def _json(raw: bytes) -> Dict[str, Any]:
+    """Node data as a dict; junk written by others becomes {} (never a crash)."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _rule(kind: str, infos: List[Dict[str, Any]]) -> Rule:
+    if kind == "__sem__":
+        limits = [i["limit"] for i in infos if type(i.get("limit")) is int and i["limit"] > 0]
+        return semaphore(limits[0] if limits else 1)
+    return READ if kind == "__rlock__" else WRITE
+
+
+def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Every lock with a holder or a waiter under ``root``; ``pattern`` is a glob on the key.
+
+    Example::
+
+        for row in locks(session, "/celery-zklock", "invoice:*"):
+            print(row["key"], row["holders"], row["waiters"])
+    """
+    now = time.time()
+    rows = []
+    for tree in ("locks", "semaphores"):
+        base = f"{root}/{tree}"
+        for name in sorted(_children(session, base)):
+            path = f"{base}/{name}"
+            nodes = _read(session, path, [c for c in _children(session, path) if _SEQUENCE_RE.search(c)])
+            if not nodes:
+                continue
+            infos = {n: _json(data) for n, (data, _) in nodes.items()}
+            key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
+            if key is None:
+                key = unquote(name[2:]) if name.startswith("k-") else name
+            if pattern is not None and not fnmatch.fnmatchcase(key, pattern):
+                continue
+            holders, waiters = [], 0
+            for node in sorted(nodes, key=lambda n: int(_SEQUENCE_RE.search(n).group(2))):  # type: ignore[union-attr]
+                kind = _SEQUENCE_RE.search(node).group(1)  # type: ignore[union-attr]
+                if not _rule(kind, list(infos.values())).decide(nodes, node).holds:
+                    waiters += 1
+                    continue
+                info, stat = infos[node], nodes[node][1]
+                holders.append({
+                    "mode": info.get("mode") or {"__rlock__": "read", "__sem__": "semaphore"}.get(kind, "write"),
+                    "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
+                    "task_id": info.get("task_id"), "worker": info.get("worker"),
+                    # From the node's creation: includes any time it waited before holding.
+                    "held_for": round(max(0.0, now - stat.ctime / 1000), 3),
+                    "token": stat.czxid, "node": node,
+                })
+            rows.append({"key": key, "path": path, "holders": holders, "waiters": waiters})
+    return rows
+
+
+def elections(session: Session, root: str) -> List[Dict[str, Any]]:
+    """Each beat election under ``root``: its leader and standbys, as their nodes describe them."""
+    out = []
+    for name in sorted(_children(session, f"{root}/beat")):
+        path = f"{root}/beat/{name}/election"
+        nodes = _read(session, path, [c for c in _children(session, path) if _SEQUENCE_RE.search(c)])
+        order = sorted(nodes, key=lambda n: int(_SEQUENCE_RE.search(n).group(2)))  # type: ignore[union-attr]
+        candidates = [{**_json(nodes[n][0]), "token": nodes[n][1].czxid} for n in order]
+        out.append({"name": unquote(name[2:]) if name.startswith("k-") else name, "path": path,
+                    "leader": candidates[0] if candidates else None, "standbys": candidates[1:]})
+    return out
+
+
+def server_info(session: Session, samples: int = 5) -> Dict[str, Any]:
+    """The server this session talks to: address, version, mode, and the median round trip."""
+    client = session.client
+    rtts = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        client.exists("/")
+        rtts.append((time.perf_counter() - t0) * 1000)
+    host, port = client._connection._socket.getpeername()[:2]
+    info: Dict[str, Any] = {"server": f"{host}:{port}", "session_id": f"0x{client.client_id[0]:x}",
+                            "rtt_ms": round(statistics.median(rtts), 3), "version": None, "mode": None}
+    try:
+        for line in client.command(b"srvr").splitlines():
+            if line.startswith("Zookeeper version:"):
+                info["version"] = line.split(":", 1)[1].split(",")[0].strip()
+            elif line.startswith("Mode:"):
+                info["mode"] = line.split(":", 1)[1].strip()
+    except Exception:
+        pass  # 'srvr' not in 4lw.commands.whitelist: version and mode stay unknown
+    return info
+
+
+# -- the click commands --------------------------------------------------------------------------
+def _connect(ctx: click.Context) -> "tuple[Settings, Session, Any]":
+    app = ctx.obj.app
+    try:
+        settings = settings_of(app)
+        return settings, Session(settings).start(), app
+    except ZkLockError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def _lock_lines(rows: List[Dict[str, Any]]) -> List[str]:
+    if not rows:
+        return ["  (no lock is held or waited for)"]
+    lines = [f"  {'KEY':<32} {'MODE':<9} {'HOLDER':<28} {'TASK ID':<36} {'HELD FOR':>8} {'WAITERS':>7}  TOKEN"]
+    for row in rows:
+        for i, h in enumerate(row["holders"] or [{}]):
+            holder = f"{h.get('host')}/{h.get('pid')}" if h else "-"
+            lines.append(f"  {row['key'][:32]:<32} {h.get('mode', '-'):<9} {holder[:28]:<28} "
+                         f"{str(h.get('task_id') or '-'):<36} {_age(h['held_for']) if h else '-':>8} "
+                         f"{row['waiters'] if i == 0 else '':>7}  {h.get('token', '-')}")
+    return lines
+
+
+@click.group(name="zklock")
+def zklock() -> None:
+    """celery-zklock: lock holders, the beat leader, and a setup check."""
+
+
+@zklock.command()
+@click.pass_context
+def status(ctx: click.Context) -> None:
+    """The beat election, the held locks, and the server asked."""
+    settings, session, app = _connect(ctx)
+    try:
+        server = server_info(session)
+        click.echo(f"ZooKeeper {server['server']} (session {server['session_id']}, mode {server['mode'] or '?'}, "
+                   f"round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
+        ours = encode_key(beat_name(app.conf, app.main))
+        found = elections(session, settings.root)
+        click.echo("Beat election:" if found else "Beat election: none (no LeaderScheduler has run here)")
+        for e in found:
+            mark = " (this app)" if e["path"].split("/")[-2] == ours else ""
+            leader = e["leader"]
+            click.echo(f"  {e['name']}{mark}: " + (
+                f"leader {leader.get('host')}/{leader.get('pid')} since {leader.get('leader_since', '?')} "
+                f"(token {leader['token']})" if leader else "no leader"))
+            for s in e["standbys"]:
+                click.echo(f"    standby {s.get('host')}/{s.get('pid')} waiting since {s.get('since', '?')}")
+        rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"]]
+        held = sum(len(r["holders"]) for r in rows)
+        click.echo(f"Locks: {held} held, {sum(r['waiters'] for r in rows)} waiting")
+        for line in _lock_lines(rows):
+            click.echo(line)
+    finally:
+        session.close()
+
+
+@zklock.command(name="locks")
+@click.option("--key", "pattern", default=None, help="Only keys matching this glob, e.g. 'invoice:*'.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+@click.pass_context
+def locks_command(ctx: click.Context, pattern: Optional[str], as_json: bool) -> None:
+    """Held and waited-for locks: mode, holder (host, pid, task id), held for, waiters, token."""
+    settings, session, _ = _connect(ctx)
+    try:
+        rows = locks(session, settings.root, pattern)
+    finally:
+        session.close()
+    if as_json:
+        click.echo(json.dumps({"root": settings.root, "locks": rows}, indent=2))
+    else:
+        for line in _lock_lines(rows):
+            click.echo(line)
+
+
+@zklock.command()
+@click.pass_context
+def check(ctx: click.Context) -> None:
+    """Validate the zklock_* settings, connect, and report the server; exit 1 on any problem."""
+    settings, session, app = _connect(ctx)
+    try:
+        server = server_info(session)
+        root = session.client.exists(settings.root)
+        if root is not None and settings.acl != "open":
+            check_acl(settings.root, session.client.get_acls(settings.root)[0])
+    except ZkLockError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        session.close()
+    click.echo(f"settings ok: zklock_hosts={settings.hosts} zklock_root={settings.root} "
+               f"zklock_session_timeout={settings.session_timeout:g}s zklock_acl={settings.acl} "
+               f"tls={'on' if settings.use_ssl else 'off'} "
+               f"auth={'digest user ' + settings.auth[0] if settings.auth else 'none'}")
+    click.echo(f"connected to {server['server']}: ZooKeeper {server['version'] or '? (srvr not whitelisted)'}, "
+               f"mode {server['mode'] or '?'}, round trip {server['rtt_ms']:.2f} ms (median of 5)")
+    click.echo(f"{settings.root}: {'exists' if root is not None else 'not created yet (the first lock creates it)'}")
