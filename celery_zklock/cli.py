@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import statistics
 import time
 from typing import Any, Dict, List, Optional
@@ -176,6 +177,9 @@ def _lock_lines(rows: List[Dict[str, Any]]) -> List[str]:
 @click.group(name="zklock")
 def zklock() -> None:
     """celery-zklock: lock holders, the beat leader, and a setup check."""
+    # kazoo logs each failed connect attempt; our one line says what failed.
+    logging.getLogger("kazoo").addHandler(logging.NullHandler())
+    logging.getLogger("kazoo").propagate = False
 
 
 @zklock.command()

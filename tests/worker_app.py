@@ -24,6 +24,7 @@ app.conf.update(
     zklock_root=os.environ.get("ZKT_ROOT", "/zklock-tests"),
     zklock_session_timeout=float(os.environ.get("ZKT_SESSION_TIMEOUT", "4")),
     zklock_connect_timeout=float(os.environ.get("ZKT_CONNECT_TIMEOUT", "5")),
+    zklock_auth=os.environ.get("ZKT_AUTH"),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),

@@ -1,0 +1,97 @@
+"""`celery zklock` as a subprocess, against a real server, while real workers hold locks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, Iterator
+
+import pytest
+
+from celery_zklock.testing import CeleryBeat, CeleryWorker, free_port
+from tests import worker_app
+from tests.integration.test_workers import env, queue  # noqa: F401  (fixtures)
+from tests.util import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def cli(environ: Dict[str, str], *args: str, app: str = "tests.worker_app") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", app, "zklock", *args], env=environ,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def cli_env(env) -> Dict[str, str]:  # noqa: F811
+    return {**os.environ, **env}
+
+
+@pytest.fixture
+def busy(cli_env, queue, redis_server) -> Iterator[dict]:  # noqa: F811
+    """A worker holding k:a with one task waiting behind it, and a beat leading its election."""
+    worker = CeleryWorker("tests.worker_app", name="w1", concurrency=2, env=cli_env, extra_args=["-Q", queue]).start()
+    beat = CeleryBeat("tests.beat_app", name="b1", env={**cli_env, "ZKT_QUEUE": f"{queue}-beat"}).start()
+    try:
+        holder = worker_app.long_body.apply_async(("a", 30), queue=queue)
+        waiter = worker_app.exclusive.apply_async(("a", 0.01), queue=queue)
+        yield {"worker": worker, "beat": beat, "holder": holder, "waiter": waiter}
+    finally:
+        beat.stop()
+        beat.close()
+        worker.close()  # SIGKILL: nobody waits 30 s for the body
+
+
+def locks_json(cli_env, *args: str) -> dict:
+    out = cli(cli_env, "locks", "--json", *args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_locks_and_status_show_holder_waiters_and_beat_leader(busy, cli_env):
+    def seen() -> bool:
+        rows = locks_json(cli_env)["locks"]
+        return bool(rows) and rows[0]["waiters"] == 1
+    wait_until(seen, timeout=60)
+    [row] = locks_json(cli_env, "--key", "k:*")["locks"]
+    [holder] = row["holders"]
+    assert row["key"] == "k:a" and row["waiters"] == 1
+    assert holder["mode"] == "exclusive" and holder["task_id"] == busy["holder"].id
+    assert holder["pid"] in busy["worker"].children() and holder["task"] == "tests.worker_app.long_body"
+    assert holder["held_for"] >= 0 and isinstance(holder["token"], int)
+    assert locks_json(cli_env, "--key", "invoice:*")["locks"] == []
+
+    wait_until(lambda: "leader" in cli(cli_env, "status").stdout, timeout=30)
+    out = cli(cli_env, "status")
+    assert out.returncode == 0, out.stderr
+    assert "mode standalone" in out.stdout and "Locks: 1 held, 1 waiting" in out.stdout
+    assert busy["holder"].id in out.stdout
+    assert f"beat_app: leader {os.uname().nodename}/{busy['beat'].pid} since 20" in out.stdout
+
+    text = cli(cli_env, "locks")
+    assert text.returncode == 0 and "k:a" in text.stdout and busy["holder"].id in text.stdout
+
+
+def test_check_reports_the_server(cli_env):
+    out = cli(cli_env, "check")
+    assert out.returncode == 0, out.stderr
+    assert "ZooKeeper 3." in out.stdout and "mode standalone" in out.stdout and "round trip" in out.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"ZKT_SESSION_TIMEOUT": "-1"}, "zklock_session_timeout must be a positive number"),
+    ({"ZKT_HOSTS": "127.0.0.1:0bad"}, "zklock_hosts has a bad host"),
+    ({"ZKT_HOSTS": f"127.0.0.1:{free_port()}", "ZKT_CONNECT_TIMEOUT": "1"}, "could not reach ZooKeeper"),
+])
+def test_check_fails_with_one_clear_line(cli_env, overrides, message):
+    out = cli({**cli_env, **overrides}, "check")
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_no_secret_in_cli_output(cli_env):
+    out = cli({**cli_env, "ZKT_AUTH": "worker:s3cret-pw"}, "check")
+    assert out.returncode == 0, out.stderr
+    assert "digest user worker" in out.stdout and "s3cret" not in out.stdout + out.stderr
