@@ -274,7 +274,9 @@ class ZooKeeperServer:
             try:
                 self.wait_serving()
             except BaseException:
-                self.stop(SIGKILL)  # never leave a half-started server behind
+                self.stop(SIGKILL)  # never leave a half-started server (or its directory) behind
+                if self._owns_dir:
+                    shutil.rmtree(self.dir, ignore_errors=True)
                 raise
         return self
 
@@ -580,12 +582,16 @@ class _CeleryProcess:
     def start(self, wait: bool = True, timeout: float = 60.0) -> "_CeleryProcess":
         self._process.start()
         if wait:
-            try:
-                _wait_for(self._ready, timeout, f"celery {self.kind} {self.name}", self.log)
-            except BaseException:
-                self.close()  # never leave a half-started process behind
-                raise
+            self.start_wait(timeout)
         return self
+
+    def start_wait(self, timeout: float = 60.0) -> None:
+        """Wait until the process is ready (for several started with ``wait=False``)."""
+        try:
+            _wait_for(self._ready, timeout, f"celery {self.kind} {self.name}", self.log)
+        except BaseException:
+            self.close()  # never leave a half-started process behind
+            raise
 
     def _ready(self) -> bool:
         if not self._process.running:

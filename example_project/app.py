@@ -1,6 +1,48 @@
-"""The example Celery app."""
+"""The example Celery app, and the history its tasks write for ``demo.py`` to show and check."""
 
-from celery import Celery
+from __future__ import annotations
 
-app = Celery("example_project")
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, current_task
+
+from celery_zklock import current_lock, signals
+
+app = Celery("example_project", include=["billing", "reports", "crm", "partners", "maintenance"])
 app.config_from_object("celeryconfig")
+_redis: Any = None
+
+
+def record(event: str, **fields: Any) -> None:
+    """Append one event to the demo's history list in Redis."""
+    global _redis
+    if _redis is None:
+        _redis = redis.Redis.from_url(app.conf.broker_url)
+    request = current_task.request
+    _redis.rpush("demo:history", json.dumps({
+        "event": event, "time": time.time(), "task": (current_task.name or "").rsplit(".", 1)[-1],
+        "task_id": request.id, "who": f"{(request.hostname or '').split('@')[0]}/{os.getpid()}", **fields}))
+
+
+def work(seconds: float) -> None:
+    """A task body: hold the task's locks for ``seconds``, recording each one."""
+    held = current_lock()
+    locks = held if isinstance(held, list) else [held]
+    start = time.time()
+    for lock in locks:
+        record("take", key=lock.key, mode=lock.mode, token=lock.fencing_token, waited=bool(lock.blocked_by))
+    time.sleep(seconds)
+    end = time.time()
+    for lock in locks:
+        mode = f"sem{lock.rule.leases}" if lock.mode == "semaphore" else lock.mode
+        record("body", key=lock.key, mode=mode, token=lock.fencing_token, start=start, end=end)
+
+
+@signals.lock_contended.connect
+def _skipped(sender: Any = None, lock: Any = None, policy: str = "", **kwargs: Any) -> None:
+    if policy == "skip":
+        record("skip", key=lock.key, holders=lock.holders())
