@@ -137,7 +137,8 @@ def server_info(session: Session, samples: int = 5) -> Dict[str, Any]:
     try:
         for line in client.command(b"srvr").splitlines():
             if line.startswith("Zookeeper version:"):
-                info["version"] = line.split(":", 1)[1].split(",")[0].strip()
+                # "3.8.0-<commit>, built on ...": the release is what matters here.
+                info["version"] = line.split(":", 1)[1].split(",")[0].strip().split("-")[0]
             elif line.startswith("Mode:"):
                 info["mode"] = line.split(":", 1)[1].strip()
     except Exception:

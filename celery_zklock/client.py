@@ -324,10 +324,10 @@ class Session:
             self.client.ensure_path(path)
             if self.settings.acl != "open":
                 # Every level from the root down: an open level lets others replace what is below it.
-                root = self.settings.root
-                levels = [path] if not path.startswith(root) else [
-                    root + path[len(root):][:i] for i in range(len(path) - len(root) + 1)
-                    if i == len(path) - len(root) or path[len(root) + i] == "/"]
+                root, levels = self.settings.root, [path]
+                if path.startswith(root + "/"):
+                    parts = path[len(root) + 1:].split("/")
+                    levels = [root] + [f"{root}/{'/'.join(parts[:i + 1])}" for i in range(len(parts))]
                 for level in levels:
                     check_acl(level, self.client.get_acls(level)[0])
             self._ensured[path] = True

@@ -199,6 +199,7 @@ def test_kill_the_workers_server_then_the_leader(chaos, chaos_report):
     counts = chaos.check(ids)
     lost = [e for e in chaos.events("end") if e["outcome"] == "lost"]
     assert lost == [], "a held lock did not survive a server crash (its session should have moved)"
+    assert max(pauses) < 10, f"progress stalled {max(pauses):.2f}s: clients did not move within the session timeout"
     chaos_report("kill a worker's server, then the leader", counts, max(pauses))
 
 

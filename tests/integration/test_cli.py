@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, Iterator
@@ -76,7 +77,7 @@ def test_locks_and_status_show_holder_waiters_and_beat_leader(busy, cli_env):
 def test_check_reports_the_server(cli_env):
     out = cli(cli_env, "check")
     assert out.returncode == 0, out.stderr
-    assert "ZooKeeper 3." in out.stdout and "mode standalone" in out.stdout and "round trip" in out.stdout
+    assert re.search(r"ZooKeeper 3\.\d+\.\d+, mode standalone", out.stdout) and "round trip" in out.stdout
 
 
 @pytest.mark.parametrize("overrides, message", [

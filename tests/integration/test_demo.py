@@ -1,0 +1,19 @@
+"""`make demo` keeps working: it runs end to end and finds every promise kept."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEMO = Path(__file__).resolve().parents[2] / "example_project" / "demo.py"
+
+
+@pytest.mark.slow
+def test_demo_runs_and_keeps_every_promise(tmp_path):
+    out = subprocess.run([sys.executable, str(DEMO)], cwd=tmp_path, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "overlaps found in the history" in out.stdout and "all promises kept" in out.stdout
+    assert "SKIPPED" in out.stdout and "after waiting" in out.stdout and "beat takeover after SIGKILL" in out.stdout
