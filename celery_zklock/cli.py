@@ -27,7 +27,7 @@ from .client import Session, check_acl
 from .conf import Settings, beat_name
 from .exceptions import ZkLockError
 from .keys import encode_key
-from .recipes.lock import _SEQUENCE_RE, READ, WRITE, Rule, semaphore
+from .recipes.lock import _SEQUENCE_RE, READ, WRITE, Rule, _sequence, semaphore
 
 __all__ = ["elections", "locks", "server_info", "zklock"]
 
@@ -92,14 +92,15 @@ def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Di
             if pattern is not None and not fnmatch.fnmatchcase(key, pattern):
                 continue
             holders, waiters = [], 0
-            for node in sorted(nodes, key=lambda n: int(_SEQUENCE_RE.search(n).group(2))):  # type: ignore[union-attr]
+            for node in sorted(nodes, key=_sequence):
                 kind = _SEQUENCE_RE.search(node).group(1)  # type: ignore[union-attr]
                 if not _rule(kind, list(infos.values())).decide(nodes, node).holds:
                     waiters += 1
                     continue
                 info, stat = infos[node], nodes[node][1]
                 holders.append({
-                    "mode": info.get("mode") or {"__rlock__": "read", "__sem__": "semaphore"}.get(kind, "write"),
+                    "mode": info["mode"] if isinstance(info.get("mode"), str)
+                    else {"__rlock__": "read", "__sem__": "semaphore"}.get(kind, "write"),
                     "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
                     "task_id": info.get("task_id"), "worker": info.get("worker"),
                     # From the node's creation: includes any time it waited before holding.
@@ -116,7 +117,7 @@ def elections(session: Session, root: str) -> List[Dict[str, Any]]:
     for name in sorted(_children(session, f"{root}/beat")):
         path = f"{root}/beat/{name}/election"
         nodes = _read(session, path, [c for c in _children(session, path) if _SEQUENCE_RE.search(c)])
-        order = sorted(nodes, key=lambda n: int(_SEQUENCE_RE.search(n).group(2)))  # type: ignore[union-attr]
+        order = sorted(nodes, key=_sequence)
         candidates = [{**_json(nodes[n][0]), "token": nodes[n][1].czxid} for n in order]
         out.append({"name": unquote(name[2:]) if name.startswith("k-") else name, "path": path,
                     "leader": candidates[0] if candidates else None, "standbys": candidates[1:]})
@@ -168,8 +169,8 @@ def _lock_lines(rows: List[Dict[str, Any]]) -> List[str]:
     lines = [f"  {'KEY':<32} {'MODE':<9} {'HOLDER':<28} {'TASK ID':<36} {'HELD FOR':>8} {'WAITERS':>7}  TOKEN"]
     for row in rows:
         for i, h in enumerate(row["holders"] or [{}]):
-            holder = f"{h.get('host')}/{h.get('pid')}" if h else "-"
-            lines.append(f"  {row['key'][:32]:<32} {h.get('mode', '-'):<9} {holder[:28]:<28} "
+            holder = f"{h.get('host')}/{h.get('pid')}" if h else "-"  # str(): node data may be anything
+            lines.append(f"  {row['key'][:32]:<32} {str(h.get('mode', '-')):<9} {holder[:28]:<28} "
                          f"{str(h.get('task_id') or '-'):<36} {_age(h['held_for']) if h else '-':>8} "
                          f"{row['waiters'] if i == 0 else '':>7}  {h.get('token', '-')}")
     return lines

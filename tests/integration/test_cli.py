@@ -96,3 +96,18 @@ def test_no_secret_in_cli_output(cli_env):
     out = cli({**cli_env, "ZKT_AUTH": "worker:s3cret-pw"}, "check")
     assert out.returncode == 0, out.stderr
     assert "digest user worker" in out.stdout and "s3cret" not in out.stdout + out.stderr
+
+
+def test_junk_written_by_others_never_breaks_the_cli(cli_env, kazoo, zk_root):
+    base = f"{zk_root}/locks/k-junk"
+    kazoo.ensure_path(base)
+    kazoo.create(f"{base}/garbage", b"\xff\x00")
+    kazoo.create(f"{base}/x__lock__0000000001", b'{"mode": ["not", "a", "str"], "pid": {"x": 1}}')
+    kazoo.create(f"{base}/y__rlock__0000000002", b"[1, 2]")
+    kazoo.ensure_path(f"{zk_root}/beat/k-junk/election")
+    kazoo.create(f"{zk_root}/beat/k-junk/election/z__lock__0000000000", b"\x00not json")
+    for args in (("status",), ("locks",), ("locks", "--json")):
+        out = cli(cli_env, *args)
+        assert out.returncode == 0, out.stderr
+    [row] = locks_json(cli_env)["locks"]
+    assert row["key"] == "junk" and len(row["holders"]) == 1 and row["waiters"] == 1
