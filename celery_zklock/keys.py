@@ -160,8 +160,8 @@ class _Unrenderable(Exception):
 
 
 def _render(value: Any) -> str:
-    # One unambiguous grammar: the first character tells the type, strings are
-    # JSON-quoted, so no two different values render alike.
+    # One unambiguous grammar: strings are JSON-quoted and every other type has
+    # a form no other type can produce, so no two different values render alike.
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     if isinstance(value, str):
