@@ -1,5 +1,5 @@
 # Every target sets itself up: system packages, virtualenv, package.
-# Servers are started by the test harness (celery_zklock/testing.py) on free
+# Servers are started by the test harness (tests/harness/) on free
 # loopback ports and removed afterwards; nothing here touches 2181 or 6379.
 
 PYTHON ?= python3
@@ -9,10 +9,15 @@ STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: test demo bench chaos system venv clean
+.PHONY: test lint demo bench chaos system venv clean
 
 test: system venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff (style, imports, bugbear, pyupgrade for py39) and mypy (targeting Python 3.9).
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 demo: system venv
 	$(BIN)/python example_project/demo.py
@@ -44,7 +49,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9))' || { echo "error: $(PYTHON) is older than Python 3.9"; exit 1; }
 	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV) || { echo "error: could not create a virtualenv with $(PYTHON) (install python3-venv)"; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,lint]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

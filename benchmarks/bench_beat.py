@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from kazoo.client import KazooClient  # noqa: E402
 
 from celery_zklock.keys import encode_key  # noqa: E402
-from celery_zklock.testing import CeleryBeat, RedisServer, ZooKeeperServer  # noqa: E402
+from tests.harness import CeleryBeat, RedisServer, ZooKeeperServer  # noqa: E402
 
 
 def leader(kazoo: KazooClient, path: str) -> Optional[int]:

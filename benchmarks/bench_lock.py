@@ -23,8 +23,8 @@ from celery import Celery  # noqa: E402
 from kazoo.client import KazooClient  # noqa: E402
 
 import celery_zklock  # noqa: E402
-from celery_zklock.client import close_sessions  # noqa: E402
-from celery_zklock.testing import ZooKeeperServer  # noqa: E402
+from celery_zklock.zk import close_sessions  # noqa: E402
+from tests.harness import ZooKeeperServer  # noqa: E402
 
 
 def main() -> None:

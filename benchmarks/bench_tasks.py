@@ -19,10 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import bench_app  # noqa: E402
 import redis  # noqa: E402
 
-import bench_app  # noqa: E402
-from celery_zklock.testing import CeleryWorker, RedisServer, ZooKeeperServer  # noqa: E402
+from tests.harness import CeleryWorker, RedisServer, ZooKeeperServer  # noqa: E402
 
 
 def run(name: str, n: int, r: redis.Redis) -> float:

@@ -6,6 +6,23 @@ Example::
 
     with celery_zklock.lock(app, "invoice:42", timeout=10) as held:
         charge(invoice, fence=held.fencing_token)
+
+Module map (imports point one way: glue -> recipes -> zk -> kazoo; nothing under
+``recipes/`` or ``zk/`` imports Celery)::
+
+    task.py, beat.py, cli.py   Celery glue: @zk_locked/ZkLockedTask, LeaderScheduler/leader_only, `celery zklock`
+    api.py                     lock(app, key, ...): an app's settings, paths and holder data -> a recipe Lock
+    conf.py                    every zklock_* setting, read and validated once
+    keys.py                    task arguments -> lock key
+    layout.py                  every znode path; lock key <-> znode name
+    recipes/lock.py            the one lock engine; exclusive, read, write, semaphore as Rule values
+    recipes/election.py        leader election on that engine, as an explicit state machine
+    zk/session.py              the kazoo client and one session per process (fork-safe)
+    zk/clock.py                LivenessClock: when a session's nodes count as lost (pure)
+    zk/nodes.py                persistent paths, key containers, deferred deletes
+    private.py                 the only module that touches kazoo's or Celery's private names
+    interrupt.py, signals.py   LockLost inside a running body; the four lock signals
+    testing.py, pytest.py      a real ZooKeeper server, history checks, and the opt-in pytest plugin
 """
 
 from .api import lock, lock_path
@@ -18,7 +35,7 @@ from .exceptions import (
     ZooKeeperUnavailable,
 )
 from .recipes.lock import Lock, LockState
-from .task import ZkLockedTask, current_lock, zk_locked
+from .task import ZkLockedTask, current_lock, current_locks, zk_locked
 
 __all__ = [
     "ConfigurationError",
@@ -31,6 +48,7 @@ __all__ = [
     "ZkLockedTask",
     "ZooKeeperUnavailable",
     "current_lock",
+    "current_locks",
     "lock",
     "lock_path",
     "zk_locked",

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import os
 import socket
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
-from .client import Session, session_for
 from .conf import Settings
-from .keys import check_key, encode_key
+from .layout import Layout, check_key
 from .recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
+from .zk import Session, session_for
 
-__all__ = ["MODES", "holder_data", "lock", "lock_path", "rule_for", "settings_of"]
+__all__ = ["MODES", "holder_data", "layout_of", "lock", "lock_path", "rule_for", "settings_of"]
 
 #: Lock modes and their rules; ``exclusive`` and ``write`` are the same lock.
 MODES: Dict[str, Rule] = {"exclusive": EXCLUSIVE, "write": WRITE, "read": READ}
@@ -34,6 +34,11 @@ def settings_of(app: Any) -> Settings:
         except AttributeError:  # pragma: no cover - an app object that refuses attributes
             pass
     return cached
+
+
+def layout_of(app: Any) -> Layout:
+    """The znode paths of a Celery app (under its ``zklock_root``)."""
+    return Layout(settings_of(app).root)
 
 
 def rule_for(mode: str = "exclusive", limit: Optional[int] = None) -> Rule:
@@ -52,8 +57,7 @@ def lock_path(app: Any, key: str, limit: Optional[int] = None) -> str:
     """The znode under which the lock for ``key`` lives: ``<zklock_root>/locks/<encoded key>``
     (semaphores: ``<zklock_root>/semaphores/<encoded key>``)."""
     check_key(key)
-    tree = "locks" if limit is None else "semaphores"
-    return f"{settings_of(app).root}/{tree}/{encode_key(key)}"
+    return layout_of(app).lock(key, semaphore=limit is not None)
 
 
 _HOST = socket.gethostname()
@@ -72,6 +76,7 @@ def lock(
     *,
     limit: Optional[int] = None,
     session: Optional[Session] = None,
+    on_state: Optional[Callable[[Lock, str], None]] = None,
     **holder: Any,
 ) -> Lock:
     """A lock on ``key`` for ``app``; use it as a context manager or call acquire/release.
@@ -79,13 +84,15 @@ def lock(
     ``timeout`` (seconds, None = forever) applies to the ``with`` form, which
     raises :class:`~celery_zklock.LockNotAcquired` when it runs out.
     ``limit=N`` gives a counting semaphore instead (N holders at most).
+    ``on_state(lock, state)`` hears when a held lock becomes in doubt, held again, or lost.
     Extra keyword arguments go into the holder's node data.
     """
     # Validate everything before touching ZooKeeper (lock_path checks the key).
     rule = rule_for(mode, limit)
     check_timeout(timeout)
     path = lock_path(app, key, limit)
-    mode = mode if limit is None else "semaphore"
-    extra = {} if limit is None else {"limit": limit}
-    return Lock(session or session_for(settings_of(app)), path, rule, data=holder_data(key=key, mode=mode, **extra,
-                **holder), timeout=timeout, key=key, mode=mode)
+    mode = mode if limit is None else rule.name
+    extra = {} if limit is None else {"limit": limit}  # lets `celery zklock locks` tell holders apart
+    return Lock(session or session_for(settings_of(app)), path, rule,
+                data=holder_data(key=key, mode=mode, **extra, **holder), timeout=timeout, key=key, mode=mode,
+                on_state=on_state)

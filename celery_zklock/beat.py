@@ -24,17 +24,17 @@ import os
 import socket
 import time
 from datetime import datetime, timezone
-from typing import Any, Optional, Type, TypeVar
+from typing import Any, Dict, Optional, Tuple, Type, TypeVar, cast
 
 from celery.beat import ScheduleEntry, Scheduler
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
-from .api import settings_of
-from .client import session_for
+from .api import layout_of, settings_of
 from .conf import beat_name
 from .exceptions import ConfigurationError, ZkLockError
-from .keys import encode_key
+from .layout import Layout
 from .recipes.election import Election
+from .zk import session_for
 
 __all__ = ["LeaderScheduler", "leader_only"]
 
@@ -43,13 +43,20 @@ logger = logging.getLogger("celery_zklock.beat")
 S = TypeVar("S", bound=Type[Scheduler])
 
 
-class _Leadership:
-    """Mixin: run an election, tick the scheduler only while leading, leave at close."""
+class _Leadership(Scheduler):
+    """Mixin: run an election, tick the scheduler only while leading, leave at close.
+
+    It subclasses Scheduler only to be typed as one: ``leader_only(Cls)`` puts it
+    before ``Cls`` in the MRO, so its ``super()`` calls reach ``Cls``.
+    """
 
     #: The election of this beat (None when constructed lazily, to be introspected only).
     election: Optional[Election] = None
     #: ``<zklock_root>/beat/<zklock_beat_name>``.
     beat_path: str = ""
+    #: The paths under ``zklock_root``; the beat's name within them.
+    layout: Optional[Layout] = None
+    beat_name: str = ""
     _leading = False
 
     def setup_schedule(self) -> None:
@@ -60,15 +67,15 @@ class _Leadership:
             raise SystemExit(1) from None  # one clear line, not a traceback
 
     def _join(self) -> None:
-        app = self.app  # type: ignore[attr-defined]
+        app = self.app
         settings = settings_of(app)
-        name = beat_name(app.conf, app.main)
-        self.beat_path = f"{settings.root}/beat/{encode_key(name)}"
-        super().setup_schedule()  # type: ignore[misc]
+        self.layout, self.beat_name = layout_of(app), beat_name(app.conf, app.main)
+        self.beat_path = self.layout.beat(self.beat_name)
+        super().setup_schedule()
         session = session_for(settings)  # ZooKeeperUnavailable within zklock_connect_timeout
         data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                            "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}).encode()
-        self.election = Election(session, f"{self.beat_path}/election", data)
+        self.election = Election(session, self.layout.election(self.beat_name), data)
         self.election.start()
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -79,7 +86,7 @@ class _Leadership:
                 logger.warning("beat: not leading any more (%s): dispatch stopped",
                                election.state if election else "closed")
             # Wait on the election, not on ZooKeeper: we are woken the moment we lead.
-            if election is None or not election.wait_leader(self.max_interval):  # type: ignore[attr-defined]
+            if election is None or not election.wait_leader(self.max_interval):
                 return 0.05  # beat sleeps this long, then ticks (and waits) again
         if not self._leading:
             try:
@@ -88,7 +95,7 @@ class _Leadership:
                 logger.warning("beat: could not take over the schedule (%s); trying again", exc)
                 return 0.5
             self._leading = True
-        return super().tick(*args, **kwargs)  # type: ignore[misc]
+        return super().tick(*args, **kwargs)
 
     def on_leadership(self) -> None:
         """Called once each time this beat becomes the leader, before its first dispatch."""
@@ -103,7 +110,7 @@ class _Leadership:
 
     def close(self) -> None:
         try:
-            super().close()  # type: ignore[misc]
+            super().close()
         finally:
             if self.election is not None:
                 self.election.close()  # deletes our node: a standby takes over at once
@@ -119,13 +126,13 @@ def leader_only(scheduler_cls: S) -> S:
     """
     if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
         raise TypeError(f"leader_only() needs a celery.beat.Scheduler subclass, not {scheduler_cls!r}")
-    return type(f"LeaderOnly{scheduler_cls.__name__}", (_Leadership, scheduler_cls), {  # type: ignore[return-value]
+    return cast(S, type(f"LeaderOnly{scheduler_cls.__name__}", (_Leadership, scheduler_cls), {
         "__module__": scheduler_cls.__module__,
         "__doc__": f"{scheduler_cls.__name__} that dispatches only while it leads the beat election.",
-    })
+    }))
 
 
-class LeaderScheduler(_Leadership, Scheduler):
+class LeaderScheduler(_Leadership):
     """The stock scheduler, leader-elected, with its state in ZooKeeper and fenced dispatch.
 
     A crash between recording a run and sending it loses that one run rather
@@ -136,6 +143,12 @@ class LeaderScheduler(_Leadership, Scheduler):
     #: Seconds between syncs do not matter: every run is recorded before it is sent.
     sync_every = 3600
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: Entry name -> (token, run number) of a run :meth:`reserve` recorded and
+        #: :meth:`apply_entry` has not sent yet.
+        self._recorded: Dict[str, Tuple[Optional[int], int]] = {}
+        super().__init__(*args, **kwargs)
+
     def _join(self) -> None:
         if not self.app.conf.beat_schedule:
             raise ConfigurationError("beat_schedule is empty: LeaderScheduler has nothing to schedule")
@@ -143,12 +156,14 @@ class LeaderScheduler(_Leadership, Scheduler):
 
     # -- state in ZooKeeper ----------------------------------------------------
     def _entry_path(self, name: str) -> str:
-        return f"{self.beat_path}/entries/{encode_key(name)}"
+        assert self.layout is not None
+        return self.layout.entry(self.beat_name, name)
 
     def on_leadership(self) -> None:
         """Continue exactly where the previous leader stopped: load every entry's state."""
-        session = self.election.session  # type: ignore[union-attr]
-        session.ensure_path(f"{self.beat_path}/entries")
+        assert self.election is not None and self.layout is not None
+        session = self.election.session
+        session.nodes.ensure_path(self.layout.entries(self.beat_name))
         client = session.client
         for name, entry in list(self.schedule.items()):
             try:
@@ -164,27 +179,38 @@ class LeaderScheduler(_Leadership, Scheduler):
                              name, self._entry_path(name), exc)
                 continue
             self.schedule[name] = entry.__class__(**dict(entry, last_run_at=last, total_run_count=count))
-        self._heap = None  # rebuild the heap from the loaded state
+        self.populate_heap()  # order the runs by the loaded state
         super().on_leadership()
 
-    def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
-        # tick() has already reserved the run: self.schedule[name] is the entry
-        # as it will be after this run. Record that, fenced on our leadership,
-        # before anything is sent.
+    def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
+        """Celery takes a run here: record it, fenced on our leadership, before anything is sent.
+
+        If the record fails, the run is not taken: the entry keeps its old state
+        and :meth:`apply_entry` sends nothing.
+        """
+        self._recorded.pop(entry.name, None)
+        new = super().reserve(entry)
         election = self.election
-        new = self.schedule.get(entry.name, entry)
         if election is None or not election.is_leader or not self._record(election, new):
             logger.warning("beat: lost leadership before sending %s; not sent", entry.name)
-            self.schedule[entry.name] = entry  # the run was not taken: keep the old state
-            return
+            self.schedule[entry.name] = entry
+            return entry
+        self._recorded[entry.name] = (election.token, new.total_run_count)
+        return new
+
+    def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
+        recorded = self._recorded.pop(entry.name, None)
+        election = self.election
+        if recorded is None or election is None:
+            return  # reserve() did not record this run (it said why)
         if not election.session.is_alive():
             # The session may have expired while we recorded: another leader may be sending.
             logger.warning("beat: leadership in doubt after recording %s; not sent (run counted)", entry.name)
             return
         options = dict(entry.options)
         options["headers"] = {**options.get("headers", {}), "zklock_beat": {
-            "pid": os.getpid(), "host": socket.gethostname(), "token": election.token,
-            "entry": entry.name, "run": new.total_run_count, "sent": time.time()}}
+            "pid": os.getpid(), "host": socket.gethostname(), "token": recorded[0],
+            "entry": entry.name, "run": recorded[1], "sent": time.time()}}
         entry.options = options
         super().apply_entry(entry, producer=producer)
 

@@ -17,17 +17,17 @@ import logging
 import statistics
 import time
 from typing import Any, Dict, List, Optional
-from urllib.parse import unquote
 
 import click
 from kazoo.exceptions import NoNodeError
 
 from .api import settings_of
-from .client import Session, check_acl
 from .conf import Settings, beat_name
 from .exceptions import ZkLockError
-from .keys import encode_key
-from .recipes.lock import _SEQUENCE_RE, READ, WRITE, Rule, _sequence, semaphore
+from .layout import LOCK_TREES, Layout, decode_key
+from .private import peer_address
+from .recipes.lock import RULES, Rule, contender, semaphore, sequence
+from .zk import Session, check_acl
 
 __all__ = ["elections", "locks", "server_info", "zklock"]
 
@@ -62,10 +62,12 @@ def _json(raw: bytes) -> Dict[str, Any]:
 
 
 def _rule(kind: str, infos: List[Dict[str, Any]]) -> Rule:
-    if kind == "__sem__":
-        limits = [i["limit"] for i in infos if type(i.get("limit")) is int and i["limit"] > 0]
-        return semaphore(limits[0] if limits else 1)
-    return READ if kind == "__rlock__" else WRITE
+    rule = RULES[kind]
+    if rule.name != "semaphore":
+        return rule
+    # A semaphore's limit lives in its holders' data.
+    limits = [i["limit"] for i in infos if type(i.get("limit")) is int and i["limit"] > 0]
+    return semaphore(limits[0] if limits else 1)
 
 
 def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Dict[str, Any]]:
@@ -78,29 +80,28 @@ def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Di
     """
     now = time.time()
     rows = []
-    for tree in ("locks", "semaphores"):
+    for tree in LOCK_TREES:
         base = f"{root}/{tree}"
         for name in sorted(_children(session, base)):
             path = f"{base}/{name}"
-            nodes = _read(session, path, [c for c in _children(session, path) if _SEQUENCE_RE.search(c)])
+            nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
             if not nodes:
                 continue
             infos = {n: _json(data) for n, (data, _) in nodes.items()}
             key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
             if key is None:
-                key = unquote(name[2:]) if name.startswith("k-") else name
+                key = decode_key(name) or name
             if pattern is not None and not fnmatch.fnmatchcase(key, pattern):
                 continue
             holders, waiters = [], 0
-            for node in sorted(nodes, key=_sequence):
-                kind = _SEQUENCE_RE.search(node).group(1)  # type: ignore[union-attr]
-                if not _rule(kind, list(infos.values())).decide(nodes, node).holds:
+            for node in sorted(nodes, key=sequence):
+                rule = _rule(contender(node)[0], list(infos.values()))  # type: ignore[index]
+                if not rule.decide(nodes, node).holds:
                     waiters += 1
                     continue
                 info, stat = infos[node], nodes[node][1]
                 holders.append({
-                    "mode": info["mode"] if isinstance(info.get("mode"), str)
-                    else {"__rlock__": "read", "__sem__": "semaphore"}.get(kind, "write"),
+                    "mode": info["mode"] if isinstance(info.get("mode"), str) else rule.name,
                     "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
                     "task_id": info.get("task_id"), "worker": info.get("worker"),
                     # From the node's creation: includes any time it waited before holding.
@@ -114,12 +115,14 @@ def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Di
 def elections(session: Session, root: str) -> List[Dict[str, Any]]:
     """Each beat election under ``root``: its leader and standbys, as their nodes describe them."""
     out = []
-    for name in sorted(_children(session, f"{root}/beat")):
-        path = f"{root}/beat/{name}/election"
-        nodes = _read(session, path, [c for c in _children(session, path) if _SEQUENCE_RE.search(c)])
-        order = sorted(nodes, key=_sequence)
+    layout = Layout(root)
+    for name in sorted(_children(session, layout.beats)):
+        beat = decode_key(name)
+        path = layout.election(beat) if beat is not None else f"{layout.beats}/{name}/election"
+        nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
+        order = sorted(nodes, key=sequence)
         candidates = [{**_json(nodes[n][0]), "token": nodes[n][1].czxid} for n in order]
-        out.append({"name": unquote(name[2:]) if name.startswith("k-") else name, "path": path,
+        out.append({"name": beat if beat is not None else name, "path": path,
                     "leader": candidates[0] if candidates else None, "standbys": candidates[1:]})
     return out
 
@@ -132,7 +135,7 @@ def server_info(session: Session, samples: int = 5) -> Dict[str, Any]:
         t0 = time.perf_counter()
         client.exists("/")
         rtts.append((time.perf_counter() - t0) * 1000)
-    host, port = client._connection._socket.getpeername()[:2]
+    host, port = peer_address(client)
     info: Dict[str, Any] = {"server": f"{host}:{port}", "session_id": f"0x{client.client_id[0]:x}",
                             "rtt_ms": round(statistics.median(rtts), 3), "version": None, "mode": None}
     try:
@@ -148,7 +151,7 @@ def server_info(session: Session, samples: int = 5) -> Dict[str, Any]:
 
 
 # -- the click commands --------------------------------------------------------------------------
-def _connect(ctx: click.Context) -> "tuple[Settings, Session, Any]":
+def _connect(ctx: click.Context) -> tuple[Settings, Session, Any]:
     app = ctx.obj.app
     try:
         settings = settings_of(app)
@@ -193,11 +196,11 @@ def status(ctx: click.Context) -> None:
         server = server_info(session)
         click.echo(f"ZooKeeper {server['server']} (session {server['session_id']}, mode {server['mode'] or '?'}, "
                    f"round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
-        ours = encode_key(beat_name(app.conf, app.main))
+        ours = Layout(settings.root).election(beat_name(app.conf, app.main))
         found = elections(session, settings.root)
         click.echo("Beat election:" if found else "Beat election: none (no LeaderScheduler has run here)")
         for e in found:
-            mark = " (this app)" if e["path"].split("/")[-2] == ours else ""
+            mark = " (this app)" if e["path"] == ours else ""
             leader = e["leader"]
             click.echo(f"  {e['name']}{mark}: " + (
                 f"leader {leader.get('host')}/{leader.get('pid')} since {leader.get('leader_since', '?')} "

@@ -151,7 +151,7 @@ class Settings:
         )
 
     @classmethod
-    def from_conf(cls, conf: Mapping[str, Any]) -> "Settings":
+    def from_conf(cls, conf: Mapping[str, Any]) -> Settings:
         """Read and validate the ``zklock_*`` settings of a Celery ``app.conf`` (or any mapping)."""
 
         def get(name: str) -> Any:
@@ -197,7 +197,7 @@ class TaskDefaults:
     timeout: Optional[float] = DEFAULTS["zklock_default_timeout"]
 
     @classmethod
-    def from_conf(cls, conf: Mapping[str, Any]) -> "TaskDefaults":
+    def from_conf(cls, conf: Mapping[str, Any]) -> TaskDefaults:
         timeout = conf.get("zklock_default_timeout", DEFAULTS["zklock_default_timeout"])
         return cls(
             on_contention=choice("zklock_default_on_contention",

@@ -38,7 +38,7 @@ class LockLostInterrupt(LockLost):
         super().__init__(*(args or ("the task's lock was lost while its body ran",)))
 
 
-_main_guard: Optional["BodyGuard"] = None
+_main_guard: Optional[BodyGuard] = None
 _previous_handler: Any = None
 
 
@@ -69,7 +69,7 @@ class BodyGuard:
         self._delivered = False
         self._lock = threading.Lock()
 
-    def __enter__(self) -> "BodyGuard":
+    def __enter__(self) -> BodyGuard:
         global _main_guard
         if self.in_main_thread:
             _install_handler()

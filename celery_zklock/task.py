@@ -15,27 +15,27 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from celery import Task
-from celery._state import connect_on_app_finalize, get_current_task
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutdown
 
 from . import signals
-from .api import holder_data, lock_path, rule_for, settings_of
-from .client import close_sessions, session_for
+from .api import lock, lock_path, rule_for, settings_of
 from .conf import CONTENTION_POLICIES, LOCK_LOST_POLICIES, TaskDefaults, choice, optional_seconds
 from .exceptions import ConfigurationError, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
 from .interrupt import BodyGuard
 from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
+from .private import connect_on_app_finalize, current_app, current_task
 from .recipes.lock import Lock, LockState
+from .zk import close_sessions, session_for
 
-__all__ = ["LockSpec", "ZkLockedTask", "current_lock", "problems", "zk_locked"]
+__all__ = ["OPTIONS", "LockSpec", "ZkLockedTask", "current_lock", "current_locks", "problems", "zk_locked"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -47,15 +47,17 @@ class _Default:
 
 #: "Use the zklock_default_* setting".
 DEFAULT: Any = _Default()
-_OPTIONS = ("key", "mode", "limit", "on_contention", "timeout", "retry_countdown", "on_lock_lost")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LockSpec:
-    """A task's validated lock options (built once, when the task is defined)."""
+    """A task's validated lock options (built once, when the task is defined).
+
+    Its fields are the options (``key`` is kept as ``parts``): :data:`OPTIONS` is read off them.
+    """
 
     where: str
-    parts: Tuple[KeyPart, ...] = ()
+    parts: Tuple[KeyPart, ...] = ()  # the ``key`` option
     mode: str = "exclusive"
     limit: Optional[int] = None
     on_contention: Any = DEFAULT
@@ -64,11 +66,11 @@ class LockSpec:
     on_lock_lost: str = "interrupt"
 
     @classmethod
-    def make(cls, fn: Callable[..., Any], where: str, options: Dict[str, Any]) -> "LockSpec":
+    def make(cls, fn: Callable[..., Any], where: str, options: Dict[str, Any]) -> LockSpec:
         """Validate lock options against the task function; errors name the task and the option."""
-        unknown = sorted(set(options) - set(_OPTIONS))
+        unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
-            raise ConfigurationError(f"{where}: unknown lock option(s) {unknown}; known: {list(_OPTIONS)}")
+            raise ConfigurationError(f"{where}: unknown lock option(s) {unknown}; known: {list(OPTIONS)}")
         mode = options.get("mode", "exclusive")
         limit = options.get("limit")
         try:
@@ -95,6 +97,10 @@ class LockSpec:
             on_lock_lost=choice(f"{where}: on_lock_lost", options.get("on_lock_lost", "interrupt"),
                                 LOCK_LOST_POLICIES),
         )
+
+
+#: The lock options of ``@zk_locked`` and ``ZkLockedTask(zklock={...})``, in one place.
+OPTIONS: Tuple[str, ...] = ("key", *(f.name for f in dataclasses.fields(LockSpec) if f.name not in ("where", "parts")))
 
 
 def zk_locked(
@@ -126,7 +132,7 @@ def zk_locked(
 
         @functools.wraps(fn)
         def locked(*args: Any, **kwargs: Any) -> Any:
-            task = get_current_task()
+            task = current_task()
             if task is None:
                 raise ConfigurationError(f"{spec.where}: @zk_locked functions run only as Celery tasks")
             bound = bool(args) and args[0] is task
@@ -180,11 +186,22 @@ def current_lock() -> Union[Lock, List[Lock], None]:
         current_lock().ensure()   # raises LockLost if the lock is lost or in doubt
         db.write(row, fence=current_lock().fencing_token)
     """
-    stack = getattr(_local, "stack", None)
-    if not stack:
+    held = current_locks()
+    if not held:
         return None
-    held = stack[-1]
-    return held[0] if len(held) == 1 else list(held)
+    return held[0] if len(held) == 1 else held
+
+
+def current_locks() -> List[Lock]:
+    """Every lock the running task holds, in lock order ([] outside a locked task).
+
+    Example::
+
+        for held in current_locks():
+            held.ensure()
+    """
+    stack = getattr(_local, "stack", None)
+    return list(stack[-1]) if stack else []
 
 
 def _defaults(app: Any) -> TaskDefaults:
@@ -218,27 +235,23 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
     request = task.request
     guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
     on_state = functools.partial(_on_state, task, guard)
-    rule = rule_for(spec.mode, spec.limit)
-    mode = spec.mode if spec.limit is None else "semaphore"
-    limit = {} if spec.limit is None else {"limit": spec.limit}  # lets `celery zklock locks` tell holders apart
-    locks = [Lock(session, path, rule, key=key, mode=mode, on_state=on_state,
-                  data=holder_data(key=key, mode=mode, task=task.name, task_id=request.id, worker=request.hostname,
-                                   **limit))
-             for path, key in ordered]
+    locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
+                  task=task.name, task_id=request.id, worker=request.hostname)
+             for _, key in ordered]
     held: List[Lock] = []
     acquired_at = time.monotonic()
     deadline = None if timeout is None else acquired_at + timeout
     try:
-        for lock in locks:
+        for one in locks:
             wait = policy == "wait"
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if lock.acquire(blocking=wait, timeout=remaining if wait else None):
-                held.append(lock)
-                signals.lock_acquired.send(sender=task, lock=lock)
+            if one.acquire(blocking=wait, timeout=remaining if wait else None):
+                held.append(one)
+                signals.lock_acquired.send(sender=task, lock=one)
                 continue
-            return _contended(task, spec, policy, timeout, lock, held)
-        for lock in held:
-            lock.ensure()  # one may have been lost while we waited for another: no body then
+            return _contended(task, spec, policy, timeout, one, held)
+        for one in held:
+            one.ensure()  # one may have been lost while we waited for another: no body then
         acquired_at = time.monotonic()
         stack = _local.__dict__.setdefault("stack", [])
         stack.append(held)
@@ -251,9 +264,9 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
             stack.pop()
     finally:
         held_seconds = time.monotonic() - acquired_at
-        for lock in reversed(held):
-            lock.release()
-            signals.lock_released.send(sender=task, lock=lock, held_seconds=held_seconds)
+        for one in reversed(held):
+            one.release()
+            signals.lock_released.send(sender=task, lock=one, held_seconds=held_seconds)
 
 
 def _contended(task: Task, spec: LockSpec, policy: str, timeout: Optional[float], lock: Lock,
@@ -338,9 +351,7 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
 
 @worker_process_init.connect(weak=False)
 def _open_session(**kwargs: Any) -> None:
-    from celery import current_app
-
-    app = current_app._get_current_object()
+    app = current_app()
     if not any(_is_locked(t) for t in app.tasks.values()):
         return  # unlocked apps pay nothing
     try:

@@ -1,44 +1,45 @@
-"""Real servers for tests: ZooKeeper (single or ensemble), Redis and a TCP proxy.
+"""A real ZooKeeper server and history checks, for your own tests of locked code.
 
-Everything listens on free 127.0.0.1 ports and keeps its data in a temp
-directory that :meth:`stop` removes. Nothing here assumes a server on 2181 or
-6379, and nothing here fakes ZooKeeper.
+The opt-in pytest plugin (:mod:`celery_zklock.pytest`) wraps these in fixtures.
+The server listens on a free 127.0.0.1 port and keeps its data in a temp
+directory that :meth:`ZooKeeperServer.close` removes; nothing here fakes ZooKeeper.
 
 Example::
 
-    with ZooKeeperServer() as zk, RedisServer() as redis:
+    with ZooKeeperServer() as zk:
         app.conf.zklock_hosts = zk.hosts
-        app.conf.broker_url = redis.url
+        ...
+    assert violations(history) == []
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from signal import SIGCONT, SIGKILL, SIGSTOP, SIGTERM
 import socket
 import subprocess
 import tempfile
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from pathlib import Path
+from signal import SIGCONT, SIGKILL, SIGSTOP, SIGTERM
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = [
-    "CeleryBeat",
-    "CeleryWorker",
+    "ChildProcess",
     "HarnessError",
+    "HistoryRecorder",
     "Hold",
-    "RedisServer",
-    "TcpProxy",
-    "ZooKeeperEnsemble",
     "ZooKeeperServer",
     "find_zookeeper_jar",
-    "free_port",
     "four_letter_word",
+    "free_port",
     "max_concurrency",
+    "tail",
     "violations",
+    "wait_for",
 ]
 
 #: Where Debian's ``libzookeeper-java`` puts the server; its manifest names every dependency.
@@ -71,7 +72,7 @@ def find_zookeeper_jar() -> str:
         return DEBIAN_ZOOKEEPER_JAR
     raise HarnessError(
         "ZooKeeper is not installed: install Debian's 'zookeeper' package "
-        "(make test does) or set ZOOKEEPER_HOME"
+        "(apt-get install zookeeper) or set ZOOKEEPER_HOME to an Apache ZooKeeper release"
     )
 
 
@@ -88,12 +89,12 @@ def four_letter_word(port: int, word: str, timeout: float = 2.0) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-def _tail(path: Path, lines: int) -> str:
+def tail(path: Path, lines: int) -> str:
     """The last ``lines`` lines of a log file ("" when it does not exist yet)."""
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
-def _wait_for(check, timeout: float, what: str, log: Optional[Path] = None) -> None:
+def wait_for(check, timeout: float, what: str, log: Optional[Path] = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -102,11 +103,11 @@ def _wait_for(check, timeout: float, what: str, log: Optional[Path] = None) -> N
         except OSError:
             pass
         time.sleep(0.05)
-    tail = f"\n--- last lines of {log} ---\n{_tail(log, 30)}" if log is not None and log.exists() else ""
-    raise HarnessError(f"{what} did not come up within {timeout:.0f}s{tail}")
+    last = f"\n--- last lines of {log} ---\n{tail(log, 30)}" if log is not None and log.exists() else ""
+    raise HarnessError(f"{what} did not come up within {timeout:.0f}s{last}")
 
 
-class _Process:
+class ChildProcess:
     """A child process in a session of its own, its output in a log file.
 
     Stopping sends SIGCONT first (a paused process cannot act on SIGTERM),
@@ -197,7 +198,7 @@ class ZooKeeperServer:
         self.extra_config = dict(extra_config or {})
         self.jvm_flags = list(jvm_flags)
         self.log = self.dir / "server.log"
-        self._process: Optional[_Process] = None
+        self._process: Optional[ChildProcess] = None
 
     @property
     def hosts(self) -> str:
@@ -240,11 +241,11 @@ class ZooKeeperServer:
         cfg.write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
         return cfg
 
-    def start(self, wait: bool = True) -> "ZooKeeperServer":
+    def start(self, wait: bool = True) -> ZooKeeperServer:
         """Start (or restart) the server; with ``wait`` block until it answers ``ruok``."""
         java = shutil.which("java")
         if java is None:
-            raise HarnessError("Java is not installed: install Debian's 'default-jre-headless' (make test does)")
+            raise HarnessError("Java is not installed: install a Java runtime (Debian: default-jre-headless)")
         classpath = find_zookeeper_jar()
         if os.path.exists(SLF4J_SIMPLE_JAR):
             classpath += os.pathsep + SLF4J_SIMPLE_JAR
@@ -268,7 +269,7 @@ class ZooKeeperServer:
             "org.apache.zookeeper.server.quorum.QuorumPeerMain",
             str(cfg),
         ]
-        self._process = _Process(argv, self.log, self.dir)
+        self._process = ChildProcess(argv, self.log, self.dir)
         self._process.start()
         if wait:
             try:
@@ -281,7 +282,7 @@ class ZooKeeperServer:
         return self
 
     def wait_serving(self, timeout: float = 60.0) -> None:
-        _wait_for(self.is_serving, timeout, f"ZooKeeper on port {self.port}", self.log)
+        wait_for(self.is_serving, timeout, f"ZooKeeper on port {self.port}", self.log)
 
     def is_serving(self) -> bool:
         """True when the server answers requests (for an ensemble member: has a quorum)."""
@@ -325,7 +326,7 @@ class ZooKeeperServer:
             self._process.send(SIGCONT)
 
     def log_tail(self, lines: int = 40) -> str:
-        return _tail(self.log, lines)
+        return tail(self.log, lines)
 
     def close(self) -> None:
         """Stop the server and remove its directory."""
@@ -333,351 +334,13 @@ class ZooKeeperServer:
         if self._owns_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "ZooKeeperServer":
+    def __enter__(self) -> ZooKeeperServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class ZooKeeperEnsemble:
-    """A real 3-server (or ``size``-server) ensemble on loopback.
-
-    Example::
-
-        with ZooKeeperEnsemble() as ens:
-            client = KazooClient(hosts=ens.hosts)
-            ens.leader().stop(SIGKILL)
-    """
-
-    def __init__(self, size: int = 3, **server_options: object) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="zklock-ensemble-"))
-        peers = [(sid, free_port(), free_port()) for sid in range(1, size + 1)]
-        self.servers = [
-            ZooKeeperServer(base_dir=self.dir / f"server{sid}", myid=sid, peers=peers, **server_options)  # type: ignore[arg-type]
-            for sid, _, _ in peers
-        ]
-
-    @property
-    def hosts(self) -> str:
-        return ",".join(s.hosts for s in self.servers)
-
-    def start(self) -> "ZooKeeperEnsemble":
-        for server in self.servers:
-            server.start(wait=False)
-        for server in self.servers:
-            server.wait_serving()
-        return self
-
-    def leader(self) -> ZooKeeperServer:
-        for server in self.servers:
-            if server.running and server.is_serving() and server.mode() == "leader":
-                return server
-        raise HarnessError("the ensemble has no leader")
-
-    def log_tail(self) -> str:
-        return "\n".join(f"--- server {s.myid} ---\n{s.log_tail(15)}" for s in self.servers)
-
-    def close(self) -> None:
-        for server in self.servers:
-            server.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> "ZooKeeperEnsemble":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class RedisServer:
-    """A real ``redis-server`` on a free port, no persistence, its own temp directory.
-
-    Example::
-
-        with RedisServer() as redis:
-            app.conf.broker_url = redis.url
-    """
-
-    def __init__(self, persistent: bool = False) -> None:
-        self.port = free_port()
-        #: Keep data across :meth:`stop` / :meth:`start` (an append-only file, fsynced per write).
-        self.persistent = persistent
-        self.dir = Path(tempfile.mkdtemp(prefix="zklock-redis-"))
-        self.log = self.dir / "redis.log"
-        self._process: Optional[_Process] = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise HarnessError("Redis is not installed: install Debian's 'redis-server' package (make test does)")
-        argv = [
-            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--save", "", "--protected-mode", "yes",
-            *(["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]),
-        ]
-        self._process = _Process(argv, self.log, self.dir)
-        self._process.start()
-
-        def ping() -> bool:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-
-        try:
-            _wait_for(ping, 20, f"Redis on port {self.port}", self.log)
-        except BaseException:
-            self._process.stop(SIGKILL)
-            raise
-        return self
-
-    def log_tail(self, lines: int = 20) -> str:
-        return _tail(self.log, lines)
-
-    def stop(self, sig: int = SIGTERM) -> None:
-        """Stop the server (start() again restarts it on the same port)."""
-        if self._process is not None:
-            self._process.stop(sig)
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> "RedisServer":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class TcpProxy:
-    """A loopback TCP proxy whose links can be cut, to make partitions without root.
-
-    Modes: ``pass`` forwards both ways; ``blackhole`` keeps connections open but
-    forwards nothing (a partition: the client hears nothing, no RST);
-    ``drop_replies`` forwards requests to the server but swallows its replies
-    (the request happens, the client never learns it did).
-    :meth:`reset` closes every open connection (a crash-like RST).
-
-    Example::
-
-        with TcpProxy(zk.port) as proxy:
-            client = KazooClient(hosts=proxy.hosts)
-            proxy.mode = "blackhole"
-    """
-
-    MODES = ("pass", "blackhole", "drop_replies")
-
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
-        self.target = (target_host, target_port)
-        self._mode = "pass"
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self.port = int(self._sock.getsockname()[1])
-        self._conns: List[socket.socket] = []
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name=f"TcpProxy:{self.port}", daemon=True)
-
-    @property
-    def hosts(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def mode(self) -> str:
-        return self._mode
-
-    @mode.setter
-    def mode(self, value: str) -> None:
-        if value not in self.MODES:
-            raise ValueError(f"TcpProxy mode must be one of {self.MODES}, not {value!r}")
-        self._mode = value
-
-    def start(self) -> "TcpProxy":
-        self._thread.start()
-        return self
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._conns += [client, server]
-            for src, dst, is_reply in ((client, server, False), (server, client, True)):
-                threading.Thread(target=self._pump, args=(src, dst, is_reply), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, is_reply: bool) -> None:
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                mode = self._mode
-                if mode == "blackhole" or (mode == "drop_replies" and is_reply):
-                    continue
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def reset(self) -> None:
-        """Close every proxied connection now; new connections are accepted as before."""
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for s in conns:
-            try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                s.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._closed.set()
-        self._sock.close()
-        self.reset()
-
-    def __enter__(self) -> "TcpProxy":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class _CeleryProcess:
-    """A real ``celery`` subprocess (worker or beat) with its own directory and log file."""
-
-    kind = ""
-
-    def __init__(self, app: str, name: str, args: Sequence[str], env: Optional[Dict[str, str]]) -> None:
-        import sys
-
-        self.name = name
-        self.dir = Path(tempfile.mkdtemp(prefix=f"zklock-{self.kind}-{name}-"))
-        self.log = self.dir / f"{self.kind}.log"
-        argv = [sys.executable, "-m", "celery", "-A", app, self.kind, "--loglevel", "INFO", "-f", str(self.log), *args]
-        self._process = _Process(argv, self.dir / "stdout.log", self.dir, env={**os.environ, **(env or {})})
-
-    @property
-    def proc(self) -> Optional[subprocess.Popen]:
-        return self._process.proc
-
-    def start(self, wait: bool = True, timeout: float = 60.0) -> "_CeleryProcess":
-        self._process.start()
-        if wait:
-            self.start_wait(timeout)
-        return self
-
-    def start_wait(self, timeout: float = 60.0) -> None:
-        """Wait until the process is ready (for several started with ``wait=False``)."""
-        try:
-            _wait_for(self._ready, timeout, f"celery {self.kind} {self.name}", self.log)
-        except BaseException:
-            self.close()  # never leave a half-started process behind
-            raise
-
-    def _ready(self) -> bool:
-        if not self._process.running:
-            code = self.proc.returncode if self.proc is not None else None
-            raise HarnessError(f"celery {self.kind} {self.name} exited with {code}:\n{self.log_tail()}")
-        return self.ready_line in self.log_text()
-
-    ready_line = ""
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def signal(self, sig: int) -> None:
-        self._process.send(sig)
-
-    def stop(self, sig: int = SIGTERM, timeout: float = 60.0) -> int:
-        """Stop the process (SIGTERM: warm shutdown) and return its exit code."""
-        return self._process.stop(sig, timeout)
-
-    def crash(self) -> None:
-        """SIGKILL the process and its children at once, as a machine crash would (logs stay)."""
-        self._process.kill()
-
-    @property
-    def running(self) -> bool:
-        return self._process.running
-
-    def log_text(self) -> str:
-        """What the process printed before its log file existed, then the log file."""
-        return "".join(f.read_text(errors="replace") for f in (self.dir / "stdout.log", self.log) if f.exists())
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def close(self) -> None:
-        self._process.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> "_CeleryProcess":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-        self.close()
-
-
-class CeleryWorker(_CeleryProcess):
-    """A real ``celery worker`` subprocess.
-
-    Example::
-
-        with CeleryWorker("tests.worker_app", name="w1", pool="prefork", concurrency=2, env=env) as w:
-            result = task.delay(1).get(timeout=10)
-    """
-
-    kind = "worker"
-    ready_line = " ready."
-
-    def __init__(self, app: str, name: str = "w1", pool: str = "prefork", concurrency: int = 2,
-                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = ()) -> None:
-        super().__init__(app, name, ["-n", f"{name}@%h", "-P", pool, "-c", str(concurrency), "--without-gossip",
-                                     "--without-mingle", "--without-heartbeat", *extra_args], env)
-
-    def children(self) -> List[int]:
-        """Pids of the pool's child processes (prefork)."""
-        out = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
-
-
-class CeleryBeat(_CeleryProcess):
-    """A real ``celery beat`` subprocess (by default with ``LeaderScheduler``).
-
-    Example::
-
-        with CeleryBeat("proj", name="b1", env=env) as beat:
-            beat.signal(signal.SIGSTOP)
-    """
-
-    kind = "beat"
-    ready_line = "beat: Starting..."
-
-    def __init__(self, app: str, name: str = "b1", scheduler: str = "celery_zklock.beat:LeaderScheduler",
-                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = ()) -> None:
-        super().__init__(app, name, ["-S", scheduler, *extra_args], env)
 
 
 # -- histories -------------------------------------------------------------------
@@ -690,15 +353,56 @@ class Hold:
     """
 
     key: str
-    mode: str  # exclusive, write, read, or semN
+    mode: str  # exclusive, write, read or semaphore
     token: int
     start: float
     end: float
     who: str = ""
+    #: A semaphore's limit (1 for every other mode).
+    limit: int = 1
+
+    @classmethod
+    def of(cls, lock: Any, start: float, end: float, who: str = "") -> Hold:
+        """The hold of a :class:`~celery_zklock.Lock` from ``start`` to ``end``."""
+        return cls(lock.key or lock.path, lock.mode, lock.fencing_token, start, end, who, lock.rule.leases)
 
 
-def _limit(mode: str) -> int:
-    return int(mode[3:]) if mode.startswith("sem") else 1
+class HistoryRecorder:
+    """Records the bodies of locked code, from any thread, and checks them.
+
+    Example::
+
+        history = HistoryRecorder()
+        with celery_zklock.lock(app, "k") as held, history.hold(held, who="t1"):
+            work()
+        assert history.violations() == []
+    """
+
+    def __init__(self) -> None:
+        self._holds: List[Hold] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, lock: Any, who: str = "") -> Iterator[Any]:
+        """Record the body of the ``with`` block as a hold of ``lock`` (call it once ``lock`` is held)."""
+        start = time.monotonic()
+        try:
+            yield lock
+        finally:
+            self.add(Hold.of(lock, start, time.monotonic(), who))
+
+    def add(self, hold: Hold) -> None:
+        with self._lock:
+            self._holds.append(hold)
+
+    @property
+    def holds(self) -> List[Hold]:
+        with self._lock:
+            return list(self._holds)
+
+    def violations(self) -> List[str]:
+        """See :func:`violations`."""
+        return violations(self.holds)
 
 
 def violations(history: Iterable[Hold]) -> List[str]:
@@ -719,8 +423,8 @@ def violations(history: Iterable[Hold]) -> List[str]:
                 found.append(f"{key}: {h.who} (token {h.token}) started while {[a.who for a in active]} held it")
             elif h.mode == "read" and writers:
                 found.append(f"{key}: reader {h.who} started while writer {writers[0].who} held it")
-            elif h.mode.startswith("sem") and len(active) >= _limit(h.mode):
-                found.append(f"{key}: {len(active) + 1} holders at once (limit {_limit(h.mode)})")
+            elif h.mode == "semaphore" and len(active) >= h.limit:
+                found.append(f"{key}: {len(active) + 1} holders at once (limit {h.limit})")
             if h.mode != "read":
                 if last_exclusive is not None and h.mode in ("exclusive", "write") and h.token <= last_exclusive.token:
                     found.append(f"{key}: token {h.token} of {h.who} not above {last_exclusive.token}")
@@ -737,3 +441,4 @@ def max_concurrency(history: Iterable[Hold], key: str) -> int:
         level += d
         best = max(best, level)
     return best
+

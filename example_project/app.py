@@ -10,7 +10,7 @@ from typing import Any
 import redis
 from celery import Celery, current_task
 
-from celery_zklock import current_lock, signals
+from celery_zklock import current_locks, signals
 
 app = Celery("example_project", include=["billing", "reports", "crm", "partners", "maintenance"])
 app.config_from_object("celeryconfig")
@@ -30,16 +30,15 @@ def record(event: str, **fields: Any) -> None:
 
 def work(seconds: float) -> None:
     """A task body: hold the task's locks for ``seconds``, recording each one."""
-    held = current_lock()
-    locks = held if isinstance(held, list) else [held]
+    locks = current_locks()
     start = time.time()
     for lock in locks:
         record("take", key=lock.key, mode=lock.mode, token=lock.fencing_token, waited=bool(lock.blocked_by))
     time.sleep(seconds)
     end = time.time()
     for lock in locks:
-        mode = f"sem{lock.rule.leases}" if lock.mode == "semaphore" else lock.mode
-        record("body", key=lock.key, mode=mode, token=lock.fencing_token, start=start, end=end)
+        record("body", key=lock.key, mode=lock.mode, limit=lock.rule.leases, token=lock.fencing_token, start=start,
+               end=end)
 
 
 @signals.lock_contended.connect

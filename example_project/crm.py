@@ -1,6 +1,7 @@
 """CRM sync: a second sync of the same customer while one runs is pointless, so it is skipped."""
 
 from app import app, work
+
 from celery_zklock import zk_locked
 
 

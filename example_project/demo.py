@@ -82,8 +82,7 @@ class Timeline(threading.Thread):
 
 
 def main() -> int:
-    from celery_zklock.testing import CeleryBeat, CeleryWorker, HarnessError, Hold, RedisServer, ZooKeeperServer
-    from celery_zklock.testing import violations
+    from tests.harness import CeleryBeat, CeleryWorker, HarnessError, Hold, RedisServer, ZooKeeperServer, violations
 
     started: List[Any] = []
     timeline: Optional[Timeline] = None
@@ -140,7 +139,8 @@ def main() -> int:
 
         history = timeline.events()
         bodies = [e for e in history if e["event"] == "body"]
-        holds = [Hold(e["key"], e["mode"], e["token"], e["start"], e["end"], e["who"]) for e in bodies]
+        holds = [Hold(e["key"], e["mode"], e["token"], e["start"], e["end"], e["who"], e.get("limit", 1))
+                 for e in bodies]
         bad = violations(holds)
         dispatches = collections.Counter(e["pid"] for e in history if e["event"] == "beat")
         names = {b.pid: b.name for b in beats}

@@ -1,6 +1,7 @@
 """Partner APIs allow two concurrent calls each: a counting semaphore per partner."""
 
 from app import app, work
+
 from celery_zklock import zk_locked
 
 

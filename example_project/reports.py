@@ -1,6 +1,7 @@
 """Reports: many readers at once, or one writer rebuilding the dataset."""
 
 from app import app, work
+
 from celery_zklock import ZkLockedTask
 
 

@@ -10,9 +10,9 @@ import pytest
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zklock.client import Session, close_sessions
 from celery_zklock.conf import Settings
-from celery_zklock.testing import RedisServer, ZooKeeperEnsemble, ZooKeeperServer
+from celery_zklock.zk import Session, close_sessions
+from tests.harness import RedisServer, ZooKeeperEnsemble, ZooKeeperServer
 
 _started: List[object] = []
 
@@ -29,8 +29,12 @@ def _serve(server):
 
 
 @pytest.fixture(scope="session")
-def zk_server() -> Iterator[ZooKeeperServer]:
-    yield from _serve(ZooKeeperServer())
+def zk_server(zookeeper_server: ZooKeeperServer) -> Iterator[ZooKeeperServer]:
+    """The pytest plugin's server (celery_zklock.pytest): the suite and users' tests share one."""
+    _started.append(zookeeper_server)
+    yield zookeeper_server
+    _started.remove(zookeeper_server)
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

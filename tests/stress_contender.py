@@ -8,8 +8,8 @@ import sys
 import time
 
 from celery_zklock.conf import Settings
-from celery_zklock.client import Session
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
+from celery_zklock.zk import Session
 
 
 def main(hosts: str, root: str, keys: int, rounds: int, name: str) -> None:
@@ -25,7 +25,7 @@ def main(hosts: str, root: str, keys: int, rounds: int, name: str) -> None:
         lock.release()
         # Pauses let keys go empty, so the reaper deletes their nodes under our feet.
         time.sleep(random.uniform(0, 0.03))
-    print(json.dumps({"holds": out, "recreated": session.parents_recreated}))
+    print(json.dumps({"holds": out, "recreated": session.nodes.recreated}))
     session.close()
 
 

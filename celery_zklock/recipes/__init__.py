@@ -1,5 +1,7 @@
 """Recipes that know only kazoo and our session, never Celery."""
 
-from .lock import EXCLUSIVE, READ, WRITE, Decision, Lock, LockState, Rule, semaphore
+from .election import Election, ElectionState
+from .lock import EXCLUSIVE, READ, RULES, WRITE, Decision, Lock, LockState, Rule, contender, semaphore, sequence
 
-__all__ = ["EXCLUSIVE", "READ", "WRITE", "Decision", "Lock", "LockState", "Rule", "semaphore"]
+__all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Election", "ElectionState", "Lock", "LockState", "Rule",
+           "contender", "semaphore", "sequence"]

@@ -22,33 +22,37 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from typing import Callable, List, Optional
 
 from kazoo.exceptions import NoNodeError
 
-from ..client import Session
-from .lock import _SEQUENCE_RE, EXCLUSIVE, Lock, LockState, _sequence
+from ..zk import Session
+from .lock import EXCLUSIVE, Lock, LockState, contender, sequence
 
 __all__ = ["Election", "ElectionState"]
 
 logger = logging.getLogger("celery_zklock")
 
 
-class ElectionState:
+class ElectionState(str, enum.Enum):
     LATENT = "latent"  # not started
     STANDBY = "standby"  # queued behind the leader
     LEADER = "leader"  # holds the election lock, beyond doubt
     SUSPENDED = "suspended"  # was leader; connection broken, leadership unproven
     CLOSED = "closed"
 
+    def __str__(self) -> str:
+        return str(self.value)
+
 
 class Election:
     """One candidate in the election at ``path``."""
 
     def __init__(self, session: Session, path: str, data: bytes = b"",
-                 on_change: Optional[Callable[[str], None]] = None) -> None:
+                 on_change: Optional[Callable[[ElectionState], None]] = None) -> None:
         self.session = session
         self.path = path
         self.data = data
@@ -77,7 +81,7 @@ class Election:
         """The fencing token of our leadership (our node's czxid)."""
         return self._lock.fencing_token if self._lock is not None else None
 
-    def start(self) -> "Election":
+    def start(self) -> Election:
         if self.state != ElectionState.LATENT:
             raise RuntimeError(f"election {self.path} already {self.state}")
         self._set(ElectionState.STANDBY)
@@ -102,7 +106,7 @@ class Election:
         out: List[str] = []
         try:
             # Only real candidates: junk others put here never passes for the leader.
-            children = sorted((c for c in client.get_children(self.path) if _SEQUENCE_RE.search(c)), key=_sequence)
+            children = sorted((c for c in client.get_children(self.path) if contender(c)), key=sequence)
         except NoNodeError:
             return out
         for name in children:
@@ -133,7 +137,7 @@ class Election:
             self._thread.join(5)
 
     # -- the state machine ---------------------------------------------------------
-    def _set(self, state: str) -> None:
+    def _set(self, state: ElectionState) -> None:
         with self._changed:
             if self.state == state or (self.state == ElectionState.CLOSED and state != ElectionState.CLOSED):
                 return

@@ -28,25 +28,36 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
-from kazoo.exceptions import (
-    ConnectionLoss,
-    NoNodeError,
-    SessionExpiredError,
-)
+from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.protocol.serialization import Create2
-from kazoo.security import OPEN_ACL_UNSAFE
 
-from ..client import Session, SessionState
 from ..exceptions import LockLost, LockNotAcquired
+from ..zk import Session, SessionState
 
-__all__ = ["EXCLUSIVE", "READ", "WRITE", "Decision", "Lock", "LockState", "Rule", "check_timeout", "semaphore"]
+__all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule", "check_timeout",
+           "contender", "semaphore", "sequence"]
 
 logger = logging.getLogger("celery_zklock")
 
-_SEQUENCE_RE = re.compile(r"(__lock__|__rlock__|__sem__)(-?\d{10})$")
+_CONTENDER_RE = re.compile(r"(__lock__|__rlock__|__sem__)(-?\d{10})$")
+
+
+def contender(name: str) -> Optional[Tuple[str, int]]:
+    """``(node name, sequence)`` of a contender's node, or None for anything else (junk).
+
+    >>> contender("0f3a__rlock__0000000007"), contender("junk")
+    (('__rlock__', 7), None)
+    """
+    m = _CONTENDER_RE.search(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def sequence(name: str) -> int:
+    """A contender node's sequence number (-1 for junk): the order of the queue."""
+    parsed = contender(name)
+    return parsed[1] if parsed else -1
 
 
 class Decision(NamedTuple):
@@ -68,22 +79,24 @@ class Rule:
         Decision(holds=False, watch=('a__lock__0000000001',), watch_promotion=False)
     """
 
+    #: The mode, as users, node data and the CLI spell it: write, read or semaphore.
+    name: str
     node_name: str
     blocked_by: FrozenSet[str]
     leases: int = 1
 
     def decide(self, children: Iterable[str], me: str) -> Decision:
         """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch."""
-        mine = _SEQUENCE_RE.search(me)
+        mine = contender(me)
         if mine is None:
             raise ValueError(f"{me!r} is not a contender node")
-        my_seq = int(mine.group(2))
+        my_seq = mine[1]
         ahead = []
         for child in children:
-            m = _SEQUENCE_RE.search(child)
+            other = contender(child)
             # Nodes of other kinds and foreign junk never block us.
-            if m is not None and m.group(1) in self.blocked_by and int(m.group(2)) < my_seq:
-                ahead.append((int(m.group(2)), child))
+            if other is not None and other[0] in self.blocked_by and other[1] < my_seq:
+                ahead.append((other[1], child))
         if len(ahead) < self.leases:
             return Decision(True, (), False)
         ahead.sort()
@@ -97,20 +110,21 @@ class Rule:
 
 
 #: The writer's rule, also used for exclusive locks: every earlier node blocks.
-WRITE = Rule("__lock__", frozenset({"__lock__", "__rlock__"}))
+WRITE = Rule("write", "__lock__", frozenset({"__lock__", "__rlock__"}))
 EXCLUSIVE = WRITE
 #: Readers are blocked only by earlier writers.
-READ = Rule("__rlock__", frozenset({"__lock__"}))
-
-
-_MODE_NAMES = {"__lock__": "write", "__rlock__": "read", "__sem__": "semaphore"}
+READ = Rule("read", "__rlock__", frozenset({"__lock__"}))
 
 
 def semaphore(limit: int) -> Rule:
     """The rule of a counting semaphore: at most ``limit`` holders per key, FIFO."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a positive int, not {limit!r}")
-    return Rule("__sem__", frozenset({"__sem__"}), limit)
+    return Rule("semaphore", "__sem__", frozenset({"__sem__"}), limit)
+
+
+#: The rule of each node name (a semaphore's with one lease: its limit lives in holder data).
+RULES: Dict[str, Rule] = {r.node_name: r for r in (WRITE, READ, semaphore(1))}
 
 
 class LockState:
@@ -119,16 +133,6 @@ class LockState:
     HELD = "held"
     IN_DOUBT = "in_doubt"  # connection suspended: the server may still count us
     LOST = "lost"  # the session may have expired: someone else may hold it
-
-
-class _CreateContainer(Create2):
-    """CreateContainer (opcode 19): kazoo lacks it. Same wire format as create2."""
-
-    type = 19
-
-
-_CONTAINER_FLAG = 4
-_Timeout = object()
 
 
 class Lock:
@@ -151,7 +155,7 @@ class Lock:
         *,
         data: bytes = b"",
         timeout: Optional[float] = None,
-        on_state: Optional[Callable[["Lock", str], None]] = None,
+        on_state: Optional[Callable[[Lock, str], None]] = None,
         key: Optional[str] = None,
         mode: Optional[str] = None,
     ) -> None:
@@ -167,7 +171,7 @@ class Lock:
         self.on_state = on_state
         #: The key this lock is for (informational) and its mode: exclusive, write, read or semaphore.
         self.key = key
-        self.mode = mode or _MODE_NAMES[rule.node_name]
+        self.mode = mode or rule.name
         self.node: Optional[str] = None
         #: The lock node's czxid: strictly increases from one holder of a key to the next.
         self.fencing_token: Optional[int] = None
@@ -207,13 +211,14 @@ class Lock:
         On timeout, cancel or error our node is removed, so no waiter is left behind.
         """
         timeout = check_timeout(timeout)
-        if self.state != LockState.UNLOCKED:
-            raise RuntimeError(f"lock {self.path} is already {self.state}; locks are not re-entrant")
+        with self._mutex:  # one check-and-set: two threads sharing this object never both get in
+            if self.state != LockState.UNLOCKED:
+                raise RuntimeError(f"lock {self.path} is already {self.state}; locks are not re-entrant")
+            self.state = LockState.WAITING
         deadline = None if timeout is None else time.monotonic() + timeout
         self._prefix = uuid.uuid4().hex + self.rule.node_name
         self._created = False
         self._cancelled = False
-        self.state = LockState.WAITING
         self.session.add_listener(self)
         got = False
         try:
@@ -250,7 +255,7 @@ class Lock:
             out.append(data.decode("utf-8", "replace")[:500])
         return out
 
-    def __enter__(self) -> "Lock":
+    def __enter__(self) -> Lock:
         if not self.acquire(timeout=self.timeout):
             raise LockNotAcquired(f"lock {self.path} not acquired within {self.timeout}s")
         return self
@@ -259,7 +264,7 @@ class Lock:
         self.release()
 
     def __repr__(self) -> str:
-        return f"<Lock {self.path} {self.rule.node_name.strip('_')} {self.state} token={self.fencing_token}>"
+        return f"<Lock {self.path} {self.mode} {self.state} token={self.fencing_token}>"
 
     # -- the engine -------------------------------------------------------------------
     def _acquire(self, blocking: bool, deadline: Optional[float]) -> bool:
@@ -317,55 +322,58 @@ class Lock:
 
     def _enter(self, deadline: Optional[float]) -> List[str]:
         """Make sure we have exactly one node in the queue; return the children as seen after it."""
-        session = self.session
-        client = session.client
-        session.retry_deletes()
+        self.session.nodes.retry_deletes()
         if self._created:
+            # A create whose reply we never saw may have made our node: find it by
+            # its uuid prefix before we ever make a second one.
             try:
-                children = _wait(client.get_children_async(self.path), deadline)
+                children = _wait(self.session.client.get_children_async(self.path), deadline)
             except NoNodeError:
                 children = []
             if self._adopt_lowest(children):
                 return children
         while True:
-            known = self.path in session.known_parents
-            if not known:
-                session.ensure_path(posixpath.dirname(self.path))
-                container = _CreateContainer(client.chroot + self.path, b"", client.default_acl or OPEN_ACL_UNSAFE,
-                                             _CONTAINER_FLAG)
-                client._call(container, client.handler.async_result())  # NodeExists is fine: nobody waits
-            self._created = True
-            created = client.create_async(
-                f"{self.path}/{self._prefix}", self.data, ephemeral=True, sequence=True, include_data=True
-            )
-            # ZooKeeper answers one session's requests in order, so the read sent
-            # right behind the create costs no extra round trip and sees our node.
-            # A key we just (re)made skips it: see the sequence check below.
-            listed = client.get_children_async(self.path) if known else None
             try:
-                path, stat = _wait(created, deadline)
+                return self._create_node(deadline)
             except NoNodeError:
                 # The key's node was reaped (it is a container) between uses: make it again.
-                session.known_parents.pop(self.path, None)
-                session.parents_recreated += 1
-                if listed is not None:
-                    listed.rawlink(_ignore)
-                continue
-            session.remember_parent(self.path)
-            self.node = posixpath.basename(path)
-            self.fencing_token = stat.czxid
+                self.session.nodes.container_gone(self.path)
+
+    def _create_node(self, deadline: Optional[float]) -> List[str]:
+        """The recipe: create our EPHEMERAL_SEQUENTIAL node under the key, then read the children."""
+        client = self.session.client
+        # Speed-up 1: the key's container is created only when this session has not
+        # used it lately. If the server reaped it since, our create fails with
+        # NoNode and _enter makes it again: never a wrong answer, one retry.
+        parent_known = self.session.nodes.ensure_container(self.path)
+        self._created = True
+        created = client.create_async(
+            f"{self.path}/{self._prefix}", self.data, ephemeral=True, sequence=True, include_data=True
+        )
+        # Speed-up 2: ZooKeeper answers one session's requests in order, so a read
+        # sent right behind the create sees our node and costs no round trip of its own.
+        listed = client.get_children_async(self.path) if parent_known else None
+        try:
+            path, stat = _wait(created, deadline)
+        except NoNodeError:
             if listed is not None:
-                return _wait(listed, deadline)
-            if _sequence(self.node) == 0:
-                # The sequence number is the parent's child-change count before our
-                # create: 0 means no contender ever came before us under this node.
-                return [self.node]
-            return _wait(client.get_children_async(self.path), deadline)
+                listed.rawlink(_ignore)
+            raise
+        self.session.nodes.container_used(self.path)
+        self.node = posixpath.basename(path)
+        self.fencing_token = stat.czxid
+        if listed is not None:
+            return _wait(listed, deadline)
+        if sequence(self.node) == 0:
+            # Speed-up 3: the sequence number is the parent's child-change count before
+            # our create, so 0 means no contender ever came before us under this node.
+            return [self.node]
+        return _wait(client.get_children_async(self.path), deadline)
 
     def _adopt_lowest(self, children: List[str]) -> bool:
         """Take the lowest node carrying our prefix as ours and delete any other (an orphan of
         a create whose reply was lost); False when we have none."""
-        mine = sorted((c for c in children if c.startswith(self._prefix)), key=_sequence)
+        mine = sorted((c for c in children if c.startswith(self._prefix)), key=sequence)
         if not mine:
             return False
         if mine[0] != self.node:
@@ -374,7 +382,7 @@ class Lock:
                 return False
             self.node, self.fencing_token = mine[0], stat.czxid
         for extra in mine[1:]:
-            self.session.delete_later(f"{self.path}/{extra}")
+            self.session.nodes.delete_later(f"{self.path}/{extra}")
         return True
 
     def _become_holder(self, generation: int, promoted: bool) -> bool:
@@ -398,7 +406,7 @@ class Lock:
     def _delete_own_node(self) -> None:
         node, self.node = self.node, None
         if node is not None:
-            self.session.delete_later(f"{self.path}/{node}")
+            self.session.nodes.delete_later(f"{self.path}/{node}")
 
     def _wait_connected(self, deadline: Optional[float]) -> bool:
         while not self._cancelled:
@@ -469,17 +477,12 @@ def _ignore(result: Any) -> None:
     pass
 
 
-def _sequence(name: str) -> int:
-    m = _SEQUENCE_RE.search(name)
-    return int(m.group(2)) if m else -1
-
-
 def _sweep_prefix(session: Session, parent: str, prefix: str) -> None:
     """Delete our node if a create whose reply we never saw made one (requests run in order,
     so this read comes after that create)."""
-    client = session._client
-    if client is None:
+    if not session.started:
         return
+    client = session.client
 
     def listed(result: Any) -> None:
         try:
@@ -491,7 +494,7 @@ def _sweep_prefix(session: Session, parent: str, prefix: str) -> None:
             return
         for child in children:
             if child.startswith(prefix):
-                session.delete_later(f"{parent}/{child}")
+                session.nodes.delete_later(f"{parent}/{child}")
 
     try:
         client.get_children_async(parent).rawlink(listed)

@@ -19,7 +19,7 @@ import redis
 from kazoo.client import KazooClient
 
 from celery_zklock.keys import encode_key
-from celery_zklock.testing import CeleryBeat, TcpProxy, free_port
+from tests.harness import CeleryBeat, TcpProxy, free_port
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow

@@ -21,8 +21,8 @@ import pytest
 import redis
 from kazoo.client import KazooClient
 
-from celery_zklock.testing import CeleryBeat, CeleryWorker, Hold, RedisServer, TcpProxy, violations
 from tests import chaos_app
+from tests.harness import CeleryBeat, CeleryWorker, Hold, RedisServer, TcpProxy, violations
 from tests.util import children, wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -62,7 +62,10 @@ class Chaos:
         self.proxies: List[TcpProxy] = []
         self.killed: Dict[str, float] = {}  # worker hostname -> when it was SIGKILLed
         chaos_app.app.conf.update(broker_url=broker.url, task_default_queue=self.queue)
-        self.kazoo = KazooClient(hosts=ensemble.hosts)
+        # The observer's session must outlive every fault here: with kazoo's default 10 s it
+        # expired while the quorum was down (8 s plus an election) and its next read raised
+        # SessionExpiredError. 60 s is the harness server's maxSessionTimeout.
+        self.kazoo = KazooClient(hosts=ensemble.hosts, timeout=60)
         self.kazoo.start(timeout=20)
 
     def env(self, hosts: Optional[str], session_timeout: float = TIMEOUT) -> Dict[str, str]:

@@ -11,8 +11,8 @@ from typing import Dict, Iterator
 
 import pytest
 
-from celery_zklock.testing import CeleryBeat, CeleryWorker, free_port
 from tests import worker_app
+from tests.harness import CeleryBeat, CeleryWorker, free_port
 from tests.integration.test_workers import env, queue  # noqa: F401  (fixtures)
 from tests.util import wait_until
 

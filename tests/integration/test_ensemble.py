@@ -8,7 +8,7 @@ import time
 import pytest
 
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
-from celery_zklock.testing import four_letter_word
+from tests.harness import four_letter_word
 from tests.util import wait_until
 
 

@@ -11,14 +11,14 @@ import pytest
 
 from celery_zklock import Lock, LockNotAcquired
 from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, Rule, semaphore
-from celery_zklock.testing import Hold, max_concurrency, violations
+from tests.harness import Hold, max_concurrency, violations
 from tests.util import children, wait_until
 
 KINDS = {
     "exclusive": (EXCLUSIVE, "exclusive"),
     "write": (WRITE, "write"),
-    "sem1": (semaphore(1), "sem1"),
-    "sem3": (semaphore(3), "sem3"),
+    "sem1": (semaphore(1), "semaphore"),
+    "sem3": (semaphore(3), "semaphore"),
 }
 
 
@@ -72,7 +72,7 @@ def test_history_respects_the_limit(kind, make_lock):
             assert lock.is_held
             time.sleep(random.uniform(0, 0.004))
             end = time.monotonic()
-            history.append(Hold("k", mode, lock.fencing_token, start, end, f"c{i}"))
+            history.append(Hold("k", mode, lock.fencing_token, start, end, f"c{i}", rule.leases))
             lock.release()
 
     run_contenders(contender, 6)

@@ -11,8 +11,8 @@ import pytest
 
 import celery_zklock
 from celery_zklock import Lock, LockNotAcquired
-from celery_zklock.client import Session
 from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, semaphore
+from celery_zklock.zk import Session
 from tests.util import children, wait_until
 
 

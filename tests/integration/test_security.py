@@ -12,10 +12,10 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 
 from celery_zklock import ConfigurationError, lock
-from celery_zklock.client import Session
 from celery_zklock.conf import Settings
 from celery_zklock.recipes.election import Election
-from celery_zklock.testing import ZooKeeperServer
+from celery_zklock.zk import Session
+from tests.harness import ZooKeeperServer
 
 SECRET = "s3cret-pw"
 

@@ -9,8 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from celery_zklock.testing import ZooKeeperServer
-from celery_zklock.testing import Hold, violations
+from tests.harness import Hold, ZooKeeperServer, violations
 
 
 @pytest.fixture(scope="module")

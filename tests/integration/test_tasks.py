@@ -12,7 +12,7 @@ from celery import Celery
 
 import celery_zklock
 from celery_zklock import LockLost, LockNotAcquired, ZkLockedTask, current_lock, signals, zk_locked
-from celery_zklock.testing import Hold, TcpProxy, violations
+from tests.harness import Hold, TcpProxy, violations
 from tests.util import children, wait_until
 
 
@@ -97,6 +97,11 @@ def test_opposite_transfers_never_deadlock(celery_app):
             history.append(Hold(lock.key, "exclusive", lock.fencing_token, start, time.monotonic(), src))
         return True
 
+    # Bind the task before 4 threads call it, as a worker does at start-up: Celery binds a
+    # task of an unfinalized app lazily, on first use, and two threads doing that at once
+    # see it half bound (AttributeError: 'NoneType' object has no attribute 'push').
+    celery_app.finalize()
+
     def run(i: int) -> None:
         for _ in range(8):
             assert transfer.apply(args=("a", "b") if i % 2 else ("b", "a")).get() is True
@@ -179,7 +184,7 @@ def test_bad_key_at_call_time_fails_before_the_body(celery_app):
 
 
 def test_unlocked_tasks_open_no_session(celery_app, zk_root):
-    from celery_zklock import client
+    from celery_zklock.zk import session as client
 
     celery_app.conf.zklock_root = zk_root  # settings of its own: no session shared with other tests
 

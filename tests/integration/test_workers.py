@@ -15,8 +15,8 @@ from typing import Dict, Iterator, List
 import pytest
 import redis
 
-from celery_zklock.testing import CeleryWorker, Hold, TcpProxy, free_port, max_concurrency, violations
 from tests import worker_app
+from tests.harness import CeleryWorker, Hold, TcpProxy, free_port, max_concurrency, violations
 from tests.util import children, wait_until
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,106 @@
+"""Every znode path the package uses, and lock keys to znode names and back.
+
+::
+
+    <zklock_root>/locks/<encoded key>/<uuid>__lock__|__rlock__<seq>   read/write and exclusive locks
+    <zklock_root>/semaphores/<encoded key>/<uuid>__sem__<seq>         counting semaphores
+    <zklock_root>/beat/<encoded beat name>/election/<uuid>__lock__<seq>
+    <zklock_root>/beat/<encoded beat name>/entries/<encoded entry name>
+
+Example::
+
+    >>> Layout("/celery-zklock").lock("invoice:42")
+    '/celery-zklock/locks/k-invoice:42'
+    >>> encode_key("a/b"), decode_key("k-a%2Fb")
+    ('k-a%2Fb', 'a/b')
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Tuple
+from urllib.parse import unquote_to_bytes
+
+__all__ = ["LOCK_TREES", "MAX_NAME", "Layout", "check_key", "decode_key", "encode_key"]
+
+#: The two trees lock keys live in: semaphores apart, so a semaphore and a lock on one key never meet.
+LOCK_TREES: Tuple[str, str] = ("locks", "semaphores")
+
+#: Longest encoded name kept whole; longer ones keep a readable prefix plus a hash.
+MAX_NAME = 200
+_PREFIX_LEN = 120
+# Characters kept as they are. Everything else, '%' itself included, is
+# percent-encoded from UTF-8, which is what makes the encoding injective.
+_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.:@=,+")
+
+
+def check_key(key: object, what: str = "key") -> str:
+    """Return ``key`` if it is a str, else raise TypeError naming ``what``."""
+    if not isinstance(key, str):
+        raise TypeError(f"{what} must be a str, not {type(key).__name__}: {key!r:.80}")
+    return key
+
+
+def encode_key(key: str) -> str:
+    """Encode a lock key as one znode name.
+
+    Short forms are ``k-`` plus the percent-encoded key, so ``""``, ``"."`` and
+    ``".."`` are valid names too. Forms longer than :data:`MAX_NAME` become
+    ``h-`` plus a readable prefix plus the key's SHA-256; the two prefixes keep
+    the forms apart, so two keys share a name only if SHA-256 collides.
+    """
+    check_key(key)
+    raw = key.encode("utf-8", "surrogatepass")
+    quoted = "".join(chr(b) if chr(b) in _SAFE else f"%{b:02X}" for b in raw)
+    if len(quoted) + 2 <= MAX_NAME:
+        return "k-" + quoted
+    prefix = quoted[:_PREFIX_LEN]
+    # Never cut an escape in half: the prefix is for people, the hash is for identity.
+    cut = prefix.rfind("%", len(prefix) - 2)
+    if cut != -1:
+        prefix = prefix[:cut]
+    return f"h-{prefix}~{hashlib.sha256(raw).hexdigest()}"
+
+
+def decode_key(name: str) -> Optional[str]:
+    """The key a ``k-`` name encodes; None for a hashed (``h-``) name or a foreign one.
+
+    >>> decode_key(encode_key("é/x")), decode_key("h-abc~123"), decode_key("junk")
+    ('é/x', None, None)
+    """
+    if not name.startswith("k-"):
+        return None
+    return unquote_to_bytes(name[2:]).decode("utf-8", "surrogatepass")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The paths under one ``zklock_root``."""
+
+    root: str
+
+    def lock_tree(self, semaphore: bool = False) -> str:
+        return f"{self.root}/{LOCK_TREES[1] if semaphore else LOCK_TREES[0]}"
+
+    def lock(self, key: str, semaphore: bool = False) -> str:
+        """The node a key's contenders queue under."""
+        return f"{self.lock_tree(semaphore)}/{encode_key(key)}"
+
+    @property
+    def beats(self) -> str:
+        return f"{self.root}/beat"
+
+    def beat(self, name: str) -> str:
+        """``<root>/beat/<name>``: one per beat name (``zklock_beat_name``)."""
+        return f"{self.beats}/{encode_key(name)}"
+
+    def election(self, beat: str) -> str:
+        return f"{self.beat(beat)}/election"
+
+    def entries(self, beat: str) -> str:
+        return f"{self.beat(beat)}/entries"
+
+    def entry(self, beat: str, entry: str) -> str:
+        """Where the leader keeps one schedule entry's last run."""
+        return f"{self.entries(beat)}/{encode_key(entry)}"

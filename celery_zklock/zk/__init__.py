@@ -1,0 +1,13 @@
+"""ZooKeeper plumbing under the recipes: no Celery here.
+
+- :mod:`.session`: the kazoo client (hosts, auth, TLS, the poll handler) and one session per process;
+- :mod:`.clock`: :class:`LivenessClock`, the pure rule for when a session's nodes count as lost;
+- :mod:`.nodes`: persistent paths, key containers, and deletes nobody waits for.
+"""
+
+from .clock import Liveness, LivenessClock
+from .nodes import Nodes, check_acl
+from .session import Session, SessionState, acl_for, close_sessions, session_for
+
+__all__ = ["Liveness", "LivenessClock", "Nodes", "Session", "SessionState", "acl_for", "check_acl",
+           "close_sessions", "session_for"]

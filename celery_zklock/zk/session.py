@@ -1,0 +1,327 @@
+"""The connection: one kazoo client per process and settings, and the session's liveness.
+
+Example::
+
+    session = Session(Settings(hosts=zk.hosts))
+    session.start()            # ZooKeeperUnavailable after connect_timeout
+    session.client.get_children("/")
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from kazoo.client import KazooClient
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.serialization import Auth
+from kazoo.protocol.states import KazooState
+from kazoo.security import ACL, CREATOR_ALL_ACL, READ_ACL_UNSAFE
+
+from ..conf import Settings
+from ..exceptions import ZooKeeperUnavailable
+from ..private import PollHandler, on_negotiated_timeout
+from .clock import Liveness, LivenessClock
+from .nodes import Nodes
+
+__all__ = ["Session", "SessionState", "acl_for", "close_sessions", "session_for"]
+
+logger = logging.getLogger("celery_zklock")
+
+
+class SessionState:
+    """What listeners are told (kazoo's three states, our clock folded in)."""
+
+    CONNECTED = "connected"  # the server answered us recently: held locks are held
+    SUSPENDED = "suspended"  # no connection: held locks are in doubt
+    LOST = "lost"  # the session may have expired: held locks are lost
+
+
+_NOTIFY = {Liveness.HELD: SessionState.CONNECTED, Liveness.IN_DOUBT: SessionState.SUSPENDED,
+           Liveness.LOST: SessionState.LOST}
+
+
+class Session:
+    """A started KazooClient, its :class:`LivenessClock`, and the :class:`Nodes` recipes use.
+
+    Locks remember the clock's ``generation`` they were taken in; when it
+    changes they are lost for good, even if kazoo later reconnects to the old
+    session.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pid = os.getpid()
+        self.clock = LivenessClock(settings.session_timeout)
+        self.nodes = Nodes(lambda: self._client, settings.root, settings.acl)
+        self._client: Optional[KazooClient] = None
+        self._ping_in_flight = False
+        self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._stopped = threading.Event()
+        self._wakeup = threading.Event()
+        self._lock = threading.RLock()
+        self._watchdog: Optional[threading.Thread] = None
+
+    # -- life cycle -------------------------------------------------------
+    @property
+    def client(self) -> KazooClient:
+        if self._client is None:
+            raise RuntimeError("Session.start() has not been called")
+        return self._client
+
+    @property
+    def started(self) -> bool:
+        return self._client is not None
+
+    @property
+    def timeout(self) -> float:
+        """The session timeout in force (the server may grant less than zklock_session_timeout)."""
+        return self.clock.timeout
+
+    @property
+    def generation(self) -> int:
+        return self.clock.generation
+
+    @property
+    def state(self) -> str:
+        return _NOTIFY[self.clock.connection]
+
+    def start(self) -> Session:
+        s = self.settings
+        client = KazooClient(
+            hosts=s.hosts,
+            handler=PollHandler(),
+            timeout=s.session_timeout,
+            auth_data=[("digest", f"{s.auth[0]}:{s.auth[1]}")] if s.auth else None,
+            default_acl=acl_for(s),
+            use_ssl=s.use_ssl,
+            ca=s.ca,
+            certfile=s.certfile,
+            keyfile=s.keyfile,
+            verify_certs=s.verify_certs,
+            # kazoo retries a broken connection forever, which is what a worker wants.
+            connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2},
+        )
+        on_negotiated_timeout(client, self._on_negotiated)
+        client.add_listener(self._on_kazoo_state)
+        self._client = client
+        try:
+            client.start(timeout=s.connect_timeout)
+        except KazooTimeoutError:
+            self._client = None
+            client.stop()
+            client.close()
+            raise ZooKeeperUnavailable(
+                f"could not reach ZooKeeper at zklock_hosts={s.hosts!r} within "
+                f"zklock_connect_timeout={s.connect_timeout:g}s"
+            ) from None
+        with self._lock:
+            now = time.monotonic()
+            self.clock.connected(now, client.client_id[0] if client.client_id else None)
+            self.clock.answered(now, True)  # the connect reply just came: fresh proof, not a stale one
+        self._watchdog = threading.Thread(target=_watchdog_loop, args=(weakref.ref(self),), daemon=True,
+                                          name="celery-zklock-session")
+        self._watchdog.start()
+        return self
+
+    def close(self) -> None:
+        """End the session now, so the server deletes its ephemeral nodes (our locks) at once."""
+        self._stopped.set()
+        self._wakeup.set()
+        client, self._client = self._client, None
+        if client is not None and self.pid == os.getpid():
+            try:
+                client.stop()
+                client.close()
+            except Exception:  # pragma: no cover - shutdown must not raise
+                logger.debug("error while closing the ZooKeeper session", exc_info=True)
+        with self._lock:
+            changed = self.clock.expired(time.monotonic())
+        self._after(changed)
+
+    # -- listeners ----------------------------------------------------------
+    def add_listener(self, obj: Any) -> None:
+        """Register an object with ``on_session_state(state: str)``; held weakly."""
+        self._listeners.add(obj)
+
+    def remove_listener(self, obj: Any) -> None:
+        self._listeners.discard(obj)
+
+    def _notify(self, state: str) -> None:
+        for obj in list(self._listeners):
+            try:
+                obj.on_session_state(state)
+            except Exception:  # a listener's bug must not break the session
+                logger.exception("celery-zklock session listener failed")
+
+    def _after(self, lost: bool, state: Optional[str] = None) -> None:
+        """Tell listeners what changed: LOST first (a new generation), then the new state."""
+        if lost:
+            self.nodes.forget()
+            self._notify(SessionState.LOST)
+        if state is not None:
+            self._notify(state)
+
+    # -- state ----------------------------------------------------------------
+    def lost_at(self) -> float:
+        """Monotonic time after which the server may have expired this session."""
+        return self.clock.lost_at()
+
+    def is_alive(self) -> bool:
+        """True when connected and the server answered recently enough to vouch for our nodes."""
+        return self.clock.liveness(time.monotonic()) == Liveness.HELD
+
+    def _on_negotiated(self, timeout: float) -> None:
+        if timeout < self.settings.session_timeout:
+            logger.warning("ZooKeeper granted a %gs session, shorter than zklock_session_timeout=%gs: "
+                           "locks count as lost after the shorter one (raise the server's maxSessionTimeout)",
+                           timeout, self.settings.session_timeout)
+        with self._lock:
+            self.clock.negotiated_timeout = timeout
+
+    def _on_kazoo_state(self, state: str) -> None:
+        # Runs on kazoo's event thread: do no blocking calls here.
+        now = time.monotonic()
+        notify = None
+        with self._lock:
+            generation = self.clock.generation
+            if state == KazooState.SUSPENDED:
+                if self.clock.suspended(now):
+                    notify = SessionState.SUSPENDED
+            elif state == KazooState.LOST:
+                self.clock.expired(now)
+            elif state == KazooState.CONNECTED:
+                client = self._client
+                if client is None:
+                    return
+                sid = client.client_id[0] if client.client_id else None
+                if self.clock.connected(now, sid):
+                    notify = SessionState.CONNECTED
+            lost = self.clock.generation != generation
+        self._after(lost, notify)
+        self._wakeup.set()
+
+    def _heartbeat(self) -> None:
+        client = self._client
+        # kazoo's own state, not ours: after our clock ran out on a live
+        # connection, an answered heartbeat is what brings us back.
+        if client is None or self._ping_in_flight or client.state != KazooState.CONNECTED:
+            return
+        sent = time.monotonic()
+        self._ping_in_flight = True
+
+        def acked(result: Any) -> None:
+            self._ping_in_flight = False
+            try:
+                result.get_nowait()
+            except Exception:
+                return
+            with self._lock:
+                revived = self.clock.answered(sent, client.connected)
+            if revived:
+                self._notify(SessionState.CONNECTED)
+
+        try:
+            client.exists_async("/").rawlink(acked)
+        except Exception:
+            self._ping_in_flight = False
+
+    def _check(self) -> float:
+        """Heartbeat, declare the session lost if its clock ran out; return seconds to sleep."""
+        self._heartbeat()
+        self.nodes.retry_deletes()
+        now = time.monotonic()
+        with self._lock:
+            silent = now - self.clock.last_answer
+            lost = self.clock.tick(now)
+            interval = self.clock.heartbeat_interval(now)
+        if lost:
+            logger.warning("ZooKeeper session silent for %.1fs (session timeout %gs): its locks count as lost",
+                           silent, self.timeout)
+            self._after(True)
+        return interval
+
+
+def acl_for(settings: Settings) -> Optional[List[ACL]]:
+    """The ACL of every node we create (None: kazoo's default, open to anyone)."""
+    if settings.acl == "creator":
+        # Changes only by our credential; reads by anyone, so tools can show holders.
+        return [*CREATOR_ALL_ACL, *READ_ACL_UNSAFE]
+    return None
+
+
+class _HideCredentials(logging.Filter):
+    """kazoo logs every request at DEBUG, its digest ``Auth`` (with the password) too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, Auth) for a in args):
+            record.args = tuple(f"Auth(scheme={a.scheme!r}, auth=<hidden>)" if isinstance(a, Auth) else a
+                                for a in args)
+        return True
+
+
+logging.getLogger("kazoo.client").addFilter(_HideCredentials())
+
+
+def _watchdog_loop(ref: weakref.ref[Session]) -> None:
+    # Holds only a weak reference so a forgotten session can be collected.
+    while True:
+        session = ref()
+        if session is None or session._stopped.is_set():
+            return
+        delay = session._check()
+        wakeup = session._wakeup
+        del session
+        wakeup.wait(delay)
+        wakeup.clear()
+
+
+# -- one session per process ------------------------------------------------------
+_sessions: Dict[Tuple[int, Settings], Session] = {}
+_sessions_lock = threading.Lock()
+
+
+def session_for(settings: Settings) -> Session:
+    """Return this process's started session for ``settings``, starting it on first use.
+
+    A child forked after the parent connected never sees the parent's session:
+    sessions are keyed by pid, and the fork hook forgets inherited ones.
+    """
+    key = (os.getpid(), settings)
+    session = _sessions.get(key)
+    if session is not None and session.started:
+        return session
+    with _sessions_lock:
+        session = _sessions.get(key)
+        if session is None or not session.started:
+            session = Session(settings).start()
+            _sessions[key] = session
+        return session
+
+
+def close_sessions() -> None:
+    """Close every session this process opened (their locks are released at once)."""
+    with _sessions_lock:
+        mine = [s for (pid, _), s in _sessions.items() if pid == os.getpid()]
+        _sessions.clear()
+    for session in mine:
+        session.close()
+
+
+def _forget_inherited() -> None:
+    # In a forked child the parent's connection threads do not exist; using its
+    # client would write into the parent's socket. Drop them without closing.
+    global _sessions_lock
+    _sessions_lock = threading.Lock()
+    _sessions.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited)
+atexit.register(close_sessions)

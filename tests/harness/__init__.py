@@ -1,0 +1,23 @@
+"""The project's own test rig: real servers, a fault proxy, Celery process drivers.
+
+The ZooKeeper server and the history checks are public, in :mod:`celery_zklock.testing`
+(users' tests get them through the pytest plugin); the rest is ours alone.
+"""
+
+from celery_zklock.testing import (
+    HarnessError,
+    Hold,
+    ZooKeeperServer,
+    find_zookeeper_jar,
+    four_letter_word,
+    free_port,
+    max_concurrency,
+    violations,
+)
+
+from .celery_procs import CeleryBeat, CeleryWorker
+from .proxy import TcpProxy
+from .servers import RedisServer, ZooKeeperEnsemble
+
+__all__ = ["CeleryBeat", "CeleryWorker", "HarnessError", "Hold", "RedisServer", "TcpProxy", "ZooKeeperEnsemble",
+           "ZooKeeperServer", "find_zookeeper_jar", "four_letter_word", "free_port", "max_concurrency", "violations"]

@@ -1,0 +1,83 @@
+"""The zk/ layer against a real server: key containers, deferred deletes, the negotiated timeout."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from celery_zklock.exceptions import ConfigurationError
+from celery_zklock.private import peer_address
+from celery_zklock.zk import Nodes
+from tests.util import wait_until
+
+
+@pytest.fixture
+def nodes(kazoo, zk_root):
+    return Nodes(lambda: kazoo, zk_root, "open")
+
+
+def test_a_container_is_created_once_and_reaped_when_empty(nodes, kazoo, zk_root):
+    path = f"{zk_root}/locks/k-a"
+    assert nodes.ensure_container(path) is False  # unknown: create sent
+    kazoo.create(f"{path}/x__lock__", ephemeral=True, sequence=True)  # requests run in order: it exists
+    nodes.container_used(path)
+    assert nodes.ensure_container(path) is True  # known: no request at all
+    assert kazoo.get_children(path)
+    for child in kazoo.get_children(path):
+        kazoo.delete(f"{path}/{child}")
+    # The server's reaper (every 500 ms in the harness) removes the empty container.
+    wait_until(lambda: kazoo.exists(path) is None, timeout=10)
+    nodes.container_gone(path)
+    assert nodes.recreated == 1
+    assert nodes.ensure_container(path) is False  # forgotten: created again
+
+
+def test_forget_drops_every_cached_path(nodes, kazoo, zk_root):
+    nodes.ensure_path(f"{zk_root}/locks")
+    nodes.container_used(f"{zk_root}/locks/k-b")
+    nodes.forget()
+    kazoo.delete(f"{zk_root}/locks", recursive=True)
+    nodes.ensure_path(f"{zk_root}/locks")  # not cached: really created again
+    assert kazoo.exists(f"{zk_root}/locks") is not None
+    assert nodes.ensure_container(f"{zk_root}/locks/k-b") is False
+
+
+def test_deferred_deletes_are_done_in_order_and_forgotten(nodes, kazoo, zk_root):
+    kazoo.ensure_path(zk_root)
+    paths = [kazoo.create(f"{zk_root}/n", sequence=True) for _ in range(20)]
+    for path in paths:
+        nodes.delete_later(path)
+    wait_until(lambda: kazoo.get_children(zk_root) == [], timeout=10)
+    nodes.retry_deletes()
+    assert nodes.pending_deletes() == 0
+
+
+def test_a_delete_of_a_gone_node_is_done_not_retried(nodes, zk_root):
+    nodes.delete_later(f"{zk_root}/never-existed")  # answered NoNode: nothing to re-send
+
+    def drained() -> bool:
+        nodes.retry_deletes()
+        return nodes.pending_deletes() == 0
+
+    wait_until(drained, timeout=10)
+
+
+def test_creator_acl_refuses_a_world_writable_level(kazoo, zk_root):
+    kazoo.ensure_path(f"{zk_root}/locks")  # open to the world
+    nodes = Nodes(lambda: kazoo, zk_root, "creator")
+    with pytest.raises(ConfigurationError, match=rf"{zk_root} is writable by anyone"):
+        nodes.ensure_path(f"{zk_root}/locks")
+
+
+def test_the_session_learns_the_timeout_the_server_grants(new_session, zk_server, caplog):
+    asked = new_session(session_timeout=4)
+    assert asked.clock.negotiated_timeout == pytest.approx(4.0)
+    assert asked.timeout == pytest.approx(4.0)
+    with caplog.at_level(logging.WARNING, logger="celery_zklock"):
+        # The harness server's maxSessionTimeout is 60 s: it grants 60 where 120 was asked.
+        capped = new_session(session_timeout=120)
+    assert capped.clock.negotiated_timeout == pytest.approx(60.0)
+    assert capped.timeout == pytest.approx(60.0)  # the "lost" clock runs on the shorter one
+    assert "shorter than zklock_session_timeout=120s" in caplog.text
+    assert peer_address(capped.client)[1] == zk_server.port
