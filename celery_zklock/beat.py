@@ -57,7 +57,8 @@ class _Leadership(Scheduler):
     #: The paths under ``zklock_root``; the beat's name within them.
     layout: Optional[Layout] = None
     beat_name: str = ""
-    _leading = False
+    #: The election token the schedule's state was loaded under (None: not leading).
+    _leading_token: Optional[int] = None
 
     def setup_schedule(self) -> None:
         try:
@@ -81,20 +82,23 @@ class _Leadership(Scheduler):
     def tick(self, *args: Any, **kwargs: Any) -> float:
         election = self.election
         if election is None or not election.is_leader:
-            if self._leading:
-                self._leading = False
+            if self._leading_token is not None:
+                self._leading_token = None
                 logger.warning("beat: not leading any more (%s): dispatch stopped",
                                election.state if election else "closed")
             # Wait on the election, not on ZooKeeper: we are woken the moment we lead.
             if election is None or not election.wait_leader(self.max_interval):
                 return 0.05  # beat sleeps this long, then ticks (and waits) again
-        if not self._leading:
+        token = election.token
+        if token != self._leading_token:
+            # A new leadership, even one this beat never saw end (it lost and regained
+            # it between two ticks): another leader may have run entries meanwhile.
             try:
                 self.on_leadership()
             except KazooException as exc:  # the connection broke while we loaded state: not leading yet
                 logger.warning("beat: could not take over the schedule (%s); trying again", exc)
                 return 0.5
-            self._leading = True
+            self._leading_token = token
         return super().tick(*args, **kwargs)
 
     def on_leadership(self) -> None:

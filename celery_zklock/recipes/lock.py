@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import posixpath
@@ -32,6 +33,7 @@ from typing import Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, O
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import EventType
 
 from ..exceptions import LockLost, LockNotAcquired
 from ..zk import Session, SessionState
@@ -286,7 +288,6 @@ class Lock:
         client = session.client
         generation = session.generation
         children = self._enter(deadline)
-        waited = False
         while True:
             if session.generation != generation:
                 raise SessionExpiredError()  # our node may be gone: find or re-create it
@@ -296,7 +297,7 @@ class Lock:
                 raise _NodeGone()
             decision = self.rule.decide(children, self.node)  # type: ignore[arg-type]
             if decision.holds:
-                return self._become_holder(generation, promoted=waited)
+                return self._become_holder(generation, children)
             self.blocked_by = decision.watch
             if not blocking or self._cancelled:
                 return False
@@ -304,7 +305,6 @@ class Lock:
             if not self._watch(decision, deadline):
                 if not self._event.wait(_remaining(deadline)):
                     return False
-            waited = True
             if self._cancelled:
                 return False
             children = _wait(client.get_children_async(self.path), deadline)
@@ -385,12 +385,15 @@ class Lock:
             self.session.nodes.delete_later(f"{self.path}/{extra}")
         return True
 
-    def _become_holder(self, generation: int, promoted: bool) -> bool:
+    def _become_holder(self, generation: int, children: List[str]) -> bool:
         with self._mutex:
             self._generation = generation
             self.state = LockState.HELD
-        if promoted and self.rule.leases > 1:
-            # Tell the waiter behind us (if any) that it may now be first in line.
+        self._watch_own_node()
+        if self.rule.leases > 1 and any(sequence(c) > sequence(self.node) for c in children):  # type: ignore[arg-type]
+            # A waiter behind us may have read the children while we still looked like
+            # a waiter, and now watches our node alone (Decision.watch_promotion): touching
+            # it wakes that one waiter to look again. Whoever reads after us sees us hold.
             self.session.client.set_async(f"{self.path}/{self.node}", self.data)
         return True
 
@@ -419,10 +422,49 @@ class Lock:
             self._event.wait(0.1 if remaining is None else min(remaining, 0.1))
         return False
 
+    def _watch_own_node(self) -> None:
+        """Learn if anyone but us deletes our node while we hold: then someone else may hold.
+
+        Not waited for: the exists rides behind the requests already sent, and its
+        answer (or its watch) only matters if the node is gone.
+        """
+        node = self.node
+        if node is None:
+            return
+        try:
+            result = self.session.client.exists_async(f"{self.path}/{node}",
+                                                      watch=functools.partial(self._on_own_node, node))
+        except Exception:  # a closed client: the session's end is reported on its own path
+            return
+        result.rawlink(functools.partial(self._own_node_checked, node))
+
     # -- callbacks (kazoo's event thread) -------------------------------------------------
     def _on_watch(self, event: Any) -> None:
         self.wakeups += 1
         self._event.set()
+
+    def _on_own_node(self, node: str, event: Any) -> None:
+        if event.type == EventType.DELETED:
+            self._node_gone(node)
+        elif node == self.node and self.state in (LockState.HELD, LockState.IN_DOUBT):
+            self._watch_own_node()  # our own touch (a semaphore's) fired it: watch on
+
+    def _own_node_checked(self, node: str, result: Any) -> None:
+        try:
+            if result.get_nowait() is None:
+                self._node_gone(node)  # deleted before our watch was set
+        except Exception:
+            pass  # connection trouble: the session's clock decides
+
+    def _node_gone(self, node: str) -> None:
+        with self._mutex:
+            if node != self.node or self.state not in (LockState.HELD, LockState.IN_DOUBT):
+                return  # our own release, or an earlier node of ours
+            self.state = LockState.LOST
+        logger.warning("lock %s lost (token %s): its node %s was deleted by someone else",
+                       self.path, self.fencing_token, node)
+        if self.on_state is not None:
+            self.on_state(self, LockState.LOST)
 
     def on_session_state(self, state: str) -> None:
         self._event.set()  # a waiting contender re-checks

@@ -16,8 +16,8 @@ from celery_zklock.testing import (
 )
 
 from .celery_procs import CeleryBeat, CeleryWorker
-from .proxy import TcpProxy
+from .proxy import Fault, Op, TcpProxy
 from .servers import RedisServer, ZooKeeperEnsemble
 
-__all__ = ["CeleryBeat", "CeleryWorker", "HarnessError", "Hold", "RedisServer", "TcpProxy", "ZooKeeperEnsemble",
+__all__ = ["CeleryBeat", "CeleryWorker", "Fault", "HarnessError", "Op", "Hold", "RedisServer", "TcpProxy", "ZooKeeperEnsemble",
            "ZooKeeperServer", "find_zookeeper_jar", "four_letter_word", "free_port", "max_concurrency", "violations"]

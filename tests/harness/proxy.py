@@ -1,22 +1,140 @@
-"""A loopback TCP proxy whose links can be cut: partitions without root."""
+"""A loopback proxy that knows ZooKeeper's framing: partitions, and one late reply on demand.
+
+Every frame is a 4-byte big-endian length and a body. On a connection the
+client's first frame is the ConnectRequest and the server's the
+ConnectResponse; after them a request starts with ``(xid: int32, opcode: int32)``
+and a reply with ``(xid: int32, zxid: int64, err: int32)``. A reply carries
+its request's xid; a watch notification has xid -1, a ping's reply -2.
+
+A :class:`Fault` is armed for the next frame that matches it and then placed
+exactly there, so a test builds a schedule instead of hoping for one::
+
+    with TcpProxy(zk.port) as proxy:
+        session = Session(Settings(hosts=proxy.hosts)).start()
+        held = proxy.hold_request(Op.GET_CHILDREN)   # the next getChildren stops here
+        ...                                          # start the acquire in a thread
+        held.wait_matched()                          # it reached the proxy, not the server
+        other.release()                              # something happens meanwhile
+        held.release()                               # now the server reads the children
+"""
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
-from typing import List
+import time
+from typing import Callable, List, Optional
 
-__all__ = ["TcpProxy"]
+__all__ = ["Fault", "Op", "TcpProxy"]
+
+
+class Op:
+    """ZooKeeper opcodes (``ZooDefs.OpCode``) and the special xids."""
+
+    CREATE = 1
+    DELETE = 2
+    EXISTS = 3
+    GET_DATA = 4
+    SET_DATA = 5
+    GET_ACL = 6
+    SET_ACL = 7
+    GET_CHILDREN = 8
+    SYNC = 9
+    PING = 11
+    GET_CHILDREN2 = 12
+    CHECK = 13
+    MULTI = 14
+    CREATE2 = 15
+    CREATE_CONTAINER = 19
+    CLOSE = -11
+    SET_AUTH = 100
+    SET_WATCHES = 101
+
+    WATCH_XID = -1
+    PING_XID = -2
+
+
+class Fault:
+    """One armed fault: what it matches, what it does, and events a test can wait on.
+
+    ``action`` is ``hold`` (stop the stream at the frame until :meth:`release`),
+    ``delay`` (stop it for ``seconds``), ``drop`` (swallow the frame) or
+    ``cut_after`` (a request: let the server do it, swallow the reply, then
+    cut the connection, so the client never learns what happened).
+    """
+
+    def __init__(self, direction: str, match: Callable[[int, int], bool], action: str, seconds: float = 0.0,
+                 count: int = 1, describe: str = "") -> None:
+        self.direction = direction
+        self.match = match
+        self.action = action
+        self.seconds = seconds
+        self.remaining = count
+        self.describe = describe
+        #: Set when the frame reached the proxy (a ``hold`` then waits for :meth:`release`).
+        self.matched = threading.Event()
+        #: Set when the frame went on (or was dropped, or the connection was cut).
+        self.done = threading.Event()
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        """Let a held frame go on."""
+        self._released.set()
+
+    def wait_matched(self, timeout: float = 10.0) -> None:
+        if not self.matched.wait(timeout):
+            raise AssertionError(f"no frame matched the fault {self.describe} within {timeout}s")
+
+    def __repr__(self) -> str:
+        return f"<Fault {self.direction} {self.describe} {self.action}>"
+
+
+class _Link:
+    """One proxied connection: its two sockets and the opcode of each request in flight."""
+
+    def __init__(self, client: socket.socket, server: socket.socket) -> None:
+        self.client = client
+        self.server = server
+        self.ops: dict = {}  # xid -> opcode of requests sent and not answered
+        self.cut_at_xid: Optional[int] = None  # cut the connection once this reply arrives
+        self.cut_fault: Optional[Fault] = None
+
+    def close(self) -> None:
+        for s in (self.client, self.server):
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.close()
+            except OSError:
+                pass
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        data = sock.recv(min(n, 65536))
+        if not data:
+            raise EOFError
+        chunks.append(data)
+        n -= len(data)
+    return b"".join(chunks)
+
+
+def _read_frame(sock: socket.socket) -> bytes:
+    (length,) = struct.unpack(">i", _read_exactly(sock, 4))
+    return struct.pack(">i", length) + _read_exactly(sock, length)
 
 
 class TcpProxy:
-    """A loopback TCP proxy whose links can be cut, to make partitions without root.
+    """A loopback proxy in front of one ZooKeeper server.
 
     Modes: ``pass`` forwards both ways; ``blackhole`` keeps connections open but
     forwards nothing (a partition: the client hears nothing, no RST);
     ``drop_replies`` forwards requests to the server but swallows its replies
     (the request happens, the client never learns it did).
     :meth:`reset` closes every open connection (a crash-like RST).
+    Faults (:meth:`hold_request`, :meth:`delay_reply`, :meth:`cut_after`,
+    :meth:`hold_watch`, :meth:`drop_watches`) act on single frames.
 
     Example::
 
@@ -35,7 +153,8 @@ class TcpProxy:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(64)
         self.port = int(self._sock.getsockname()[1])
-        self._conns: List[socket.socket] = []
+        self._links: List[_Link] = []
+        self._faults: List[Fault] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name=f"TcpProxy:{self.port}", daemon=True)
@@ -54,6 +173,57 @@ class TcpProxy:
             raise ValueError(f"TcpProxy mode must be one of {self.MODES}, not {value!r}")
         self._mode = value
 
+    # -- faults ----------------------------------------------------------------------------
+    def arm(self, fault: Fault) -> Fault:
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def hold_request(self, op: int, count: int = 1) -> Fault:
+        """Stop the client's stream at its next ``op`` request, before the server sees it."""
+        return self.arm(Fault("request", lambda xid, o: o == op, "hold", count=count, describe=f"request op {op}"))
+
+    def hold_reply(self, op: int, count: int = 1) -> Fault:
+        """Stop the server's stream at the reply to the next ``op`` request (the server did the work)."""
+        return self.arm(Fault("reply", lambda xid, o: o == op, "hold", count=count, describe=f"reply to op {op}"))
+
+    def delay_reply(self, op: int, seconds: float, count: int = 1) -> Fault:
+        """Deliver the reply to the next ``op`` request ``seconds`` late (and everything behind it)."""
+        return self.arm(Fault("reply", lambda xid, o: o == op, "delay", seconds, count, f"reply to op {op}"))
+
+    def cut_after(self, op: int, count: int = 1) -> Fault:
+        """Let the next ``op`` request reach the server, swallow its reply, then cut the connection."""
+        return self.arm(Fault("request", lambda xid, o: o == op, "cut_after", count=count,
+                              describe=f"request op {op}"))
+
+    def hold_watch(self, count: int = 1) -> Fault:
+        """Stop the server's stream at its next watch notification."""
+        return self.arm(Fault("reply", lambda xid, o: xid == Op.WATCH_XID, "hold", count=count,
+                              describe="watch event"))
+
+    def drop_watches(self, count: int = 1) -> Fault:
+        """Swallow the server's next ``count`` watch notifications."""
+        return self.arm(Fault("reply", lambda xid, o: xid == Op.WATCH_XID, "drop", count=count,
+                              describe="watch event"))
+
+    def disarm(self) -> None:
+        """Forget armed faults and let every held frame go on."""
+        with self._lock:
+            faults, self._faults = self._faults, []
+        for fault in faults:
+            fault.release()
+
+    def _take(self, direction: str, xid: int, op: int) -> Optional[Fault]:
+        with self._lock:
+            for fault in self._faults:
+                if fault.direction == direction and fault.remaining > 0 and fault.match(xid, op):
+                    fault.remaining -= 1
+                    if fault.remaining == 0:
+                        self._faults.remove(fault)
+                    return fault
+        return None
+
+    # -- plumbing ----------------------------------------------------------------------------
     def start(self) -> TcpProxy:
         self._thread.start()
         return self
@@ -66,25 +236,61 @@ class TcpProxy:
                 return
             try:
                 server = socket.create_connection(self.target, timeout=5)
+                server.settimeout(None)
             except OSError:
                 client.close()
                 continue
+            link = _Link(client, server)
             with self._lock:
-                self._conns += [client, server]
-            for src, dst, is_reply in ((client, server, False), (server, client, True)):
-                threading.Thread(target=self._pump, args=(src, dst, is_reply), daemon=True).start()
+                self._links.append(link)
+            threading.Thread(target=self._pump, args=(link, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(link, True), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, is_reply: bool) -> None:
+    def _pump(self, link: _Link, is_reply: bool) -> None:
+        src, dst = (link.server, link.client) if is_reply else (link.client, link.server)
+        first = True  # ConnectRequest / ConnectResponse: no header
         try:
             while True:
-                data = src.recv(65536)
-                if not data:
+                frame = _read_frame(src)
+                if self._closed.is_set():
                     break
+                fault = None
+                if not first and len(frame) >= 12:
+                    xid, second = struct.unpack(">ii", frame[4:12])
+                    if is_reply:
+                        op = link.ops.pop(xid, 0)
+                        if link.cut_at_xid is not None and xid == link.cut_at_xid:
+                            link.close()  # the server answered: the work is done; the client never hears
+                            assert link.cut_fault is not None
+                            link.cut_fault.done.set()
+                            break
+                    else:
+                        op = second
+                        link.ops[xid] = op
+                    fault = self._take("reply" if is_reply else "request", xid, op)
+                    if fault is not None and fault.action == "cut_after":
+                        link.cut_at_xid, link.cut_fault = xid, fault
+                        fault.matched.set()
+                        fault = None
+                first = False
                 mode = self._mode
                 if mode == "blackhole" or (mode == "drop_replies" and is_reply):
                     continue
-                dst.sendall(data)
-        except OSError:
+                if fault is not None:
+                    fault.matched.set()
+                    if fault.action == "drop":
+                        fault.done.set()
+                        continue
+                    if fault.action == "hold":
+                        fault._released.wait(60)
+                    elif fault.action == "delay":
+                        time.sleep(fault.seconds)
+                if link.cut_at_xid is not None and is_reply:
+                    continue  # swallowing replies until the cut
+                dst.sendall(frame)
+                if fault is not None:
+                    fault.done.set()
+        except (OSError, EOFError, struct.error):
             pass
         finally:
             for s in (src, dst):
@@ -96,17 +302,14 @@ class TcpProxy:
     def reset(self) -> None:
         """Close every proxied connection now; new connections are accepted as before."""
         with self._lock:
-            conns, self._conns = self._conns, []
-        for s in conns:
-            try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                s.close()
-            except OSError:
-                pass
+            links, self._links = self._links, []
+        for link in links:
+            link.close()
 
     def close(self) -> None:
         self._closed.set()
         self._sock.close()
+        self.disarm()
         self.reset()
 
     def __enter__(self) -> TcpProxy:
@@ -114,5 +317,3 @@ class TcpProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-

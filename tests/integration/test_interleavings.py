@@ -1,0 +1,136 @@
+"""Rare schedules, placed on purpose with the ZooKeeper-aware proxy: each test here failed
+on the code before its fix (issue "Correct under every interleaving")."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, List
+
+import pytest
+from celery import Celery
+
+from celery_zklock.beat import LeaderScheduler
+from celery_zklock.recipes import Election, Lock, semaphore, sequence
+from tests.harness import Op, TcpProxy
+from tests.util import wait_until
+
+
+@pytest.fixture
+def proxy(zk_server):
+    with TcpProxy(zk_server.port) as proxy:
+        yield proxy
+
+
+def in_thread(fn: Callable[[], object]) -> List[object]:
+    """Run ``fn`` in a daemon thread; its result (or exception) lands in the returned list."""
+    out: List[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # reported by the test that reads ``out``
+            out.append(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return out
+
+
+def test_a_waiter_behind_a_semaphore_holder_that_never_waited_is_woken(new_session, proxy, kazoo, zk_root):
+    """limit=2: H1 and H2 hold, P queues, U queues behind P watching only P. H1 leaves; P's
+    first read of the children comes after that, so P holds at once. When H2 leaves too,
+    U may hold: it must learn so at once, not when P leaves."""
+    path = f"{zk_root}/semaphores/k-s"
+    rule = semaphore(2)
+    h1, h2 = (Lock(new_session(), path, rule) for _ in range(2))
+    assert h1.acquire(timeout=10) and h2.acquire(timeout=10)
+    p = Lock(new_session(hosts=proxy.hosts), path, rule)
+    late_read = proxy.hold_request(Op.GET_CHILDREN)
+    p_got = in_thread(lambda: p.acquire(timeout=30))
+    late_read.wait_matched()
+    u = Lock(new_session(), path, rule)
+    u_holds = threading.Event()
+    u_got: List[float] = []
+    in_thread(lambda: u.acquire(timeout=30) and (u_got.append(time.monotonic()), u_holds.set()))
+    wait_until(lambda: u.blocked_by == (p.node,))  # U saw H1, H2 and P ahead: it watches P alone
+    h1.release()
+    wait_until(lambda: h1.node is None and len(kazoo.get_children(path)) == 3)
+    late_read.release()
+    wait_until(lambda: p_got == [True])
+    freed = time.monotonic()
+    h2.release()
+    assert u_holds.wait(5), "U slept while a lease was free"
+    assert u_got[0] - freed < 0.1
+    assert p.is_held and u.is_held
+    for lock in (p, u):
+        lock.release()
+
+
+def test_a_holder_whose_node_someone_deletes_counts_its_lock_lost(new_session, kazoo, zk_root):
+    states: List[str] = []
+    lock = Lock(new_session(), f"{zk_root}/locks/k-d", on_state=lambda lk, state: states.append(state))
+    assert lock.acquire(timeout=10)
+    kazoo.delete(f"{lock.path}/{lock.node}")  # an operator, a cleanup script, a bug
+    wait_until(lambda: states == ["lost"], timeout=5)
+    assert not lock.is_held
+    other = Lock(new_session(), lock.path)
+    assert other.acquire(timeout=10)  # the next contender holds: the old holder knows it does not
+    lock.release()
+    other.release()
+
+
+def test_a_leader_whose_node_someone_deletes_stands_by_and_leads_again(new_session, kazoo, zk_root):
+    path = f"{zk_root}/beat/k-x/election"
+    first = Election(new_session(), path, b"first").start()
+    assert first.wait_leader(10)
+    second = Election(new_session(), path, b"second").start()
+    wait_until(lambda: len(kazoo.get_children(path)) == 2)
+    kazoo.delete(f"{path}/{min(kazoo.get_children(path), key=sequence)}")
+    assert second.wait_leader(10)
+    wait_until(lambda: not first.is_leader and len(kazoo.get_children(path)) == 2, timeout=5)
+    second.close()  # the first beat, queued again, takes over: some beat always runs
+    assert first.wait_leader(10)
+    first.close()
+
+
+# -- the beat --------------------------------------------------------------------------
+class RecordingScheduler(LeaderScheduler):
+    """LeaderScheduler that records what it would publish instead of publishing it."""
+
+    sent: List[tuple] = []
+
+    def apply_async(self, entry, producer=None, advance=True, **kwargs):
+        header = entry.options["headers"]["zklock_beat"]
+        self.sent.append((entry.name, header["run"], header["token"]))
+
+
+@pytest.fixture
+def beat_app(zk_server, zk_root):
+    app = Celery("beat-interleavings", set_as_current=False)
+    app.conf.update(zklock_hosts=zk_server.hosts, zklock_root=zk_root, zklock_session_timeout=4,
+                    broker_url="memory://", beat_schedule={"often": {"task": "noop", "schedule": 0.05}})
+    RecordingScheduler.sent = []
+    return app
+
+
+def tick_until_sent(scheduler, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(RecordingScheduler.sent) < n:
+        assert time.monotonic() < deadline, "no dispatch"
+        time.sleep(max(0.0, min(scheduler.tick(), 0.05)))
+
+
+def test_a_leader_that_lost_and_regained_leadership_while_asleep_reloads_the_schedule(beat_app, kazoo):
+    first = RecordingScheduler(app=beat_app)
+    tick_until_sent(first, 1)
+    # While the first beat sleeps between ticks, leadership goes to the second and back.
+    second = RecordingScheduler(app=beat_app)
+    kazoo.delete(first.election.node_path)
+    assert second.election.wait_leader(10)
+    tick_until_sent(second, 4)
+    second.close()
+    assert first.election.wait_leader(10)
+    tick_until_sent(first, 6)
+    first.close()
+    runs = [run for _, run, _ in RecordingScheduler.sent]
+    assert runs == sorted(set(runs)), f"a run was sent twice or out of order: {RecordingScheduler.sent}"
