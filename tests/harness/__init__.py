@@ -19,5 +19,6 @@ from .celery_procs import CeleryBeat, CeleryWorker
 from .proxy import Fault, Op, TcpProxy
 from .servers import RedisServer, ZooKeeperEnsemble
 
-__all__ = ["CeleryBeat", "CeleryWorker", "Fault", "HarnessError", "Op", "Hold", "RedisServer", "TcpProxy", "ZooKeeperEnsemble",
-           "ZooKeeperServer", "find_zookeeper_jar", "four_letter_word", "free_port", "max_concurrency", "violations"]
+__all__ = ["CeleryBeat", "CeleryWorker", "Fault", "HarnessError", "Hold", "Op", "RedisServer", "TcpProxy",
+           "ZooKeeperEnsemble", "ZooKeeperServer", "find_zookeeper_jar", "four_letter_word", "free_port",
+           "max_concurrency", "violations"]
