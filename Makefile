@@ -9,10 +9,19 @@ STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: test lint demo bench chaos system venv clean
+.PHONY: test test-oldest lint demo bench chaos system venv clean
 
 test: system venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The oldest Python and Celery we support (tox env py39-celeryoldest): the unit tests and every
+# test whose behaviour depends on Celery's version (tasks, beat, CLI, interleavings).
+PYTHON39 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3.9) $(shell command -v python3.9))
+OLDEST_TESTS ?= tests/unit tests/integration/test_beat.py tests/integration/test_tasks.py \
+	tests/integration/test_interleavings.py tests/integration/test_cli.py tests/integration/test_pytest_plugin.py
+test-oldest: system venv
+	@[ -n "$(PYTHON39)" ] || { echo "error: no Python 3.9 found (install it, e.g. with pyenv, or set PYTHON39=)"; exit 1; }
+	$(BIN)/tox -e py39-celeryoldest --skip-missing-interpreters false --discover $(PYTHON39) -- -p no:cacheprovider $(OLDEST_TESTS)
 
 # ruff (style, imports, bugbear, pyupgrade for py39) and mypy (targeting Python 3.9).
 lint: venv
@@ -49,7 +58,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9))' || { echo "error: $(PYTHON) is older than Python 3.9"; exit 1; }
 	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV) || { echo "error: could not create a virtualenv with $(PYTHON) (install python3-venv)"; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,lint]'
+	$(BIN)/python -m pip install -q -e '.[test,lint,ci]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

@@ -176,7 +176,10 @@ class LeaderScheduler(_Leadership):
                 continue  # never run under this election
             try:
                 state = json.loads(raw)
-                last = datetime.fromtimestamp(float(state["last_run_at"]), timezone.utc)
+                # In the app's time zone, as Celery's own app.now(): before 5.7 Celery
+                # compares crontab fields with last_run_at's fields without converting.
+                last = datetime.fromtimestamp(float(state["last_run_at"]), timezone.utc).astimezone(
+                    self.app.timezone)
                 count = int(state["total_run_count"])
             except (ValueError, KeyError, TypeError) as exc:
                 logger.error("beat: state of entry %r at %s is corrupt (%s); treating it as never run",

@@ -10,6 +10,7 @@ import sys
 from typing import Dict, Iterator
 
 import pytest
+import redis
 
 from tests import worker_app
 from tests.harness import CeleryBeat, CeleryWorker, free_port
@@ -33,9 +34,14 @@ def cli_env(env) -> Dict[str, str]:  # noqa: F811
 def busy(cli_env, queue, redis_server) -> Iterator[dict]:  # noqa: F811
     """A worker holding k:a with one task waiting behind it, and a beat leading its election."""
     worker = CeleryWorker("tests.worker_app", name="w1", concurrency=2, env=cli_env, extra_args=["-Q", queue]).start()
+    history = redis.Redis.from_url(redis_server.url)
     beat = CeleryBeat("tests.beat_app", name="b1", env={**cli_env, "ZKT_QUEUE": f"{queue}-beat"}).start()
     try:
         holder = worker_app.long_body.apply_async(("a", 30), queue=queue)
+        # Only once the holder holds: sent together, the two tasks race for the lock in two
+        # pool processes, and a waiter that wins runs 10 ms and leaves nobody waiting.
+        wait_until(lambda: any(json.loads(e)["event"] == "started" for e in history.lrange("history", 0, -1)),
+                   timeout=30)
         waiter = worker_app.exclusive.apply_async(("a", 0.01), queue=queue)
         yield {"worker": worker, "beat": beat, "holder": holder, "waiter": waiter}
     finally:

@@ -3,14 +3,19 @@ on the code before its fix (issue "Correct under every interleaving")."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from datetime import datetime, timedelta
 from typing import Callable, List
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
+from celery.schedules import crontab
 
 from celery_zklock.beat import LeaderScheduler
+from celery_zklock.layout import Layout
 from celery_zklock.recipes import Election, Lock, semaphore, sequence
 from tests.harness import Op, TcpProxy
 from tests.util import wait_until
@@ -134,3 +139,29 @@ def test_a_leader_that_lost_and_regained_leadership_while_asleep_reloads_the_sch
     first.close()
     runs = [run for _, run, _ in RecordingScheduler.sent]
     assert runs == sorted(set(runs)), f"a run was sent twice or out of order: {RecordingScheduler.sent}"
+
+
+def test_a_new_leader_loads_last_run_at_in_the_apps_time_zone(beat_app, kazoo, zk_root):
+    """Celery before 5.7 compares crontab fields with last_run_at's own fields: loaded as UTC,
+    a daily 09:00 Asia/Tokyo entry looked 9 hours behind and fired hours early."""
+    tokyo = ZoneInfo("Asia/Tokyo")
+    beat_app.conf.update(timezone="Asia/Tokyo", beat_schedule={"daily": {"task": "noop",
+                                                                          "schedule": crontab(hour=9, minute=0)}})
+    now = datetime.now(tokyo)
+    last = now.replace(hour=9, minute=0, second=0, microsecond=0)
+    if last > now:
+        last -= timedelta(days=1)  # the previous leader ran it at the last 09:00 in Tokyo
+    kazoo.create(Layout(zk_root).entry(beat_app.main, "daily"), makepath=True,
+                 value=json.dumps({"last_run_at": last.timestamp(), "total_run_count": 5}).encode())
+    scheduler = RecordingScheduler(app=beat_app)
+    try:
+        assert scheduler.election.wait_leader(10)
+        scheduler.on_leadership()
+        entry = scheduler.schedule["daily"]
+        due, remaining = entry.is_due()
+        assert not due
+        next_run = datetime.now(tokyo) + timedelta(seconds=remaining)
+        assert abs((next_run - (last + timedelta(days=1))).total_seconds()) < 60, \
+            f"next run at {next_run}, not at 09:00 the next day"
+    finally:
+        scheduler.close()
