@@ -136,7 +136,11 @@ def zk_locked(
             if task is None:
                 raise ConfigurationError(f"{spec.where}: @zk_locked functions run only as Celery tasks")
             bound = bool(args) and args[0] is task
-            return run_locked(task, spec, fn, args, kwargs, bound, lambda: fn(*args, **kwargs))
+            held: List[Lock] = []
+            try:
+                return run_locked(task, spec, fn, args, kwargs, bound, lambda: fn(*args, **kwargs), held)
+            finally:
+                release_all(task, held)  # a second net: see run_locked
 
         locked.__zklock_spec__ = spec  # type: ignore[attr-defined]
         return locked
@@ -171,7 +175,11 @@ class ZkLockedTask(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec = type(self)._zklock_spec or LockSpec.make(self.run, f"task {self.name}", {})
         call = super().__call__
-        return run_locked(self, spec, self.run, args, kwargs, False, lambda: call(*args, **kwargs))
+        held: List[Lock] = []
+        try:
+            return run_locked(self, spec, self.run, args, kwargs, False, lambda: call(*args, **kwargs), held)
+        finally:
+            release_all(self, held)  # a second net: see run_locked
 
 
 # -- the one code path both forms share ---------------------------------------------------
@@ -212,8 +220,14 @@ def _defaults(app: Any) -> TaskDefaults:
 
 
 def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
-               bound: bool, body: Callable[[], Any]) -> Any:
-    """Build the keys, take the locks in one global order, run ``body``, release on every path."""
+               bound: bool, body: Callable[[], Any], held: List[Lock]) -> Any:
+    """Build the keys, take the locks in one global order, run ``body``, release on every path.
+
+    Each lock goes into the caller's ``held`` *before* it is acquired, and is released from
+    there, here and again by the caller. An asynchronous exception (a soft time limit) may
+    land on any line, even as ``acquire`` returns or on the first line of a ``finally``;
+    one such exception can defeat one of the two nets, never both, and release is idempotent.
+    """
     app = task.app
     where = f"task {task.name}"
     defaults = _defaults(app)
@@ -238,42 +252,56 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
     locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
                   task=task.name, task_id=request.id, worker=request.hostname)
              for _, key in ordered]
-    held: List[Lock] = []
-    acquired_at = time.monotonic()
-    deadline = None if timeout is None else acquired_at + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stack = _local.__dict__.setdefault("stack", [])
     try:
         for one in locks:
             wait = policy == "wait"
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            held.append(one)
             if one.acquire(blocking=wait, timeout=remaining if wait else None):
-                held.append(one)
                 signals.lock_acquired.send(sender=task, lock=one)
                 continue
+            held.pop()
             return _contended(task, spec, policy, timeout, one, held)
         for one in held:
             one.ensure()  # one may have been lost while we waited for another: no body then
-        acquired_at = time.monotonic()
-        stack = _local.__dict__.setdefault("stack", [])
-        stack.append(held)
+        acquired = list(held)
         try:
+            stack.append(acquired)
             if guard is None:
                 return body()
             with guard:
                 return body()
         finally:
-            stack.pop()
+            if stack and stack[-1] is acquired:
+                stack.pop()
     finally:
-        held_seconds = time.monotonic() - acquired_at
-        for one in reversed(held):
-            one.release()
-            signals.lock_released.send(sender=task, lock=one, held_seconds=held_seconds)
+        release_all(task, held)
+
+
+def release_all(task: Task, held: List[Lock]) -> None:
+    """Release ``held`` (last taken first) and empty it; finishes even if interrupted, then re-raises."""
+    interrupted: Optional[BaseException] = None
+    attempts = 0
+    while held and attempts < 3 * len(held) + 3:
+        attempts += 1
+        one = held[-1]
+        try:
+            since = one.held_since
+            if one.release():
+                signals.lock_released.send(sender=task, lock=one, held_seconds=time.monotonic() - since)
+        except BaseException as exc:  # noqa: B036 - release the rest first, re-raise below
+            interrupted = interrupted or exc
+            continue  # the same lock again: release is idempotent
+        held.pop()
+    if interrupted is not None:
+        raise interrupted
 
 
 def _contended(task: Task, spec: LockSpec, policy: str, timeout: Optional[float], lock: Lock,
                held: List[Lock]) -> Any:
-    for other in reversed(held):  # give back what we took before waiting on nothing
-        other.release()
-    held.clear()
+    release_all(task, held)  # give back what we took before waiting on nothing
     signals.lock_contended.send(sender=task, lock=lock, policy=policy)
     where = f"task {task.name}"
     if policy == "skip":

@@ -39,7 +39,7 @@ from ..exceptions import LockLost, LockNotAcquired
 from ..zk import Session, SessionState
 
 __all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule", "check_timeout",
-           "contender", "semaphore", "sequence"]
+           "contender", "semaphore", "sequence", "to_the_end"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -178,6 +178,8 @@ class Lock:
         #: The lock node's czxid: strictly increases from one holder of a key to the next.
         self.fencing_token: Optional[int] = None
         self.state = LockState.UNLOCKED
+        #: Monotonic time the lock was last acquired.
+        self.held_since = 0.0
         #: Watch events this contender received (the herd-effect test counts them).
         self.wakeups = 0
         #: The nodes that blocked the last acquire that did not get the lock.
@@ -217,17 +219,19 @@ class Lock:
             if self.state != LockState.UNLOCKED:
                 raise RuntimeError(f"lock {self.path} is already {self.state}; locks are not re-entrant")
             self.state = LockState.WAITING
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._prefix = uuid.uuid4().hex + self.rule.node_name
-        self._created = False
-        self._cancelled = False
-        self.session.add_listener(self)
         got = False
         try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._prefix = uuid.uuid4().hex + self.rule.node_name
+            self._created = False
+            self._cancelled = False
+            self.session.add_listener(self)
             got = self._acquire(blocking, deadline)
         finally:
             if not got:
-                self._abandon()
+                # Also when an asynchronous exception (a soft time limit) lands anywhere
+                # above: whatever node we made goes.
+                to_the_end(self._give_back)
         return got
 
     def cancel(self) -> None:
@@ -236,14 +240,16 @@ class Lock:
         self._event.set()
 
     def release(self) -> bool:
-        """Give the lock back. Does not wait for the server: the delete is pipelined,
-        and re-sent after a reconnect if the connection broke under it."""
+        """Give the lock back; False if it was not held. Does not wait for the server: the
+        delete is pipelined, and re-sent after a reconnect if the connection broke under it.
+
+        Safe to call again after an asynchronous exception interrupted it (or interrupted
+        :meth:`acquire` as it returned): call it in a ``finally`` that covers the acquire too.
+        """
         with self._mutex:
             if self.state not in (LockState.HELD, LockState.IN_DOUBT, LockState.LOST):
                 return False
-            self.state = LockState.UNLOCKED
-        self.session.remove_listener(self)
-        self._delete_own_node()
+        to_the_end(self._give_back)
         return True
 
     def holders(self) -> List[str]:
@@ -258,7 +264,12 @@ class Lock:
         return out
 
     def __enter__(self) -> Lock:
-        if not self.acquire(timeout=self.timeout):
+        try:
+            got = self.acquire(timeout=self.timeout)
+        except BaseException:
+            self.release()  # an asynchronous exception as acquire returned: __exit__ will not run
+            raise
+        if not got:
             raise LockNotAcquired(f"lock {self.path} not acquired within {self.timeout}s")
         return self
 
@@ -388,6 +399,7 @@ class Lock:
     def _become_holder(self, generation: int, children: List[str]) -> bool:
         with self._mutex:
             self._generation = generation
+            self.held_since = time.monotonic()
             self.state = LockState.HELD
         self._watch_own_node()
         if self.rule.leases > 1 and any(sequence(c) > sequence(self.node) for c in children):  # type: ignore[arg-type]
@@ -397,19 +409,23 @@ class Lock:
             self.session.client.set_async(f"{self.path}/{self.node}", self.data)
         return True
 
-    def _abandon(self) -> None:
+    def _give_back(self) -> None:
+        """Delete whatever node we have, then count as unlocked. Idempotent: each step is
+        safe to repeat, so :func:`to_the_end` can finish it after an interruption."""
+        if self.node is not None:
+            self._delete_own_node()
+        elif self._created and self.state == LockState.WAITING:
+            # A create whose reply we never saw may have made a node: find it by prefix.
+            _sweep_prefix(self.session, self.path, self._prefix)
         with self._mutex:
             self.state = LockState.UNLOCKED
         self.session.remove_listener(self)
-        if self.node is not None:
-            self._delete_own_node()
-        elif self._created:
-            _sweep_prefix(self.session, self.path, self._prefix)
 
     def _delete_own_node(self) -> None:
-        node, self.node = self.node, None
+        node = self.node
         if node is not None:
             self.session.nodes.delete_later(f"{self.path}/{node}")
+            self.node = None  # only once the delete is sent: an interruption before it repeats the send
 
     def _wait_connected(self, deadline: Optional[float]) -> bool:
         while not self._cancelled:
@@ -486,6 +502,21 @@ class Lock:
             self._delete_own_node()
         if self.on_state is not None:
             self.on_state(self, new)
+
+
+def to_the_end(step: Callable[[], None], attempts: int = 3) -> None:
+    """Run an idempotent clean-up ``step`` to its end even if an asynchronous exception (a
+    soft time limit, a LockLost meant for a body) lands inside it; then re-raise that exception.
+    """
+    interrupted: Optional[BaseException] = None
+    for _ in range(attempts):
+        try:
+            step()
+            break
+        except BaseException as exc:  # noqa: B036 - finish the clean-up first, re-raise below
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
 
 
 class _TimedOut(Exception):

@@ -1,0 +1,123 @@
+"""An asynchronous exception (a soft time limit, a LockLost aimed at a nested lock) may land
+at any line. Whichever line of acquire, release or the task glue it lands on, no node may be
+left in ZooKeeper: the test injects one at each line in turn, with sys.settrace."""
+
+from __future__ import annotations
+
+import dis
+import functools
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+import celery_zklock
+from celery_zklock import zk_locked
+from tests.util import children, wait_until
+
+PACKAGE = str(Path(celery_zklock.__file__).parent)
+
+
+class Injected(BaseException):
+    """Stands for SoftTimeLimitExceeded or LockLost: raised between two lines of our code."""
+
+
+Event = Tuple[str, int, int]  # (file, line, nth time this line ran)
+
+
+@functools.cache
+def with_starts(code) -> Dict[int, int]:
+    """line -> offset of the BEFORE_WITH (SETUP_WITH before 3.11) of a ``with`` statement on that line."""
+    starts = sorted((offset, line) for offset, line in dis.findlinestarts(code) if line is not None)
+    out: Dict[int, int] = {}
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("BEFORE_WITH", "SETUP_WITH"):
+            lines = [line for offset, line in starts if offset <= ins.offset]
+            if lines:
+                out.setdefault(lines[-1], ins.offset)
+    return out
+
+
+def is_with_exit(frame) -> bool:
+    """True for the line event a ``with`` line gets again as its body ends, before __exit__.
+
+    CPython raises signals' and other asynchronous exceptions only after calls and on
+    backward jumps (bpo-29988), so none can arrive there; only a tracer could.
+    """
+    start = with_starts(frame.f_code).get(frame.f_lineno)
+    return start is not None and frame.f_lasti > start
+
+
+class Injector:
+    """Trace our package's lines in this thread; raise Injected at one chosen line event."""
+
+    def __init__(self, target: Optional[Event] = None) -> None:
+        self.target = target
+        self.seen: List[Event] = []
+        self.fired = False
+        self._counts: Dict[Tuple[str, int], int] = {}
+
+    def _trace(self, frame, event, arg):
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        return self._line
+
+    def _line(self, frame, event, arg):
+        if event == "line" and not is_with_exit(frame):
+            where = (frame.f_code.co_filename, frame.f_lineno)
+            n = self._counts[where] = self._counts.get(where, 0) + 1
+            point = (*where, n)
+            self.seen.append(point)
+            if point == self.target and not self.fired:
+                self.fired = True
+                raise Injected(point)
+        return self._line
+
+    def __enter__(self) -> Injector:
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keys", [["one"], ["a", "b"]], ids=["one key", "two keys"])
+def test_no_line_of_acquire_release_or_the_glue_leaks_a_node(celery_app, kazoo, zk_root, keys):
+    celery_app.conf.zklock_root = zk_root
+    ran: List[int] = []
+
+    @celery_app.task
+    @zk_locked(key=[f"k:{k}" + "-{n}" for k in keys], timeout=10)
+    def locked(n):
+        ran.append(n)
+
+    celery_app.finalize()
+    locked.apply(args=(0,)).get()  # warm: the session exists, the paths are made
+    with Injector() as recording:
+        locked.apply(args=(1,)).get()
+    points = sorted(set(recording.seen), key=recording.seen.index)
+    assert len(points) > 50, "the window was not traced"
+    base = f"{zk_root}/locks"
+    leaks = []
+    for i, point in enumerate(points, start=2):
+        with Injector(point) as injector:
+            try:
+                locked.apply(args=(i,)).get()
+            except Injected:
+                pass
+        if not injector.fired:
+            continue  # this run took another path (a container known, a delete already done)
+
+        def settled() -> bool:
+            return all(children(kazoo, f"{base}/{k}") == [] for k in children(kazoo, base))
+
+        try:
+            wait_until(settled, timeout=2)
+        except AssertionError:
+            leaks.append(f"{Path(point[0]).name}:{point[1]} (run {point[2]})")
+            for k in children(kazoo, base):  # clean up so the next point is judged alone
+                for c in children(kazoo, f"{base}/{k}"):
+                    kazoo.delete(f"{base}/{k}/{c}")
+    assert leaks == [], f"an exception at these lines left a node behind: {leaks}"
