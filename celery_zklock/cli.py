@@ -12,6 +12,7 @@ It reads ZooKeeper only (with the app's credential, if any): it never changes a 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import logging
 import statistics
@@ -26,7 +27,7 @@ from .conf import Settings, beat_name
 from .exceptions import ZkLockError
 from .layout import LOCK_TREES, Layout, decode_key
 from .private import peer_address
-from .recipes.lock import RULES, Rule, contender, semaphore, sequence
+from .recipes.lock import RULES, Rule, contender, semaphore, sequence, split_queue
 from .zk import Session, check_acl
 
 __all__ = ["elections", "locks", "server_info", "zklock"]
@@ -93,22 +94,20 @@ def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Di
                 key = decode_key(name) or name
             if pattern is not None and not fnmatch.fnmatchcase(key, pattern):
                 continue
-            holders, waiters = [], 0
-            for node in sorted(nodes, key=sequence):
-                rule = _rule(contender(node)[0], list(infos.values()))  # type: ignore[index]
-                if not rule.decide(nodes, node).holds:
-                    waiters += 1
-                    continue
+            holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values())))
+            holders = []
+            for node in holding:
                 info, stat = infos[node], nodes[node][1]
                 holders.append({
-                    "mode": info["mode"] if isinstance(info.get("mode"), str) else rule.name,
+                    "mode": info["mode"] if isinstance(info.get("mode"), str)
+                    else _rule(contender(node)[0], []).name,  # type: ignore[index]
                     "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
                     "task_id": info.get("task_id"), "worker": info.get("worker"),
                     # From the node's creation: includes any time it waited before holding.
                     "held_for": round(max(0.0, now - stat.ctime / 1000), 3),
                     "token": stat.czxid, "node": node,
                 })
-            rows.append({"key": key, "path": path, "holders": holders, "waiters": waiters})
+            rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting)})
     return rows
 
 

@@ -242,8 +242,9 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
         default_key(task.name, arguments)]
     # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
     ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
+    settings = settings_of(app)
     try:
-        session = session_for(settings_of(app))
+        session = session_for(settings)
     except ZooKeeperUnavailable as exc:
         raise ZooKeeperUnavailable(f"{where}: {exc}") from None
     request = task.request
@@ -252,6 +253,10 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
     locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
                   task=task.name, task_id=request.id, worker=request.hostname)
              for _, key in ordered]
+    if policy != "wait":
+        # Policies that do not wait still answer within zklock_connect_timeout when
+        # ZooKeeper does not: not acquired, so the policy applies.
+        timeout = settings.connect_timeout
     deadline = None if timeout is None else time.monotonic() + timeout
     stack = _local.__dict__.setdefault("stack", [])
     try:
@@ -259,11 +264,11 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
             wait = policy == "wait"
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             held.append(one)
-            if one.acquire(blocking=wait, timeout=remaining if wait else None):
+            if one.acquire(blocking=wait, timeout=remaining):
                 signals.lock_acquired.send(sender=task, lock=one)
                 continue
             held.pop()
-            return _contended(task, spec, policy, timeout, one, held)
+            return _contended(task, spec, policy, timeout, one, held, deadline)
         for one in held:
             one.ensure()  # one may have been lost while we waited for another: no body then
         acquired = list(held)
@@ -300,13 +305,14 @@ def release_all(task: Task, held: List[Lock]) -> None:
 
 
 def _contended(task: Task, spec: LockSpec, policy: str, timeout: Optional[float], lock: Lock,
-               held: List[Lock]) -> Any:
+               held: List[Lock], deadline: Optional[float]) -> Any:
     release_all(task, held)  # give back what we took before waiting on nothing
     signals.lock_contended.send(sender=task, lock=lock, policy=policy)
     where = f"task {task.name}"
     if policy == "skip":
         logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.key, lock.mode,
-                    "; ".join(lock.holders()) or "another contender")
+                    "; ".join(lock.holders(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
+                    or "another contender (unknown)")
         return None
     message = (f"{where}: lock {lock.key!r} ({lock.mode}) not acquired" +
                (f" within {timeout:g}s" if policy == "wait" and timeout is not None else ""))

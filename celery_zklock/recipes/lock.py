@@ -31,15 +31,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
-from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
+from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import EventType
 
 from ..exceptions import LockLost, LockNotAcquired
 from ..zk import Session, SessionState
+from ..zk.nodes import refused
 
 __all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule", "check_timeout",
-           "contender", "semaphore", "sequence", "to_the_end"]
+           "contender", "semaphore", "sequence", "split_queue", "to_the_end"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -252,16 +253,45 @@ class Lock:
         to_the_end(self._give_back)
         return True
 
-    def holders(self) -> List[str]:
-        """The node data of the contenders that blocked our last attempt (who holds it, for logs)."""
+    def holders(self, timeout: Optional[float] = None) -> List[str]:
+        """The node data of the contenders holding the lock now (who holds it, for logs).
+
+        Decided by the rule over all children, as the waiters themselves decide: the node
+        a waiter watches may be another waiter.
+        """
+        return [data for data, holds in self._queue(timeout) if holds]
+
+    def contenders(self, timeout: Optional[float] = None) -> List[str]:
+        """The node data of every contender for the key, holders first, each in queue order
+        (as kazoo's ``Lock.contenders()``)."""
+        queue = self._queue(timeout)
+        return [data for data, holds in queue if holds] + [data for data, holds in queue if not holds]
+
+    def _queue(self, timeout: Optional[float]) -> List[Tuple[str, bool]]:
+        """(node data, holds) of each contender, in queue order: one read, then the data pipelined."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        client = self.session.client
+        try:
+            children = _wait(client.get_children_async(self.path), deadline)
+        except (NoNodeError, _TimedOut, ConnectionLoss, SessionExpiredError):
+            return []  # for logs and tools: unknown is an answer, never a wait past the timeout
+        holders, waiters = split_queue(children, self._rule_of)
+        ordered = sorted(holders + waiters, key=sequence)
+        pending = [(name, client.get_async(f"{self.path}/{name}")) for name in ordered]
         out = []
-        for name in self.blocked_by:
+        for name, result in pending:
             try:
-                data, _ = self.session.client.get(f"{self.path}/{name}")
+                data, _ = _wait(result, deadline)
             except NoNodeError:
-                continue
-            out.append(data.decode("utf-8", "replace")[:500])
+                continue  # left while we looked
+            except (_TimedOut, ConnectionLoss, SessionExpiredError):
+                break
+            out.append((data.decode("utf-8", "replace")[:500], name in holders))
         return out
+
+    def _rule_of(self, node_name: str) -> Rule:
+        # Contenders of our own kind share our rule (a semaphore's limit); others are kazoo's kinds.
+        return self.rule if node_name == self.rule.node_name else RULES[node_name]
 
     def __enter__(self) -> Lock:
         try:
@@ -291,7 +321,7 @@ class Lock:
                 # by its uuid prefix before it ever creates a second one.
                 if not self._wait_connected(deadline):
                     return False
-            except _TimedOut:
+            except (_TimedOut, KazooTimeoutError):  # the latter from a path made within our deadline
                 return False
 
     def _contend(self, blocking: bool, deadline: Optional[float]) -> bool:
@@ -319,7 +349,7 @@ class Lock:
             if self._cancelled:
                 return False
             children = _wait(client.get_children_async(self.path), deadline)
-            self._adopt_lowest(children)
+            self._adopt_lowest(children, deadline)
 
     def _watch(self, decision: Decision, deadline: Optional[float]) -> bool:
         """Set exists-watches; False means wait for one to fire, True means look again now."""
@@ -341,14 +371,21 @@ class Lock:
                 children = _wait(self.session.client.get_children_async(self.path), deadline)
             except NoNodeError:
                 children = []
-            if self._adopt_lowest(children):
+            if self._adopt_lowest(children, deadline):
                 return children
+        backoff = 0.01
         while True:
             try:
                 return self._create_node(deadline)
             except NoNodeError:
-                # The key's node was reaped (it is a container) between uses: make it again.
+                # The key's node was reaped (it is a container) between uses, or its whole
+                # tree deleted: make them again. Back off, in case it keeps vanishing.
                 self.session.nodes.container_gone(self.path)
+            remaining = _remaining(deadline)
+            if self._cancelled or (remaining is not None and remaining <= 0):
+                raise _TimedOut()
+            self._event.wait(backoff if remaining is None else min(backoff, remaining))  # cancel() sets it
+            backoff = min(backoff * 2, 1.0)
 
     def _create_node(self, deadline: Optional[float]) -> List[str]:
         """The recipe: create our EPHEMERAL_SEQUENTIAL node under the key, then read the children."""
@@ -356,19 +393,21 @@ class Lock:
         # Speed-up 1: the key's container is created only when this session has not
         # used it lately. If the server reaped it since, our create fails with
         # NoNode and _enter makes it again: never a wrong answer, one retry.
-        parent_known = self.session.nodes.ensure_container(self.path)
+        container = self.session.nodes.ensure_container(self.path, _remaining(deadline))
         self._created = True
         created = client.create_async(
             f"{self.path}/{self._prefix}", self.data, ephemeral=True, sequence=True, include_data=True
         )
         # Speed-up 2: ZooKeeper answers one session's requests in order, so a read
         # sent right behind the create sees our node and costs no round trip of its own.
-        listed = client.get_children_async(self.path) if parent_known else None
+        listed = client.get_children_async(self.path) if container is None else None
         try:
             path, stat = _wait(created, deadline)
         except NoNodeError:
             if listed is not None:
                 listed.rawlink(_ignore)
+            if container is not None and isinstance(container.exception, NoAuthError):
+                raise refused(self.path) from None  # our container create was refused: it never will be
             raise
         self.session.nodes.container_used(self.path)
         self.node = posixpath.basename(path)
@@ -381,14 +420,14 @@ class Lock:
             return [self.node]
         return _wait(client.get_children_async(self.path), deadline)
 
-    def _adopt_lowest(self, children: List[str]) -> bool:
+    def _adopt_lowest(self, children: List[str], deadline: Optional[float]) -> bool:
         """Take the lowest node carrying our prefix as ours and delete any other (an orphan of
         a create whose reply was lost); False when we have none."""
         mine = sorted((c for c in children if c.startswith(self._prefix)), key=sequence)
         if not mine:
             return False
         if mine[0] != self.node:
-            stat = self.session.client.exists(f"{self.path}/{mine[0]}")
+            stat = _wait(self.session.client.exists_async(f"{self.path}/{mine[0]}"), deadline)
             if stat is None:
                 return False
             self.node, self.fencing_token = mine[0], stat.czxid
@@ -502,6 +541,22 @@ class Lock:
             self._delete_own_node()
         if self.on_state is not None:
             self.on_state(self, new)
+
+
+def split_queue(children: Iterable[str], rule_of: Callable[[str], Rule]) -> Tuple[List[str], List[str]]:
+    """Split the contender nodes among ``children`` into holders and waiters, each in queue
+    order; ``rule_of(node_name)`` gives each kind's rule. Junk is left out.
+
+    >>> split_queue(["a__lock__0000000001", "b__rlock__0000000002", "junk"], RULES.__getitem__)
+    (['a__lock__0000000001'], ['b__rlock__0000000002'])
+    """
+    nodes = sorted((c for c in children if contender(c)), key=sequence)
+    holders: List[str] = []
+    waiters: List[str] = []
+    for node in nodes:
+        kind = contender(node)[0]  # type: ignore[index]
+        (holders if rule_of(kind).decide(nodes, node).holds else waiters).append(node)
+    return holders, waiters
 
 
 def to_the_end(step: Callable[[], None], attempts: int = 3) -> None:

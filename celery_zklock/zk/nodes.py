@@ -14,17 +14,18 @@ from __future__ import annotations
 import collections
 import posixpath
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss
+from kazoo.exceptions import ConnectionLoss, NoAuthError, NodeExistsError
 from kazoo.security import ACL, Permissions
 
 from ..exceptions import ConfigurationError
 from ..private import create_container_async
 
-__all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl"]
+__all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused"]
 
 #: Key containers remembered per session; older ones are simply created again.
 MAX_KNOWN_CONTAINERS = 4096
@@ -53,20 +54,35 @@ class Nodes:
             self._ensured.clear()
 
     # -- persistent paths ----------------------------------------------------------------
-    def ensure_path(self, path: str) -> None:
-        """Create a persistent path once per session (cached).
+    def ensure_path(self, path: str, timeout: Optional[float] = None) -> None:
+        """Create a persistent path once per session (cached), within ``timeout`` seconds.
 
-        With ``zklock_acl='creator'`` a path someone else created open to the
-        world is refused: whoever may create or delete in it could forge or
-        remove our lock nodes.
+        One create per level, all sent at once: the server runs them in order, so
+        each finds its parent, and "exists" is fine. With ``zklock_acl='creator'`` a
+        path someone else created open to the world is refused: whoever may create
+        or delete in it could forge or remove our lock nodes.
+
+        Raises kazoo's timeout error when ``timeout`` runs out, and ConfigurationError
+        when a level's ACL refuses our credential.
         """
         if self._ensured.get(path):
             return
         client = self._require()
-        client.ensure_path(path)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        levels = _all_levels(path)
+        sent = [(level, client.create_async(level)) for level in levels]
+        for level, result in sent:
+            try:
+                result.get(timeout=_remaining(deadline))
+            except NodeExistsError:
+                pass
+            except NoAuthError:
+                # The server checks the parent's ACL before it looks for the node itself.
+                if client.exists_async(level).get(timeout=_remaining(deadline)) is None:
+                    raise refused(level) from None
         if self.acl != "open":
             for level in self._levels(path):
-                check_acl(level, client.get_acls(level)[0])
+                check_acl(level, client.get_acls_async(level).get(timeout=_remaining(deadline))[0])
         self._ensured[path] = True
 
     def _levels(self, path: str) -> List[str]:
@@ -78,17 +94,17 @@ class Nodes:
         return [root] + [f"{root}/{'/'.join(parts[:i + 1])}" for i in range(len(parts))]
 
     # -- key containers --------------------------------------------------------------------
-    def ensure_container(self, path: str) -> bool:
-        """True when ``path`` is known to exist; else send its (container) create and return False.
+    def ensure_container(self, path: str, timeout: Optional[float] = None) -> Optional[Any]:
+        """None when ``path`` is known to exist; else send its (container) create and return
+        kazoo's async result of it.
 
         The create is not waited for: requests run in order, so a create of a
         child sent next finds it, and NodeExists means someone else made it.
         """
         if path in self._containers:
-            return True
-        self.ensure_path(posixpath.dirname(path))
-        create_container_async(self._require(), path)
-        return False
+            return None
+        self.ensure_path(posixpath.dirname(path), timeout)
+        return create_container_async(self._require(), path)
 
     def container_used(self, path: str) -> None:
         """A child was created under ``path``: it exists, so skip its create next time."""
@@ -99,9 +115,11 @@ class Nodes:
                 self._containers.popitem(last=False)
 
     def container_gone(self, path: str) -> None:
-        """The server reaped ``path`` (it had no children for a while): create it next time."""
+        """``path`` was not there: reaped (it had no children for a while), or its whole tree
+        deleted. Create it, and its parents, next time."""
         with self._lock:
             self._containers.pop(path, None)
+            self._ensured.pop(posixpath.dirname(path), None)
             self.recreated += 1
 
     # -- deletes nobody waits for ---------------------------------------------------------------
@@ -141,6 +159,23 @@ class Nodes:
         if client is None:
             raise RuntimeError("the session is not started")
         return client
+
+
+def refused(path: str) -> ConfigurationError:
+    """The error for a node whose parent's ACL does not let our credential create it."""
+    return ConfigurationError(
+        f"no permission to create {path}: its parent's ACL refuses this client's credential; "
+        f"check zklock_auth and zklock_acl, or pick a zklock_root this application owns"
+    )
+
+
+def _all_levels(path: str) -> List[str]:
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _remaining(deadline: Optional[float]) -> Optional[float]:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def check_acl(path: str, acls: List[ACL]) -> None:

@@ -13,8 +13,12 @@ from zoneinfo import ZoneInfo
 import pytest
 from celery import Celery
 from celery.schedules import crontab
+from kazoo.client import KazooClient
+from kazoo.security import CREATOR_ALL_ACL, READ_ACL_UNSAFE
 
+from celery_zklock import LockNotAcquired, zk_locked
 from celery_zklock.beat import LeaderScheduler
+from celery_zklock.exceptions import ConfigurationError
 from celery_zklock.layout import Layout
 from celery_zklock.recipes import Election, Lock, semaphore, sequence
 from tests.harness import Op, TcpProxy
@@ -165,3 +169,98 @@ def test_a_new_leader_loads_last_run_at_in_the_apps_time_zone(beat_app, kazoo, z
             f"next run at {next_run}, not at 09:00 the next day"
     finally:
         scheduler.close()
+
+
+# -- bounded waits ------------------------------------------------------------------------
+def acquire_in_time(lock: Lock, timeout: float, limit: float):
+    """acquire(timeout) in a thread; its result and how long it took (fails past ``limit``)."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def run() -> bool:
+        try:
+            return lock.acquire(timeout=timeout)
+        finally:
+            done.set()
+
+    out = in_thread(run)
+    assert done.wait(limit), f"acquire(timeout={timeout}) still running after {limit}s"
+    took = time.monotonic() - start
+    wait_until(lambda: bool(out))
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0], took
+
+
+def test_a_lock_tree_deleted_under_a_session_is_made_again(new_session, kazoo, zk_root):
+    session = new_session()
+    lock = Lock(session, f"{zk_root}/locks/k-t")
+    assert lock.acquire(timeout=5)
+    lock.release()
+    wait_until(lambda: kazoo.get_children(lock.path) == [])
+    kazoo.delete(f"{zk_root}/locks", recursive=True)  # cached by the session: an operator's clean-up
+    got, _ = acquire_in_time(Lock(session, lock.path), timeout=5, limit=6)
+    assert got is True
+
+
+def test_a_key_whose_tree_refuses_us_raises_a_clear_error_in_time(new_session, zk_server, zk_root):
+    other = KazooClient(hosts=zk_server.hosts, auth_data=[("digest", "other:pw")])
+    other.start(timeout=10)
+    try:
+        other.create(f"{zk_root}/locks", makepath=True, acl=[*CREATOR_ALL_ACL, *READ_ACL_UNSAFE])
+        lock = Lock(new_session(), f"{zk_root}/locks/k-p")
+        with pytest.raises(ConfigurationError, match=rf"no permission to create {zk_root}/locks/k-p"):
+            acquire_in_time(lock, timeout=3, limit=4)
+    finally:
+        other.stop()
+        other.close()
+
+
+def test_acquire_returns_by_its_deadline_when_replies_are_lost(new_session, proxy, zk_root):
+    lock = Lock(new_session(hosts=proxy.hosts), f"{zk_root}/locks/k-lost")
+    proxy.mode = "drop_replies"  # the server does the work; the client never hears of it
+    got, took = acquire_in_time(lock, timeout=1.0, limit=10)
+    assert got is False and took < 1.5, f"acquire(timeout=1.0) took {took:.2f}s"
+    proxy.mode = "pass"
+
+
+# -- who holds it -----------------------------------------------------------------------
+def test_holders_names_the_holder_not_the_waiter_ahead(new_session, zk_root):
+    path = f"{zk_root}/locks/k-h"
+    holder = Lock(new_session(), path, data=b"holder")
+    assert holder.acquire(timeout=5)
+    first = Lock(new_session(), path, data=b"first waiter")
+    in_thread(lambda: first.acquire(timeout=30))
+    wait_until(lambda: first.blocked_by != ())
+    second = Lock(new_session(), path, data=b"second waiter")
+    assert not second.acquire(blocking=False)
+    assert second.blocked_by == (first.node,)  # it watched the waiter ahead of it
+    assert second.holders() == ["holder"]
+    assert holder.contenders() == ["holder", "first waiter"]
+    holder.release()
+    wait_until(lambda: first.is_held)
+    first.release()
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_policy_that_does_not_wait_answers_within_the_connect_timeout(celery_app, proxy, zk_root, policy):
+    celery_app.conf.update(zklock_hosts=proxy.hosts, zklock_root=zk_root, zklock_connect_timeout=1.0)
+
+    @celery_app.task(name=f"nowait.{policy}")
+    @zk_locked(key="k", on_contention=policy)
+    def nowait():
+        return "ran"
+
+    celery_app.finalize()
+    assert nowait.apply().get() == "ran"  # the session is open
+    proxy.mode = "blackhole"  # ZooKeeper stops answering; kazoo has not noticed yet
+    start = time.monotonic()
+    result = nowait.apply()
+    took = time.monotonic() - start
+    proxy.mode = "pass"
+    assert took < 1.5, f"on_contention={policy!r} answered after {took:.2f}s"
+    if policy == "skip":
+        assert result.get() is None
+    else:
+        with pytest.raises(LockNotAcquired):
+            result.get()
