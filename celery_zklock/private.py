@@ -44,9 +44,9 @@ class _CreateContainer(Create2):
 _CONTAINER_FLAG = 4
 
 
-def create_container_async(client: KazooClient, path: str) -> Any:
+def create_container_async(client: KazooClient, path: str, data: bytes = b"") -> Any:
     """Send a CreateContainer for ``path`` (parents must exist); returns kazoo's async result."""
-    request = _CreateContainer(client.chroot + path, b"", client.default_acl or OPEN_ACL_UNSAFE, _CONTAINER_FLAG)
+    request = _CreateContainer(client.chroot + path, data, client.default_acl or OPEN_ACL_UNSAFE, _CONTAINER_FLAG)
     result = client.handler.async_result()
     client._call(request, result)
     return result

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import posixpath
@@ -35,7 +36,7 @@ from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionEx
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import EventType
 
-from ..exceptions import LockLost, LockNotAcquired
+from ..exceptions import ConfigurationError, LockLost, LockNotAcquired
 from ..zk import Session, SessionState
 from ..zk.nodes import refused
 
@@ -87,6 +88,30 @@ class Rule:
     node_name: str
     blocked_by: FrozenSet[str]
     leases: int = 1
+
+    @property
+    def key_data(self) -> bytes:
+        """What the key's node holds: a semaphore's limit, so all its contenders agree on it."""
+        return json.dumps({"limit": self.leases}).encode() if self.name == "semaphore" else b""
+
+    def check_key_data(self, path: str, data: bytes) -> None:
+        """Raise ConfigurationError if the key's node says another limit than ours.
+
+        >>> semaphore(2).check_key_data("/s/k-a", b'{"limit": 1}')
+        Traceback (most recent call last):
+        ...
+        celery_zklock.exceptions.ConfigurationError: semaphore /s/k-a has limit=1, this contender asks for limit=2; ...
+        """
+        try:
+            stored = json.loads(data.decode()).get("limit") if data else None
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            stored = None  # made by someone else, or by a version that stored nothing: nothing to compare
+        if isinstance(stored, int) and stored != self.leases:
+            raise ConfigurationError(
+                f"semaphore {path} has limit={stored}, this contender asks for limit={self.leases}; "
+                f"a key's contenders must agree. To change a limit, drain the key: once its last "
+                f"contender leaves, the server removes its node and the next one sets the limit"
+            )
 
     def decide(self, children: Iterable[str], me: str) -> Decision:
         """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch."""
@@ -393,7 +418,10 @@ class Lock:
         # Speed-up 1: the key's container is created only when this session has not
         # used it lately. If the server reaped it since, our create fails with
         # NoNode and _enter makes it again: never a wrong answer, one retry.
-        container = self.session.nodes.ensure_container(self.path, _remaining(deadline))
+        container = self.session.nodes.ensure_container(self.path, _remaining(deadline), self.rule.key_data)
+        # A semaphore's limit lives in its key's node, written by whoever made it: read it
+        # (pipelined) the first time this session uses the key, and refuse a different one.
+        stored = client.get_async(self.path) if container is not None and self.rule.key_data else None
         self._created = True
         created = client.create_async(
             f"{self.path}/{self._prefix}", self.data, ephemeral=True, sequence=True, include_data=True
@@ -409,9 +437,11 @@ class Lock:
             if container is not None and isinstance(container.exception, NoAuthError):
                 raise refused(self.path) from None  # our container create was refused: it never will be
             raise
-        self.session.nodes.container_used(self.path)
         self.node = posixpath.basename(path)
         self.fencing_token = stat.czxid
+        if stored is not None:
+            self.rule.check_key_data(self.path, _wait(stored, deadline)[0])
+        self.session.nodes.container_used(self.path)
         if listed is not None:
             return _wait(listed, deadline)
         if sequence(self.node) == 0:

@@ -94,9 +94,9 @@ class Nodes:
         return [root] + [f"{root}/{'/'.join(parts[:i + 1])}" for i in range(len(parts))]
 
     # -- key containers --------------------------------------------------------------------
-    def ensure_container(self, path: str, timeout: Optional[float] = None) -> Optional[Any]:
-        """None when ``path`` is known to exist; else send its (container) create and return
-        kazoo's async result of it.
+    def ensure_container(self, path: str, timeout: Optional[float] = None, data: bytes = b"") -> Optional[Any]:
+        """None when ``path`` is known to exist; else send its (container) create, holding
+        ``data`` if it is new, and return kazoo's async result of it.
 
         The create is not waited for: requests run in order, so a create of a
         child sent next finds it, and NodeExists means someone else made it.
@@ -104,7 +104,7 @@ class Nodes:
         if path in self._containers:
             return None
         self.ensure_path(posixpath.dirname(path), timeout)
-        return create_container_async(self._require(), path)
+        return create_container_async(self._require(), path, data)
 
     def container_used(self, path: str) -> None:
         """A child was created under ``path``: it exists, so skip its create next time."""

@@ -4,6 +4,7 @@ on the code before its fix (issue "Correct under every interleaving")."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from datetime import datetime, timedelta
@@ -264,3 +265,50 @@ def test_a_policy_that_does_not_wait_answers_within_the_connect_timeout(celery_a
     else:
         with pytest.raises(LockNotAcquired):
             result.get()
+
+
+def test_a_contender_with_another_semaphore_limit_is_refused(new_session, kazoo, zk_root):
+    path = f"{zk_root}/semaphores/k-lim"
+    one = Lock(new_session(), path, semaphore(1))
+    assert one.acquire(timeout=5)
+    two = Lock(new_session(), path, semaphore(2))
+    with pytest.raises(ConfigurationError, match=r"has limit=1, this contender asks for limit=2"):
+        two.acquire(timeout=5)
+    assert not two.is_held and kazoo.get_children(path) == [one.node]  # its node is gone
+    same = Lock(new_session(), path, semaphore(1))
+    assert not same.acquire(timeout=0.5)  # an agreeing contender queues as before
+    one.release()
+    # Drained: once the key's last contender leaves, the server reaps its node, and the
+    # next contender sets the limit.
+    wait_until(lambda: kazoo.exists(path) is None, timeout=10)
+    assert two.acquire(timeout=5)
+    two.release()
+
+
+def test_one_shared_lock_object_lets_exactly_one_thread_in(new_session, zk_root):
+    session = new_session()
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows
+    try:
+        for trial in range(40):
+            shared = Lock(session, f"{zk_root}/locks/k-shared{trial}")
+            barrier = threading.Barrier(4)
+            outcomes: List[object] = []
+
+            def contend(shared: Lock = shared, barrier: threading.Barrier = barrier,
+                        outcomes: List[object] = outcomes) -> None:
+                barrier.wait()
+                try:
+                    outcomes.append(shared.acquire(timeout=5))
+                except RuntimeError:
+                    outcomes.append("refused")
+
+            threads = [threading.Thread(target=contend) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert sorted(map(str, outcomes)) == ["True", "refused", "refused", "refused"], f"trial {trial}"
+            shared.release()
+    finally:
+        sys.setswitchinterval(previous)
