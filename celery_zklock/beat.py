@@ -27,14 +27,14 @@ from datetime import datetime, timezone
 from typing import Any, Dict, Optional, Tuple, Type, TypeVar, cast
 
 from celery.beat import ScheduleEntry, Scheduler
-from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.exceptions import ConnectionLoss, KazooException, NodeExistsError, NoNodeError
 
 from .api import layout_of, settings_of
 from .conf import beat_name
 from .exceptions import ConfigurationError, ZkLockError
 from .layout import Layout
-from .recipes.election import Election
-from .zk import session_for
+from .recipes.election import Election, Leadership
+from .zk import Session, session_for
 
 __all__ = ["LeaderScheduler", "leader_only"]
 
@@ -197,12 +197,12 @@ class LeaderScheduler(_Leadership):
         """
         self._recorded.pop(entry.name, None)
         new = super().reserve(entry)
-        election = self.election
-        if election is None or not election.is_leader or not self._record(election, new):
+        lead = self.election.leadership() if self.election is not None else None
+        if lead is None or not self._record(lead, new):
             logger.warning("beat: lost leadership before sending %s; not sent", entry.name)
             self.schedule[entry.name] = entry
             return entry
-        self._recorded[entry.name] = (election.token, new.total_run_count)
+        self._recorded[entry.name] = (lead.token, new.total_run_count)
         return new
 
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
@@ -221,23 +221,27 @@ class LeaderScheduler(_Leadership):
         entry.options = options
         super().apply_entry(entry, producer=producer)
 
-    def _record(self, election: Election, entry: ScheduleEntry) -> bool:
-        client = election.session.client
-        node = election.node_path
-        if node is None:
-            return False
-        data = json.dumps({"last_run_at": entry.last_run_at.timestamp(),
-                           "total_run_count": entry.total_run_count}).encode()
+    def _record(self, lead: Leadership, entry: ScheduleEntry) -> bool:
+        """Record the run in one transaction that also checks our election node; True if it committed."""
+        assert self.election is not None
+        session = self.election.session
+        client = session.client
+        run = {"last_run_at": entry.last_run_at.timestamp(), "total_run_count": entry.total_run_count,
+               "token": lead.token}
+        data = json.dumps(run).encode()
         path = self._entry_path(entry.name)
         for _ in range(2):
             try:
                 tx = client.transaction()
-                tx.check(node, -1)  # -1: any version; fails if our election node is gone
+                tx.check(lead.node_path, -1)  # -1: any version; fails if our election node is gone
                 if client.exists(path) is None:
                     tx.create(path, data)
                 else:
                     tx.set_data(path, data)
                 results = tx.commit()
+            except ConnectionLoss:
+                # The transaction may have committed before the connection broke: read it back.
+                return self._committed(path, run, session)
             except Exception as exc:  # connection trouble: leadership unproven
                 logger.warning("beat: could not record %s (%s)", entry.name, exc)
                 return False
@@ -248,4 +252,22 @@ class LeaderScheduler(_Leadership):
             logger.warning("beat: record of %s refused: %s", entry.name, results)
             return False
         return False
+
+    def _committed(self, path: str, run: Dict[str, Any], session: Session) -> bool:
+        """After a lost reply: True if the entry holds exactly this run, under this leadership."""
+        deadline = time.monotonic() + session.timeout
+        while not session.client.connected:
+            if time.monotonic() > deadline:
+                logger.warning("beat: could not learn whether run %s of %s was recorded; not sent",
+                               run["total_run_count"], path)
+                return False
+            time.sleep(0.05)
+        try:
+            stored = json.loads(session.client.get(path)[0])
+        except (KazooException, ValueError):
+            return False
+        committed = all(stored.get(k) == v for k, v in run.items())
+        logger.warning("beat: the reply to the record of %s was lost; it %s", path,
+                       "committed: sending" if committed else "did not commit: not sent")
+        return committed
 

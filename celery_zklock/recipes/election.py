@@ -25,14 +25,14 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 from kazoo.exceptions import NoNodeError
 
 from ..zk import Session
 from .lock import EXCLUSIVE, Lock, LockState, contender, sequence
 
-__all__ = ["Election", "ElectionState"]
+__all__ = ["Election", "ElectionState", "Leadership"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -46,6 +46,13 @@ class ElectionState(str, enum.Enum):
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+class Leadership(NamedTuple):
+    """One leadership: its fencing token and the election node a fenced write checks."""
+
+    token: int
+    node_path: str
 
 
 class Election:
@@ -80,6 +87,24 @@ class Election:
     def token(self) -> Optional[int]:
         """The fencing token of our leadership (our node's czxid)."""
         return self._lock.fencing_token if self._lock is not None else None
+
+    def leadership(self) -> Optional[Leadership]:
+        """Our token and election node, read at one moment, while we lead; else None.
+
+        A fenced write checks the node; its token tells its data apart from another
+        leadership's. Reading ``is_leader``, ``node_path`` and ``token`` one by one could mix
+        two leaderships.
+        """
+        lock = self._lock
+        if lock is None:
+            return None
+        node, token = lock.node, lock.fencing_token
+        # Both are fixed while the lock is held: still leading after reading them means they match.
+        if node is None or token is None or not (self.state == ElectionState.LEADER and lock.is_held):
+            return None
+        if lock is not self._lock or lock.node != node:
+            return None
+        return Leadership(token, f"{self.path}/{node}")
 
     def start(self) -> Election:
         if self.state != ElectionState.LATENT:

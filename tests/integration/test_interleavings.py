@@ -312,3 +312,17 @@ def test_one_shared_lock_object_lets_exactly_one_thread_in(new_session, zk_root)
             shared.release()
     finally:
         sys.setswitchinterval(previous)
+
+
+def test_a_run_whose_record_committed_but_whose_reply_was_lost_is_still_sent(beat_app, proxy):
+    beat_app.conf.zklock_hosts = proxy.hosts
+    scheduler = RecordingScheduler(app=beat_app)
+    try:
+        tick_until_sent(scheduler, 1)
+        cut = proxy.cut_after(Op.MULTI)  # the server commits the record; the beat never hears so
+        tick_until_sent(scheduler, 4)
+        assert cut.done.is_set()
+    finally:
+        scheduler.close()
+    runs = [run for _, run, _ in RecordingScheduler.sent]
+    assert runs == list(range(1, len(runs) + 1)), f"a recorded run was never sent: {runs}"
