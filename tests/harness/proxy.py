@@ -201,6 +201,10 @@ class TcpProxy:
         return self.arm(Fault("reply", lambda xid, o: xid == Op.WATCH_XID, "hold", count=count,
                               describe="watch event"))
 
+    def delay_watch(self, seconds: float, count: int = 1) -> Fault:
+        """Deliver the server's next watch notification ``seconds`` late (and everything behind it)."""
+        return self.arm(Fault("reply", lambda xid, o: xid == Op.WATCH_XID, "delay", seconds, count, "watch event"))
+
     def drop_watches(self, count: int = 1) -> Fault:
         """Swallow the server's next ``count`` watch notifications."""
         return self.arm(Fault("reply", lambda xid, o: xid == Op.WATCH_XID, "drop", count=count,
