@@ -128,7 +128,7 @@ def liveness_problems(runs: List[Run]) -> List[str]:
     """Waiters that slept while the rule would have let them hold (from each node's sequence
     number and when each contender's node went)."""
     found = []
-    if any(o.cut or len(o.seqs) > 1 for o in runs):
+    if any(o.cut or o.failed or len(o.seqs) > 1 for o in runs):
         # A cut connection delays its contender's deletes and creates until kazoo reconnects,
         # and may re-queue it; its place in the queue is then not what was recorded.
         return found
@@ -162,6 +162,15 @@ def rig(zk_server):
         session.close()
     for proxy in proxies:
         proxy.close()
+
+
+def _answers(session) -> bool:
+    """One round trip on the session's connection (a cut one fails: kazoo then reconnects)."""
+    try:
+        session.client.exists_async("/").get(timeout=5)
+        return True
+    except Exception:
+        return False
 
 
 def _round(seed: int, rig, kazoo) -> List[str]:
@@ -205,6 +214,9 @@ def _round(seed: int, rig, kazoo) -> List[str]:
         t.join(60)
     for proxy in proxies:
         proxy.disarm()
+    # A connection cut late in the round reconnects in the background: let it, so its
+    # reconnect is not mistaken for a fault of the next round.
+    wait_until(lambda: all(_answers(session) for session in sessions), timeout=30)
     problems = [f"c{r.who} raised {r.error!r}" for r in runs if r.error is not None]
     if any(t.is_alive() for t in threads):
         problems.append("a contender is stuck")
@@ -220,6 +232,9 @@ def _round(seed: int, rig, kazoo) -> List[str]:
     return [f"{kind}, {n} contenders: {p}" for p in problems]
 
 
+# An injected exception may land in whatever Python code the thread runs, a garbage
+# collector's weakref callback too; Python reports that one as unraisable and goes on.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_lock_schedules(rig, kazoo):
     started = time.monotonic()
     failures: Dict[int, List[str]] = {}
