@@ -23,6 +23,7 @@ from celery import Celery  # noqa: E402
 from kazoo.client import KazooClient  # noqa: E402
 
 import celery_zklock  # noqa: E402
+from celery_zklock.recipes import Lock  # noqa: E402
 from celery_zklock.zk import close_sessions  # noqa: E402
 from tests.harness import ZooKeeperServer  # noqa: E402
 
@@ -48,6 +49,18 @@ def main() -> None:
             lock.acquire()
             lock.release()
 
+        class Unwatched(Lock):
+            # What watching our own node (so a holder learns if someone deletes it) costs.
+            def _watch_own_node(self) -> None:
+                pass
+
+        session = celery_zklock.lock(app, "bench").session
+
+        def ours_unwatched() -> None:
+            lock = Unwatched(session, path + "-unwatched")
+            lock.acquire()
+            lock.release()
+
         def kazoo_new() -> None:
             lock = kazoo.Lock(path + "-kazoo")
             lock.acquire()
@@ -59,6 +72,7 @@ def main() -> None:
 
         cases: Dict[str, Callable[[], None]] = {
             "celery-zklock lock()": ours,
+            "  without own-node watch": ours_unwatched,
             "kazoo Lock, new per use": kazoo_new,
             "kazoo Lock, reused": kazoo_reused,
         }
