@@ -136,11 +136,7 @@ def zk_locked(
             if task is None:
                 raise ConfigurationError(f"{spec.where}: @zk_locked functions run only as Celery tasks")
             bound = bool(args) and args[0] is task
-            held: List[Lock] = []
-            try:
-                return run_locked(task, spec, fn, args, kwargs, bound, lambda: fn(*args, **kwargs), held)
-            finally:
-                release_all(task, held)  # a second net: see run_locked
+            return _locked_call(task, spec, fn, args, kwargs, bound, lambda: fn(*args, **kwargs))
 
         locked.__zklock_spec__ = spec  # type: ignore[attr-defined]
         return locked
@@ -175,11 +171,7 @@ class ZkLockedTask(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec = type(self)._zklock_spec or LockSpec.make(self.run, f"task {self.name}", {})
         call = super().__call__
-        held: List[Lock] = []
-        try:
-            return run_locked(self, spec, self.run, args, kwargs, False, lambda: call(*args, **kwargs), held)
-        finally:
-            release_all(self, held)  # a second net: see run_locked
+        return _locked_call(self, spec, self.run, args, kwargs, False, lambda: call(*args, **kwargs))
 
 
 # -- the one code path both forms share ---------------------------------------------------
@@ -217,6 +209,19 @@ def _defaults(app: Any) -> TaskDefaults:
     if cached is None:
         cached = app._zklock_task_defaults = TaskDefaults.from_conf(app.conf)
     return cached
+
+
+def _locked_call(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+                 bound: bool, body: Callable[[], Any]) -> Any:
+    """run_locked, with the second net: see there."""
+    held: List[Lock] = []
+    stack = _local.__dict__.setdefault("stack", [])
+    depth = len(stack)
+    try:
+        return run_locked(task, spec, fn, args, kwargs, bound, body, held)
+    finally:
+        del stack[depth:]  # current_lock() never outlives the body either
+        release_all(task, held)
 
 
 def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],

@@ -216,7 +216,6 @@ class Lock:
         self._cancelled = False
         self._event = threading.Event()
         self._mutex = threading.Lock()
-        self._own_check: Optional[Tuple[str, Any]] = None
 
     # -- public -------------------------------------------------------------------
     @property
@@ -226,7 +225,6 @@ class Lock:
             self.state == LockState.HELD
             and self.session.generation == self._generation
             and self.session.is_alive()
-            and not self._own_node_missing()
         )
 
     def ensure(self) -> None:
@@ -512,18 +510,19 @@ class Lock:
     def _watch_own_node(self) -> None:
         """Learn if anyone but us deletes our node while we hold: then someone else may hold.
 
-        Not waited for, and no callback on its answer (a callback costs a thread hand-off
-        per lock): the exists rides behind the requests already sent. Its watch reports a
-        later deletion; its answer, read by :attr:`is_held`, one in the moment before.
+        Not waited for: the exists rides behind the requests already sent. Its watch
+        reports a later deletion; its answer, one in the moment before the watch was set
+        (then it is None), and both go the way of a lost session (``on_state``).
         """
         node = self.node
         if node is None:
             return
         try:
-            self._own_check = (node, self.session.client.exists_async(
-                f"{self.path}/{node}", watch=functools.partial(self._on_own_node, node)))
+            result = self.session.client.exists_async(f"{self.path}/{node}",
+                                                      watch=functools.partial(self._on_own_node, node))
         except Exception:  # a closed client: the session's end is reported on its own path
-            self._own_check = None
+            return
+        result.rawlink(functools.partial(self._own_node_checked, node))
 
     # -- callbacks (kazoo's event thread) -------------------------------------------------
     def _on_watch(self, event: Any) -> None:
@@ -536,14 +535,12 @@ class Lock:
         elif node == self.node and self.state in (LockState.HELD, LockState.IN_DOUBT):
             self._watch_own_node()  # our own touch (a semaphore's) fired it: watch on
 
-    def _own_node_missing(self) -> bool:
-        """True if the exists sent as we took the lock found our node already deleted."""
-        check = self._own_check
-        if check is None or not check[1].ready() or not check[1].successful() or check[1].value is not None:
-            return False
-        self._own_check = None
-        self._node_gone(check[0])
-        return True
+    def _own_node_checked(self, node: str, result: Any) -> None:
+        try:
+            if result.get_nowait() is None:
+                self._node_gone(node)  # deleted before our watch was set
+        except Exception:
+            pass  # connection trouble: the session's clock decides
 
     def _node_gone(self, node: str) -> None:
         with self._mutex:

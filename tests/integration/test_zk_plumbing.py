@@ -19,10 +19,10 @@ def nodes(kazoo, zk_root):
 
 def test_a_container_is_created_once_and_reaped_when_empty(nodes, kazoo, zk_root):
     path = f"{zk_root}/locks/k-a"
-    assert nodes.ensure_container(path) is False  # unknown: create sent
+    assert nodes.ensure_container(path) is not None  # unknown: create sent
     kazoo.create(f"{path}/x__lock__", ephemeral=True, sequence=True)  # requests run in order: it exists
     nodes.container_used(path)
-    assert nodes.ensure_container(path) is True  # known: no request at all
+    assert nodes.ensure_container(path) is None  # known: no request at all
     assert kazoo.get_children(path)
     for child in kazoo.get_children(path):
         kazoo.delete(f"{path}/{child}")
@@ -30,7 +30,7 @@ def test_a_container_is_created_once_and_reaped_when_empty(nodes, kazoo, zk_root
     wait_until(lambda: kazoo.exists(path) is None, timeout=10)
     nodes.container_gone(path)
     assert nodes.recreated == 1
-    assert nodes.ensure_container(path) is False  # forgotten: created again
+    assert nodes.ensure_container(path) is not None  # forgotten: created again
 
 
 def test_forget_drops_every_cached_path(nodes, kazoo, zk_root):
@@ -40,7 +40,7 @@ def test_forget_drops_every_cached_path(nodes, kazoo, zk_root):
     kazoo.delete(f"{zk_root}/locks", recursive=True)
     nodes.ensure_path(f"{zk_root}/locks")  # not cached: really created again
     assert kazoo.exists(f"{zk_root}/locks") is not None
-    assert nodes.ensure_container(f"{zk_root}/locks/k-b") is False
+    assert nodes.ensure_container(f"{zk_root}/locks/k-b") is not None
 
 
 def test_deferred_deletes_are_done_in_order_and_forgotten(nodes, kazoo, zk_root):
