@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from typing import Any
 
 import redis
@@ -47,8 +48,10 @@ def record(event: str, **fields: Any) -> None:
     if _redis is None:
         _redis = redis.Redis.from_url(app.conf.broker_url, retry_on_timeout=True)
     request = current_task.request
-    entry = json.dumps({"event": event, "task_id": request.id, "worker": request.hostname, "pid": os.getpid(),
-                        "retries": request.retries, **fields})
+    # An id of its own: a push retried after the broker executed it but died before replying
+    # lands twice, and the checks must see one event, not a body that started twice.
+    entry = json.dumps({"id": uuid.uuid4().hex, "event": event, "task_id": request.id, "worker": request.hostname,
+                        "pid": os.getpid(), "retries": request.retries, **fields})
     for _ in range(100):  # the broker may be restarting under us
         try:
             _redis.rpush("history", entry)

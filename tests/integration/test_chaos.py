@@ -99,7 +99,8 @@ class Chaos:
                 for i in range(n)]
 
     def events(self, kind: Optional[str] = None) -> List[dict]:
-        out = [json.loads(x) for x in self.redis.lrange("history", 0, -1)]
+        # dict.fromkeys: one event per id, however often a retried push stored it.
+        out = [json.loads(x) for x in dict.fromkeys(self.redis.lrange("history", 0, -1))]
         return [e for e in out if kind is None or e["event"] == kind]
 
     def done(self) -> collections.Counter:
