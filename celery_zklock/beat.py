@@ -34,6 +34,7 @@ from .conf import beat_name
 from .exceptions import ConfigurationError, ZkLockError
 from .layout import Layout
 from .recipes.election import Election, Leadership
+from .task import problems
 from .zk import Session, session_for
 
 __all__ = ["LeaderScheduler", "leader_only"]
@@ -70,6 +71,9 @@ class _Leadership(Scheduler):
     def _join(self) -> None:
         app = self.app
         settings = settings_of(app)
+        found = problems(app)
+        if found:
+            raise ConfigurationError("; ".join(found))
         self.layout, self.beat_name = layout_of(app), beat_name(app.conf, app.main)
         self.beat_path = self.layout.beat(self.beat_name)
         super().setup_schedule()

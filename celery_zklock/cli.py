@@ -17,18 +17,20 @@ import json
 import logging
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NoReturn, Optional
 
 import click
 from kazoo.exceptions import NoNodeError
 
 from .api import settings_of
-from .conf import Settings, beat_name
+from .conf import Settings, beat_name, describe
 from .exceptions import ZkLockError
 from .layout import LOCK_TREES, Layout, decode_key
 from .private import peer_address
 from .recipes.lock import RULES, Rule, contender, semaphore, sequence, split_queue
+from .task import problems
 from .zk import Session, check_acl
+from .zk.probe import addresses, four_letter_word, server_limits
 
 __all__ = ["elections", "locks", "server_info", "zklock"]
 
@@ -236,21 +238,58 @@ def locks_command(ctx: click.Context, pattern: Optional[str], as_json: bool) -> 
 @zklock.command()
 @click.pass_context
 def check(ctx: click.Context) -> None:
-    """Validate the zklock_* settings, connect, and report the server; exit 1 on any problem."""
-    settings, session, app = _connect(ctx)
+    """Validate the settings and the tasks' lock options, ask the servers, connect; exit 1 on any problem."""
+    app = ctx.obj.app
+    try:
+        settings = settings_of(app)
+    except ZkLockError as exc:
+        _check_failed([str(exc)], app.conf)
+    failures = problems(app)
+    limits: Dict[str, Optional[int]] = {}
+    if not settings.use_ssl:  # four-letter words are not served on ZooKeeper's TLS port
+        for host, port in addresses(settings.hosts):
+            try:
+                four_letter_word(host, port, "srvr")
+                limits = limits or server_limits(four_letter_word(host, port, "conf"))
+            except ZkLockError as exc:
+                failures.append(f"zklock_hosts: {exc}")
+    if failures:
+        _check_failed(failures, app.conf)  # before connecting: kazoo would retry for zklock_connect_timeout
+    try:
+        session = Session(settings).start()
+    except ZkLockError as exc:
+        _check_failed([str(exc)], app.conf)
     try:
         server = server_info(session)
+        granted = session.clock.negotiated_timeout
         root = session.client.exists(settings.root)
         if root is not None and settings.acl != "open":
             check_acl(settings.root, session.client.get_acls(settings.root)[0])
     except ZkLockError as exc:
-        raise click.ClickException(str(exc)) from None
+        failures.append(str(exc))
     finally:
         session.close()
+    if granted is not None and granted != settings.session_timeout:
+        bounds = ", ".join(f"{k}={v} ms" for k, v in limits.items() if v is not None)
+        failures.append(
+            f"zklock_session_timeout={settings.session_timeout:g}s but the server grants {granted:g}s"
+            + (f" (its {bounds})" if bounds else "") + ": locks would count as lost on the server's clock, "
+            f"not yours; set zklock_session_timeout={granted:g} or change the server's limits")
+    if failures:
+        _check_failed(failures, app.conf)
     click.echo(f"settings ok: zklock_hosts={settings.hosts} zklock_root={settings.root} "
-               f"zklock_session_timeout={settings.session_timeout:g}s zklock_acl={settings.acl} "
+               f"zklock_session_timeout={settings.session_timeout:g}s (granted as asked) zklock_acl={settings.acl} "
                f"tls={'on' if settings.use_ssl else 'off'} "
                f"auth={'digest user ' + settings.auth[0] if settings.auth else 'none'}")
     click.echo(f"connected to {server['server']}: ZooKeeper {server['version'] or '? (srvr not whitelisted)'}, "
                f"mode {server['mode'] or '?'}, round trip {server['rtt_ms']:.2f} ms (median of 5)")
     click.echo(f"{settings.root}: {'exists' if root is not None else 'not created yet (the first lock creates it)'}")
+
+
+def _check_failed(failures: List[str], conf: Any) -> NoReturn:
+    for failure in failures:
+        click.echo(f"Error: {failure}", err=True)
+    click.echo("settings used:", err=True)
+    for line in describe(conf):
+        click.echo(f"  {line}", err=True)
+    raise SystemExit(1)

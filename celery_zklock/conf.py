@@ -8,16 +8,18 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
 from .exceptions import ConfigurationError
 
 __all__ = [
     "ACL_POLICIES", "CONTENTION_POLICIES", "DEFAULTS", "LOCK_LOST_POLICIES", "Settings", "TaskDefaults", "beat_name",
+    "describe", "did_you_mean", "unknown_settings",
 ]
 
 #: What a task does when its lock is held by someone else.
@@ -46,6 +48,41 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_default_timeout": 60.0,
     "zklock_beat_name": None,
 }
+
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``known``, or ``""``.
+
+    >>> did_you_mean("zklock_host", DEFAULTS)
+    "; did you mean 'zklock_hosts'?"
+    """
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_settings(conf: Mapping[str, Any]) -> List[str]:
+    """One message per ``zklock_*`` key of ``conf`` that is no setting of ours.
+
+    Django's ``CELERY_`` namespace is understood: Celery keeps those keys as
+    written (``CELERY_ZKLOCK_HOSTS``), so the message uses the user's own spelling.
+
+    >>> unknown_settings({"zklock_sesion_timeout": 5, "zklock_hosts": "zk:2181"})
+    ["unknown setting 'zklock_sesion_timeout'; did you mean 'zklock_session_timeout'?"]
+    """
+    found = []
+    for name in conf.keys():
+        if not isinstance(name, str):
+            continue
+        # Spell the known names the way this key is spelt (prefix, case) for the hint.
+        prefix = name[:7] if name.lower().startswith("celery_zklock") else ""
+        bare = name[len(prefix):].lower()
+        if not bare.startswith("zklock") or bare in DEFAULTS:
+            continue
+        spelt = {prefix + (k.upper() if name.isupper() else k): k for k in DEFAULTS}
+        found.append(f"unknown setting {name!r}{did_you_mean(name, spelt)}")
+    return sorted(found)
+
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(:(\d{1,5}))?$")
 
@@ -152,7 +189,13 @@ class Settings:
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> Settings:
-        """Read and validate the ``zklock_*`` settings of a Celery ``app.conf`` (or any mapping)."""
+        """Read and validate the ``zklock_*`` settings of a Celery ``app.conf`` (or any mapping).
+
+        A ``zklock_*`` key that is no setting (a typo) is an error, never a silent default.
+        """
+        unknown = unknown_settings(conf)
+        if unknown:
+            raise ConfigurationError("; ".join(unknown))
 
         def get(name: str) -> Any:
             value = conf.get(name)
@@ -171,6 +214,21 @@ class Settings:
             keyfile=conf.get("zklock_keyfile"),
             verify_certs=get("zklock_verify_certs"),
         )
+
+
+def describe(conf: Mapping[str, Any]) -> List[str]:
+    """One ``name = value`` line per setting as ``conf`` sets it, defaults marked, secrets hidden.
+
+    >>> describe({"zklock_hosts": "zk1:2181", "zklock_auth": "app:s3cret"})[:2]
+    ["zklock_hosts = 'zk1:2181'", "zklock_root = '/celery-zklock'  (default)"]
+    """
+    lines = []
+    for name, default in DEFAULTS.items():
+        value = conf.get(name)
+        if name == "zklock_auth" and isinstance(value, str):
+            value = value.split(":", 1)[0] + ":***"  # never the password
+        lines.append(f"{name} = {default!r}  (default)" if value is None else f"{name} = {value!r}")
+    return lines
 
 
 def choice(name: str, value: Any, allowed: Tuple[str, ...]) -> str:

@@ -27,7 +27,7 @@ from celery.signals import worker_init, worker_process_init, worker_process_shut
 
 from . import signals
 from .api import lock, lock_path, rule_for, settings_of
-from .conf import CONTENTION_POLICIES, LOCK_LOST_POLICIES, TaskDefaults, choice, optional_seconds
+from .conf import CONTENTION_POLICIES, LOCK_LOST_POLICIES, TaskDefaults, choice, did_you_mean, optional_seconds
 from .exceptions import ConfigurationError, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
 from .interrupt import BodyGuard
 from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
@@ -70,7 +70,10 @@ class LockSpec:
         """Validate lock options against the task function; errors name the task and the option."""
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
-            raise ConfigurationError(f"{where}: unknown lock option(s) {unknown}; known: {list(OPTIONS)}")
+            known = f" (known: {list(OPTIONS)})"
+            raise ConfigurationError("; ".join(
+                f"{where}: unknown lock option {name!r}" + (did_you_mean(str(name), OPTIONS) or known)
+                for name in unknown))
         mode = options.get("mode", "exclusive")
         limit = options.get("limit")
         try:
@@ -128,10 +131,12 @@ def zk_locked(
         where = f"task {getattr(fn, 'name', None) or f'{fn.__module__}.{fn.__qualname__}'}"
         if isinstance(fn, Task) or hasattr(fn, "apply_async"):
             raise ConfigurationError(f"{where}: put @zk_locked below @app.task, not above it")
-        spec = LockSpec.make(fn, where, options)
+        spec, problem = _checked(fn, where, options)
 
         @functools.wraps(fn)
         def locked(*args: Any, **kwargs: Any) -> Any:
+            if spec is None:
+                raise ConfigurationError(problem)
             task = current_task()
             if task is None:
                 raise ConfigurationError(f"{spec.where}: @zk_locked functions run only as Celery tasks")
@@ -139,9 +144,23 @@ def zk_locked(
             return _locked_call(task, spec, fn, args, kwargs, bound, lambda: fn(*args, **kwargs))
 
         locked.__zklock_spec__ = spec  # type: ignore[attr-defined]
+        locked.__zklock_problem__ = problem  # type: ignore[attr-defined]
         return locked
 
     return decorate
+
+
+def _checked(fn: Callable[..., Any], where: str, options: Dict[str, Any]) -> Tuple[Optional[LockSpec], str]:
+    """The task's LockSpec, or None and why its options are wrong.
+
+    A wrong option is not raised while the task is defined: Celery would print the
+    error inside a traceback from its app loader. It is logged when the app is
+    finalized, refuses the worker and the beat in one line, and is raised by every call.
+    """
+    try:
+        return LockSpec.make(fn, where, options), ""
+    except ConfigurationError as exc:
+        return None, str(exc)
 
 
 class ZkLockedTask(Task):
@@ -158,17 +177,23 @@ class ZkLockedTask(Task):
     #: timeout, retry_countdown, on_lock_lost.
     zklock: Optional[Dict[str, Any]] = None
     _zklock_spec: Optional[LockSpec] = None
+    #: Why ``zklock`` is wrong ("" when it is not): see :func:`_checked`.
+    _zklock_problem: str = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "run" in cls.__dict__ or "zklock" in cls.__dict__:
             # Validate when the task is defined, not when it first runs.
+            where = f"task {cls.name or cls.__name__}"
             options = cls.zklock if cls.zklock is not None else {}
-            if not isinstance(options, dict):
-                raise ConfigurationError(f"task {cls.name or cls.__name__}: zklock must be a dict of lock options")
-            cls._zklock_spec = LockSpec.make(cls.run, f"task {cls.name or cls.__name__}", options)
+            if isinstance(options, dict):
+                cls._zklock_spec, cls._zklock_problem = _checked(cls.run, where, options)
+            else:
+                cls._zklock_spec, cls._zklock_problem = None, f"{where}: zklock must be a dict of lock options"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._zklock_problem:
+            raise ConfigurationError(self._zklock_problem)
         spec = type(self)._zklock_spec or LockSpec.make(self.run, f"task {self.name}", {})
         call = super().__call__
         return _locked_call(self, spec, self.run, args, kwargs, False, lambda: call(*args, **kwargs))
@@ -342,20 +367,41 @@ def _is_locked(task: Any) -> bool:
 
 
 def problems(app: Any) -> List[str]:
-    """What is wrong with an app's locked tasks that only shows once all tasks exist.
+    """What is wrong with an app's locked tasks, one line each.
 
-    A ``zklock`` option on a task that is not a ZkLockedTask would be silently
-    ignored by Celery, so it is reported here.
+    Wrong lock options (see :func:`_checked`), and a ``zklock`` option on a task
+    that is not a ZkLockedTask, which Celery would silently ignore.
     """
-    return [f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
-            for name, task in app.tasks.items()
-            if getattr(task, "zklock", None) is not None and not isinstance(task, ZkLockedTask)]
+    found = []
+    for name, task in sorted(app.tasks.items()):
+        problem = (task._zklock_problem if isinstance(task, ZkLockedTask)
+                   else getattr(getattr(task, "run", None), "__zklock_problem__", ""))
+        if problem:
+            found.append(problem)
+        elif getattr(task, "zklock", None) is not None and not isinstance(task, ZkLockedTask):
+            found.append(f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)")
+    return found
+
+
+def _refuse_stray_calls(app: Any) -> None:
+    """Make every call of a task with a stray ``zklock`` option raise, instead of running unlocked."""
+    for name, task in app.tasks.items():
+        if getattr(task, "zklock", None) is None or isinstance(task, ZkLockedTask) or "run" in vars(task):
+            continue
+        message = f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked); not run unlocked"
+
+        def refuse(*args: Any, _message: str = message, **kwargs: Any) -> Any:
+            raise ConfigurationError(_message)
+
+        task.run = refuse  # Celery's tracer and Task.__call__ both call the instance's run
 
 
 def _log_problems(sender: Any, **kwargs: Any) -> None:
-    # Celery swallows exceptions raised here; the worker refuses to start in _validate below.
+    # Celery swallows exceptions raised here: log, and make the calls fail. The
+    # worker and the beat refuse to start (_validate, beat._join).
     for problem in problems(sender):
         logger.error("celery-zklock: %s", problem)
+    _refuse_stray_calls(sender)
 
 
 @connect_on_app_finalize

@@ -1,5 +1,6 @@
 """Lock options and key building: pure functions and define-time checks, no servers."""
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -75,17 +76,35 @@ def test_keys_that_cannot_be_built_name_template_and_argument():
 def test_bad_decorator_options_name_task_and_option(options, message):
     def fn(x):
         pass
+    locked = zk_locked(**options)(fn)  # not raised here: Celery would wrap it in a traceback
+    assert re.match(rf"task .*fn.*{message}", locked.__zklock_problem__)
     with pytest.raises(ConfigurationError, match=rf"task .*fn.*{message}"):
-        zk_locked(**options)(fn)
+        locked(1)  # every call raises it
 
 
-def test_base_class_options_are_checked_when_the_task_is_defined():
+@pytest.mark.parametrize("options, message", [
+    ({"key": "r:{day}", "mdoe": "read"}, r"unknown lock option 'mdoe'; did you mean 'mode'\?$"),
+    ({"key": "r:{day}", "colour": "red"}, r"unknown lock option 'colour' \(known: \['key', 'mode'"),
+    ({"key": "r:{month}"}, r"key template 'r:\{month\}' names 'month', which is not an argument"),
+    ("read", "zklock must be a dict of lock options"),
+])
+def test_base_class_options_are_one_line_problems_and_every_call_raises(options, message, caplog):
+    from celery_zklock.task import problems
+
     app = Celery("opts", set_as_current=False)
-    with pytest.raises(ConfigurationError, match=r"task .*read_report: unknown lock option"):
-        @app.task(base=ZkLockedTask, zklock={"key": "r:{day}", "colour": "red"}, shared=False)
-        def read_report(day):
-            pass
-        read_report.name  # noqa: B018 - evaluating the task creates its class
+
+    @app.task(base=ZkLockedTask, zklock=options, shared=False)
+    def read_report(day):
+        pass
+
+    app.finalize()
+    [problem] = problems(app)
+    assert re.match(rf"task .*read_report: {message}", problem), problem
+    assert problem in caplog.text  # logged once the app is finalized
+    with pytest.raises(ConfigurationError, match=message):
+        read_report("mon")
+    with pytest.raises(ConfigurationError, match=message):
+        read_report.apply(("mon",)).get()  # eager too
 
 
 def test_zklock_option_without_the_base_class_is_reported(caplog):
@@ -100,6 +119,14 @@ def test_zklock_option_without_the_base_class_is_reported(caplog):
     app.finalize()
     assert problems(app) == [f"task {stray.name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"]
     assert "the zklock option needs base=ZkLockedTask" in caplog.text
+    # Never run unlocked: a direct call, apply() and eager mode all raise.
+    with pytest.raises(ConfigurationError, match="needs base=ZkLockedTask"):
+        stray(1)
+    with pytest.raises(ConfigurationError, match="needs base=ZkLockedTask"):
+        stray.apply((1,)).get()
+    app.conf.task_always_eager = True
+    with pytest.raises(ConfigurationError, match="needs base=ZkLockedTask"):
+        stray.delay(1).get()
 
     class Worker:
         pass
