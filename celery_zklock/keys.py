@@ -15,6 +15,7 @@ import decimal
 import functools
 import inspect
 import json
+import re
 import string
 import uuid
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Union
@@ -165,11 +166,37 @@ def build_keys(parts: Sequence[KeyPart], arguments: Mapping[str, Any], call_args
             keys.append(value)
             continue
         try:
-            keys.append(string.Formatter().vformat(part, (), arguments))
+            keys.append(_StableFormatter(where, part).vformat(part, (), arguments))
         except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
             raise KeyBuildError(f"{where}: cannot build key {part!r} from the task's arguments: "
                             f"{type(exc).__name__}: {exc}") from exc
     return keys
+
+
+#: What a rendering that names a memory address looks like (objects, functions, methods).
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+
+
+class _StableFormatter(string.Formatter):
+    """``str.format`` that refuses a field whose text differs between two equal objects.
+
+    An object without ``__str__`` renders as ``<Order object at 0x7f...>``: two calls
+    for the same order would lock different keys and never exclude each other.
+    """
+
+    def __init__(self, where: str, template: str) -> None:
+        self.where, self.template = where, template
+
+    def get_field(self, field_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        value, used = super().get_field(field_name, args, kwargs)
+        cls = type(value)
+        text = str(value)
+        if (cls.__str__ is object.__str__ and cls.__repr__ is object.__repr__) or _ADDRESS.search(text):
+            raise KeyBuildError(
+                f"{self.where}: key {self.template!r} would render {{{field_name}}} as {text[:60]!r}, which names "
+                f"an object, not a value: two calls for the same {cls.__name__} would not exclude each other; "
+                f"name a field that identifies it (like {{{field_name}.id}}) or give {cls.__name__} a __str__")
+        return value, used
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -174,3 +174,30 @@ def test_gevent_and_eventlet_pools_are_refused_for_locked_tasks(caplog):
         assert f"the {module.rsplit('.', 1)[1]} pool is not supported" in caplog.text
     prefork = type("TaskPool", (), {"__module__": "celery.concurrency.prefork"})
     _validate(sender=type("Worker", (), {"app": app, "pool_cls": prefork})())  # starts
+
+
+class Opaque:
+    def __init__(self, id):
+        self.id = id
+
+
+class Named:
+    def __init__(self, id):
+        self.id = id
+
+    def __str__(self):
+        return f"named-{self.id}"
+
+
+@pytest.mark.parametrize("value", [Opaque(1), lambda: 1, Opaque(1).__init__, object()])
+def test_a_template_never_renders_an_object_address(value):
+    with pytest.raises(KeyBuildError, match=r"task t: key 'order:\{order\}' would render \{order\} as .*names an "
+                                            r"object, not a value.*\{order\.id\}"):
+        build_keys(["order:{order}"], {"order": value}, [], {}, "task t")
+
+
+def test_a_template_renders_values_and_objects_with_their_own_str():
+    assert build_keys(["order:{order}", "id:{order.id}"], {"order": Named(7)}, [], {}, "t") == ["order:named-7",
+                                                                                                 "id:7"]
+    assert build_keys(["o:{order.id}"], {"order": Opaque(3)}, [], {}, "t") == ["o:3"]
+    assert build_keys(["o:{order}"], {"order": Order(3)}, [], {}, "t") == ["o:Order(id=3)"]  # a dataclass repr
