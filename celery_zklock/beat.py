@@ -43,6 +43,9 @@ logger = logging.getLogger("celery_zklock.beat")
 
 S = TypeVar("S", bound=Type[Scheduler])
 
+#: Seconds ahead a leader promises its next tick: `status` reports a leader past its promise.
+TICK_PROMISE = 10.0
+
 
 class _Leadership(Scheduler):
     """Mixin: run an election, tick the scheduler only while leading, leave at close.
@@ -60,6 +63,20 @@ class _Leadership(Scheduler):
     beat_name: str = ""
     #: The election token the schedule's state was loaded under (None: not leading).
     _leading_token: Optional[int] = None
+    #: What the leader tells ``celery zklock status`` in its election node (JSON).
+    _info: Dict[str, Any] = {}
+    #: Wall time by which this leader has promised, in its node, to tick again.
+    _tick_by: float = 0.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self, "lock_key", None) and any(c.__module__.startswith("redbeat") for c in type(self).__mro__):
+            # redbeat's own Redis lock outlives a killed leader by 5 x beat_max_loop_interval
+            # (25 min by default): the new elected leader would wait that long in redbeat's
+            # beat_init handler before its first dispatch. The election decides instead.
+            logger.info("beat: redbeat's own lock (redbeat_lock_key) is off: the ZooKeeper election "
+                        "decides which beat dispatches")
+            self.lock_key = None
 
     def setup_schedule(self) -> None:
         try:
@@ -78,9 +95,9 @@ class _Leadership(Scheduler):
         self.beat_path = self.layout.beat(self.beat_name)
         super().setup_schedule()
         session = session_for(settings)  # ZooKeeperUnavailable within zklock_connect_timeout
-        data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                           "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}).encode()
-        self.election = Election(session, self.layout.election(self.beat_name), data)
+        self._info = {"host": socket.gethostname(), "pid": os.getpid(),
+                      "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        self.election = Election(session, self.layout.election(self.beat_name), json.dumps(self._info).encode())
         self.election.start()
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -103,18 +120,28 @@ class _Leadership(Scheduler):
                 logger.warning("beat: could not take over the schedule (%s); trying again", exc)
                 return 0.5
             self._leading_token = token
-        return super().tick(*args, **kwargs)
+        interval = super().tick(*args, **kwargs)
+        now = time.time()
+        if self._tick_by - now < TICK_PROMISE / 2:
+            # Promise the next tick well ahead, so a healthy leader writes every few seconds
+            # and `celery zklock status` can tell a leader whose dispatch is stuck.
+            self._tick_by = now + max(float(interval), TICK_PROMISE)
+            self._publish(tick_by=round(self._tick_by, 3))
+        return interval
 
     def on_leadership(self) -> None:
         """Called once each time this beat becomes the leader, before its first dispatch."""
         logger.info("beat: leading; dispatching from now on")
+        self._tick_by = 0.0
+        self._publish(leader_since=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def _publish(self, **info: Any) -> None:
+        """Add ``info`` to our election node's data, for `celery zklock status` (fire and forget)."""
         election = self.election
         node = election.node_path if election is not None else None
         if election is not None and node is not None:
-            # For `celery zklock status`: since when this beat leads (fire and forget).
-            since = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            info = {**json.loads(election.data), "leader_since": since}
-            election.session.client.set_async(node, json.dumps(info).encode())
+            self._info = {**self._info, **info}
+            election.session.client.set_async(node, json.dumps(self._info).encode())
 
     def close(self) -> None:
         try:

@@ -180,6 +180,21 @@ def _lock_lines(rows: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
+def _stalled(leader: Dict[str, Any], now: float) -> str:
+    """What is wrong with a leader that holds the election but does not dispatch ("" if nothing).
+
+    A leading beat promises in its node to tick again by ``tick_by`` and keeps
+    renewing the promise; one past it is stuck (a blocked scheduler, a stale lock of its own).
+    """
+    if "leader_since" not in leader:
+        return " -- elected, but has not started dispatching"
+    tick_by = leader.get("tick_by")
+    if isinstance(tick_by, (int, float)) and now > tick_by + 2:
+        return (f" -- STUCK: it holds the election but has not ticked for {now - tick_by:.0f}s past "
+                f"the time it promised; nothing is being dispatched")
+    return ""
+
+
 @click.group(name="zklock")
 def zklock() -> None:
     """celery-zklock: lock holders, the beat leader, and a setup check."""
@@ -198,14 +213,15 @@ def status(ctx: click.Context) -> None:
         click.echo(f"ZooKeeper {server['server']} (session {server['session_id']}, mode {server['mode'] or '?'}, "
                    f"round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
         ours = Layout(settings.root).election(beat_name(app.conf, app.main))
-        found = elections(session, settings.root)
+        # An empty election is another app's leftover, unless it is this app's.
+        found = [e for e in elections(session, settings.root) if e["leader"] or e["path"] == ours]
         click.echo("Beat election:" if found else "Beat election: none (no LeaderScheduler has run here)")
         for e in found:
             mark = " (this app)" if e["path"] == ours else ""
             leader = e["leader"]
             click.echo(f"  {e['name']}{mark}: " + (
                 f"leader {leader.get('host')}/{leader.get('pid')} since {leader.get('leader_since', '?')} "
-                f"(token {leader['token']})" if leader else "no leader"))
+                f"(token {leader['token']}){_stalled(leader, time.time())}" if leader else "no leader"))
             for s in e["standbys"]:
                 click.echo(f"    standby {s.get('host')}/{s.get('pid')} waiting since {s.get('since', '?')}")
         rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"]]

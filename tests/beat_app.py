@@ -41,3 +41,25 @@ def _leader_only_persistent():  # a scheduler with its own state, made leader-on
 
 
 LeaderOnlyPersistent = _leader_only_persistent()
+
+
+def _stuck_leader():  # a leader whose dispatch blocks while its ZooKeeper session lives on
+    import time
+
+    from celery.beat import PersistentScheduler
+
+    from celery_zklock.beat import leader_only
+
+    class StuckAfterThreeTicks(PersistentScheduler):
+        ticks = 0
+
+        def tick(self, *args, **kwargs):
+            self.ticks += 1
+            if self.ticks > 3:
+                time.sleep(3600)  # as a scheduler blocked on a lock of its own
+            return super().tick(*args, **kwargs)
+
+    return leader_only(StuckAfterThreeTicks)
+
+
+StuckLeader = _stuck_leader()

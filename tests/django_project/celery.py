@@ -1,0 +1,19 @@
+"""The project's Celery app, as Django's Celery guide writes it."""
+
+import os
+
+import django
+from celery import Celery
+
+import tests.third_party_beat  # noqa: F401  (the sent_by header)
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django_project.settings")
+django.setup()
+
+app = Celery("django_project")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+
+
+@app.task
+def tick() -> None:
+    pass

@@ -1,0 +1,71 @@
+"""``leader_only`` around the schedulers people run, each with two real beats against real
+ZooKeeper and Redis: celery-redbeat, and django-celery-beat on SQLite inside a minimal
+Django project whose settings use the ``CELERY_`` namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Dict, List
+
+import pytest
+import redis
+
+from tests.harness import CeleryBeat
+from tests.util import wait_until
+
+pytestmark = pytest.mark.slow
+TIMEOUT = 4.0  # zklock_session_timeout of the beats
+
+SCHEDULERS = {
+    "redbeat": ("tests.redbeat_app", "celery_zklock.schedulers:LeaderOnlyRedBeatScheduler"),
+    "django-celery-beat": ("tests.django_project.celery", "celery_zklock.schedulers:LeaderOnlyDatabaseScheduler"),
+}
+
+
+def sent(redis_url: str, queue: str) -> List[dict]:
+    """Every message the beats sent, oldest first, as its sent_by header (pid, wall time)."""
+    raw = redis.Redis.from_url(redis_url).lrange(queue, 0, -1)
+    return sorted((json.loads(m)["headers"]["sent_by"] for m in raw), key=lambda d: d["sent"])
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULERS))
+def test_one_beat_dispatches_and_a_killed_leader_hands_over_within_the_session_timeout(
+        kind, redis_server, zk_server, zk_root, tmp_path):
+    app, scheduler = SCHEDULERS[kind]
+    queue = f"tp-{uuid.uuid4().hex[:8]}"
+    env: Dict[str, str] = {**os.environ, "ZKT_BROKER": redis_server.url, "ZKT_HOSTS": zk_server.hosts,
+                           "ZKT_ROOT": zk_root, "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": str(TIMEOUT),
+                           "ZKT_DJANGO_DB": str(tmp_path / "db.sqlite3"), "PYTHONPATH": os.getcwd()}
+    if kind == "django-celery-beat":
+        subprocess.run([sys.executable, "-c", "import tests.django_project.celery; from django.core.management "
+                        "import call_command; call_command('migrate', verbosity=0)"], env=env, check=True,
+                       timeout=120)
+    beats = [CeleryBeat(app, name=f"{kind}-{i}", scheduler=scheduler, env=env) for i in range(2)]
+    try:
+        for beat in beats:
+            beat.start(wait=False)
+        wait_until(lambda: len(sent(redis_server.url, queue)) >= 4, timeout=60)
+        [leader_pid] = {d["pid"] for d in sent(redis_server.url, queue)}  # exactly one dispatcher
+        leader = next(b for b in beats if b.pid == leader_pid)
+        standby = next(b for b in beats if b is not leader)
+        wait_until(lambda: "standby; the leader is" in standby.log_text(), timeout=30)
+
+        leader.signal(signal.SIGKILL)
+        killed = time.time()
+        wait_until(lambda: any(d["pid"] == standby.pid for d in sent(redis_server.url, queue)),
+                   timeout=TIMEOUT + 30)
+        history = sent(redis_server.url, queue)
+        first = min(d["sent"] for d in history if d["pid"] == standby.pid)
+        assert first - killed <= TIMEOUT + 2, f"handover took {first - killed:.1f}s"
+        # One dispatcher at a time: the old leader's messages all come before the new one's.
+        pids = [d["pid"] for d in history]
+        assert pids == sorted(pids, key=lambda p: p == standby.pid), pids
+    finally:
+        for beat in beats:
+            beat.close()
