@@ -96,21 +96,26 @@ def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Di
                 key = decode_key(name) or name
             if pattern is not None and not fnmatch.fnmatchcase(key, pattern):
                 continue
+            rule = _rule(semaphore(1).node_name, list(infos.values()))
             holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values())))
-            holders = []
-            for node in holding:
-                info, stat = infos[node], nodes[node][1]
-                holders.append({
-                    "mode": info["mode"] if isinstance(info.get("mode"), str)
-                    else _rule(contender(node)[0], []).name,  # type: ignore[index]
-                    "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
-                    "task_id": info.get("task_id"), "worker": info.get("worker"),
-                    # From the node's creation: includes any time it waited before holding.
-                    "held_for": round(max(0.0, now - stat.ctime / 1000), 3),
-                    "token": stat.czxid, "node": node,
-                })
-            rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting)})
+            holders = [_contender(n, infos[n], nodes[n][1], now, "held_for") for n in holding]
+            rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting),
+                         # In queue order: the next holder first.
+                         "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
+                         "limit": rule.leases if holders and holders[0]["mode"] == "semaphore" else None})
     return rows
+
+
+def _contender(node: str, info: Dict[str, Any], stat: Any, now: float, age: str) -> Dict[str, Any]:
+    return {
+        "mode": info["mode"] if isinstance(info.get("mode"), str)
+        else _rule(contender(node)[0], []).name,  # type: ignore[index]
+        "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
+        "task_id": info.get("task_id"), "worker": info.get("worker"),
+        # From the node's creation: a holder's includes the time it waited first.
+        age: round(max(0.0, now - stat.ctime / 1000), 3),
+        "token": stat.czxid, "node": node,
+    }
 
 
 def elections(session: Session, root: str) -> List[Dict[str, Any]]:
@@ -167,16 +172,28 @@ def _age(seconds: float) -> str:
     return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
 
 
-def _lock_lines(rows: List[Dict[str, Any]]) -> List[str]:
+def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
+    """The table of ``locks`` (and ``status``): a row per holder, and per waiter with ``waiters``."""
     if not rows:
         return ["  (no lock is held or waited for)"]
-    lines = [f"  {'KEY':<32} {'MODE':<9} {'HOLDER':<28} {'TASK ID':<36} {'HELD FOR':>8} {'WAITERS':>7}  TOKEN"]
+    lines = [f"  {'KEY':<28} {'MODE':<9} {'HELD':>5} {'HOLDER':<22} {'WORKER':<20} {'TASK':<28} "
+             f"{'TASK ID':<36} {'FOR':>7} {'WAITERS':>7}  TOKEN"]
+
+    def line(key: str, who: Dict[str, Any], held: str, age: str, waiting: str) -> str:
+        # str() everywhere: node data may hold anything.
+        holder = f"{who.get('host')}/{who.get('pid')}" if who else "-"
+        return (f"  {key[:28]:<28} {str(who.get('mode', '-')):<9} {held:>5} {holder[:22]:<22} "
+                f"{str(who.get('worker') or '-')[:20]:<20} {str(who.get('task') or '-')[:28]:<28} "
+                f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7}  {who.get('token', '-')}")
+
     for row in rows:
-        for i, h in enumerate(row["holders"] or [{}]):
-            holder = f"{h.get('host')}/{h.get('pid')}" if h else "-"  # str(): node data may be anything
-            lines.append(f"  {row['key'][:32]:<32} {str(h.get('mode', '-')):<9} {holder[:28]:<28} "
-                         f"{str(h.get('task_id') or '-'):<36} {_age(h['held_for']) if h else '-':>8} "
-                         f"{row['waiters'] if i == 0 else '':>7}  {h.get('token', '-')}")
+        count = len(row["holders"])
+        held = f"{count}/{row['limit']}" if row.get("limit") else str(count)
+        for h in row["holders"] or [{}]:
+            lines.append(line(row["key"], h, held, _age(h["held_for"]) if h else "-", str(row["waiters"])))
+        if waiters:
+            for place, w in enumerate(row.get("waiting", []), 1):
+                lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), ""))
     return lines
 
 
@@ -235,10 +252,11 @@ def status(ctx: click.Context) -> None:
 
 @zklock.command(name="locks")
 @click.option("--key", "pattern", default=None, help="Only keys matching this glob, e.g. 'invoice:*'.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+@click.option("--waiters", "show_waiters", is_flag=True, help="Also a row per waiter, in queue order.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts (waiters always in it).")
 @click.pass_context
-def locks_command(ctx: click.Context, pattern: Optional[str], as_json: bool) -> None:
-    """Held and waited-for locks: mode, holder (host, pid, task id), held for, waiters, token."""
+def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool, as_json: bool) -> None:
+    """Held and waited-for locks: mode, holders (host/pid, worker, task, task id), held for, waiters, token."""
     settings, session, _ = _connect(ctx)
     try:
         rows = locks(session, settings.root, pattern)
@@ -246,8 +264,10 @@ def locks_command(ctx: click.Context, pattern: Optional[str], as_json: bool) -> 
         session.close()
     if as_json:
         click.echo(json.dumps({"root": settings.root, "locks": rows}, indent=2))
+    elif pattern is not None and not rows:
+        click.echo(f"  no lock matches {pattern!r}")
     else:
-        for line in _lock_lines(rows):
+        for line in _lock_lines(rows, show_waiters):
             click.echo(line)
 
 

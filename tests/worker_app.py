@@ -101,5 +101,12 @@ def long_body(self, key: str, seconds: float) -> str:
 
 
 @app.task
+@zk_locked(key="pool:{key}", limit=3, timeout=60)
+def pooled(key: str, seconds: float) -> None:
+    note("started", key=key)
+    hold(seconds, key)
+
+
+@app.task
 def unlocked(x: int) -> int:
     return x * 2

@@ -78,6 +78,31 @@ def test_locks_and_status_show_holder_waiters_and_beat_leader(busy, cli_env):
 
     text = cli(cli_env, "locks")
     assert text.returncode == 0 and "k:a" in text.stdout and busy["holder"].id in text.stdout
+    # An operator sees who holds it (worker and task), and with --waiters who waits, in queue order.
+    assert "w1@" in text.stdout and "tests.worker_app.long_body" in text.stdout
+    assert busy["waiter"].id not in text.stdout
+    [waiting] = locks_json(cli_env)["locks"][0]["waiting"]
+    assert waiting["task_id"] == busy["waiter"].id and waiting["task"] == "tests.worker_app.exclusive"
+    assert waiting["worker"].startswith("w1@") and waiting["pid"] in busy["worker"].children()
+    rows = cli(cli_env, "locks", "--waiters").stdout.splitlines()
+    [waiter_row] = [r for r in rows if "waiting #1" in r]
+    assert busy["waiter"].id in waiter_row and "tests.worker_app.exclusive" in waiter_row
+    nothing = cli(cli_env, "locks", "--key", "invoice:*")
+    assert nothing.returncode == 0 and nothing.stdout.strip() == "no lock matches 'invoice:*'"
+
+
+def test_locks_shows_a_semaphore_against_its_limit_on_every_holder_row(cli_env, queue, redis_server):  # noqa: F811
+    worker = CeleryWorker("tests.worker_app", name="w2", concurrency=3, env=cli_env, extra_args=["-Q", queue])
+    with worker.start():
+        for _ in range(2):
+            worker_app.pooled.apply_async(("p", 30), queue=queue)
+        history = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: sum(json.loads(e)["event"] == "started" for e in history.lrange("history", 0, -1)) == 2,
+                   timeout=30)
+        rows = [r for r in cli(cli_env, "locks", "--key", "pool:*").stdout.splitlines() if "pool:p" in r]
+        assert len(rows) == 2, rows
+        for row in rows:  # the count and the waiters on each holder's row, not only the first
+            assert re.search(r" semaphore +2/3 .* 0  \d+$", row), row
 
 
 def test_check_reports_the_server(cli_env):
