@@ -20,7 +20,7 @@ import ctypes
 import signal
 import threading
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Optional, Type
 
 from .exceptions import LockLost
 
@@ -34,8 +34,11 @@ INTERRUPT_SIGNAL = signal.SIGUSR2
 class LockLostInterrupt(LockLost):
     """LockLost raised inside a task body because its lock was lost while it ran."""
 
+    #: The message when raised without one (set per body by :meth:`BodyGuard.interrupt`).
+    message = "the task's lock was lost while its body ran"
+
     def __init__(self, *args: Any) -> None:
-        super().__init__(*(args or ("the task's lock was lost while its body ran",)))
+        super().__init__(*(args or (self.message,)))
 
 
 _main_guard: Optional[BodyGuard] = None
@@ -47,7 +50,7 @@ def _handler(signum: int, frame: Optional[FrameType]) -> None:
     # No locks here: the main thread may be inside BodyGuard.__exit__.
     if guard is not None and guard._running and guard._sent and not guard._delivered:
         guard._delivered = True
-        raise LockLostInterrupt()
+        raise guard._exception()
     if callable(_previous_handler):
         _previous_handler(signum, frame)
 
@@ -67,6 +70,7 @@ class BodyGuard:
         self._running = False
         self._sent = False
         self._delivered = False
+        self._exception: Type[LockLostInterrupt] = LockLostInterrupt
         self._lock = threading.Lock()
 
     def __enter__(self) -> BodyGuard:
@@ -88,15 +92,19 @@ class BodyGuard:
         if self.in_main_thread:
             _main_guard = None
 
-    def interrupt(self) -> bool:
-        """Raise LockLost in the body's thread if the body still runs; True if sent."""
+    def interrupt(self, message: str = LockLostInterrupt.message) -> bool:
+        """Raise LockLost(``message``) in the body's thread if the body still runs; True if sent."""
+        # PyThreadState_SetAsyncExc takes a class, not an instance: the message rides on a
+        # subclass made for this body (still a LockLostInterrupt, so still a LockLost).
+        exception: Type[LockLostInterrupt] = type(LockLostInterrupt.__name__, (LockLostInterrupt,), {"message": message,
+                                                                            "__module__": __name__})
         with self._lock:
             if not self._running or self._sent:
                 return False
             self._sent = True
+            self._exception = exception
             if self.in_main_thread:
                 signal.pthread_kill(self.thread_id, INTERRUPT_SIGNAL)
             else:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.thread_id), ctypes.py_object(LockLostInterrupt))
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), ctypes.py_object(exception))
             return True

@@ -355,8 +355,9 @@ def _on_state(task: Task, guard: Optional[BodyGuard], lock: Lock, state: str) ->
     # Runs on kazoo's or the session watchdog's thread: never block here.
     if state != LockState.LOST:
         return
-    interrupted = guard.interrupt() if guard is not None else False
-    logger.warning("task %s: lock %r lost while its body ran%s", task.name, lock.key,
+    message = lock.lost_message()
+    interrupted = guard.interrupt(f"task {task.name}: {message}") if guard is not None else False
+    logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task.request.id, message,
                    "; raising LockLost in the body" if interrupted else "")
     signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted)
 

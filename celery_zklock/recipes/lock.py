@@ -210,6 +210,8 @@ class Lock:
         self.wakeups = 0
         #: The nodes that blocked the last acquire that did not get the lock.
         self.blocked_by: Tuple[str, ...] = ()
+        #: Why the lock stopped being held beyond doubt (its node deleted, its session lost).
+        self.lost_reason = ""
         self._generation = -1
         self._prefix = ""
         self._created = False
@@ -230,10 +232,22 @@ class Lock:
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is held beyond doubt (call before a side effect)."""
         if not self.is_held:
-            state = self.state
-            if state == LockState.HELD:
-                state = LockState.IN_DOUBT if self.session.generation == self._generation else LockState.LOST
-            raise LockLost(f"lock {self.path} is {state.replace('_', ' ')}")
+            raise LockLost(self.lost_message())
+
+    def lost_message(self) -> str:
+        """Why this lock is not held beyond doubt, naming its key and path (for LockLost and logs)."""
+        state = self.state
+        reason = self.lost_reason
+        if state in (LockState.HELD, LockState.IN_DOUBT):
+            if self.session.generation != self._generation:
+                state, reason = LockState.LOST, reason or "its session was lost"
+            elif state == LockState.IN_DOUBT or not self.session.is_alive():
+                state = LockState.IN_DOUBT
+                silent = time.monotonic() - self.session.clock.last_answer
+                reason = (f"the connection is in doubt: no answer from ZooKeeper for {silent:.1f}s "
+                          f"of the {self.session.timeout:g}s session timeout")
+        name = f"lock {self.path}" if self.key is None else f"lock {self.key!r} ({self.path})"
+        return f"{name} is {state.replace('_', ' ')}" + (f": {reason}" if reason else "")
 
     def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:
         """Wait up to ``timeout`` seconds (forever if None) for the lock; True when held.
@@ -245,6 +259,7 @@ class Lock:
             if self.state != LockState.UNLOCKED:
                 raise RuntimeError(f"lock {self.path} is already {self.state}; locks are not re-entrant")
             self.state = LockState.WAITING
+            self.lost_reason = ""
         got = False
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -547,8 +562,8 @@ class Lock:
             if node != self.node or self.state not in (LockState.HELD, LockState.IN_DOUBT):
                 return  # our own release, or an earlier node of ours
             self.state = LockState.LOST
-        logger.warning("lock %s lost (token %s): its node %s was deleted by someone else",
-                       self.path, self.fencing_token, node)
+            self.lost_reason = f"its node {node} was deleted by someone else"
+        logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
         if self.on_state is not None:
             self.on_state(self, LockState.LOST)
 
@@ -566,8 +581,11 @@ class Lock:
             if new == self.state:
                 return
             self.state = new
+            if new == LockState.LOST:
+                self.lost_reason = (f"its session was lost (no answer from ZooKeeper within the "
+                                    f"{self.session.timeout:g}s session timeout, or the session expired)")
         if new == LockState.LOST:
-            logger.warning("lock %s lost (token %s): its session may have expired", self.path, self.fencing_token)
+            logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
             # If the session survives after all, our node must not block others forever.
             self._delete_own_node()
         if self.on_state is not None:

@@ -17,7 +17,7 @@ from celery.schedules import crontab
 from kazoo.client import KazooClient
 from kazoo.security import CREATOR_ALL_ACL, READ_ACL_UNSAFE
 
-from celery_zklock import LockNotAcquired, zk_locked
+from celery_zklock import LockLost, LockNotAcquired, zk_locked
 from celery_zklock.beat import LeaderScheduler
 from celery_zklock.exceptions import ConfigurationError
 from celery_zklock.layout import Layout
@@ -80,9 +80,12 @@ def test_a_holder_whose_node_someone_deletes_counts_its_lock_lost(new_session, k
     states: List[str] = []
     lock = Lock(new_session(), f"{zk_root}/locks/k-d", on_state=lambda lk, state: states.append(state))
     assert lock.acquire(timeout=10)
-    kazoo.delete(f"{lock.path}/{lock.node}")  # an operator, a cleanup script, a bug
+    node = lock.node
+    kazoo.delete(f"{lock.path}/{node}")  # an operator, a cleanup script, a bug
     wait_until(lambda: states == ["lost"], timeout=5)
     assert not lock.is_held
+    with pytest.raises(LockLost, match=rf"^lock {lock.path} is lost: its node {node} was deleted by someone else$"):
+        lock.ensure()
     other = Lock(new_session(), lock.path)
     assert other.acquire(timeout=10)  # the next contender holds: the old holder knows it does not
     lock.release()

@@ -69,10 +69,19 @@ def test_kazoo_recipes_contend_with_ours_both_ways(new_session, zk_root, kazoo, 
     mine = Lock(new_session(), path, ours)
     assert mine.acquire()
     assert kazoo_lock.acquire(blocking=False) is compatible
-    if compatible:
-        kazoo_lock.release()
+    got: List[bool] = []
+    if not compatible:
+        # Queue kazoo's behind ours before ours goes. A key container left without a child
+        # may be reaped at any moment, and kazoo's Lock remembers that its parent exists:
+        # its next create would fail with NoNodeError.
+        waiting = threading.Thread(target=lambda: got.append(kazoo_lock.acquire(timeout=10)))
+        waiting.start()
+        wait_until(lambda: len(children(kazoo, path)) == 2)
     mine.release()
-    assert kazoo_lock.acquire(timeout=5)
+    if not compatible:
+        waiting.join()
+        assert got == [True]
+    assert kazoo_lock.is_acquired
     # Kazoo's first, then ours.
     mine = Lock(new_session(), path, ours)
     assert mine.acquire(timeout=0.3) is compatible
@@ -84,7 +93,7 @@ def test_kazoo_recipes_contend_with_ours_both_ways(new_session, zk_root, kazoo, 
     # A kazoo waiter behind our holder gets the lock when we release, and vice versa.
     holder = Lock(new_session(), path, EXCLUSIVE)
     assert holder.acquire()
-    got: List[bool] = []
+    got = []
     t = threading.Thread(target=lambda: got.append(kazoo.Lock(path).acquire(timeout=10)))
     t.start()
     wait_until(lambda: len(children(kazoo, path)) == 2)

@@ -69,7 +69,8 @@ def test_partitioned_holder_counts_its_lock_lost_before_another_gets_it(proxy, n
     lost_at = dict((s, t) for s, t in events)["lost"]
     assert lost_at < other_got, "the holder still thought it held the lock when another got it"
     assert not holder.is_held
-    with pytest.raises(LockLost):
+    with pytest.raises(LockLost, match=rf"^lock {path} is lost: its session was lost \(no answer from ZooKeeper "
+                                       rf"within the {timeout:g}s session timeout"):
         holder.ensure()
     # The other could only get it once the server expired the holder's session.
     assert other_got - cut >= timeout * 0.9
@@ -102,6 +103,9 @@ def test_release_while_disconnected_happens_after_reconnect(proxy, new_session, 
     session_id = session.client.client_id
     proxy.mode = "blackhole"
     wait_until(lambda: holder.state == "in_doubt", timeout=15)
+    with pytest.raises(LockLost, match=r"^lock /.* is in doubt: the connection is in doubt: no answer from ZooKeeper "
+                                       r"for \d+\.\ds of the 12s session timeout$"):
+        holder.ensure()
     t0 = time.monotonic()
     assert holder.release() is True  # returns at once although the server is unreachable
     assert time.monotonic() - t0 < 0.5

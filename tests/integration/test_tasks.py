@@ -158,7 +158,7 @@ def test_flag_mode_marks_the_lost_lock_and_lets_the_body_finish(zk_server, zk_ro
             lock = current_lock()
             proxy.mode = "blackhole"
             wait_until(lambda: not lock.is_held and lock.state == "lost", timeout=10)
-            with pytest.raises(LockLost):
+            with pytest.raises(LockLost, match=r"^lock 'long' \(/.*\) is lost: its session was lost"):
                 lock.ensure()
             seen.append(lock.state)
             return "finished"
