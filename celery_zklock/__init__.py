@@ -35,7 +35,7 @@ from .exceptions import (
     ZooKeeperUnavailable,
 )
 from .recipes.lock import Lock, LockState
-from .task import ZkLockedTask, current_lock, current_locks, zk_locked
+from .task import SKIPPED, ZkLockedTask, current_lock, current_locks, skipped, zk_locked
 
 __all__ = [
     "ConfigurationError",
@@ -44,6 +44,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockState",
+    "SKIPPED",
     "ZkLockError",
     "ZkLockedTask",
     "ZooKeeperUnavailable",
@@ -51,6 +52,7 @@ __all__ = [
     "current_locks",
     "lock",
     "lock_path",
+    "skipped",
     "zk_locked",
 ]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import threading
 import time
@@ -35,7 +36,8 @@ from .private import connect_on_app_finalize, current_app, current_task
 from .recipes.lock import Lock, LockState
 from .zk import close_sessions, session_for
 
-__all__ = ["OPTIONS", "LockSpec", "ZkLockedTask", "current_lock", "current_locks", "problems", "zk_locked"]
+__all__ = ["OPTIONS", "SKIPPED", "LockSpec", "ZkLockedTask", "current_lock", "current_locks", "problems", "skipped",
+           "zk_locked"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -340,15 +342,55 @@ def _contended(task: Task, spec: LockSpec, policy: str, timeout: Optional[float]
     signals.lock_contended.send(sender=task, lock=lock, policy=policy)
     where = f"task {task.name}"
     if policy == "skip":
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        holders = [_holder(data) for data in lock.holders(timeout=remaining)]
         logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.key, lock.mode,
-                    "; ".join(lock.holders(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
-                    or "another contender (unknown)")
-        return None
+                    "; ".join(_describe(h) for h in holders) or "another contender (it has just let go)")
+        return {SKIPPED: {"key": lock.key, "mode": lock.mode, "holders": holders}}
     message = (f"{where}: lock {lock.key!r} ({lock.mode}) not acquired" +
                (f" within {timeout:g}s" if policy == "wait" and timeout is not None else ""))
     if policy == "retry":
         raise task.retry(countdown=spec.retry_countdown, exc=LockNotAcquired(message))
     raise LockNotAcquired(message)
+
+
+#: The one key of the result a task returns when ``on_contention="skip"`` skipped it.
+SKIPPED = "zklock_skipped"
+
+_WHO = ("task", "task_id", "worker", "host", "pid")
+
+
+def skipped(result: Any) -> Optional[Dict[str, Any]]:
+    """What stopped a task, if ``result`` is a skipped task's result; None for any other result.
+
+    A skip returns ``{"zklock_skipped": {"key", "mode", "holders"}}`` rather than None, so a
+    caller can tell it from a body that returned None; it serializes with every Celery serializer.
+
+    >>> skipped({"zklock_skipped": {"key": "sync:42", "mode": "exclusive", "holders": []}})["key"]
+    'sync:42'
+    >>> skipped(None) is None
+    True
+    """
+    if isinstance(result, dict) and len(result) == 1 and isinstance(result.get(SKIPPED), dict):
+        return result[SKIPPED]
+    return None
+
+
+def _holder(data: str) -> Dict[str, Any]:
+    """Who a holder is, from its node data (junk written by others gives {})."""
+    try:
+        info = json.loads(data)
+    except ValueError:
+        return {}
+    return {k: info.get(k) for k in _WHO} if isinstance(info, dict) else {}
+
+
+def _describe(holder: Dict[str, Any]) -> str:
+    """``task T[id] on worker W (pid P on host H)``, with whatever the holder's data names."""
+    if not holder.get("task"):
+        return f"pid {holder.get('pid')} on host {holder.get('host')}" if holder else "a contender of unknown origin"
+    return (f"task {holder['task']}[{holder.get('task_id')}] on worker {holder.get('worker')} "
+            f"(pid {holder.get('pid')} on host {holder.get('host')})")
 
 
 def _on_state(task: Task, guard: Optional[BodyGuard], lock: Lock, state: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, List
@@ -135,7 +136,10 @@ def test_contention_policies(celery_app, received):
         with pytest.raises(LockNotAcquired, match="not acquired within 0.5s"):
             task("wait", timeout=0.5).apply(args=(9,)).get()
         assert 0.5 <= time.monotonic() - t0 < 3
-        assert task("skip").apply(args=(9,)).get() is None
+        skip = celery_zklock.skipped(task("skip").apply(args=(9,)).get())
+        assert skip is not None and skip["key"] == "crm:9" and skip["mode"] == "exclusive"
+        [held_by] = skip["holders"]  # the holder is a plain lock() of this process: no task in its data
+        assert held_by["pid"] == os.getpid() and held_by["task"] is None
         # retry: retried up to max_retries, then the LockNotAcquired is the task's error.
         with pytest.raises(LockNotAcquired):
             task("retry", retry_countdown=0).apply(args=(9,)).get()

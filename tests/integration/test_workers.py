@@ -15,6 +15,7 @@ from typing import Dict, Iterator, List
 import pytest
 import redis
 
+from celery_zklock import skipped
 from tests import worker_app
 from tests.harness import CeleryWorker, Hold, TcpProxy, free_port, max_concurrency, violations
 from tests.util import children, wait_until
@@ -101,11 +102,20 @@ def test_skip_runs_or_skips_each_task_and_logs_the_holder(workers, queue, redis_
     ran = holds(redis_server.url)
     assert violations(ran) == []
     assert outcomes.count("ran") == len(ran) >= 1
-    assert outcomes.count(None) == 6 - len(ran) >= 1
+    # A skip's result says so (a body may return None), with the key and who held it.
+    skips = [skipped(o) for o in outcomes if o != "ran"]
+    assert len(skips) == 6 - len(ran) >= 1 and all(s is not None and s["key"] == "k:sync" for s in skips)
+    by_id = {r.id: r for r in results}
     logs = w1.log_text() + w2.log_text()
-    # Every skip is logged with its key; the holder's data when it still holds (it may just have let go).
-    assert logs.count("skipped: lock 'k:sync' (exclusive) is held by ") == outcomes.count(None)
-    assert '"task": "tests.worker_app.skipping"' in logs
+    # Every skip is logged with its key, and the holder's task, task id, worker and pid when it
+    # still holds (it may just have let go).
+    assert logs.count("skipped: lock 'k:sync' (exclusive) is held by ") == len(skips)
+    named = [h for s in skips for h in s["holders"]]
+    assert named, "no skip saw its holder"
+    for h in named:
+        assert h["task"] == "tests.worker_app.skipping" and by_id[h["task_id"]].get() == "ran"
+        assert (f"is held by task tests.worker_app.skipping[{h['task_id']}] on worker {h['worker']} "
+                f"(pid {h['pid']} on host {h['host']})") in logs
 
 
 def test_retry_frees_the_slot_and_every_task_runs_once(workers, queue, redis_server):
