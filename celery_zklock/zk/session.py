@@ -266,7 +266,58 @@ class _HideCredentials(logging.Filter):
         return True
 
 
+class _QuietReconnects(logging.Filter):
+    """During an outage kazoo logs a WARNING per failed connect attempt (about 50 a minute per
+    process). Keep the first after each state change, then one summary line per minute; the
+    rest go to DEBUG on our own logger, so nothing is lost.
+    """
+
+    #: kazoo's messages for one failed attempt (its own format strings).
+    NOISY = frozenset({"Connection dropped: %s", "Connection time-out: %s", "Transition to CONNECTING",
+                       "Cannot resolve %s: %s"})
+    #: kazoo's messages for a state change: the next failed attempt is news again.
+    CHANGES = frozenset({"Zookeeper connection established, state: %s", "Zookeeper session closed, state: %s"})
+    SUMMARY_EVERY = 60.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.told = False
+        self.hidden = 0
+        self.since = now
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if record.msg in self.CHANGES:
+                if self.hidden:
+                    logger.warning("ZooKeeper reachable again after %d more failed connection attempts",
+                                   self.hidden)
+                self._reset(now)
+                return True
+            if record.msg not in self.NOISY or record.levelno < logging.WARNING:
+                return True
+            if not self.told:
+                self.told = True
+                self.since = now
+                return True
+            self.hidden += 1
+            summary = now - self.since >= self.SUMMARY_EVERY
+            if summary:
+                count, self.hidden, self.since = self.hidden, 0, now
+        logger.debug("kazoo: %s", record.getMessage())
+        if summary:
+            logger.warning("ZooKeeper still unreachable: %d more failed connection attempts in the last %.0fs "
+                           "(latest: %s; each one at DEBUG on logger %s)", count, self.SUMMARY_EVERY,
+                           record.getMessage(), logger.name)
+        return False
+
+
 logging.getLogger("kazoo.client").addFilter(_HideCredentials())
+logging.getLogger("kazoo.client").addFilter(_QuietReconnects())
 
 
 def _watchdog_loop(ref: weakref.ref[Session]) -> None:

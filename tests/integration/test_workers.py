@@ -219,3 +219,20 @@ def test_interrupted_body_gives_its_lock_back_at_once(how, workers, queue, redis
     assert started - interrupted < 2.5, started - interrupted
     with pytest.raises(Exception, match="SoftTimeLimitExceeded" if options else "terminated"):
         victim.get(timeout=10)
+
+
+def test_an_outage_logs_one_line_per_state_change_not_one_per_connect_attempt(workers, queue, zk_server):
+    with TcpProxy(zk_server.port) as proxy:
+        worker = workers("w1", concurrency=1, ZKT_HOSTS=proxy.hosts)
+        wait_until(lambda: "Zookeeper connection established" in worker.log_text(), timeout=30)
+        proxy.mode = "blackhole"  # kazoo's attempts time out one after another
+        time.sleep(12)  # the outage: several connect attempts (kazoo backs off to 2 s between them)
+        proxy.mode = "pass"
+        proxy.reset()
+        wait_until(lambda: "ZooKeeper reachable again after" in worker.log_text(), timeout=30)
+    noise = [line for line in worker.log_text().splitlines()
+             if "WARNING" in line and any(m in line for m in ("Connection dropped", "Connection time-out",
+                                                                   "Transition to CONNECTING"))]
+    assert len(noise) == 1, noise
+    hidden = int(worker.log_text().split("ZooKeeper reachable again after ")[1].split()[0])
+    assert hidden >= 2  # what was held back, counted

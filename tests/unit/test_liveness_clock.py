@@ -120,3 +120,4 @@ def test_heartbeat_interval_never_sleeps_past_the_margin():
 def test_bad_parameters(timeout, margin):
     with pytest.raises(ValueError):
         LivenessClock(timeout, margin)
+

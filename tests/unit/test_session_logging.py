@@ -1,0 +1,29 @@
+"""How the session tames kazoo's logging during an outage: pure logic, a fake clock."""
+
+
+def test_kazoo_reconnect_noise_is_one_line_per_state_change_and_a_summary_per_minute(caplog, monkeypatch):
+    import logging
+
+    from celery_zklock.zk import session
+
+    now = [1000.0]
+    monkeypatch.setattr(session.time, "monotonic", lambda: now[0])
+    quiet = session._QuietReconnects()
+
+    def log(msg, *args, level=logging.WARNING):
+        return quiet.filter(logging.makeLogRecord({"msg": msg, "args": args, "levelno": level}))
+
+    caplog.set_level(logging.DEBUG, logger="celery_zklock")
+    assert log("Connection dropped: %s", "socket closed")  # the first failure is news
+    assert not log("Transition to CONNECTING")
+    for _ in range(40):  # one attempt a second
+        now[0] += 1
+        assert not log("Connection time-out: %s", "connect timed out")
+    assert "still unreachable" not in caplog.text
+    now[0] += 20
+    assert not log("Connection time-out: %s", "connect timed out")  # 61 s after the first
+    assert "ZooKeeper still unreachable: 42 more failed connection attempts in the last 60s" in caplog.text
+    assert caplog.text.count("kazoo: Connection time-out: connect timed out") == 41  # each one at DEBUG
+    assert log("Zookeeper connection established, state: %s", "CONNECTED")
+    assert log("Connection dropped: %s", "again")  # a new outage is news again
+    assert log("Some other kazoo warning")  # anything else passes untouched
