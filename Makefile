@@ -28,6 +28,7 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The venv has the test extras, matplotlib among them: the demo draws demo-timeline.png.
 demo: system venv
 	$(BIN)/python example_project/demo.py
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 from celery import Celery, current_task
+from celery.signals import task_prerun
 
 from celery_zklock import current_locks, signals
 
@@ -17,15 +18,21 @@ app.config_from_object("celeryconfig")
 _redis: Any = None
 
 
-def record(event: str, **fields: Any) -> None:
-    """Append one event to the demo's history list in Redis."""
+def record(event: str, task: Any = None, **fields: Any) -> None:
+    """Append one event of ``task`` (the current task by default) to the demo's history list in Redis."""
     global _redis
     if _redis is None:
         _redis = redis.Redis.from_url(app.conf.broker_url)
-    request = current_task.request
+    task = task or current_task
+    request = task.request
     _redis.rpush("demo:history", json.dumps({
-        "event": event, "time": time.time(), "task": (current_task.name or "").rsplit(".", 1)[-1],
+        "event": event, "time": time.time(), "task": (task.name or "").rsplit(".", 1)[-1],
         "task_id": request.id, "who": f"{(request.hostname or '').split('@')[0]}/{os.getpid()}", **fields}))
+
+
+@task_prerun.connect
+def _started(sender: Any = None, **kwargs: Any) -> None:
+    record("start", task=sender)  # before the lock is taken: the plot shows the wait from here
 
 
 def work(seconds: float) -> None:

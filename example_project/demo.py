@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -56,7 +56,7 @@ class Timeline(threading.Thread):
 
         self.redis = redis.Redis.from_url(url)
         self.t0 = t0
-        self.seen = 0
+        self.printed: Set[int] = set()  # indices into the history list, which only grows
         self.stopped = threading.Event()
 
     def events(self) -> List[Dict[str, Any]]:
@@ -64,21 +64,36 @@ class Timeline(threading.Thread):
 
     def run(self) -> None:
         while not self.stopped.wait(0.1):
-            self.flush()
+            self.flush(settled=0.5)
 
-    def flush(self) -> None:
-        for e in self.events()[self.seen:]:
-            self.seen += 1
-            t = f"{e['time'] - self.t0:6.2f}s"
-            if e["event"] == "take":
-                waited = "  after waiting" if e["waited"] else ""
-                print(f"  {t}  {e['key']:<15} {e['mode']:<9} held by {e['who']:<14} {e['task']:<15} "
-                      f"token {e['token']}{waited}", flush=True)
-            elif e["event"] == "skip":
-                print(f"  {t}  {e['key']:<15} {'':<9} SKIPPED {e['task']} ({e['who']}): already running", flush=True)
-            elif e["event"] == "beat":
-                print(f"  {t}  {'[beat] ' + e['entry']:<25} dispatched by beat pid {e['pid']}, run {e['run']}, "
-                      f"leadership token {e['token']}", flush=True)
+    def flush(self, settled: float = 0.0) -> None:
+        """Print, in time order, the events not printed yet that are older than ``settled`` seconds.
+
+        Worker processes append to the history concurrently, so the list is in arrival
+        order; holding each event back half a second lets a slower writer's earlier
+        event be printed first.
+        """
+        cutoff = time.time() - settled
+        ready = sorted(((e["time"], i, e) for i, e in enumerate(self.events())
+                        if i not in self.printed and e["time"] <= cutoff), key=lambda x: x[:2])
+        for _, i, e in ready:
+            self.printed.add(i)
+            self._print(e)
+
+    def _print(self, e: Dict[str, Any]) -> None:
+        t = f"{e['time'] - self.t0:6.2f}s"
+        if e["event"] == "take":
+            waited = "  after waiting" if e["waited"] else ""
+            print(f"  {t}  {e['key']:<15} {e['mode']:<9} held by {e['who']:<14} {e['task']:<15} "
+                  f"token {e['token']}{waited}", flush=True)
+        elif e["event"] == "skip":
+            print(f"  {t}  {e['key']:<15} {'':<9} SKIPPED {e['task']} ({e['who']}): already running", flush=True)
+        elif e["event"] == "beat":
+            print(f"  {t}  {'[beat] ' + e['entry']:<25} dispatched by beat pid {e['pid']}, run {e['run']}, "
+                  f"leadership token {e['token']}", flush=True)
+        elif e["event"] == "kill":
+            print(f"  {t}  >>> SIGKILL the leading beat (pid {e['pid']}); its session expires after "
+                  f"zklock_session_timeout={e['timeout']}s", flush=True)
 
 
 def main() -> int:
@@ -123,8 +138,9 @@ def main() -> int:
         leader = next((b for b in beats if b.pid == leader_pid), beats[0])
         t_kill = time.time()
         leader.crash()
-        print(f"  {t_kill - t0:6.2f}s  >>> SIGKILL the leading beat (pid {leader.pid}); "
-              f"its session expires after zklock_session_timeout={app.conf.zklock_session_timeout}s", flush=True)
+        # In the history, so the timeline prints it in its place among the events around it.
+        timeline.redis.rpush("demo:history", json.dumps({"event": "kill", "time": t_kill, "pid": leader.pid,
+                                                          "timeout": app.conf.zklock_session_timeout}))
         takeover = None
         deadline = time.time() + 30
         while takeover is None and time.time() < deadline:
@@ -161,7 +177,7 @@ def main() -> int:
             print(f"  {name:<42}{value}")
         for problem in bad:
             print(f"  OVERLAP: {problem}")
-        plot(history, t0, t_kill)
+        plot(history, t0, t_kill, takeover)
         ok = not bad and takeover is not None and len(runs) == len(set(runs)) and not any(
             isinstance(o, BaseException) for o in outcomes)
         print("\nall promises kept" if ok else "\nA PROMISE WAS BROKEN: see above")
@@ -180,39 +196,85 @@ def main() -> int:
             thing.close()
 
 
-def plot(history: List[Dict[str, Any]], t0: float, t_kill: float) -> None:
-    """One lane per key with a bar per body, and a beat lane with a mark per dispatch."""
+def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Optional[float]) -> None:
+    """One lane per key: a bar per holder (its colour: the worker process), the wait before it,
+    skips; and a beat lane: a mark per dispatch, the SIGKILL and the takeover."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
     except ImportError:
         print("\n(no PNG timeline: install matplotlib, e.g. pip install 'celery-zklock[plot]')")
         return
     bodies = [e for e in history if e["event"] == "body"]
-    keys = sorted({e["key"] for e in bodies})
+    keys = sorted({e["key"] for e in bodies} | {e["key"] for e in history if e["event"] == "skip"})
+    lane = {key: i for i, key in enumerate(reversed(keys))}  # first key at the top
+    beat_lane = -1.5
     who = sorted({e["who"] for e in bodies})
     colors = {w: plt.cm.tab10(i % 10) for i, w in enumerate(who)}
-    fig, ax = plt.subplots(figsize=(12, 0.5 * len(keys) + 2))
-    for lane, key in enumerate(keys):
+    started = {e["task_id"]: e["time"] for e in history if e["event"] == "start"}
+    fig, ax = plt.subplots(figsize=(13, 0.6 * len(keys) + 3))
+    for key in keys:
+        y = lane[key]
+        # Holders in the upper part of the lane, one row per concurrent holder (readers,
+        # semaphore slots); the waits before them as thin hatched bars in the lower part.
         mine = [e for e in bodies if e["key"] == key]
-        for e in mine:
-            ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (lane - 0.4, 0.8),
-                           facecolors=colors[e["who"]], edgecolor="black", linewidth=0.5, alpha=0.8)
+        rows = _rows([(e["start"], e["end"]) for e in mine])
+        height = 0.45 / (max(rows, default=0) + 1)
+        for e, row in zip(mine, rows):
+            ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (y + row * height, height * 0.9),
+                           facecolors=colors[e["who"]], edgecolor="black", linewidth=0.5)
+        waits = [(started[e["task_id"]], e["start"]) for e in mine
+                 if e["start"] - started.get(e["task_id"], e["start"]) > 0.02]
+        rows = _rows(waits)
+        height = 0.4 / (max(rows, default=0) + 1)
+        for (begun, took), row in zip(waits, rows):
+            ax.broken_barh([(begun - t0, took - begun)], (y - 0.45 + row * height, height * 0.8),
+                           facecolors="none", edgecolor="grey", hatch="////", linewidth=0.5)
+    for e in history:
+        if e["event"] == "skip":
+            ax.plot(e["time"] - t0, lane[e["key"]], marker="x", color="red", markersize=9, mew=2)
     beats = [e for e in history if e["event"] == "beat" and e["sent"]]
     pids = sorted({e["pid"] for e in beats})
+    beat_colors = {pid: plt.cm.Dark2(i % 8) for i, pid in enumerate(pids)}
     for e in beats:
-        ax.plot(e["sent"] - t0, len(keys), marker="v", color=plt.cm.Set1(pids.index(e["pid"]) % 9))
-    ax.axvline(t_kill - t0, color="red", linestyle="--", label="beat leader SIGKILLed")
-    ax.set_yticks(range(len(keys) + 1), keys + ["beat dispatches"])
+        ax.plot(e["sent"] - t0, beat_lane, marker="v", markersize=9, color=beat_colors[e["pid"]])
+    ax.axvline(t_kill - t0, color="red", linestyle="--")
+    if takeover is not None:
+        ax.axvline(t_kill + takeover - t0, color="green", linestyle=":")
+        ax.annotate(f"takeover after {takeover:.1f} s", (t_kill - t0 + takeover / 2, beat_lane + 0.6),
+                    ha="center", fontsize="small")
+    ax.set_yticks([*lane.values(), beat_lane], [*lane.keys(), "beat dispatches"])
+    ax.set_ylim(beat_lane - 0.8, len(keys) - 0.4)
     ax.set_xlabel("seconds since the burst was sent")
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[w], label=w) for w in who]
-              + ax.get_legend_handles_labels()[0], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    ax.set_title("celery-zklock demo: task bodies per lock key (reads and semaphore slots may share a lane)")
+    ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(facecolor=colors[w], edgecolor="black", label=f"held by {w}") for w in who]
+    handles += [Patch(facecolor="none", edgecolor="grey", hatch="////", label="waiting for the lock"),
+                Line2D([], [], marker="x", color="red", mew=2, linestyle="none", label="skipped (key busy)"),
+                *(Line2D([], [], marker="v", color=beat_colors[p], linestyle="none",
+                         label=f"dispatched by beat pid {p}") for p in pids),
+                Line2D([], [], color="red", linestyle="--", label="leading beat SIGKILLed"),
+                Line2D([], [], color="green", linestyle=":", label="standby beat takes over")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    ax.set_title("celery-zklock demo: who holds each key and who waits for it (one lane per key)")
     fig.tight_layout()
     fig.savefig(PNG, dpi=100)
     print(f"\nPNG timeline written to {PNG}")
+
+
+def _rows(intervals: List[Any]) -> List[int]:
+    """A row for each (start, end) interval such that intervals in one row never overlap."""
+    ends: List[float] = []
+    rows = [0] * len(intervals)
+    for i in sorted(range(len(intervals)), key=lambda i: intervals[i][0]):
+        start, end = intervals[i]
+        row = next((r for r, last in enumerate(ends) if last <= start), len(ends))
+        ends[row:row + 1] = [end]
+        rows[i] = row
+    return rows
 
 
 if __name__ == "__main__":

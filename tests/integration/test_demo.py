@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,3 +18,7 @@ def test_demo_runs_and_keeps_every_promise(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "overlaps found in the history" in out.stdout and "all promises kept" in out.stdout
     assert "SKIPPED" in out.stdout and "after waiting" in out.stdout and "beat takeover after SIGKILL" in out.stdout
+    # The timeline is in time order, although many processes write its history at once.
+    times = [float(m.group(1)) for m in re.finditer(r"^ +(\d+\.\d\d)s  ", out.stdout, re.MULTILINE)]
+    assert len(times) > 20 and times == sorted(times), times
+    assert (tmp_path / "demo-timeline.png").stat().st_size > 10_000  # drawn by default (matplotlib is a test extra)
