@@ -13,12 +13,16 @@ import os
 import socket
 from typing import Any, Callable, Dict, Optional
 
+from kazoo.exceptions import KazooException
+from kazoo.handlers.threading import KazooTimeoutError
+
 from .conf import Settings
-from .layout import Layout, check_key
+from .exceptions import ZooKeeperUnavailable
+from .layout import LOCK_TREES, Layout, check_key
 from .recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
 from .zk import Session, session_for
 
-__all__ = ["MODES", "holder_data", "layout_of", "lock", "lock_path", "rule_for", "settings_of"]
+__all__ = ["MODES", "claim_scheme", "holder_data", "layout_of", "lock", "lock_path", "rule_for", "settings_of"]
 
 #: Lock modes and their rules; ``exclusive`` and ``write`` are the same lock.
 MODES: Dict[str, Rule] = {"exclusive": EXCLUSIVE, "write": WRITE, "read": READ}
@@ -37,8 +41,9 @@ def settings_of(app: Any) -> Settings:
 
 
 def layout_of(app: Any) -> Layout:
-    """The znode paths of a Celery app (under its ``zklock_root``)."""
-    return Layout(settings_of(app).root)
+    """The znode paths of a Celery app (under its ``zklock_root``, named as ``zklock_key_names`` says)."""
+    settings = settings_of(app)
+    return Layout(settings.root, settings.key_secret if settings.key_names == "hashed" else None)
 
 
 def rule_for(mode: str = "exclusive", limit: Optional[int] = None) -> Rule:
@@ -54,8 +59,8 @@ def rule_for(mode: str = "exclusive", limit: Optional[int] = None) -> Rule:
 
 
 def lock_path(app: Any, key: str, limit: Optional[int] = None) -> str:
-    """The znode under which the lock for ``key`` lives: ``<zklock_root>/locks/<encoded key>``
-    (semaphores: ``<zklock_root>/semaphores/<encoded key>``)."""
+    """The znode under which the lock for ``key`` lives: ``<zklock_root>/locks/<key's name>``
+    (semaphores: ``<zklock_root>/semaphores/<key's name>``)."""
     check_key(key)
     return layout_of(app).lock(key, semaphore=limit is not None)
 
@@ -66,6 +71,15 @@ _HOST = socket.gethostname()
 def holder_data(**extra: Any) -> bytes:
     """Node data naming the holder, so an operator can see who holds what."""
     return json.dumps({"host": _HOST, "pid": os.getpid(), **extra}, sort_keys=True).encode()
+
+
+def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
+    """Check (once per session) that the root names keys as ``layout`` does: see Nodes.claim_scheme."""
+    try:
+        session.nodes.claim_scheme(layout.scheme, LOCK_TREES, timeout)
+    except (KazooException, KazooTimeoutError) as exc:
+        raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root} within "
+                                   f"zklock_connect_timeout={timeout:g}s: {type(exc).__name__}") from None
 
 
 def lock(
@@ -90,9 +104,15 @@ def lock(
     # Validate everything before touching ZooKeeper (lock_path checks the key).
     rule = rule_for(mode, limit)
     check_timeout(timeout)
-    path = lock_path(app, key, limit)
+    layout = layout_of(app)
+    path = layout.lock(key, semaphore=limit is not None)
     mode = mode if limit is None else rule.name
-    extra = {} if limit is None else {"limit": limit}  # lets `celery zklock locks` tell holders apart
-    return Lock(session or session_for(settings_of(app)), path, rule,
-                data=holder_data(key=key, mode=mode, **extra, **holder), timeout=timeout, key=key, mode=mode,
-                on_state=on_state)
+    extra: Dict[str, Any] = {} if limit is None else {"limit": limit}  # lets `celery zklock locks` tell holders apart
+    if layout.secret is None:
+        extra["key"] = key  # under hashed names the data carries no key either
+    settings = settings_of(app)
+    session = session or session_for(settings)
+    claim_scheme(session, layout, settings.connect_timeout)
+    return Lock(session, path, rule,
+                data=holder_data(mode=mode, **extra, **holder), timeout=timeout, key=key, mode=mode,
+                on_state=on_state, label=layout.label(key))

@@ -22,10 +22,10 @@ from typing import Any, Dict, List, NoReturn, Optional
 import click
 from kazoo.exceptions import NoNodeError
 
-from .api import settings_of
+from .api import layout_of, settings_of
 from .conf import Settings, beat_name, describe
 from .exceptions import ZkLockError
-from .layout import LOCK_TREES, Layout, decode_key
+from .layout import LOCK_TREES, Layout, decode_key, hashed_name
 from .private import peer_address
 from .recipes.lock import RULES, Rule, contender, semaphore, sequence, split_queue
 from .task import problems
@@ -73,8 +73,12 @@ def _rule(kind: str, infos: List[Dict[str, Any]]) -> Rule:
     return semaphore(limits[0] if limits else 1)
 
 
-def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Dict[str, Any]]:
+def locks(session: Session, root: str, pattern: Optional[str] = None,
+          secret: Optional[bytes] = None) -> List[Dict[str, Any]]:
     """Every lock with a holder or a waiter under ``root``; ``pattern`` is a glob on the key.
+
+    Under hashed key names (``secret`` given) a name cannot be matched by a glob:
+    ``pattern`` is then one exact key, whose name is computed with the secret.
 
     Example::
 
@@ -83,9 +87,12 @@ def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Di
     """
     now = time.time()
     rows = []
+    wanted = hashed_name(secret, pattern) if secret is not None and pattern is not None else None
     for tree in LOCK_TREES:
         base = f"{root}/{tree}"
         for name in sorted(_children(session, base)):
+            if wanted is not None and name != wanted:
+                continue
             path = f"{base}/{name}"
             nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
             if not nodes:
@@ -93,8 +100,8 @@ def locks(session: Session, root: str, pattern: Optional[str] = None) -> List[Di
             infos = {n: _json(data) for n, (data, _) in nodes.items()}
             key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
             if key is None:
-                key = decode_key(name) or name
-            if pattern is not None and not fnmatch.fnmatchcase(key, pattern):
+                key = pattern if wanted is not None and pattern is not None else decode_key(name) or name
+            if wanted is None and pattern is not None and not fnmatch.fnmatchcase(key, pattern):
                 continue
             rule = _rule(semaphore(1).node_name, list(infos.values()))
             holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values())))
@@ -251,7 +258,7 @@ def status(ctx: click.Context) -> None:
 
 
 @zklock.command(name="locks")
-@click.option("--key", "pattern", default=None, help="Only keys matching this glob, e.g. 'invoice:*'.")
+@click.option("--key", "pattern", default=None, help="Only keys matching this glob, e.g. 'invoice:*' (one exact key under hashed key names).")
 @click.option("--waiters", "show_waiters", is_flag=True, help="Also a row per waiter, in queue order.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts (waiters always in it).")
 @click.pass_context
@@ -259,7 +266,7 @@ def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool
     """Held and waited-for locks: mode, holders (host/pid, worker, task, task id), held for, waiters, token."""
     settings, session, _ = _connect(ctx)
     try:
-        rows = locks(session, settings.root, pattern)
+        rows = locks(session, settings.root, pattern, layout_of(ctx.obj.app).secret)
     finally:
         session.close()
     if as_json:
@@ -300,7 +307,7 @@ def check(ctx: click.Context) -> None:
         granted = session.clock.negotiated_timeout
         root = session.client.exists(settings.root)
         if root is not None and settings.acl != "open":
-            check_acl(settings.root, session.client.get_acls(settings.root)[0])
+            check_acl(settings.root, session.client.get_acls(settings.root)[0], settings.acl)
     except ZkLockError as exc:
         failures.append(str(exc))
     finally:

@@ -12,14 +12,14 @@ import difflib
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
 from .exceptions import ConfigurationError
 
 __all__ = [
-    "ACL_POLICIES", "CONTENTION_POLICIES", "DEFAULTS", "LOCK_LOST_POLICIES", "Settings", "TaskDefaults", "beat_name",
-    "describe", "did_you_mean", "unknown_settings",
+    "ACL_POLICIES", "CONTENTION_POLICIES", "DEFAULTS", "KEY_NAMES", "LOCK_LOST_POLICIES", "MIN_SECRET", "Settings",
+    "TaskDefaults", "beat_name", "describe", "did_you_mean", "unknown_settings",
 ]
 
 #: What a task does when its lock is held by someone else.
@@ -27,9 +27,15 @@ CONTENTION_POLICIES = ("wait", "skip", "retry", "raise")
 #: What happens to a running body whose lock is lost.
 LOCK_LOST_POLICIES = ("interrupt", "flag")
 
-#: Who may change our nodes: ``open`` (anyone, ZooKeeper's default) or ``creator``
-#: (only clients with the same ``zklock_auth`` credential; everyone may read).
-ACL_POLICIES = ("open", "creator")
+#: Who may change our nodes: ``open`` (anyone, ZooKeeper's default), ``creator``
+#: (only clients with the same ``zklock_auth`` credential; everyone may read) or
+#: ``private`` (only that credential, for reading too).
+ACL_POLICIES = ("open", "creator", "private")
+#: How lock keys become znode names: ``readable`` (the key, percent-encoded) or
+#: ``hashed`` (an HMAC-SHA256 of the key under ``zklock_key_secret``).
+KEY_NAMES = ("readable", "hashed")
+#: The shortest ``zklock_key_secret``: an HMAC key shorter than this is guessable.
+MIN_SECRET = 16
 
 #: Setting name -> default. The README's settings table mirrors this.
 DEFAULTS: Mapping[str, Any] = {
@@ -39,6 +45,8 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_connect_timeout": 15.0,
     "zklock_auth": None,
     "zklock_acl": "open",
+    "zklock_key_names": "readable",
+    "zklock_key_secret": None,
     "zklock_use_ssl": False,
     "zklock_ca": None,
     "zklock_certfile": None,
@@ -129,6 +137,17 @@ def _auth(value: Any) -> Optional[Tuple[str, str]]:
     return user, password
 
 
+def _secret(value: Any) -> Optional[bytes]:
+    if value is None:
+        return None
+    raw = value.encode("utf-8") if isinstance(value, str) else value
+    if not isinstance(raw, bytes) or len(raw) < MIN_SECRET:
+        # Never echo the value: it is a secret.
+        raise ConfigurationError(f"zklock_key_secret must be a str or bytes of at least {MIN_SECRET} bytes, "
+                                 "shared by every worker, beat and CLI of the app (value not shown)")
+    return raw
+
+
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigurationError(f"{name} must be True or False, not {value!r}")
@@ -155,6 +174,8 @@ class Settings:
     connect_timeout: float = DEFAULTS["zklock_connect_timeout"]
     auth: Optional[Tuple[str, str]] = None
     acl: str = DEFAULTS["zklock_acl"]
+    key_names: str = DEFAULTS["zklock_key_names"]
+    key_secret: Optional[bytes] = field(default=None, repr=False)
     use_ssl: bool = False
     ca: Optional[str] = None
     certfile: Optional[str] = None
@@ -167,8 +188,16 @@ class Settings:
         _positive_seconds("zklock_session_timeout", self.session_timeout)
         _positive_seconds("zklock_connect_timeout", self.connect_timeout)
         choice("zklock_acl", self.acl, ACL_POLICIES)
-        if self.acl == "creator" and self.auth is None:
-            raise ConfigurationError("zklock_acl='creator' needs zklock_auth: ZooKeeper ties 'creator' to a credential")
+        if self.acl != "open" and self.auth is None:
+            raise ConfigurationError(f"zklock_acl={self.acl!r} needs zklock_auth: ZooKeeper ties it to a credential")
+        choice("zklock_key_names", self.key_names, KEY_NAMES)
+        _secret(self.key_secret)
+        if self.key_names == "hashed" and self.key_secret is None:
+            raise ConfigurationError("zklock_key_names='hashed' needs zklock_key_secret: the names are HMACs "
+                                     "under it, and a plain hash of a key like 'user:42' can be reversed")
+        if self.key_names == "readable" and self.key_secret is not None:
+            raise ConfigurationError("zklock_key_secret is set but zklock_key_names is 'readable', which does not "
+                                     "use it; set zklock_key_names='hashed'")
         _flag("zklock_use_ssl", self.use_ssl)
         _flag("zklock_verify_certs", self.verify_certs)
         for name, value in (("zklock_ca", self.ca), ("zklock_certfile", self.certfile),
@@ -184,7 +213,8 @@ class Settings:
         user = self.auth[0] + ":***" if self.auth else None
         return (
             f"Settings(hosts={self.hosts!r}, root={self.root!r}, session_timeout={self.session_timeout}, "
-            f"connect_timeout={self.connect_timeout}, auth={user!r}, acl={self.acl!r}, use_ssl={self.use_ssl})"
+            f"connect_timeout={self.connect_timeout}, auth={user!r}, acl={self.acl!r}, "
+            f"key_names={self.key_names!r}, use_ssl={self.use_ssl})"
         )
 
     @classmethod
@@ -208,6 +238,8 @@ class Settings:
             connect_timeout=_positive_seconds("zklock_connect_timeout", get("zklock_connect_timeout")),
             auth=_auth(conf.get("zklock_auth")),
             acl=get("zklock_acl"),
+            key_names=get("zklock_key_names"),
+            key_secret=_secret(conf.get("zklock_key_secret")),
             use_ssl=get("zklock_use_ssl"),
             ca=conf.get("zklock_ca"),
             certfile=conf.get("zklock_certfile"),
@@ -227,6 +259,8 @@ def describe(conf: Mapping[str, Any]) -> List[str]:
         value = conf.get(name)
         if name == "zklock_auth" and isinstance(value, str):
             value = value.split(":", 1)[0] + ":***"  # never the password
+        elif name == "zklock_key_secret" and value is not None:
+            value = "***"
         lines.append(f"{name} = {default!r}  (default)" if value is None else f"{name} = {value!r}")
     return lines
 

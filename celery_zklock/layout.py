@@ -2,6 +2,7 @@
 
 ::
 
+    <zklock_root>                                                     its data: the key-name scheme
     <zklock_root>/locks/<encoded key>/<uuid>__lock__|__rlock__<seq>   read/write and exclusive locks
     <zklock_root>/semaphores/<encoded key>/<uuid>__sem__<seq>         counting semaphores
     <zklock_root>/beat/<encoded beat name>/election/<uuid>__lock__<seq>
@@ -13,16 +14,23 @@ Example::
     '/celery-zklock/locks/k-invoice:42'
     >>> encode_key("a/b"), decode_key("k-a%2Fb")
     ('k-a%2Fb', 'a/b')
+
+Under ``zklock_key_names="hashed"`` a key's name is an HMAC of it instead, and
+nothing of the key reaches ZooKeeper::
+
+    >>> Layout("/celery-zklock", secret=b"0123456789abcdef").lock("user:alice@example.com")[:30]
+    '/celery-zklock/locks/s-4c90e4b'
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import hmac
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["LOCK_TREES", "MAX_NAME", "Layout", "check_key", "decode_key", "encode_key"]
+__all__ = ["LOCK_TREES", "MAX_NAME", "Layout", "check_key", "decode_key", "encode_key", "hashed_name"]
 
 #: The two trees lock keys live in: semaphores apart, so a semaphore and a lock on one key never meet.
 LOCK_TREES: Tuple[str, str] = ("locks", "semaphores")
@@ -74,18 +82,46 @@ def decode_key(name: str) -> Optional[str]:
     return unquote_to_bytes(name[2:]).decode("utf-8", "surrogatepass")
 
 
+def hashed_name(secret: bytes, key: str) -> str:
+    """``s-`` plus the HMAC-SHA256 of ``key`` under ``secret``: 66 characters that reveal nothing
+    of the key to whoever lacks the secret (a plain hash of ``user:42`` can be reversed by
+    trying every id).
+    """
+    check_key(key)
+    return "s-" + hmac.new(secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+
+
 @dataclass(frozen=True)
 class Layout:
-    """The paths under one ``zklock_root``."""
+    """The paths under one ``zklock_root``; with ``secret``, lock keys get hashed names."""
 
     root: str
+    secret: Optional[bytes] = field(default=None, repr=False)
+
+    @property
+    def scheme(self) -> str:
+        """How this layout names keys, as recorded in the root's data: ``readable``, or
+        ``hashed:`` plus a fingerprint of the secret (an HMAC, so it reveals nothing of it):
+        two secrets name one key differently, so they must not share a root either.
+        """
+        if self.secret is None:
+            return "readable"
+        return "hashed:" + hmac.new(self.secret, b"celery-zklock scheme", hashlib.sha256).hexdigest()[:16]
+
+    def name(self, key: str) -> str:
+        """The znode name of a lock key."""
+        return encode_key(key) if self.secret is None else hashed_name(self.secret, key)
+
+    def label(self, key: str) -> str:
+        """How logs, errors and results name a key: the key itself, or under hashed names its name."""
+        return key if self.secret is None else self.name(key)
 
     def lock_tree(self, semaphore: bool = False) -> str:
         return f"{self.root}/{LOCK_TREES[1] if semaphore else LOCK_TREES[0]}"
 
     def lock(self, key: str, semaphore: bool = False) -> str:
         """The node a key's contenders queue under."""
-        return f"{self.lock_tree(semaphore)}/{encode_key(key)}"
+        return f"{self.lock_tree(semaphore)}/{self.name(key)}"
 
     @property
     def beats(self) -> str:

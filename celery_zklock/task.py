@@ -27,14 +27,14 @@ from celery import Task
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutdown
 
 from . import signals
-from .api import lock, lock_path, rule_for, settings_of
+from .api import claim_scheme, layout_of, lock, lock_path, rule_for, settings_of
 from .conf import CONTENTION_POLICIES, LOCK_LOST_POLICIES, TaskDefaults, choice, did_you_mean, optional_seconds
 from .exceptions import ConfigurationError, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
 from .interrupt import BodyGuard
 from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
 from .private import connect_on_app_finalize, current_app, current_task
 from .recipes.lock import Lock, LockState
-from .zk import close_sessions, session_for
+from .zk import Session, close_sessions, session_for
 
 __all__ = ["OPTIONS", "SKIPPED", "LockSpec", "ZkLockedTask", "current_lock", "current_locks", "problems", "skipped",
            "zk_locked"]
@@ -344,10 +344,10 @@ def _contended(task: Task, spec: LockSpec, policy: str, timeout: Optional[float]
     if policy == "skip":
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         holders = [_holder(data) for data in lock.holders(timeout=remaining)]
-        logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.key, lock.mode,
+        logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.label, lock.mode,
                     "; ".join(_describe(h) for h in holders) or "another contender (it has just let go)")
-        return {SKIPPED: {"key": lock.key, "mode": lock.mode, "holders": holders}}
-    message = (f"{where}: lock {lock.key!r} ({lock.mode}) not acquired" +
+        return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders}}
+    message = (f"{where}: lock {lock.label!r} ({lock.mode}) not acquired" +
                (f" within {timeout:g}s" if policy == "wait" and timeout is not None else ""))
     if policy == "retry":
         raise task.retry(countdown=spec.retry_countdown, exc=LockNotAcquired(message))
@@ -466,15 +466,51 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
             found.append(f"the {pool_name.rsplit('.', 2)[-2]} pool is not supported: celery-zklock's session "
                          "uses threads; run locked tasks under the prefork, threads or solo pool")
         try:
-            settings_of(app)
+            settings = settings_of(app)
             _defaults(app)
+            found += _check_scheme(app, settings)
         except ZkLockError as exc:
             found.append(str(exc))
+        else:
+            _tell_about_readable_arguments(app, settings)
     if found:
         for problem in found:
             logger.critical("celery-zklock: %s", problem)
         # SystemExit, not an Exception: Celery logs and swallows Exceptions from signal handlers.
         raise SystemExit(1)
+
+
+def _check_scheme(app: Any, settings: Any) -> List[str]:
+    """Refuse a worker whose key names would split the app's locks (see Nodes.claim_scheme)."""
+    try:
+        session = Session(settings).start()
+    except ZooKeeperUnavailable as exc:
+        logger.warning("celery-zklock: %s; the key-name scheme is checked at the first lock instead", exc)
+        return []
+    try:
+        claim_scheme(session, layout_of(app), settings.connect_timeout)
+    except ConfigurationError as exc:
+        return [str(exc)]
+    except ZooKeeperUnavailable as exc:
+        logger.warning("celery-zklock: %s; it is checked at the first lock instead", exc)
+    finally:
+        session.close()
+    return []
+
+
+def _tell_about_readable_arguments(app: Any, settings: Any) -> None:
+    # Not an error, but operators deserve to know what anyone on the ZooKeeper network can read.
+    if settings.key_names != "readable":
+        return
+    names = sorted(name for name, task in app.tasks.items() if _is_locked(task) and not _spec_of(task).parts)
+    if names:
+        logger.info("celery-zklock: %s lock on all their arguments, which ZooKeeper shows in clear as node "
+                    "names; zklock_key_names='hashed' (with zklock_key_secret) hides them", ", ".join(names))
+
+
+def _spec_of(task: Any) -> LockSpec:
+    spec = task._zklock_spec if isinstance(task, ZkLockedTask) else getattr(task.run, "__zklock_spec__", None)
+    return spec or LockSpec(where="")
 
 
 @worker_process_init.connect(weak=False)

@@ -186,6 +186,7 @@ class Lock:
         on_state: Optional[Callable[[Lock, str], None]] = None,
         key: Optional[str] = None,
         mode: Optional[str] = None,
+        label: Optional[str] = None,
     ) -> None:
         if not isinstance(path, str) or not path.startswith("/") or path.endswith("/"):
             raise ValueError(f"path must be an absolute znode path, not {path!r}")
@@ -199,6 +200,8 @@ class Lock:
         self.on_state = on_state
         #: The key this lock is for (informational) and its mode: exclusive, write, read or semaphore.
         self.key = key
+        #: How logs and errors name the key (its node's name when key names are hashed).
+        self.label = label if label is not None else key
         self.mode = mode or rule.name
         self.node: Optional[str] = None
         #: The lock node's czxid: strictly increases from one holder of a key to the next.
@@ -246,7 +249,7 @@ class Lock:
                 silent = time.monotonic() - self.session.clock.last_answer
                 reason = (f"the connection is in doubt: no answer from ZooKeeper for {silent:.1f}s "
                           f"of the {self.session.timeout:g}s session timeout")
-        name = f"lock {self.path}" if self.key is None else f"lock {self.key!r} ({self.path})"
+        name = f"lock {self.path}" if self.key is None else f"lock {self.label!r} ({self.path})"
         return f"{name} is {state.replace('_', ' ')}" + (f": {reason}" if reason else "")
 
     def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import json
 import posixpath
 import threading
 import time
@@ -19,7 +20,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NoAuthError, NodeExistsError
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NodeExistsError, NoNodeError
 from kazoo.security import ACL, Permissions
 
 from ..exceptions import ConfigurationError
@@ -53,6 +54,61 @@ class Nodes:
             self._containers.clear()
             self._ensured.clear()
 
+    # -- the key-name scheme ---------------------------------------------------------------
+    def claim_scheme(self, scheme: str, trees: Tuple[str, ...], timeout: Optional[float] = None) -> None:
+        """Record ``scheme`` (how lock keys are named) in the root's data, or check it is the one there.
+
+        Two schemes on one root split locks: a readable name and a hashed one, or two
+        hashed ones under different secrets, never meet, so their holders would not
+        exclude each other. A different recorded scheme is replaced only while no lock
+        under ``trees`` has a contender; otherwise ConfigurationError. Once per session.
+        """
+        if self._ensured.get(f"scheme:{scheme}"):
+            return
+        client = self._require()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.ensure_path(self.root, timeout)
+        for _ in range(3):
+            raw, stat = client.get_async(self.root).get(timeout=_remaining(deadline))
+            recorded = _scheme_of(raw)
+            if recorded == scheme:
+                break
+            if recorded is not None:
+                busy = self._contended(trees, deadline)
+                if busy:
+                    kind, ours = recorded.split(":")[0], scheme.split(":")[0]
+                    raise ConfigurationError(
+                        f"zklock_key_names: {self.root} is in use with {kind} key names"
+                        + (" under another zklock_key_secret" if kind == ours else "")
+                        + f" and lock {busy} has live contenders; this process names keys as {ours}, so their "
+                        "locks would not exclude each other. Stop every worker of the old setting, then start "
+                        "the new ones")
+            try:
+                client.set_async(self.root, json.dumps({"key_names": scheme}).encode(),
+                                 version=stat.version).get(timeout=_remaining(deadline))
+                break
+            except BadVersionError:
+                continue  # someone else wrote it meanwhile: read it again
+        self._ensured[f"scheme:{scheme}"] = True
+
+    def _contended(self, trees: Tuple[str, ...], deadline: Optional[float]) -> Optional[str]:
+        """A lock node under ``trees`` that has a child (a holder or a waiter), or None."""
+        client = self._require()
+        for tree in trees:
+            base = f"{self.root}/{tree}"
+            try:
+                names = client.get_children_async(base).get(timeout=_remaining(deadline))
+            except NoNodeError:
+                continue
+            pending = [(name, client.get_children_async(f"{base}/{name}")) for name in names]
+            for name, result in pending:
+                try:
+                    if result.get(timeout=_remaining(deadline)):
+                        return f"{base}/{name}"
+                except NoNodeError:
+                    pass  # reaped while we looked
+        return None
+
     # -- persistent paths ----------------------------------------------------------------
     def ensure_path(self, path: str, timeout: Optional[float] = None) -> None:
         """Create a persistent path once per session (cached), within ``timeout`` seconds.
@@ -82,7 +138,7 @@ class Nodes:
                     raise refused(level) from None
         if self.acl != "open":
             for level in self._levels(path):
-                check_acl(level, client.get_acls_async(level).get(timeout=_remaining(deadline))[0])
+                check_acl(level, client.get_acls_async(level).get(timeout=_remaining(deadline))[0], self.acl)
         self._ensured[path] = True
 
     def _levels(self, path: str) -> List[str]:
@@ -178,11 +234,27 @@ def _remaining(deadline: Optional[float]) -> Optional[float]:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def check_acl(path: str, acls: List[ACL]) -> None:
-    """Raise if ``acls`` lets someone without our credential change ``path``'s children."""
+def _scheme_of(raw: bytes) -> Optional[str]:
+    """The scheme recorded in the root's data (None: none, or data that is not ours)."""
+    try:
+        value = json.loads(raw.decode("utf-8")) if raw else None
+    except (UnicodeDecodeError, ValueError):
+        return None
+    scheme = value.get("key_names") if isinstance(value, dict) else None
+    return scheme if isinstance(scheme, str) else None
+
+
+def check_acl(path: str, acls: List[ACL], policy: str = "creator") -> None:
+    """Raise if ``acls`` lets someone without our credential change ``path``'s children
+    (``creator``), or also read or list them (``private``)."""
+    forbidden = Permissions.CREATE | Permissions.DELETE | Permissions.WRITE
+    if policy == "private":
+        forbidden |= Permissions.READ
     for acl in acls:
-        if acl.id.scheme == "world" and acl.perms & (Permissions.CREATE | Permissions.DELETE | Permissions.WRITE):
+        if acl.id.scheme == "world" and acl.perms & forbidden:
+            what = "writable" if acl.perms & (forbidden & ~Permissions.READ) else "readable"
+            fix = "auth::cdrwa" if policy == "private" else "auth::cdrwa,world:anyone:r"
             raise ConfigurationError(
-                f"zklock_acl='creator': {path} is writable by anyone, so its lock nodes cannot be protected; "
-                f"as its owner run 'setAcl -R {path} auth::cdrwa,world:anyone:r', or pick a new zklock_root"
+                f"zklock_acl={policy!r}: {path} is {what} by anyone, so what is below it cannot be protected; "
+                f"as its owner run 'setAcl -R {path} {fix}', or pick a new zklock_root"
             )

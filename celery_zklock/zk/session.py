@@ -252,6 +252,8 @@ def acl_for(settings: Settings) -> Optional[List[ACL]]:
     if settings.acl == "creator":
         # Changes only by our credential; reads by anyone, so tools can show holders.
         return [*CREATOR_ALL_ACL, *READ_ACL_UNSAFE]
+    if settings.acl == "private":
+        return list(CREATOR_ALL_ACL)  # reads too: holder data may be sensitive
     return None
 
 
