@@ -258,7 +258,8 @@ def status(ctx: click.Context) -> None:
 
 
 @zklock.command(name="locks")
-@click.option("--key", "pattern", default=None, help="Only keys matching this glob, e.g. 'invoice:*' (one exact key under hashed key names).")
+@click.option("--key", "pattern", default=None,
+              help="Only keys matching this glob, e.g. 'invoice:*' (one exact key under hashed key names).")
 @click.option("--waiters", "show_waiters", is_flag=True, help="Also a row per waiter, in queue order.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts (waiters always in it).")
 @click.pass_context

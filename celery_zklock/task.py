@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from celery import Task
-from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutdown
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from . import signals
 from .api import claim_scheme, layout_of, lock, lock_path, rule_for, settings_of
@@ -471,8 +471,6 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
             found += _check_scheme(app, settings)
         except ZkLockError as exc:
             found.append(str(exc))
-        else:
-            _tell_about_readable_arguments(app, settings)
     if found:
         for problem in found:
             logger.critical("celery-zklock: %s", problem)
@@ -498,9 +496,14 @@ def _check_scheme(app: Any, settings: Any) -> List[str]:
     return []
 
 
-def _tell_about_readable_arguments(app: Any, settings: Any) -> None:
-    # Not an error, but operators deserve to know what anyone on the ZooKeeper network can read.
-    if settings.key_names != "readable":
+@worker_ready.connect(weak=False)
+def _tell_about_readable_arguments(sender: Any = None, **kwargs: Any) -> None:
+    """Not an error, but operators deserve to know what anyone on the ZooKeeper network can read.
+
+    At worker_ready, not worker_init: only then does Celery's logging show INFO lines.
+    """
+    app = getattr(sender, "app", None)
+    if app is None or settings_of(app).key_names != "readable":
         return
     names = sorted(name for name, task in app.tasks.items() if _is_locked(task) and not _spec_of(task).parts)
     if names:

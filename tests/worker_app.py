@@ -25,6 +25,9 @@ app.conf.update(
     zklock_session_timeout=float(os.environ.get("ZKT_SESSION_TIMEOUT", "4")),
     zklock_connect_timeout=float(os.environ.get("ZKT_CONNECT_TIMEOUT", "5")),
     zklock_auth=os.environ.get("ZKT_AUTH"),
+    zklock_acl=os.environ.get("ZKT_ACL", "open"),
+    zklock_key_names="hashed" if os.environ.get("ZKT_KEY_SECRET") else "readable",
+    zklock_key_secret=os.environ.get("ZKT_KEY_SECRET"),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
@@ -105,6 +108,17 @@ def long_body(self, key: str, seconds: float) -> str:
 def pooled(key: str, seconds: float) -> None:
     note("started", key=key)
     hold(seconds, key)
+
+
+@app.task(base=ZkLockedTask)  # the default key: the task name and every argument
+def by_default_key(email: str, card: str, seconds: float) -> None:
+    hold(seconds, "default")
+
+
+@app.task
+@zk_locked(key="user:{email}:{card}")
+def by_template(email: str, card: str, seconds: float) -> None:
+    hold(seconds, "template")
 
 
 @app.task

@@ -63,3 +63,24 @@ def test_credentials_in_the_connect_string_are_refused_unshown():
     with pytest.raises(ConfigurationError, match="zklock_hosts") as err:
         Settings.from_conf({"zklock_hosts": "alice:s3cret@zk1:2181"})
     assert "s3cret" not in str(err.value)
+
+
+@pytest.mark.parametrize("conf, message", [
+    ({"zklock_key_names": "hashed"}, "zklock_key_names='hashed' needs zklock_key_secret"),
+    ({"zklock_key_names": "hashed", "zklock_key_secret": "short-s3cret"},
+     "zklock_key_secret must be a str or bytes of at least 16 bytes"),
+    ({"zklock_key_secret": "long-enough-s3cret-value"}, "zklock_key_secret is set but zklock_key_names is 'readable'"),
+    ({"zklock_key_names": "hash"}, "zklock_key_names must be one of readable, hashed"),
+    ({"zklock_acl": "private"}, "zklock_acl='private' needs zklock_auth"),
+])
+def test_key_name_and_private_acl_settings_fail_in_one_line_without_the_secret(conf, message):
+    with pytest.raises(ConfigurationError, match=message) as err:
+        Settings.from_conf(conf)
+    assert "s3cret" not in str(err.value)
+
+
+def test_the_key_secret_is_never_shown():
+    s = Settings.from_conf({"zklock_key_names": "hashed", "zklock_key_secret": "long-enough-s3cret-value"})
+    assert s.key_secret == b"long-enough-s3cret-value" and "s3cret" not in repr(s)
+    from celery_zklock.conf import describe
+    assert "s3cret" not in "\n".join(describe({"zklock_key_secret": "long-enough-s3cret-value"}))

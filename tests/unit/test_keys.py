@@ -171,3 +171,17 @@ def test_case_normalisation_separator_and_length_variants_never_share_a_node(s):
         if v != s:
             assert encode_key(v) != encode_key(s), (s, v)
     assert encode_key("x" * 300 + s) != encode_key("x" * 300 + s + ".")
+
+
+def test_hashed_names_are_hmacs_that_reveal_nothing_and_differ_per_secret():
+    from celery_zklock.layout import Layout, hashed_name
+
+    a, b = Layout("/r", secret=b"0123456789abcdef"), Layout("/r", secret=b"fedcba9876543210")
+    name = a.name("user:alice@example.com")
+    assert name.startswith("s-") and len(name) == 66 and "alice" not in name
+    assert name == hashed_name(b"0123456789abcdef", "user:alice@example.com") != b.name("user:alice@example.com")
+    assert a.name("user:42") != a.name("user:43")
+    assert a.label("user:42") == a.name("user:42") and Layout("/r").label("user:42") == "user:42"
+    # The scheme tells readable from hashed, and one secret from another, without revealing it.
+    assert Layout("/r").scheme == "readable"
+    assert a.scheme.startswith("hashed:") and a.scheme != b.scheme and "0123" not in a.scheme

@@ -1,0 +1,153 @@
+"""Task arguments never reach ZooKeeper under hashed key names, and nothing is readable by
+others under zklock_acl='private': checked on the whole tree, the server's transaction log
+(read with ZooKeeper's own TxnLogToolkit, and as raw bytes) and the worker's log."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import uuid
+from typing import Dict, Iterator, List
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoAuthError
+
+import celery_zklock
+from celery_zklock.testing import SLF4J_SIMPLE_JAR, find_zookeeper_jar
+from tests import worker_app
+from tests.harness import CeleryWorker, violations
+from tests.integration.test_workers import env, events, holds, queue, send, workers  # noqa: F401  (fixtures)
+from tests.util import wait_until
+
+pytestmark = pytest.mark.slow
+SECRET = "tests-key-secret-0123456789"
+
+
+def tree(kazoo: KazooClient, path: str) -> Iterator[tuple]:
+    """(path, data) of ``path`` and everything below it."""
+    try:
+        data, _ = kazoo.get(path)
+        children = kazoo.get_children(path)
+    except Exception:  # gone while we walked (a lock released, a container reaped)
+        return
+    yield path, data
+    for child in children:
+        yield from tree(kazoo, f"{path}/{child}")
+
+
+def txn_log(zk_server) -> str:
+    """The server's transaction log as ZooKeeper's TxnLogToolkit prints it, plus the raw bytes."""
+    out = []
+    for log in sorted(glob.glob(str(zk_server.dir / "data" / "version-2" / "log.*"))):
+        dump = subprocess.run(["java", "-cp", f"{find_zookeeper_jar()}{os.pathsep}{SLF4J_SIMPLE_JAR}",
+                               "org.apache.zookeeper.server.persistence.TxnLogToolkit", "-d", log],
+                              capture_output=True, text=True, timeout=120)
+        assert "ZooKeeper Transactional Log File" in dump.stdout, dump.stderr[-2000:]
+        with open(log, "rb") as raw:
+            out += [dump.stdout, raw.read().decode("latin-1")]
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("acl", ["open", "creator"])
+def test_hashed_names_leak_no_argument_anywhere(acl, workers, queue, redis_server, zk_server, kazoo,  # noqa: F811
+                                                zk_root):
+    email = f"leak-{uuid.uuid4().hex[:8]}@example.com"
+    card = "".join(random.choice("0123456789") for _ in range(16))
+    secrets = [email, card, email.split("@")[0]]
+    w1 = workers("w1", concurrency=4, ZKT_KEY_SECRET=SECRET, ZKT_ACL=acl,
+                 **({"ZKT_AUTH": "app:pw-one"} if acl != "open" else {}))
+    results = [send(t, queue, email, card, 1.5) for t in (worker_app.by_default_key, worker_app.by_template)]
+    results += [send(worker_app.by_template, queue, email, card, 0.2)]  # waits behind the first
+    # While two hold and one waits: every name and every node's data.
+    wait_until(lambda: sum("__lock__" in p for p, _ in tree(kazoo, zk_root)) == 3, timeout=30)
+    seen = [f"{p}\n{d.decode('latin-1')}" for p, d in tree(kazoo, zk_root)]
+    for r in results:
+        r.get(timeout=60)
+    seen += [f"{p}\n{d.decode('latin-1')}" for p, d in tree(kazoo, zk_root)]
+    assert violations(holds(redis_server.url)) == []
+    assert json.loads(kazoo.get(zk_root)[0])["key_names"].startswith("hashed:")
+    everything = "\n".join(seen) + txn_log(zk_server) + w1.log_text()
+    for secret in secrets:
+        assert secret not in everything, f"{secret!r} reached ZooKeeper or the log"
+    assert "lock on all their arguments" not in w1.log_text()  # hashed: nothing to warn about
+
+
+def test_hashed_workers_exclude_each_other(workers, queue, redis_server):  # noqa: F811
+    for name in ("w1", "w2"):
+        workers(name, concurrency=2, ZKT_KEY_SECRET=SECRET)
+    results = [send(worker_app.by_template, queue, "a@example.com", "1", 0.05) for _ in range(20)]
+    for r in results:
+        r.get(timeout=60)
+    ran = holds(redis_server.url)
+    assert len(ran) == 20 and violations(ran) == []
+    assert len({h.who.split("/")[0] for h in ran}) == 2  # both workers took part
+
+
+def test_switching_key_names_with_live_holders_is_refused_in_one_line(env, workers, queue, redis_server,  # noqa: F811
+                                                                       kazoo, zk_root):
+    readable = workers("w1", concurrency=1)
+    assert ("celery-zklock: tests.worker_app.by_default_key lock on all their arguments, which ZooKeeper shows "
+            "in clear as node names") in readable.log_text()
+    send(worker_app.long_body, queue, "live", 30)
+    wait_until(lambda: any(e["event"] == "started" for e in events(redis_server.url)), timeout=30)
+    refused = CeleryWorker("tests.worker_app", name="w2", env={**env, "ZKT_KEY_SECRET": SECRET},
+                           extra_args=["-Q", queue]).start(wait=False)
+    try:
+        assert refused.proc.wait(60) != 0
+        log = refused.log_text()
+    finally:
+        refused.close()
+    assert (f"zklock_key_names: {zk_root} is in use with readable key names and lock {zk_root}/locks/k-k:live "
+            "has live contenders; this process names keys as hashed") in log
+    assert "Traceback" not in log
+    readable.close()  # SIGKILL: its session goes, and its lock with it
+    wait_until(lambda: not kazoo.get_children(f"{zk_root}/locks/k-k:live"), timeout=30)
+    workers("w3", ZKT_KEY_SECRET=SECRET)  # drained: the switch is taken
+    assert json.loads(kazoo.get(zk_root)[0])["key_names"].startswith("hashed:")
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_private_acl_lets_no_one_else_list_or_read(hashed, app, zk_server, zk_root):
+    app.conf.update(zklock_auth="app:pw-one", zklock_acl="private")
+    if hashed:
+        app.conf.update(zklock_key_names="hashed", zklock_key_secret=SECRET)
+    with celery_zklock.lock(app, "user:42", task="t", task_id="id-1") as held:
+        ours = [p for p, _ in tree(authed(zk_server, "app:pw-one"), zk_root)]
+        assert f"{held.path}/{held.node}" in ours and len(ours) >= 4
+        for who in (None, "app:wrong", "other:pw"):
+            outsider = authed(zk_server, who)
+            for path in ours:
+                with pytest.raises(NoAuthError):
+                    outsider.get_children(path)
+                with pytest.raises(NoAuthError):
+                    outsider.get(path)
+            outsider.stop()
+        # The same app's CLI, with the app's credential, still shows the holder.
+        env: Dict[str, str] = {**os.environ, "ZKT_HOSTS": zk_server.hosts, "ZKT_ROOT": zk_root,
+                               "ZKT_AUTH": "app:pw-one", "ZKT_ACL": "private", "PYTHONPATH": os.getcwd(),
+                               **({"ZKT_KEY_SECRET": SECRET} if hashed else {})}
+
+        def locks(*args: str) -> List[dict]:
+            out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.worker_app", "zklock", "locks",
+                                  "--json", *args], env=env, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)["locks"]
+
+        [row] = locks()
+        assert row["holders"][0]["task_id"] == "id-1"
+        # Under hashed names the CLI lists the name, and finds a key by computing its name.
+        assert row["key"] == (held.path.rsplit("/", 1)[1] if hashed else "user:42")
+        [row] = locks("--key", "user:42")
+        assert row["key"] == "user:42" and row["holders"][0]["task_id"] == "id-1"
+        assert locks("--key", "user:43") == []
+
+
+def authed(zk_server, credential) -> KazooClient:
+    client = KazooClient(zk_server.hosts, auth_data=[("digest", credential)] if credential else None)
+    client.start()
+    return client
