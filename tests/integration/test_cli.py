@@ -92,8 +92,7 @@ def test_locks_and_status_show_holder_waiters_and_beat_leader(busy, cli_env):
 
 
 def test_locks_shows_a_semaphore_against_its_limit_on_every_holder_row(cli_env, queue, redis_server):  # noqa: F811
-    worker = CeleryWorker("tests.worker_app", name="w2", concurrency=3, env=cli_env, extra_args=["-Q", queue])
-    with worker.start():
+    with CeleryWorker("tests.worker_app", name="w2", concurrency=3, env=cli_env, extra_args=["-Q", queue]):
         for _ in range(2):
             worker_app.pooled.apply_async(("p", 30), queue=queue)
         history = redis.Redis.from_url(redis_server.url)
