@@ -27,6 +27,7 @@ Module map (imports point one way: glue -> recipes -> zk -> kazoo; nothing under
 
 from .api import lock, lock_path
 from .exceptions import (
+    AlreadyQueued,
     ConfigurationError,
     KeyBuildError,
     LockLost,
@@ -38,6 +39,7 @@ from .recipes.lock import Lock, LockState
 from .task import SKIPPED, ZkLockedTask, current_lock, current_locks, skipped, zk_locked
 
 __all__ = [
+    "AlreadyQueued",
     "ConfigurationError",
     "KeyBuildError",
     "Lock",

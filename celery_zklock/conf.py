@@ -18,7 +18,8 @@ from typing import Any, Iterable, List, Mapping, Optional, Tuple
 from .exceptions import ConfigurationError
 
 __all__ = [
-    "ACL_POLICIES", "CONTENTION_POLICIES", "DEFAULTS", "KEY_NAMES", "LOCK_LOST_POLICIES", "MIN_SECRET", "Settings",
+    "ACL_POLICIES", "CONTENTION_POLICIES", "DEDUPE_MODES", "DEFAULTS", "DUPLICATE_POLICIES",
+    "UNAVAILABLE_POLICIES", "KEY_NAMES", "LOCK_LOST_POLICIES", "MIN_SECRET", "Settings",
     "TaskDefaults", "beat_name", "describe", "did_you_mean", "unknown_settings",
 ]
 
@@ -31,6 +32,13 @@ LOCK_LOST_POLICIES = ("interrupt", "flag")
 #: (only clients with the same ``zklock_auth`` credential; everyone may read) or
 #: ``private`` (only that credential, for reading too).
 ACL_POLICIES = ("open", "creator", "private")
+#: Enqueue-time dedupe: at most one copy per key ``queued``, or ``queued_or_running``.
+DEDUPE_MODES = ("queued", "queued_or_running")
+#: What a deduplicated publish gives back: the queued copy's AsyncResult, AlreadyQueued, or None.
+DUPLICATE_POLICIES = ("return", "raise", "none")
+#: A publish of a dedupe task while ZooKeeper is unreachable: fails, or publishes without dedupe.
+UNAVAILABLE_POLICIES = ("fail", "publish")
+
 #: How lock keys become znode names: ``readable`` (the key, percent-encoded) or
 #: ``hashed`` (an HMAC-SHA256 of the key under ``zklock_key_secret``).
 KEY_NAMES = ("readable", "hashed")
@@ -54,6 +62,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_verify_certs": True,
     "zklock_default_on_contention": "wait",
     "zklock_default_timeout": 60.0,
+    "zklock_dedupe_ttl": 3600.0,
     "zklock_beat_name": None,
 }
 
@@ -287,6 +296,7 @@ class TaskDefaults:
 
     on_contention: str = DEFAULTS["zklock_default_on_contention"]
     timeout: Optional[float] = DEFAULTS["zklock_default_timeout"]
+    dedupe_ttl: float = DEFAULTS["zklock_dedupe_ttl"]
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> TaskDefaults:
@@ -296,6 +306,8 @@ class TaskDefaults:
                                  conf.get("zklock_default_on_contention") or DEFAULTS["zklock_default_on_contention"],
                                  CONTENTION_POLICIES),
             timeout=optional_seconds("zklock_default_timeout", timeout),
+            dedupe_ttl=_positive_seconds("zklock_dedupe_ttl",
+                                         conf.get("zklock_dedupe_ttl", DEFAULTS["zklock_dedupe_ttl"])),
         )
 
 

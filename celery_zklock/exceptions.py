@@ -11,7 +11,8 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "ZkLockError", "ZooKeeperUnavailable"]
+__all__ = ["AlreadyQueued", "ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "ZkLockError",
+           "ZooKeeperUnavailable"]
 
 
 class ZkLockError(Exception):
@@ -32,6 +33,20 @@ class ZooKeeperUnavailable(ZkLockError):
 
 class LockNotAcquired(ZkLockError):
     """The lock was not acquired (timeout, or contention under a non-waiting policy)."""
+
+
+class AlreadyQueued(ZkLockError):
+    """A dedupe task was not published: a copy with the same key is queued (or running).
+
+    ``task_id`` is that copy's id.
+    """
+
+    def __init__(self, message: str, task_id: str) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+
+    def __reduce__(self) -> tuple:  # picklable, for result backends
+        return type(self), (str(self), self.task_id)
 
 
 class LockLost(ZkLockError):

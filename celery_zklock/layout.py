@@ -5,6 +5,7 @@
     <zklock_root>                                                     its data: the key-name scheme
     <zklock_root>/locks/<encoded key>/<uuid>__lock__|__rlock__<seq>   read/write and exclusive locks
     <zklock_root>/semaphores/<encoded key>/<uuid>__sem__<seq>         counting semaphores
+    <zklock_root>/queued/<encoded key>                                enqueue-time dedupe markers
     <zklock_root>/beat/<encoded beat name>/election/<uuid>__lock__<seq>
     <zklock_root>/beat/<encoded beat name>/entries/<encoded entry name>
 
@@ -115,6 +116,14 @@ class Layout:
     def label(self, key: str) -> str:
         """How logs, errors and results name a key: the key itself, or under hashed names its name."""
         return key if self.secret is None else self.name(key)
+
+    @property
+    def queued_tree(self) -> str:
+        return f"{self.root}/queued"
+
+    def queued(self, key: str) -> str:
+        """The dedupe marker of a key: one node, while a copy is queued (or running)."""
+        return f"{self.queued_tree}/{self.name(key)}"
 
     def lock_tree(self, semaphore: bool = False) -> str:
         return f"{self.root}/{LOCK_TREES[1] if semaphore else LOCK_TREES[0]}"

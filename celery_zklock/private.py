@@ -27,6 +27,7 @@ __all__ = [
     "current_task",
     "on_negotiated_timeout",
     "peer_address",
+    "wrap_apply_async",
 ]
 
 
@@ -128,3 +129,25 @@ def connect_on_app_finalize(callback: Callable[[Any], Any]) -> Callable[[Any], A
     from celery._state import connect_on_app_finalize as connect
 
     return connect(callback)  # type: ignore[no-any-return]
+
+
+def wrap_apply_async(hook: Callable[..., Any]) -> None:
+    """Route every ``Task.apply_async`` through ``hook(task, original, args, kwargs, options)``.
+
+    Enqueue-time dedupe must run in the publisher for ``@zk_locked`` tasks too, whose
+    class Celery builds from the app's own base: there is no per-task place to hook, so
+    the base method itself is wrapped (once, whatever is imported how often). Subclasses
+    that override ``apply_async`` and call ``super()`` (celery-once's) still pass here.
+    """
+    from celery.app.task import Task
+
+    original = Task.apply_async
+    if getattr(original, "__zklock_wrapped__", False):
+        return
+
+    def apply_async(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        return hook(self, original, args, kwargs, options)
+
+    apply_async.__doc__ = original.__doc__
+    apply_async.__zklock_wrapped__ = True  # type: ignore[attr-defined]
+    Task.apply_async = apply_async  # type: ignore[method-assign]

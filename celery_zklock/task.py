@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import logging
@@ -24,16 +25,38 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from celery import Task
-from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
+from celery.exceptions import Retry
+from celery.signals import (
+    task_revoked,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
+from kazoo.exceptions import KazooException
+from kazoo.handlers.threading import KazooTimeoutError
+from kombu.utils.uuid import uuid
 
 from . import signals
 from .api import claim_scheme, layout_of, lock, lock_path, rule_for, settings_of
-from .conf import CONTENTION_POLICIES, LOCK_LOST_POLICIES, TaskDefaults, choice, did_you_mean, optional_seconds
-from .exceptions import ConfigurationError, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
+from .conf import (
+    CONTENTION_POLICIES,
+    DEDUPE_MODES,
+    DUPLICATE_POLICIES,
+    LOCK_LOST_POLICIES,
+    UNAVAILABLE_POLICIES,
+    TaskDefaults,
+    choice,
+    did_you_mean,
+    optional_seconds,
+)
+from .exceptions import AlreadyQueued, ConfigurationError, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
 from .interrupt import BodyGuard
 from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
-from .private import connect_on_app_finalize, current_app, current_task
+from .private import connect_on_app_finalize, current_app, current_task, wrap_apply_async
 from .recipes.lock import Lock, LockState
+from .recipes.marker import claim, release
 from .zk import Session, close_sessions, session_for
 
 __all__ = ["OPTIONS", "SKIPPED", "LockSpec", "ZkLockedTask", "current_lock", "current_locks", "problems", "skipped",
@@ -66,6 +89,13 @@ class LockSpec:
     timeout: Any = DEFAULT
     retry_countdown: float = 5.0
     on_lock_lost: str = "interrupt"
+    #: Take the execution lock (False: dedupe only).
+    lock: bool = True
+    #: Enqueue-time dedupe: None, ``queued`` or ``queued_or_running``.
+    dedupe: Optional[str] = None
+    on_duplicate: str = "return"
+    dedupe_ttl: Any = DEFAULT
+    dedupe_on_unavailable: str = "fail"
 
     @classmethod
     def make(cls, fn: Callable[..., Any], where: str, options: Dict[str, Any]) -> LockSpec:
@@ -101,7 +131,34 @@ class LockSpec:
             retry_countdown=float(countdown),
             on_lock_lost=choice(f"{where}: on_lock_lost", options.get("on_lock_lost", "interrupt"),
                                 LOCK_LOST_POLICIES),
+            **_dedupe_options(where, options),
         )
+
+
+_DEDUPE_DEFAULTS = {"on_duplicate": "return", "dedupe_ttl": DEFAULT, "dedupe_on_unavailable": "fail"}
+
+
+def _dedupe_options(where: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    dedupe = options.get("dedupe")
+    if dedupe is not None:
+        choice(f"{where}: dedupe", dedupe, DEDUPE_MODES)
+    locking = options.get("lock", True)
+    if not isinstance(locking, bool):
+        raise ConfigurationError(f"{where}: lock must be True or False, not {locking!r}")
+    if not locking and dedupe is None:
+        raise ConfigurationError(f"{where}: lock=False without dedupe=... would do nothing; drop zk_locked instead")
+    ttl = options.get("dedupe_ttl", DEFAULT)
+    if ttl is not DEFAULT and (optional_seconds(f"{where}: dedupe_ttl", ttl) or 0) <= 0:
+        raise ConfigurationError(f"{where}: dedupe_ttl must be a positive number of seconds, not {ttl!r}")
+    extra = {"on_duplicate": choice(f"{where}: on_duplicate", options.get("on_duplicate", "return"),
+                                    DUPLICATE_POLICIES),
+             "dedupe_on_unavailable": choice(f"{where}: dedupe_on_unavailable",
+                                             options.get("dedupe_on_unavailable", "fail"), UNAVAILABLE_POLICIES)}
+    if dedupe is None:
+        given = [name for name, default in _DEDUPE_DEFAULTS.items() if options.get(name, default) != default]
+        if given:
+            raise ConfigurationError(f"{where}: {', '.join(given)} apply only with dedupe=...; set dedupe too")
+    return {"lock": locking, "dedupe": dedupe, "dedupe_ttl": ttl, **extra}
 
 
 #: The lock options of ``@zk_locked`` and ``ZkLockedTask(zklock={...})``, in one place.
@@ -117,6 +174,11 @@ def zk_locked(
     limit: Optional[int] = None,
     retry_countdown: float = 5.0,
     on_lock_lost: str = "interrupt",
+    lock: bool = True,
+    dedupe: Optional[str] = None,
+    on_duplicate: str = "return",
+    dedupe_ttl: Any = DEFAULT,
+    dedupe_on_unavailable: str = "fail",
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Lock a task on a key built from its arguments; put it *below* ``@app.task``.
 
@@ -127,7 +189,8 @@ def zk_locked(
         def transfer(src, dst, amount): ...
     """
     options = {"key": key, "mode": mode, "on_contention": on_contention, "timeout": timeout, "limit": limit,
-               "retry_countdown": retry_countdown, "on_lock_lost": on_lock_lost}
+               "retry_countdown": retry_countdown, "on_lock_lost": on_lock_lost, "lock": lock, "dedupe": dedupe,
+               "on_duplicate": on_duplicate, "dedupe_ttl": dedupe_ttl, "dedupe_on_unavailable": dedupe_on_unavailable}
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         where = f"task {getattr(fn, 'name', None) or f'{fn.__module__}.{fn.__qualname__}'}"
@@ -240,15 +303,26 @@ def _defaults(app: Any) -> TaskDefaults:
 
 def _locked_call(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
                  bound: bool, body: Callable[[], Any]) -> Any:
-    """run_locked, with the second net: see there."""
+    """run_locked, with the second net: see there. Gives back a dedupe copy's marker too."""
+    marker = _marker_of(task.request) if spec.dedupe is not None else None
+    if marker is not None and spec.dedupe == "queued":
+        _release_marker(task, marker)  # started: the next publish queues a new copy
     held: List[Lock] = []
     stack = _local.__dict__.setdefault("stack", [])
     depth = len(stack)
+    finished = True
     try:
-        return run_locked(task, spec, fn, args, kwargs, bound, body, held)
+        return run_locked(task, spec, fn, args, kwargs, bound, body, held) if spec.lock else body()
+    except Retry:
+        finished = False  # the same copy runs again: it keeps its marker
+        raise
     finally:
         del stack[depth:]  # current_lock() never outlives the body either
-        release_all(task, held)
+        try:
+            release_all(task, held)
+        finally:
+            if marker is not None and spec.dedupe == "queued_or_running" and finished:
+                _release_marker(task, marker)
 
 
 def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
@@ -265,13 +339,7 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
     defaults = _defaults(app)
     policy = defaults.on_contention if spec.on_contention is DEFAULT else spec.on_contention
     timeout = defaults.timeout if spec.timeout is DEFAULT else spec.timeout
-    call_args = args[1:] if bound else args
-    try:
-        arguments = bind_arguments(fn, args, kwargs, skip_first=bound)
-    except TypeError as exc:
-        raise TypeError(f"{where}: {exc}") from None
-    keys = build_keys(spec.parts, arguments, call_args, kwargs, where) if spec.parts else [
-        default_key(task.name, arguments)]
+    keys = _keys(task, spec, fn, args, kwargs, bound)
     # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
     ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
     settings = settings_of(app)
@@ -315,6 +383,20 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
                 stack.pop()
     finally:
         release_all(task, held)
+
+
+def _keys(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+          bound: bool) -> List[str]:
+    """The keys of one call: the ``key`` option rendered, or the task name plus every argument."""
+    where = f"task {task.name}"
+    call_args = args[1:] if bound else args
+    try:
+        arguments = bind_arguments(fn, args, kwargs, skip_first=bound)
+    except TypeError as exc:
+        raise TypeError(f"{where}: {exc}") from None
+    if spec.parts:
+        return build_keys(spec.parts, arguments, call_args, kwargs, where)
+    return [default_key(task.name, arguments)]
 
 
 def release_all(task: Task, held: List[Lock]) -> None:
@@ -402,6 +484,111 @@ def _on_state(task: Task, guard: Optional[BodyGuard], lock: Lock, state: str) ->
     logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task.request.id, message,
                    "; raising LockLost in the body" if interrupted else "")
     signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted)
+
+
+# -- enqueue-time dedupe ---------------------------------------------------------------------
+#: The message header that names a dedupe copy's marker, for the worker that runs it.
+MARKER_HEADER = "zklock_marker"
+
+
+def _dedupe_spec(task: Any) -> Optional[LockSpec]:
+    spec = task._zklock_spec if isinstance(task, ZkLockedTask) else getattr(
+        getattr(task, "run", None), "__zklock_spec__", None)
+    return spec if spec is not None and spec.dedupe is not None else None
+
+
+def _publish(task: Task, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any]) -> Any:
+    """``Task.apply_async`` for every task: a dedupe task publishes only if no copy with its key
+    is queued (or running); any other task is published as it is."""
+    spec = _dedupe_spec(task)
+    running = current_task()
+    if spec is None or (running is not None and options.get("task_id") == running.request.id):
+        # Not a dedupe task; or a retry, which is the same copy and keeps its marker.
+        return original(task, args, kwargs, **options)
+    app = task.app
+    where = f"task {task.name}"
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    keys = _keys(task, spec, task.run, args, kwargs, False)
+    key = keys[0] if len(keys) == 1 else "\n".join(sorted(set(keys)))
+    settings, layout = settings_of(app), layout_of(app)
+    ttl = _defaults(app).dedupe_ttl if spec.dedupe_ttl is DEFAULT else float(spec.dedupe_ttl)
+    expires = _seconds_until(options.get("expires"), app)
+    if expires is not None:
+        ttl = max(0.0, min(ttl, expires))  # the message is dropped after that anyway
+    else:
+        ttl += max(0.0, _seconds_until(options.get("eta"), app) or float(options.get("countdown") or 0))
+    task_id = options.pop("task_id", None) or uuid()
+    now = time.time()
+    data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
+            **({"key": key} if layout.secret is None else {})}
+    path = layout.queued(key)
+    try:
+        session = session_for(settings)
+        claim_scheme(session, layout, settings.connect_timeout)
+        session.nodes.ensure_path(layout.queued_tree, settings.connect_timeout)
+        existing, _ = claim(session, path, data, settings.connect_timeout)
+    except (ZooKeeperUnavailable, KazooException, KazooTimeoutError) as exc:
+        if spec.dedupe_on_unavailable == "publish":
+            logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
+            return original(task, args, kwargs, task_id=task_id, **options)
+        raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
+                                   f"({type(exc).__name__}: {exc}); dedupe_on_unavailable='publish' publishes "
+                                   "anyway") from None
+    if existing is not None:
+        signals.task_deduplicated.send(sender=task, key=layout.label(key), task_id=existing["task_id"])
+        if spec.on_duplicate == "raise":
+            raise AlreadyQueued(f"{where}: not published: a copy with key {layout.label(key)!r} is "
+                                f"{str(spec.dedupe).replace('_', ' ')} (task id {existing['task_id']})",
+                                existing["task_id"])
+        return None if spec.on_duplicate == "none" else task.AsyncResult(existing["task_id"])
+    signals.task_marked.send(sender=task, key=layout.label(key), task_id=task_id, path=path)
+    options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
+    try:
+        return original(task, args, kwargs, task_id=task_id, **options)
+    except BaseException:
+        release(session, path, task_id, settings.connect_timeout)  # never sent: nothing will run it
+        raise
+
+
+def _seconds_until(expires: Any, app: Any) -> Optional[float]:
+    if expires is None:
+        return None
+    if isinstance(expires, datetime.datetime):
+        return (expires - (app.now() if expires.tzinfo else datetime.datetime.now())).total_seconds()
+    return float(expires)
+
+
+def _marker_of(request: Any) -> Optional[str]:
+    # A worker turns message headers into request attributes; eager apply() keeps them in .headers.
+    marker = getattr(request, MARKER_HEADER, None) or (getattr(request, "headers", None) or {}).get(MARKER_HEADER)
+    return marker if isinstance(marker, str) else None
+
+
+def _release_marker(task: Any, path: str) -> None:
+    """Give back the marker of the copy ``task`` runs; a failure only lets the marker expire."""
+    settings = settings_of(task.app)
+    try:
+        release(session_for(settings), path, task.request.id, settings.connect_timeout)
+    except Exception as exc:  # noqa: BLE001 - the body must not fail for it; the marker expires
+        logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); it expires by itself",
+                       task.name, task.request.id, path, exc)
+
+
+@task_revoked.connect(weak=False)
+def _revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """A revoked (or expired) copy never runs: its marker goes now, not at its expiry."""
+    marker = _marker_of(request) if request is not None and _dedupe_spec(sender) is not None else None
+    if marker is not None:
+        task = sender
+        settings = settings_of(task.app)
+        try:
+            release(session_for(settings), marker, request.id, settings.connect_timeout)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("task %s[%s] revoked: could not remove its dedupe marker %s (%s)", task.name,
+                           request.id, marker, exc)
+
+
+wrap_apply_async(_publish)
 
 
 # -- worker wiring ----------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""One marker per key: "a copy of this work is queued (or running)", for enqueue-time dedupe.
+
+The marker is one persistent node per key, holding the copy's task id and expiry. A
+publisher creates it; the create is atomic, so two publishers never both get it. A
+publisher that finds an expired marker takes it over with a versioned ``set``, never a
+delete and create, so the node's version only grows while it lives. The worker running
+a copy deletes the marker only if it still names that copy, with the version it read:
+a late worker can never delete a newer copy's marker (no ABA).
+
+Example::
+
+    existing, _ = claim(session, "/celery-zklock/queued/k-user:42", {"task_id": "abc", "expires": time.time() + 60})
+    if existing is not None:
+        return existing["task_id"]          # a copy is queued already: do not publish
+    ...publish...
+    release(session, "/celery-zklock/queued/k-user:42", "abc")   # the worker, when the copy starts
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+
+from ..zk import Session
+
+__all__ = ["claim", "live", "read_marker", "release"]
+
+
+def read_marker(raw: bytes) -> Optional[Dict[str, Any]]:
+    """A marker's data, or None for junk (which a publisher takes over like an expired one).
+
+    >>> read_marker(b'{"task_id": "a", "expires": 5.0}')["task_id"], read_marker(b"junk")
+    ('a', None)
+    """
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    expires = data.get("expires") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("task_id"), str) or \
+            isinstance(expires, bool) or not isinstance(expires, (int, float)):
+        return None
+    return data
+
+
+def live(marker: Optional[Dict[str, Any]], now: float) -> bool:
+    """True if ``marker`` still stands for a copy that may run (not junk, not expired).
+
+    >>> live({"task_id": "a", "expires": 50.0}, now=10.0), live({"task_id": "a", "expires": 5.0}, now=10.0)
+    (True, False)
+    """
+    return marker is not None and marker["expires"] > now
+
+
+def claim(session: Session, path: str, data: Dict[str, Any],
+          timeout: Optional[float] = None) -> Tuple[Optional[Dict[str, Any]], int]:
+    """Make ``path`` our marker, holding ``data``. Returns (None, our version) when it is ours,
+    or (the live marker's data, -1) when another copy holds it."""
+    client = session.client
+    deadline = None if timeout is None else time.monotonic() + timeout
+    raw = json.dumps(data).encode()
+    for _ in range(5):
+        try:
+            client.create_async(path, raw).get(timeout=_left(deadline))
+            return None, 0
+        except NodeExistsError:
+            pass
+        try:
+            current, stat = client.get_async(path).get(timeout=_left(deadline))
+        except NoNodeError:
+            continue  # its copy started meanwhile: create again
+        marker = read_marker(current)
+        if live(marker, time.time()):
+            return marker, -1
+        try:
+            # Its copy's message is presumed lost: take the node over, version-checked.
+            client.set_async(path, raw, version=stat.version).get(timeout=_left(deadline))
+            return None, stat.version + 1
+        except (BadVersionError, NoNodeError):
+            continue  # someone else took it over or it went: look again
+    raise RuntimeError(f"marker {path} kept changing under us")  # five races in a row: not expected
+
+
+def release(session: Session, path: str, task_id: str, timeout: Optional[float] = None) -> bool:
+    """Delete the marker at ``path`` if it still names ``task_id``; True if deleted."""
+    client = session.client
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        current, stat = client.get_async(path).get(timeout=_left(deadline))
+    except NoNodeError:
+        return False
+    marker = read_marker(current)
+    if marker is None or marker["task_id"] != task_id:
+        return False  # a newer copy's marker: not ours to delete
+    try:
+        client.delete_async(path, version=stat.version).get(timeout=_left(deadline))
+        return True
+    except (BadVersionError, NoNodeError):
+        return False  # taken over or deleted since we read it: not ours any more
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

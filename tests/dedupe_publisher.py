@@ -1,0 +1,50 @@
+"""A publisher process of the dedupe tests: ``python -m tests.dedupe_publisher TASK N SEED``.
+
+Sends N ``.delay()`` calls of TASK over 20 keys, each with a fresh task id, and records
+per call: the time it was made, when its marker was created (if one was), the id it
+asked for and the id it got back. ``ZKT_DIE_AFTER_MARKER=1`` makes it SIGKILL itself
+between creating its first marker and sending the message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from typing import Any, Dict
+
+import redis
+
+from celery_zklock import signals
+from tests import dedupe_app
+
+marked: Dict[str, float] = {}
+
+
+@signals.task_marked.connect
+def _marked(sender: Any = None, task_id: str = "", **kwargs: Any) -> None:
+    marked[task_id] = time.monotonic()
+    if os.environ.get("ZKT_DIE_AFTER_MARKER"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(name: str, count: int, seed: int) -> None:
+    task = getattr(dedupe_app, name)
+    rng = random.Random(seed)
+    history = redis.Redis.from_url(dedupe_app.app.conf.broker_url)
+    for _ in range(count):
+        key = f"key{rng.randrange(20)}"
+        asked = str(uuid.uuid4())
+        t0 = time.monotonic()
+        got = task.apply_async((key, rng.uniform(5, 50)), task_id=asked)
+        history.rpush("dedupe:publishes", json.dumps({
+            "key": key, "t0": t0, "t1": time.monotonic(), "marked": marked.pop(asked, None), "asked": asked,
+            "got": got.id}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,64 @@
+"""The history check of enqueue-time dedupe, for our tests and the comparison benchmark.
+
+A publish is ``{key, t0, t1, marked, asked, got}`` (monotonic times: the call, its return,
+its marker's creation if known); a run event is ``{event: pre|start|end, time, task_id}``.
+Every bound is taken on the safe side, so a violation found is a real one.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Dict, List
+
+__all__ = ["dedupe_violations"]
+
+
+def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]], mode: str) -> List[str]:
+    """What broke the ``queued`` or ``queued_or_running`` promise, one line each ([] when none).
+
+    - every copy published as new ran exactly once, and nothing else ran;
+    - ``queued`` only: every publish is followed by a start of its key at or after its call
+      (``queued_or_running`` drops a publish made while a copy runs: that is its meaning);
+    - at no moment are two copies of one key queued (``queued``: from the marker, or the
+      publish's return, to the copy's task_prerun) or queued or running
+      (``queued_or_running``: to the end of its body).
+
+    >>> pubs = [{"key": "a", "t0": 0, "t1": 1, "marked": 0.5, "asked": "x", "got": "x"},
+    ...         {"key": "a", "t0": 2, "t1": 3, "marked": 2.5, "asked": "y", "got": "y"}]
+    >>> runs = [{"event": e, "time": t, "task_id": "x"} for e, t in (("pre", 4), ("start", 4), ("end", 5))]
+    >>> dedupe_violations(pubs, runs, "queued")[:2]
+    ['y (a) was published as a new copy but ran 0 times', "key 'a': copies x and y queued at once"]
+    """
+    problems: List[str] = []
+    first: Dict[str, Dict[str, float]] = collections.defaultdict(dict)
+    starts = collections.Counter()
+    for r in runs:
+        first[r["task_id"]].setdefault(r["event"], r["time"])
+        starts[r["task_id"]] += r["event"] == "start"
+    new = [p for p in publishes if p["got"] == p["asked"]]
+    for p in new:
+        if starts[p["asked"]] != 1:
+            problems.append(f"{p['asked']} ({p['key']}) was published as a new copy but ran {starts[p['asked']]} times")
+    for stray in sorted(set(starts) - {p["asked"] for p in new}):
+        problems.append(f"{stray} ran but no publish returned it as a new copy")
+    started = collections.defaultdict(list)
+    for task_id, times in first.items():
+        if "start" in times:
+            started[next((p["key"] for p in new if p["asked"] == task_id), None)].append(times["start"])
+    for p in publishes if mode == "queued" else []:
+        if not any(t >= p["t0"] for t in started[p["key"]]):
+            problems.append(f"publish at {p['t0']:.3f} of key {p['key']!r} was followed by no start")
+    last = "pre" if mode == "queued" else "end"
+    by_key = collections.defaultdict(list)
+    for p in new:
+        begin = p["marked"] if p.get("marked") is not None else p["t1"]
+        by_key[p["key"]].append((begin, first[p["asked"]].get(last, float("inf")), p["asked"]))
+    for key, spans in by_key.items():
+        spans.sort()
+        latest_end, latest = float("-inf"), ""
+        for begin, end, task_id in spans:
+            if begin < latest_end:
+                problems.append(f"key {key!r}: copies {latest} and {task_id} {mode.replace('_', ' ')} at once")
+            if end > latest_end:
+                latest_end, latest = end, task_id
+    return problems

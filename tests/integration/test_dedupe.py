@@ -1,0 +1,175 @@
+"""Enqueue-time dedupe with real publishers, real prefork workers, real ZooKeeper and Redis:
+histories checked, and every way a copy's message can be lost leaves the key usable again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Dict, Iterator, List
+
+import pytest
+import redis
+from celery import Celery
+from kombu.exceptions import OperationalError
+
+from celery_zklock import zk_locked
+from tests import dedupe_app
+from tests.harness import CeleryWorker, free_port
+from tests.harness.dedupe import dedupe_violations
+from tests.util import children, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def env(redis_server, zk_server, zk_root) -> Dict[str, str]:
+    queue = f"dd-{uuid.uuid4().hex[:8]}"
+    return {**os.environ, "ZKT_BROKER": redis_server.url, "ZKT_HOSTS": zk_server.hosts, "ZKT_ROOT": zk_root,
+            "ZKT_QUEUE": queue, "PYTHONPATH": os.getcwd()}
+
+
+@pytest.fixture
+def workers(env) -> Iterator:
+    started: List[CeleryWorker] = []
+
+    def start(name: str, concurrency: int = 4, **overrides: str) -> CeleryWorker:
+        worker = CeleryWorker("tests.dedupe_app", name=name, concurrency=concurrency, env={**env, **overrides},
+                              extra_args=["-Q", env["ZKT_QUEUE"]])
+        started.append(worker)
+        return worker.start()
+
+    yield start
+    for w in started:
+        w.close()
+
+
+def publish(env: Dict[str, str], task: str, count: int, seed: int, **overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.dedupe_publisher", task, str(count), str(seed)],
+                            env={**env, **overrides})
+
+
+def history(redis_url: str) -> tuple:
+    r = redis.Redis.from_url(redis_url)
+    return ([json.loads(x) for x in r.lrange("dedupe:publishes", 0, -1)],
+            [json.loads(x) for x in r.lrange("dedupe:runs", 0, -1)])
+
+
+@pytest.fixture(autouse=True)
+def configured(env, monkeypatch):
+    """This process publishes too (the crash tests): the same settings as the workers'."""
+    dedupe_app.app.conf.update(broker_url=env["ZKT_BROKER"], result_backend=env["ZKT_BROKER"],
+                               zklock_hosts=env["ZKT_HOSTS"], zklock_root=env["ZKT_ROOT"],
+                               task_default_queue=env["ZKT_QUEUE"], zklock_dedupe_ttl=3)
+    for cached in ("_zklock_settings", "_zklock_task_defaults"):
+        monkeypatch.delattr(dedupe_app.app, cached, raising=False)
+    redis.Redis.from_url(env["ZKT_BROKER"]).delete("dedupe:publishes", "dedupe:runs")
+
+
+@pytest.mark.parametrize("mode, task", [("queued", "debounced"), ("queued_or_running", "singleton")])
+def test_eight_publishers_two_workers_history(mode, task, env, workers, redis_server):
+    workers("w1")
+    workers("w2")
+    publishers = [publish(env, task, 250, seed) for seed in range(8)]
+    for p in publishers:
+        assert p.wait(300) == 0
+    publishes, _ = history(redis_server.url)
+    assert len(publishes) == 2000
+    fresh = {p["asked"] for p in publishes if p["got"] == p["asked"]}
+    wait_until(lambda: fresh <= {r["task_id"] for r in history(redis_server.url)[1] if r["event"] == "end"},
+               timeout=120)
+    time.sleep(0.5)  # a copy run twice would show now: its second start is at most one body later
+    publishes, runs = history(redis_server.url)
+    assert dedupe_violations(publishes, runs, mode) == []
+    deduplicated = sum(p["got"] != p["asked"] for p in publishes)
+    print(f"{mode}: {len(fresh)} copies ran for 2000 publishes ({deduplicated} deduplicated)")
+    assert 0 < deduplicated < 2000
+
+
+def marker_of(env, key: str) -> List[str]:
+    return [c for c in children(kazoo_client(env), f"{env['ZKT_ROOT']}/queued") if c == f"k-k:{key}"]
+
+
+_clients: Dict[str, object] = {}
+
+
+def kazoo_client(env):
+    from kazoo.client import KazooClient
+    client = _clients.get(env["ZKT_HOSTS"])
+    if client is None:
+        client = _clients[env["ZKT_HOSTS"]] = KazooClient(env["ZKT_HOSTS"])
+        client.start()
+    return client
+
+
+def test_a_publisher_killed_between_marker_and_send_blocks_the_key_only_until_the_marker_expires(env):
+    dying = publish(env, "debounced", 1, 0, ZKT_DIE_AFTER_MARKER="1", ZKT_DEDUPE_TTL="3")
+    assert dying.wait(60) == -signal.SIGKILL
+    [published] = [k for k in children(kazoo_client(env), f"{env['ZKT_ROOT']}/queued")]
+    key = json.loads(kazoo_client(env).get(f"{env['ZKT_ROOT']}/queued/{published}")[0])["key"][2:]
+    blocked = dedupe_app.debounced.delay(key, 1)
+    assert blocked.id != "" and redis.Redis.from_url(env["ZKT_BROKER"]).llen(env["ZKT_QUEUE"]) == 0  # deduplicated
+    time.sleep(3.2)  # the marker's life (zklock_dedupe_ttl=3): its message is presumed lost
+    again = dedupe_app.debounced.delay(key, 1)
+    assert again.id != blocked.id and redis.Redis.from_url(env["ZKT_BROKER"]).llen(env["ZKT_QUEUE"]) == 1
+
+
+def test_a_purged_queue_frees_the_key_when_the_marker_expires(env):
+    first = dedupe_app.debounced.delay("p", 1)
+    assert dedupe_app.debounced.delay("p", 1).id == first.id
+    dedupe_app.app.control.purge()
+    assert dedupe_app.debounced.delay("p", 1).id == first.id  # the marker outlives the purge...
+    time.sleep(3.2)
+    assert dedupe_app.debounced.delay("p", 1).id != first.id  # ...until it expires
+
+
+def test_a_revoked_copy_frees_its_key_when_a_worker_meets_it_not_when_it_expires(env, workers, monkeypatch):
+    monkeypatch.setattr(dedupe_app.app, "_zklock_task_defaults", None, raising=False)
+    dedupe_app.app.conf.zklock_dedupe_ttl = 600
+    workers("w1", concurrency=1, ZKT_DEDUPE_TTL="600")
+    busy = dedupe_app.debounced.delay("busy", 1500)  # the one pool process is busy for 1.5 s
+    queued = dedupe_app.debounced.delay("r", 1)  # waits in the queue behind it
+    assert marker_of(env, "r") != []
+    dedupe_app.app.control.revoke(queued.id)
+    busy.get(timeout=30)
+    # The worker meets the revoked message and drops it: its marker goes then, not in 600 s.
+    wait_until(lambda: marker_of(env, "r") == [], timeout=10)
+    assert dedupe_app.debounced.delay("r", 1).id != queued.id
+
+
+def test_a_failed_send_deletes_its_marker(env):
+    app = Celery("failsend", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)  # nothing there
+    app.conf.update(zklock_hosts=env["ZKT_HOSTS"], zklock_root=env["ZKT_ROOT"])
+
+    @app.task(shared=False)
+    @zk_locked(key="k:{key}", dedupe="queued", lock=False)
+    def fails(key):
+        pass
+
+    with pytest.raises(OperationalError):
+        fails.apply_async(("f",), retry=False)
+    assert marker_of(env, "f") == []
+
+
+@pytest.mark.parametrize("acks_late", [False, True])
+def test_a_worker_killed_mid_body(acks_late, env, workers, redis_server):
+    extra = {"ZKT_ACKS_LATE": "1", "ZKT_VISIBILITY": "5"} if acks_late else {}
+    w1 = workers("w1", concurrency=1, **extra)
+    first = dedupe_app.singleton.delay("kill", 4000)
+    wait_until(lambda: any(r["event"] == "start" for r in history(redis_server.url)[1]), timeout=30)
+    assert dedupe_app.singleton.delay("kill", 1).id == first.id  # running: deduplicated
+    w1.crash()  # SIGKILL, the pool child with it
+    if acks_late:
+        # The message comes back (visibility timeout) and runs to its end on another worker,
+        # which gives the marker back: the key is free at once after that.
+        workers("w2", concurrency=1, **extra)
+        wait_until(lambda: marker_of(env, "kill") == [], timeout=60)
+        runs = [r["task_id"] for r in history(redis_server.url)[1] if r["event"] == "end"]
+        assert runs == [first.id]  # the same copy, run to its end once
+    else:
+        # The message is gone with the worker: the key is usable once the marker expires.
+        wait_until(lambda: dedupe_app.singleton.delay("kill", 1).id != first.id, timeout=10)
