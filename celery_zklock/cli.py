@@ -5,6 +5,7 @@ Registered through the ``celery.commands`` entry point::
     celery -A proj zklock check              # settings, connection, server version and mode, round trip
     celery -A proj zklock status             # beat election, held locks, the server we asked
     celery -A proj zklock locks --key 'invoice:*' --json
+    celery -A proj zklock queued             # dedupe markers: key, task id, age, expiry
 
 It reads ZooKeeper only (with the app's credential, if any): it never changes a lock.
 """
@@ -28,11 +29,12 @@ from .exceptions import ZkLockError
 from .layout import LOCK_TREES, Layout, decode_key, hashed_name
 from .private import peer_address
 from .recipes.lock import RULES, Rule, contender, semaphore, sequence, split_queue
+from .recipes.marker import read_marker
 from .task import problems
 from .zk import Session, check_acl
 from .zk.probe import addresses, four_letter_word, server_limits
 
-__all__ = ["elections", "locks", "server_info", "zklock"]
+__all__ = ["elections", "locks", "queued", "server_info", "zklock"]
 
 
 # -- reading the tree (no Celery here: these take a started Session) ---------------------------
@@ -123,6 +125,23 @@ def _contender(node: str, info: Dict[str, Any], stat: Any, now: float, age: str)
         age: round(max(0.0, now - stat.ctime / 1000), 3),
         "token": stat.czxid, "node": node,
     }
+
+
+def queued(session: Session, root: str) -> List[Dict[str, Any]]:
+    """Every dedupe marker under ``root``: key (its name under hashed key names), task, task id, age, expiry."""
+    now = time.time()
+    base = Layout(root).queued_tree
+    rows = []
+    for name, (raw, _) in sorted(_read(session, base, _children(session, base)).items()):
+        marker = read_marker(raw) or {}
+        expires = marker.get("expires")
+        enqueued = marker.get("enqueued")
+        rows.append({"key": marker.get("key") if isinstance(marker.get("key"), str) else decode_key(name) or name,
+                     "task": marker.get("task"), "task_id": marker.get("task_id"),
+                     "age": round(now - enqueued, 3) if isinstance(enqueued, (int, float)) else None,
+                     "expires_in": round(expires - now, 3) if isinstance(expires, (int, float)) else None,
+                     "path": f"{base}/{name}"})
+    return rows
 
 
 def elections(session: Session, root: str) -> List[Dict[str, Any]]:
@@ -277,6 +296,30 @@ def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool
     else:
         for line in _lock_lines(rows, show_waiters):
             click.echo(line)
+
+
+@zklock.command(name="queued")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+@click.pass_context
+def queued_command(ctx: click.Context, as_json: bool) -> None:
+    """Dedupe markers: each key with a copy queued (or running), its task id, age and expiry."""
+    settings, session, _ = _connect(ctx)
+    try:
+        rows = queued(session, settings.root)
+    finally:
+        session.close()
+    if as_json:
+        click.echo(json.dumps({"root": settings.root, "queued": rows}, indent=2))
+        return
+    if not rows:
+        click.echo("  (no copy is queued under dedupe)")
+        return
+    click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}")
+    for r in rows:
+        expires = "expired" if r["expires_in"] is not None and r["expires_in"] <= 0 else (
+            _age(r["expires_in"]) if r["expires_in"] is not None else "?")
+        click.echo(f"  {str(r['key'])[:32]:<32} {str(r['task'] or '-')[:28]:<28} {str(r['task_id'] or '-'):<36} "
+                   f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
 
 
 @zklock.command()

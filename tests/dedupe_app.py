@@ -69,3 +69,11 @@ def debounced(key: str, ms: float) -> None:
 @zk_locked(key="k:{key}", dedupe="queued_or_running", lock=False)
 def singleton(key: str, ms: float) -> None:
     body(key, ms)
+
+
+@app.task(bind=True, max_retries=1)
+@zk_locked(key="k:{key}", dedupe="queued_or_running")
+def retried(self, key: str) -> None:
+    body(key, 10)
+    if self.request.retries == 0:
+        raise self.retry(countdown=1)  # the same copy runs again: it keeps its marker

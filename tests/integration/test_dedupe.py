@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from celery_zklock import zk_locked
+from celery_zklock import ZooKeeperUnavailable, zk_locked
 from tests import dedupe_app
 from tests.harness import CeleryWorker, free_port
 from tests.harness.dedupe import dedupe_violations
@@ -173,3 +173,57 @@ def test_a_worker_killed_mid_body(acks_late, env, workers, redis_server):
     else:
         # The message is gone with the worker: the key is usable once the marker expires.
         wait_until(lambda: dedupe_app.singleton.delay("kill", 1).id != first.id, timeout=10)
+
+
+def test_a_retry_is_the_same_copy_and_keeps_the_marker(env, workers, redis_server):
+    workers("w1", concurrency=1)
+    first = dedupe_app.retried.delay("retry")
+    wait_until(lambda: any(r["event"] == "end" for r in history(redis_server.url)[1]), timeout=30)
+    assert marker_of(env, "retry") != []  # between the attempts
+    assert dedupe_app.retried.delay("retry").id == first.id
+    first.get(timeout=30)
+    wait_until(lambda: marker_of(env, "retry") == [], timeout=10)
+    ends = [r["task_id"] for r in history(redis_server.url)[1] if r["event"] == "end"]
+    assert ends == [first.id, first.id]  # two attempts of one copy, no second copy
+
+
+@pytest.mark.parametrize("policy", ["fail", "publish"])
+def test_zookeeper_unavailable_at_publish(policy, env, caplog):
+    app = Celery("nozk", broker="memory://", set_as_current=False)
+    app.conf.update(zklock_hosts=f"127.0.0.1:{free_port()}", zklock_root=env["ZKT_ROOT"], zklock_connect_timeout=1)
+
+    @app.task(shared=False)
+    @zk_locked(key="k:{key}", dedupe="queued", lock=False, dedupe_on_unavailable=policy)
+    def refresh(key):
+        pass
+
+    if policy == "fail":
+        with pytest.raises(ZooKeeperUnavailable, match=r"task .*refresh: not published: ZooKeeper is unavailable "
+                                                       r"for its dedupe marker .*dedupe_on_unavailable='publish'"):
+            refresh.delay("z")
+    else:
+        assert refresh.delay("z").id  # published, without dedupe, and said so
+        assert "published without dedupe, ZooKeeper is unavailable" in caplog.text
+
+
+def test_eager_mode_dedupes_nothing_it_runs_at_once_and_leaves_no_marker(env):
+    dedupe_app.app.conf.task_always_eager = True
+    try:
+        assert dedupe_app.debounced.delay("eager", 1).get() is None
+        assert dedupe_app.singleton.delay("eager", 1).get() is None
+    finally:
+        dedupe_app.app.conf.task_always_eager = False
+    assert marker_of(env, "eager") == []
+
+
+def test_operators_see_the_markers(env):
+    sent = dedupe_app.debounced.delay("cli", 1)
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.dedupe_app", "zklock", "queued", "--json"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    [row] = [r for r in json.loads(out.stdout)["queued"] if r["key"] == "k:cli"]
+    assert row["task_id"] == sent.id and row["task"] == "tests.dedupe_app.debounced"
+    assert 0 <= row["age"] < 30 and 0 < row["expires_in"] <= 3  # zklock_dedupe_ttl=3 in these tests
+    text = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.dedupe_app", "zklock", "queued"], env=env,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "k:cli" in text and sent.id in text and "EXPIRES IN" in text

@@ -72,6 +72,13 @@ def test_keys_that_cannot_be_built_name_template_and_argument():
     ({"limit": 0}, "limit must be a positive int"),
     ({"limit": 2, "mode": "read"}, "cannot be combined"),
     ({"retry_countdown": -5}, "retry_countdown"),
+    ({"dedupe": "queue"}, "dedupe must be one of queued, queued_or_running"),
+    ({"lock": False}, "lock=False without dedupe=... would do nothing"),
+    ({"lock": "no", "dedupe": "queued"}, "lock must be True or False"),
+    ({"on_duplicate": "raise"}, "on_duplicate apply only with dedupe"),
+    ({"dedupe": "queued", "on_duplicate": "ignore"}, "on_duplicate must be one of return, raise, none"),
+    ({"dedupe": "queued", "dedupe_ttl": 0}, "dedupe_ttl must be a positive number"),
+    ({"dedupe": "queued", "dedupe_on_unavailable": "skip"}, "dedupe_on_unavailable must be one of fail, publish"),
 ])
 def test_bad_decorator_options_name_task_and_option(options, message):
     def fn(x):
