@@ -1,4 +1,8 @@
-"""CRM sync: a second sync of the same customer while one runs is pointless, so it is skipped."""
+"""CRM sync: a second sync of the same customer while one runs is pointless, so it is skipped.
+
+Refreshing a customer's cache is a debounce: while one refresh is still queued, another
+publish adds nothing (it returns the queued one), and once that refresh starts, the
+next publish queues a new one, so no update is missed."""
 
 from app import app, work
 
@@ -10,3 +14,10 @@ from celery_zklock import zk_locked
 def sync_customer(customer_id: int) -> str:
     work(0.6)
     return f"synced customer {customer_id}"
+
+
+@app.task
+@zk_locked(key="cache:{customer_id}", dedupe="queued", lock=False)
+def refresh_cache(customer_id: int) -> str:
+    work(0.2)
+    return f"refreshed cache of customer {customer_id}"

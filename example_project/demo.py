@@ -43,6 +43,8 @@ def burst() -> List[Any]:
     sent += [reports.read.delay("sales") for _ in range(3)] + [reports.rebuild.delay("sales")]
     sent += [reports.read.delay("sales") for _ in range(2)]
     sent += [crm.sync_customer.delay(7) for _ in range(3)] + [crm.sync_customer.delay(8)]
+    # Three refreshes of one cache published at once: one is queued, the others return it.
+    sent += [crm.refresh_cache.delay(7) for _ in range(3)]
     sent += [partners.call_api.delay("acme", n) for n in range(6)]
     return sent
 
@@ -162,12 +164,13 @@ def main() -> int:
         names = {b.pid: b.name for b in beats}
         runs = [(e["entry"], e["run"]) for e in history if e["event"] == "beat"]
         rows = [
-            ("tasks sent", len(results)),
+            ("tasks published", len(results)),
             ("task bodies run", len({e["task_id"] for e in bodies})),
             ("tasks failed", sum(isinstance(o, BaseException) for o in outcomes)),
             ("overlaps found in the history", len(bad)),
             ("lock holds that waited first", sum(e["waited"] for e in history if e["event"] == "take")),
             ("tasks skipped (already running)", sum(e["event"] == "skip" for e in history)),
+            ("publishes deduplicated (copy queued)", len(results) - len({r.id for r in results})),
             ("beat runs sent twice", len(runs) - len(set(runs))),
             *((f"beat dispatches by {names.get(pid, '?')} (pid {pid})", n) for pid, n in sorted(dispatches.items())),
             ("beat takeover after SIGKILL", f"{takeover:.2f} s" if takeover is not None else "none within 30 s"),
@@ -192,6 +195,9 @@ def main() -> int:
         if timeline is not None:
             timeline.stopped.set()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the clean-up
+        from celery_zklock.zk import close_sessions
+
+        close_sessions()  # this process published dedupe tasks: its session ends before ZooKeeper does
         for thing in reversed(started):
             thing.close()
 

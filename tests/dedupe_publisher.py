@@ -1,5 +1,8 @@
 """A publisher process of the dedupe tests: ``python -m tests.dedupe_publisher TASK N SEED``.
 
+TASK is a task of ``tests.dedupe_app``, or of the module ``ZKT_DEDUPE_APP`` names (the
+comparison benchmark's app, with celery-once and celery-singleton tasks).
+
 Sends N ``.delay()`` calls of TASK over 20 keys, each with a fresh task id, and records
 per call: the time it was made, when its marker was created (if one was), the id it
 asked for and the id it got back. ``ZKT_DIE_AFTER_MARKER=1`` makes it SIGKILL itself
@@ -8,6 +11,7 @@ between creating its first marker and sending the message.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -20,7 +24,8 @@ from typing import Any, Dict
 import redis
 
 from celery_zklock import signals
-from tests import dedupe_app
+
+dedupe_app = importlib.import_module(os.environ.get("ZKT_DEDUPE_APP", "tests.dedupe_app"))
 
 marked: Dict[str, float] = {}
 
@@ -43,7 +48,7 @@ def main(name: str, count: int, seed: int) -> None:
         got = task.apply_async((key, rng.uniform(5, 50)), task_id=asked)
         history.rpush("dedupe:publishes", json.dumps({
             "key": key, "t0": t0, "t1": time.monotonic(), "marked": marked.pop(asked, None), "asked": asked,
-            "got": got.id}))
+            "got": got.id if got is not None else None}))  # celery-once's graceful duplicate: None
 
 
 if __name__ == "__main__":

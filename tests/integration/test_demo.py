@@ -18,6 +18,9 @@ def test_demo_runs_and_keeps_every_promise(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "overlaps found in the history" in out.stdout and "all promises kept" in out.stdout
     assert "SKIPPED" in out.stdout and "after waiting" in out.stdout and "beat takeover after SIGKILL" in out.stdout
+    deduplicated = re.search(r"publishes deduplicated \(copy queued\) +(\d+)", out.stdout)
+    assert deduplicated and int(deduplicated.group(1)) >= 1, out.stdout
+    assert "Connection dropped" not in out.stdout + out.stderr  # its own session ended before ZooKeeper
     # The timeline is in time order, although many processes write its history at once.
     times = [float(m.group(1)) for m in re.finditer(r"^ +(\d+\.\d\d)s  ", out.stdout, re.MULTILINE)]
     assert len(times) > 20 and times == sorted(times), times
