@@ -491,9 +491,15 @@ def _on_state(task: Task, guard: Optional[BodyGuard], lock: Lock, state: str) ->
 MARKER_HEADER = "zklock_marker"
 
 
+def _spec_of(task: Any) -> Optional[LockSpec]:
+    """A task's lock options (None: not a locked task, or its options are wrong)."""
+    if isinstance(task, ZkLockedTask):
+        return task._zklock_spec
+    return getattr(getattr(task, "run", None), "__zklock_spec__", None)
+
+
 def _dedupe_spec(task: Any) -> Optional[LockSpec]:
-    spec = task._zklock_spec if isinstance(task, ZkLockedTask) else getattr(
-        getattr(task, "run", None), "__zklock_spec__", None)
+    spec = _spec_of(task)
     return spec if spec is not None and spec.dedupe is not None else None
 
 
@@ -564,14 +570,16 @@ def _marker_of(request: Any) -> Optional[str]:
     return marker if isinstance(marker, str) else None
 
 
-def _release_marker(task: Any, path: str) -> None:
-    """Give back the marker of the copy ``task`` runs; a failure only lets the marker expire."""
+def _release_marker(task: Any, path: str, task_id: Optional[str] = None) -> None:
+    """Give back the marker of copy ``task_id`` (the running one by default). A failure is
+    only logged: the task must not fail for it, and the marker expires by itself."""
+    task_id = task_id or task.request.id
     settings = settings_of(task.app)
     try:
-        release(session_for(settings), path, task.request.id, settings.connect_timeout)
-    except Exception as exc:  # noqa: BLE001 - the body must not fail for it; the marker expires
+        release(session_for(settings), path, task_id, settings.connect_timeout)
+    except Exception as exc:
         logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); it expires by itself",
-                       task.name, task.request.id, path, exc)
+                       task.name, task_id, path, exc)
 
 
 @task_revoked.connect(weak=False)
@@ -579,13 +587,7 @@ def _revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     """A revoked (or expired) copy never runs: its marker goes now, not at its expiry."""
     marker = _marker_of(request) if request is not None and _dedupe_spec(sender) is not None else None
     if marker is not None:
-        task = sender
-        settings = settings_of(task.app)
-        try:
-            release(session_for(settings), marker, request.id, settings.connect_timeout)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("task %s[%s] revoked: could not remove its dedupe marker %s (%s)", task.name,
-                           request.id, marker, exc)
+        _release_marker(sender, marker, request.id)
 
 
 wrap_apply_async(_publish)
@@ -692,15 +694,11 @@ def _tell_about_readable_arguments(sender: Any = None, **kwargs: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or settings_of(app).key_names != "readable":
         return
-    names = sorted(name for name, task in app.tasks.items() if _is_locked(task) and not _spec_of(task).parts)
+    specs = {name: _spec_of(task) for name, task in app.tasks.items()}
+    names = sorted(name for name, spec in specs.items() if spec is not None and not spec.parts)
     if names:
         logger.info("celery-zklock: %s lock on all their arguments, which ZooKeeper shows in clear as node "
                     "names; zklock_key_names='hashed' (with zklock_key_secret) hides them", ", ".join(names))
-
-
-def _spec_of(task: Any) -> LockSpec:
-    spec = task._zklock_spec if isinstance(task, ZkLockedTask) else getattr(task.run, "__zklock_spec__", None)
-    return spec or LockSpec(where="")
 
 
 @worker_process_init.connect(weak=False)
