@@ -10,18 +10,22 @@ Example::
 Module map (imports point one way: glue -> recipes -> zk -> kazoo; nothing under
 ``recipes/`` or ``zk/`` imports Celery)::
 
-    task.py, beat.py, cli.py   Celery glue: @zk_locked/ZkLockedTask, LeaderScheduler/leader_only, `celery zklock`
+    task.py, beat.py, cli.py   Celery glue: @zk_locked/ZkLockedTask (locks, dedupe), LeaderScheduler/leader_only,
+                               `celery zklock`
+    schedulers.py              leader_only redbeat and django-celery-beat schedulers, ready for -S
     api.py                     lock(app, key, ...): an app's settings, paths and holder data -> a recipe Lock
     conf.py                    every zklock_* setting, read and validated once
     keys.py                    task arguments -> lock key
-    layout.py                  every znode path; lock key <-> znode name
+    layout.py                  every znode path; lock key <-> znode name (readable or HMAC-hashed)
     recipes/lock.py            the one lock engine; exclusive, read, write, semaphore as Rule values
     recipes/election.py        leader election on that engine, as an explicit state machine
+    recipes/marker.py          one dedupe marker per key: atomic create, versioned take-over and delete
     zk/session.py              the kazoo client and one session per process (fork-safe)
     zk/clock.py                LivenessClock: when a session's nodes count as lost (pure)
-    zk/nodes.py                persistent paths, key containers, deferred deletes
+    zk/nodes.py                persistent paths, key containers, deferred deletes, the root's key-name scheme
+    zk/probe.py                a four-letter word on a bare socket: is an address ZooKeeper at all?
     private.py                 the only module that touches kazoo's or Celery's private names
-    interrupt.py, signals.py   LockLost inside a running body; the four lock signals
+    interrupt.py, signals.py   LockLost inside a running body; the lock and dedupe signals
     testing.py, pytest.py      a real ZooKeeper server, history checks, and the opt-in pytest plugin
 """
 
