@@ -54,7 +54,8 @@ def test_one_beat_dispatches_and_a_killed_leader_hands_over_within_the_session_t
         [leader_pid] = {d["pid"] for d in sent(redis_server.url, queue)}  # exactly one dispatcher
         leader = next(b for b in beats if b.pid == leader_pid)
         standby = next(b for b in beats if b is not leader)
-        wait_until(lambda: "standby; the leader is" in standby.log_text(), timeout=30)
+        # (Not its "standby" log line: a standby that queued before the leader's node existed
+        # has no leader to name, and says nothing. The dispatches are the evidence.)
 
         leader.signal(signal.SIGKILL)
         killed = time.time()
