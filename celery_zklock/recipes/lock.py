@@ -38,7 +38,7 @@ from kazoo.protocol.states import EventType
 
 from ..exceptions import ConfigurationError, LockLost, LockNotAcquired
 from ..zk import Session, SessionState
-from ..zk.nodes import refused
+from ..zk.nodes import refused, remaining
 
 __all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule", "check_timeout",
            "contender", "semaphore", "sequence", "split_queue", "to_the_end"]
@@ -387,7 +387,7 @@ class Lock:
                 return False
             self._event.clear()
             if not self._watch(decision, deadline):
-                if not self._event.wait(_remaining(deadline)):
+                if not self._event.wait(remaining(deadline)):
                     return False
             if self._cancelled:
                 return False
@@ -424,10 +424,10 @@ class Lock:
                 # The key's node was reaped (it is a container) between uses, or its whole
                 # tree deleted: make them again. Back off, in case it keeps vanishing.
                 self.session.nodes.container_gone(self.path)
-            remaining = _remaining(deadline)
-            if self._cancelled or (remaining is not None and remaining <= 0):
+            left = remaining(deadline)
+            if self._cancelled or (left is not None and left <= 0):
                 raise _TimedOut()
-            self._event.wait(backoff if remaining is None else min(backoff, remaining))  # cancel() sets it
+            self._event.wait(backoff if left is None else min(backoff, left))  # cancel() sets it
             backoff = min(backoff * 2, 1.0)
 
     def _create_node(self, deadline: Optional[float]) -> List[str]:
@@ -436,7 +436,7 @@ class Lock:
         # Speed-up 1: the key's container is created only when this session has not
         # used it lately. If the server reaped it since, our create fails with
         # NoNode and _enter makes it again: never a wrong answer, one retry.
-        container = self.session.nodes.ensure_container(self.path, _remaining(deadline), self.rule.key_data)
+        container = self.session.nodes.ensure_container(self.path, remaining(deadline), self.rule.key_data)
         # A semaphore's limit lives in its key's node, written by whoever made it: read it
         # (pipelined) the first time this session uses the key, and refuse a different one.
         stored = client.get_async(self.path) if container is not None and self.rule.key_data else None
@@ -519,10 +519,10 @@ class Lock:
             if self.session.client.connected:
                 return True
             self._event.clear()
-            remaining = _remaining(deadline)
-            if remaining is not None and remaining <= 0:
+            left = remaining(deadline)
+            if left is not None and left <= 0:
                 return False
-            self._event.wait(0.1 if remaining is None else min(remaining, 0.1))
+            self._event.wait(0.1 if left is None else min(left, 0.1))
         return False
 
     def _watch_own_node(self) -> None:
@@ -642,13 +642,9 @@ def check_timeout(timeout: Optional[float]) -> Optional[float]:
     return float(timeout)
 
 
-def _remaining(deadline: Optional[float]) -> Optional[float]:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
 def _wait(result: Any, deadline: Optional[float]) -> Any:
     try:
-        return result.get(timeout=_remaining(deadline))
+        return result.get(timeout=remaining(deadline))
     except KazooTimeoutError:
         raise _TimedOut() from None
 

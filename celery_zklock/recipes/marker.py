@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
-from ..zk import Session
+from ..zk import Session, remaining
 
 __all__ = ["claim", "live", "read_marker", "release"]
 
@@ -64,12 +64,12 @@ def claim(session: Session, path: str, data: Dict[str, Any],
     raw = json.dumps(data).encode()
     for _ in range(5):
         try:
-            client.create_async(path, raw).get(timeout=_left(deadline))
+            client.create_async(path, raw).get(timeout=remaining(deadline))
             return None, 0
         except NodeExistsError:
             pass
         try:
-            current, stat = client.get_async(path).get(timeout=_left(deadline))
+            current, stat = client.get_async(path).get(timeout=remaining(deadline))
         except NoNodeError:
             continue  # its copy started meanwhile: create again
         marker = read_marker(current)
@@ -77,7 +77,7 @@ def claim(session: Session, path: str, data: Dict[str, Any],
             return marker, -1
         try:
             # Its copy's message is presumed lost: take the node over, version-checked.
-            client.set_async(path, raw, version=stat.version).get(timeout=_left(deadline))
+            client.set_async(path, raw, version=stat.version).get(timeout=remaining(deadline))
             return None, stat.version + 1
         except (BadVersionError, NoNodeError):
             continue  # someone else took it over or it went: look again
@@ -89,18 +89,14 @@ def release(session: Session, path: str, task_id: str, timeout: Optional[float] 
     client = session.client
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        current, stat = client.get_async(path).get(timeout=_left(deadline))
+        current, stat = client.get_async(path).get(timeout=remaining(deadline))
     except NoNodeError:
         return False
     marker = read_marker(current)
     if marker is None or marker["task_id"] != task_id:
         return False  # a newer copy's marker: not ours to delete
     try:
-        client.delete_async(path, version=stat.version).get(timeout=_left(deadline))
+        client.delete_async(path, version=stat.version).get(timeout=remaining(deadline))
         return True
     except (BadVersionError, NoNodeError):
         return False  # taken over or deleted since we read it: not ours any more
-
-
-def _left(deadline: Optional[float]) -> Optional[float]:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -6,8 +6,8 @@
 """
 
 from .clock import Liveness, LivenessClock
-from .nodes import Nodes, check_acl
+from .nodes import Nodes, check_acl, remaining
 from .session import Session, SessionState, acl_for, close_sessions, session_for
 
 __all__ = ["Liveness", "LivenessClock", "Nodes", "Session", "SessionState", "acl_for", "check_acl",
-           "close_sessions", "session_for"]
+           "close_sessions", "remaining", "session_for"]

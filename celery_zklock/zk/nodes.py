@@ -26,7 +26,7 @@ from kazoo.security import ACL, Permissions
 from ..exceptions import ConfigurationError
 from ..private import create_container_async
 
-__all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused"]
+__all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused", "remaining"]
 
 #: Key containers remembered per session; older ones are simply created again.
 MAX_KNOWN_CONTAINERS = 4096
@@ -69,7 +69,7 @@ class Nodes:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.ensure_path(self.root, timeout)
         for _ in range(3):
-            raw, stat = client.get_async(self.root).get(timeout=_remaining(deadline))
+            raw, stat = client.get_async(self.root).get(timeout=remaining(deadline))
             recorded = _scheme_of(raw)
             if recorded == scheme:
                 break
@@ -85,7 +85,7 @@ class Nodes:
                         "the new ones")
             try:
                 client.set_async(self.root, json.dumps({"key_names": scheme}).encode(),
-                                 version=stat.version).get(timeout=_remaining(deadline))
+                                 version=stat.version).get(timeout=remaining(deadline))
                 break
             except BadVersionError:
                 continue  # someone else wrote it meanwhile: read it again
@@ -97,13 +97,13 @@ class Nodes:
         for tree in trees:
             base = f"{self.root}/{tree}"
             try:
-                names = client.get_children_async(base).get(timeout=_remaining(deadline))
+                names = client.get_children_async(base).get(timeout=remaining(deadline))
             except NoNodeError:
                 continue
             pending = [(name, client.get_children_async(f"{base}/{name}")) for name in names]
             for name, result in pending:
                 try:
-                    if result.get(timeout=_remaining(deadline)):
+                    if result.get(timeout=remaining(deadline)):
                         return f"{base}/{name}"
                 except NoNodeError:
                     pass  # reaped while we looked
@@ -129,16 +129,16 @@ class Nodes:
         sent = [(level, client.create_async(level)) for level in levels]
         for level, result in sent:
             try:
-                result.get(timeout=_remaining(deadline))
+                result.get(timeout=remaining(deadline))
             except NodeExistsError:
                 pass
             except NoAuthError:
                 # The server checks the parent's ACL before it looks for the node itself.
-                if client.exists_async(level).get(timeout=_remaining(deadline)) is None:
+                if client.exists_async(level).get(timeout=remaining(deadline)) is None:
                     raise refused(level) from None
         if self.acl != "open":
             for level in self._levels(path):
-                check_acl(level, client.get_acls_async(level).get(timeout=_remaining(deadline))[0], self.acl)
+                check_acl(level, client.get_acls_async(level).get(timeout=remaining(deadline))[0], self.acl)
         self._ensured[path] = True
 
     def _levels(self, path: str) -> List[str]:
@@ -230,7 +230,8 @@ def _all_levels(path: str) -> List[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def _remaining(deadline: Optional[float]) -> Optional[float]:
+def remaining(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left until a ``time.monotonic()`` deadline (never negative), or None for no deadline."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
