@@ -57,7 +57,7 @@ from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_
 from .private import connect_on_app_finalize, current_app, current_task, wrap_apply_async
 from .recipes.lock import Lock, LockState
 from .recipes.marker import claim, release
-from .zk import Session, close_sessions, session_for
+from .zk import Session, close_sessions, remaining, session_for
 
 __all__ = ["OPTIONS", "SKIPPED", "LockSpec", "ZkLockedTask", "current_lock", "current_locks", "problems", "skipped",
            "zk_locked"]
@@ -150,10 +150,12 @@ def _dedupe_options(where: str, options: Dict[str, Any]) -> Dict[str, Any]:
     ttl = options.get("dedupe_ttl", DEFAULT)
     if ttl is not DEFAULT and (optional_seconds(f"{where}: dedupe_ttl", ttl) or 0) <= 0:
         raise ConfigurationError(f"{where}: dedupe_ttl must be a positive number of seconds, not {ttl!r}")
-    extra = {"on_duplicate": choice(f"{where}: on_duplicate", options.get("on_duplicate", "return"),
-                                    DUPLICATE_POLICIES),
+    extra = {"on_duplicate": choice(f"{where}: on_duplicate",
+                                    options.get("on_duplicate", _DEDUPE_DEFAULTS["on_duplicate"]), DUPLICATE_POLICIES),
              "dedupe_on_unavailable": choice(f"{where}: dedupe_on_unavailable",
-                                             options.get("dedupe_on_unavailable", "fail"), UNAVAILABLE_POLICIES)}
+                                             options.get("dedupe_on_unavailable",
+                                                         _DEDUPE_DEFAULTS["dedupe_on_unavailable"]),
+                                             UNAVAILABLE_POLICIES)}
     if dedupe is None:
         given = [name for name, default in _DEDUPE_DEFAULTS.items() if options.get(name, default) != default]
         if given:
@@ -362,9 +364,8 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
     try:
         for one in locks:
             wait = policy == "wait"
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             held.append(one)
-            if one.acquire(blocking=wait, timeout=remaining):
+            if one.acquire(blocking=wait, timeout=remaining(deadline)):
                 signals.lock_acquired.send(sender=task, lock=one)
                 continue
             held.pop()
@@ -424,8 +425,7 @@ def _contended(task: Task, spec: LockSpec, policy: str, timeout: Optional[float]
     signals.lock_contended.send(sender=task, lock=lock, policy=policy)
     where = f"task {task.name}"
     if policy == "skip":
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        holders = [_holder(data) for data in lock.holders(timeout=remaining)]
+        holders = [_holder(data) for data in lock.holders(timeout=remaining(deadline))]
         logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.label, lock.mode,
                     "; ".join(_describe(h) for h in holders) or "another contender (it has just let go)")
         return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders}}
@@ -507,10 +507,11 @@ def _publish(task: Task, original: Callable[..., Any], args: Any, kwargs: Any, o
     """``Task.apply_async`` for every task: a dedupe task publishes only if no copy with its key
     is queued (or running); any other task is published as it is."""
     spec = _dedupe_spec(task)
+    if spec is None:
+        return original(task, args, kwargs, **options)  # every other task pays only the lookup above
     running = current_task()
-    if spec is None or (running is not None and options.get("task_id") == running.request.id):
-        # Not a dedupe task; or a retry, which is the same copy and keeps its marker.
-        return original(task, args, kwargs, **options)
+    if running is not None and options.get("task_id") == running.request.id:
+        return original(task, args, kwargs, **options)  # a retry: the same copy, it keeps its marker
     app = task.app
     where = f"task {task.name}"
     args, kwargs = tuple(args or ()), dict(kwargs or {})
