@@ -2,13 +2,16 @@
 
 import logging
 import os
+import time
 
 import redis
 from celery import Celery
 from celery.signals import after_setup_logger
 from kazoo.client import KazooClient
+from kazoo.handlers.threading import SequentialThreadingHandler
 
 from celery_zklock import zk_locked
+from celery_zklock.zk import green
 
 app = Celery("bench_app")
 app.conf.update(
@@ -34,34 +37,36 @@ def _client(kind: str):
         if kind == "redis":
             _clients[pid_kind] = redis.Redis.from_url(app.conf.broker_url)
         else:
-            zk = KazooClient(hosts=app.conf.zklock_hosts)
+            zk = KazooClient(hosts=app.conf.zklock_hosts, handler=green.handler(SequentialThreadingHandler))
             zk.start()
             _clients[pid_kind] = zk
     return _clients[pid_kind]
 
 
-def done(counter: str) -> None:
+def done(counter: str, pause: float) -> None:
+    if pause:
+        time.sleep(pause)  # under -P gevent, a gevent.sleep: the I/O a green fleet waits on
     _client("redis").incr(counter)
 
 
 @app.task
-def unlocked(i, counter):
-    done(counter)
+def unlocked(i, counter, pause=0.0):
+    done(counter, pause)
 
 
 @app.task
 @zk_locked(key="distinct:{i}")
-def locked_distinct(i, counter):
-    done(counter)
+def locked_distinct(i, counter, pause=0.0):
+    done(counter, pause)
 
 
 @app.task
 @zk_locked(key="hot:{hot}")
-def locked_hot(i, hot, counter):
-    done(counter)
+def locked_hot(i, hot, counter, pause=0.0):
+    done(counter, pause)
 
 
 @app.task
-def kazoo_lock_in_body(i, counter):
+def kazoo_lock_in_body(i, counter, pause=0.0):
     with _client("kazoo").Lock(f"/bench/kazoo/{i}"):
-        done(counter)
+        done(counter, pause)

@@ -14,13 +14,12 @@ import socket
 from typing import Any, Callable, Dict, Optional
 
 from kazoo.exceptions import KazooException
-from kazoo.handlers.threading import KazooTimeoutError
 
 from .conf import Settings
 from .exceptions import ZooKeeperUnavailable
 from .layout import LOCK_TREES, Layout, check_key
 from .recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
-from .zk import Session, session_for
+from .zk import Session, session_for, timeouts
 
 __all__ = ["MODES", "claim_scheme", "holder_data", "layout_of", "lock", "lock_path", "rule_for", "settings_of"]
 
@@ -77,7 +76,7 @@ def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
     """Check (once per session) that the root names keys as ``layout`` does: see Nodes.claim_scheme."""
     try:
         session.nodes.claim_scheme(layout.scheme, LOCK_TREES, timeout)
-    except (KazooException, KazooTimeoutError) as exc:
+    except (KazooException, *timeouts()) as exc:
         raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root} within "
                                    f"zklock_connect_timeout={timeout:g}s: {type(exc).__name__}") from None
 

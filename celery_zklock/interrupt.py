@@ -4,7 +4,9 @@ A body in the main thread (prefork child, solo pool) gets a signal, whose
 handler raises: like Celery's soft time limit, this also interrupts a
 blocking ``time.sleep`` or socket read. A body in another thread (threads
 pool) gets an asynchronous exception, raised when that thread next runs
-Python code: a blocking C call in progress finishes first.
+Python code: a blocking C call in progress finishes first. A body in a
+greenlet (gevent and eventlet pools) gets the exception thrown into it by
+the hub, where it waits: a signal would land in whichever greenlet runs.
 
 Example::
 
@@ -23,6 +25,7 @@ from types import FrameType
 from typing import Any, Optional, Type
 
 from .exceptions import LockLost
+from .zk import green
 
 __all__ = ["INTERRUPT_SIGNAL", "BodyGuard", "LockLostInterrupt"]
 
@@ -66,7 +69,12 @@ class BodyGuard:
 
     def __init__(self) -> None:
         self.thread_id = threading.get_ident()
-        self.in_main_thread = threading.current_thread() is threading.main_thread()
+        self.greenlet: Any = None
+        if green.library() is not None:
+            import greenlet
+
+            self.greenlet = greenlet.getcurrent()
+        self.in_main_thread = self.greenlet is None and threading.current_thread() is threading.main_thread()
         self._running = False
         self._sent = False
         self._delivered = False
@@ -86,7 +94,7 @@ class BodyGuard:
         global _main_guard
         with self._lock:
             self._running = False
-            if self._sent and not self.in_main_thread:
+            if self._sent and self.greenlet is None and not self.in_main_thread:
                 # Withdraw an exception not yet raised: it must not escape into worker code.
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
         if self.in_main_thread:
@@ -103,8 +111,16 @@ class BodyGuard:
                 return False
             self._sent = True
             self._exception = exception
-            if self.in_main_thread:
+            if self.greenlet is not None:
+                green.call_soon(self._throw)
+            elif self.in_main_thread:
                 signal.pthread_kill(self.thread_id, INTERRUPT_SIGNAL)
             else:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), ctypes.py_object(exception))
             return True
+
+    def _throw(self) -> None:
+        # On the hub, between two greenlet switches: the body runs or it does not.
+        if self._running and not self._delivered:
+            self._delivered = True
+            self.greenlet.throw(self._exception())

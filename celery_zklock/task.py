@@ -20,8 +20,8 @@ import datetime
 import functools
 import json
 import logging
-import threading
 import time
+from contextvars import ContextVar
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from celery import Task
@@ -35,7 +35,6 @@ from celery.signals import (
     worker_shutdown,
 )
 from kazoo.exceptions import KazooException
-from kazoo.handlers.threading import KazooTimeoutError
 from kombu.utils.uuid import uuid
 
 from . import signals
@@ -57,7 +56,7 @@ from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_
 from .private import connect_on_app_finalize, current_app, current_task, wrap_apply_async
 from .recipes.lock import Lock, LockState
 from .recipes.marker import claim, release
-from .zk import Session, close_sessions, remaining, session_for
+from .zk import Session, close_sessions, remaining, session_for, timeouts
 
 __all__ = ["OPTIONS", "SKIPPED", "LockSpec", "ZkLockedTask", "current_lock", "current_locks", "problems", "skipped",
            "zk_locked"]
@@ -267,7 +266,17 @@ class ZkLockedTask(Task):
 
 
 # -- the one code path both forms share ---------------------------------------------------
-_local = threading.local()
+#: The locks of each running locked body, innermost last. A ContextVar, not a threading.local:
+#: each greenlet has its own context whatever was patched when, and so does each thread.
+_held: ContextVar[List[List[Lock]]] = ContextVar("celery_zklock_held")
+
+
+def _stack() -> List[List[Lock]]:
+    stack = _held.get(None)
+    if stack is None:
+        stack = []
+        _held.set(stack)
+    return stack
 
 
 def current_lock() -> Union[Lock, List[Lock], None]:
@@ -292,7 +301,7 @@ def current_locks() -> List[Lock]:
         for held in current_locks():
             held.ensure()
     """
-    stack = getattr(_local, "stack", None)
+    stack = _held.get(None)
     return list(stack[-1]) if stack else []
 
 
@@ -310,7 +319,7 @@ def _locked_call(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Seque
     if marker is not None and spec.dedupe == "queued":
         _release_marker(task, marker)  # started: the next publish queues a new copy
     held: List[Lock] = []
-    stack = _local.__dict__.setdefault("stack", [])
+    stack = _stack()
     depth = len(stack)
     finished = True
     try:
@@ -351,7 +360,7 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
         raise ZooKeeperUnavailable(f"{where}: {exc}") from None
     request = task.request
     guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
-    on_state = functools.partial(_on_state, task, guard)
+    on_state = functools.partial(_on_state, task, request.id, guard)
     locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
                   task=task.name, task_id=request.id, worker=request.hostname)
              for _, key in ordered]
@@ -360,7 +369,7 @@ def run_locked(task: Task, spec: LockSpec, fn: Callable[..., Any], args: Sequenc
         # ZooKeeper does not: not acquired, so the policy applies.
         timeout = settings.connect_timeout
     deadline = None if timeout is None else time.monotonic() + timeout
-    stack = _local.__dict__.setdefault("stack", [])
+    stack = _stack()
     try:
         for one in locks:
             wait = policy == "wait"
@@ -475,13 +484,14 @@ def _describe(holder: Dict[str, Any]) -> str:
             f"(pid {holder.get('pid')} on host {holder.get('host')})")
 
 
-def _on_state(task: Task, guard: Optional[BodyGuard], lock: Lock, state: str) -> None:
-    # Runs on kazoo's or the session watchdog's thread: never block here.
+def _on_state(task: Task, task_id: Optional[str], guard: Optional[BodyGuard], lock: Lock, state: str) -> None:
+    # Runs on kazoo's or the session watchdog's thread (or greenlet): never block here, and
+    # never read task.request, which is the running thread's (or greenlet's) and not the body's.
     if state != LockState.LOST:
         return
     message = lock.lost_message()
     interrupted = guard.interrupt(f"task {task.name}: {message}") if guard is not None else False
-    logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task.request.id, message,
+    logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task_id, message,
                    "; raising LockLost in the body" if interrupted else "")
     signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted)
 
@@ -534,7 +544,7 @@ def _publish(task: Task, original: Callable[..., Any], args: Any, kwargs: Any, o
         claim_scheme(session, layout, settings.connect_timeout)
         session.nodes.ensure_path(layout.queued_tree, settings.connect_timeout)
         existing, _ = claim(session, path, data, settings.connect_timeout)
-    except (ZooKeeperUnavailable, KazooException, KazooTimeoutError) as exc:
+    except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
         if spec.dedupe_on_unavailable == "publish":
             logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
             return original(task, args, kwargs, task_id=task_id, **options)
@@ -650,11 +660,6 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
         return
     found = problems(app)
     if any(_is_locked(t) for t in app.tasks.values()):
-        pool = getattr(sender, "pool_cls", None)
-        pool_name = f"{getattr(pool, '__module__', '')}.{getattr(pool, '__name__', pool)}"
-        if "gevent" in pool_name or "eventlet" in pool_name:
-            found.append(f"the {pool_name.rsplit('.', 2)[-2]} pool is not supported: celery-zklock's session "
-                         "uses threads; run locked tasks under the prefork, threads or solo pool")
         try:
             settings = settings_of(app)
             _defaults(app)

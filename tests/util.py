@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable, List
 
+import redis
 from kazoo.exceptions import NoNodeError
+
+from tests.harness import Hold
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -22,3 +26,17 @@ def children(kazoo, path: str) -> List[str]:
         return kazoo.get_children(path)
     except NoNodeError:
         return []
+
+
+# -- the history tests.worker_app's bodies record in Redis --------------------------------
+def events(redis_url: str) -> List[dict]:
+    return [json.loads(x) for x in redis.Redis.from_url(redis_url).lrange("history", 0, -1)]
+
+
+def holds(redis_url: str) -> List[Hold]:
+    return [Hold(e["key"], e["mode"], e["token"], e["start"], e["end"], f"{e['worker']}/{e['pid']}/{e['task_id']}",
+                 e["limit"]) for e in events(redis_url) if e["event"] == "body"]
+
+
+def send(task, queue: str, *args) -> object:
+    return task.apply_async(args=args, queue=queue)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Dict
 
 import redis
 from celery import Celery, current_task
@@ -57,13 +57,30 @@ def hold(seconds: float, key: str) -> None:
     deadline = start + seconds
     while time.monotonic() < deadline:  # short sleeps: a lost lock interrupts between them
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-    note("body", key=key, mode=lock.mode, token=lock.fencing_token, start=start, end=time.monotonic())
+    note("body", key=key, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases, lock_key=lock.key,
+         start=start, end=time.monotonic())
+
+
+def hold_on_socket(seconds: float, key: str) -> None:
+    """Like hold, but the body waits on a socket: a Redis BLPOP that nobody answers."""
+    lock = current_lock()
+    start = time.monotonic()
+    history().blpop(f"nobody-pushes:{current_task.request.id}", timeout=seconds)
+    note("body", key=key, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases, lock_key=lock.key,
+         start=start, end=time.monotonic())
 
 
 @app.task(bind=True)
 @zk_locked(key="k:{key}", timeout=60)
 def exclusive(self, key: str, seconds: float) -> str:
     hold(seconds, key)
+    return key
+
+
+@app.task
+@zk_locked(key="k:{key}", timeout=60)
+def exclusive_on_socket(key: str, seconds: float) -> str:
+    hold_on_socket(seconds, key)
     return key
 
 
@@ -124,3 +141,32 @@ def by_template(email: str, card: str, seconds: float) -> None:
 @app.task
 def unlocked(x: int) -> int:
     return x * 2
+
+
+@app.task
+def ticker(seconds: float) -> int:
+    """An unlocked body that notes a tick every 0.1 s: it shows other bodies of its process run."""
+    ticks = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        note("tick")
+        ticks += 1
+        time.sleep(0.1)
+    return ticks
+
+
+@app.task
+def session_facts() -> Dict[str, Any]:
+    """The worker process's session handler, and its OS threads besides the main one and
+    the green library's own pool (gevent resolves host names in a thread pool)."""
+    import sys
+
+    from celery_zklock.api import settings_of
+    from celery_zklock.zk import session_for
+
+    handler = session_for(settings_of(app)).client.handler
+    threads = len(os.listdir("/proc/self/task"))
+    gevent = sys.modules.get("gevent")
+    pool = getattr(gevent.get_hub(), "_threadpool", None) if gevent else None
+    return {"handler": type(handler).__name__, "os_threads": threads,
+            "others": threads - 1 - (0 if pool is None else pool.size)}

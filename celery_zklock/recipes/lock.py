@@ -33,11 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionExpiredError
-from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import EventType
 
 from ..exceptions import ConfigurationError, LockLost, LockNotAcquired
-from ..zk import Session, SessionState
+from ..zk import Session, SessionState, timeouts
 from ..zk.nodes import refused, remaining
 
 __all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule", "check_timeout",
@@ -364,7 +363,9 @@ class Lock:
                 # by its uuid prefix before it ever creates a second one.
                 if not self._wait_connected(deadline):
                     return False
-            except (_TimedOut, KazooTimeoutError):  # the latter from a path made within our deadline
+            except _TimedOut:
+                return False
+            except timeouts():  # from a path made within our deadline
                 return False
 
     def _contend(self, blocking: bool, deadline: Optional[float]) -> bool:
@@ -645,7 +646,7 @@ def check_timeout(timeout: Optional[float]) -> Optional[float]:
 def _wait(result: Any, deadline: Optional[float]) -> Any:
     try:
         return result.get(timeout=remaining(deadline))
-    except KazooTimeoutError:
+    except timeouts():
         raise _TimedOut() from None
 
 

@@ -18,14 +18,14 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from kazoo.client import KazooClient
-from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.serialization import Auth
 from kazoo.protocol.states import KazooState
 from kazoo.security import ACL, CREATOR_ALL_ACL, READ_ACL_UNSAFE
 
 from ..conf import Settings
-from ..exceptions import ZooKeeperUnavailable
+from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from ..private import PollHandler, on_negotiated_timeout
+from . import green
 from .clock import Liveness, LivenessClock
 from .nodes import Nodes
 
@@ -93,9 +93,10 @@ class Session:
 
     def start(self) -> Session:
         s = self.settings
+        handler = green.handler(PollHandler)
         client = KazooClient(
             hosts=s.hosts,
-            handler=PollHandler(),
+            handler=handler,
             timeout=s.session_timeout,
             auth_data=[("digest", f"{s.auth[0]}:{s.auth[1]}")] if s.auth else None,
             default_acl=acl_for(s),
@@ -105,14 +106,15 @@ class Session:
             keyfile=s.keyfile,
             verify_certs=s.verify_certs,
             # kazoo retries a broken connection forever, which is what a worker wants.
-            connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2},
+            connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2,
+                              "sleep_func": handler.sleep_func},
         )
         on_negotiated_timeout(client, self._on_negotiated)
         client.add_listener(self._on_kazoo_state)
         self._client = client
         try:
             client.start(timeout=s.connect_timeout)
-        except KazooTimeoutError:
+        except green.timeouts():
             self._client = None
             client.stop()
             client.close()
@@ -338,6 +340,8 @@ def _watchdog_loop(ref: weakref.ref[Session]) -> None:
 # -- one session per process ------------------------------------------------------
 _sessions: Dict[Tuple[int, Settings], Session] = {}
 _sessions_lock = threading.Lock()
+#: The locks above (and the log filter's) are real ones if threading was patched after this import.
+_green_at_import = green.library()
 
 
 def session_for(settings: Settings) -> Session:
@@ -353,9 +357,18 @@ def session_for(settings: Settings) -> Session:
     with _sessions_lock:
         session = _sessions.get(key)
         if session is None or not session.started:
+            _check_patched_in_order()
             session = Session(settings).start()
             _sessions[key] = session
         return session
+
+
+def _check_patched_in_order() -> None:
+    if green.library() != _green_at_import:
+        raise ConfigurationError(
+            f"{green.library()} monkey-patched this process after celery_zklock was imported: patch "
+            "first, before importing celery_zklock or the Celery app (Celery's -P gevent and -P "
+            "eventlet do), or one greenlet waiting for a lock would block all the others")
 
 
 def close_sessions() -> None:

@@ -14,7 +14,6 @@ import redis
 
 from tests import worker_app
 from tests.harness import CeleryBeat, CeleryWorker, free_port
-from tests.integration.test_workers import env, queue  # noqa: F401  (fixtures)
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow

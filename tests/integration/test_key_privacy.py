@@ -21,8 +21,7 @@ import celery_zklock
 from celery_zklock.testing import SLF4J_SIMPLE_JAR, find_zookeeper_jar
 from tests import worker_app
 from tests.harness import CeleryWorker, violations
-from tests.integration.test_workers import env, events, holds, queue, send, workers  # noqa: F401  (fixtures)
-from tests.util import wait_until
+from tests.util import events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
 SECRET = "tests-key-secret-0123456789"

@@ -5,66 +5,18 @@ Every test records each body in Redis and checks the whole history.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import uuid
-from typing import Dict, Iterator, List
 
 import pytest
-import redis
 
 from celery_zklock import skipped
 from tests import worker_app
-from tests.harness import CeleryWorker, Hold, TcpProxy, free_port, max_concurrency, violations
-from tests.util import children, wait_until
+from tests.harness import CeleryWorker, TcpProxy, free_port, max_concurrency, violations
+from tests.util import children, events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def queue() -> str:
-    return f"q-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def env(redis_server, zk_server, zk_root, queue) -> Dict[str, str]:
-    redis.Redis.from_url(redis_server.url).delete("history")
-    worker_app.app.conf.update(broker_url=redis_server.url, result_backend=redis_server.url,
-                               zklock_hosts=zk_server.hosts, zklock_root=zk_root)
-    return {"ZKT_BROKER": redis_server.url, "ZKT_HOSTS": zk_server.hosts, "ZKT_ROOT": zk_root,
-            "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": "4", "PYTHONPATH": os.getcwd()}
-
-
-@pytest.fixture
-def workers(env) -> Iterator:
-    started: List[CeleryWorker] = []
-
-    def start(name: str, pool: str = "prefork", concurrency: int = 2, queue: str = "", **overrides: str
-              ) -> CeleryWorker:
-        worker = CeleryWorker("tests.worker_app", name=name, pool=pool, concurrency=concurrency,
-                              env={**env, **overrides}, extra_args=["-Q", queue or env["ZKT_QUEUE"]])
-        started.append(worker)
-        return worker.start()
-
-    yield start
-    for w in started:
-        w.stop(timeout=20)
-        w.close()
-
-
-def events(redis_url: str) -> List[dict]:
-    return [json.loads(x) for x in redis.Redis.from_url(redis_url).lrange("history", 0, -1)]
-
-
-def holds(redis_url: str) -> List[Hold]:
-    return [Hold(e["key"], e["mode"], e["token"], e["start"], e["end"], f"{e['worker']}/{e['pid']}")
-            for e in events(redis_url) if e["event"] == "body"]
-
-
-def send(task, queue: str, *args) -> object:
-    return task.apply_async(args=args, queue=queue)
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])

@@ -162,27 +162,6 @@ def test_task_defaults_settings():
         TaskDefaults.from_conf({"zklock_default_timeout": "10"})
 
 
-def test_gevent_and_eventlet_pools_are_refused_for_locked_tasks(caplog):
-    from celery_zklock.task import _validate
-
-    app = Celery("green", set_as_current=False)
-
-    @app.task(shared=False)
-    @zk_locked(key="k:{x}")
-    def locked(x):
-        pass
-
-    app.finalize()
-    for module in ("celery.concurrency.gevent", "celery.concurrency.eventlet"):
-        pool = type("TaskPool", (), {"__module__": module})
-        worker = type("Worker", (), {"app": app, "pool_cls": pool})()
-        with pytest.raises(SystemExit):
-            _validate(sender=worker)
-        assert f"the {module.rsplit('.', 1)[1]} pool is not supported" in caplog.text
-    prefork = type("TaskPool", (), {"__module__": "celery.concurrency.prefork"})
-    _validate(sender=type("Worker", (), {"app": app, "pool_cls": prefork})())  # starts
-
-
 class Opaque:
     def __init__(self, id):
         self.id = id
