@@ -14,7 +14,7 @@ from typing import Any, Dict
 import redis
 from celery import Celery, current_task
 
-from celery_zklock import LockLost, ZkLockedTask, current_lock, zk_locked
+from celery_zklock import LockLost, ZkLockedTask, current_lock, current_locks, zk_locked
 
 app = Celery("worker_app")
 app.conf.update(
@@ -106,6 +106,41 @@ def skipping(key: str, seconds: float) -> str:
 def retrying(self, key: str, seconds: float) -> str:
     hold(seconds, key)
     return "ran"
+
+
+@app.task
+@zk_locked(key="k:{key}", on_contention="raise")
+def raising(key: str, seconds: float) -> str:
+    hold(seconds, key)
+    return "ran"
+
+
+@app.task
+@zk_locked(key=["k:{src}", "k:{dst}"], timeout=60)
+def transfer(src: str, dst: str, seconds: float) -> None:
+    """Two locks, taken in one global order whichever way round the keys come."""
+    start = time.monotonic()
+    time.sleep(seconds)
+    end = time.monotonic()
+    for held in current_locks():
+        note("body", key=held.key.split(":", 1)[1], mode=held.mode, token=held.fencing_token, limit=1,
+             lock_key=held.key, start=start, end=end)
+
+
+@app.task
+@zk_locked(key="k:{key}", timeout=60, on_lock_lost="flag")
+def flagged_body(key: str, seconds: float) -> str:
+    """Not interrupted when its lock is lost: it sees is_held go False, notes when, and runs on."""
+    note("started", key=key, token=current_lock().fencing_token)
+    deadline = time.monotonic() + seconds
+    flagged = False
+    while time.monotonic() < deadline:
+        if not flagged and not current_lock().is_held:
+            flagged = True
+            note("flagged", key=key)
+        time.sleep(0.05)
+    note("finished", key=key)
+    return "finished"
 
 
 @app.task(bind=True)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from celery_zklock import skipped
 from tests import worker_app
 from tests.harness import TcpProxy, max_concurrency, violations
 from tests.util import children, events, holds, send, wait_until
@@ -64,29 +65,66 @@ def test_fifty_greenlets_keep_every_mode_exclusive(pool, workers, queue, redis_s
 
 
 @pytest.mark.parametrize("pool", GREEN_POOLS)
+def test_every_policy_and_multi_key_locks_across_two_green_workers(pool, workers, queue, redis_server):
+    workers("w1", pool, concurrency=25)
+    workers("w2", pool, concurrency=25)
+    pairs = [("m0", "m1"), ("m1", "m0"), ("m1", "m2"), ("m2", "m0"), ("m0", "m2"), ("m2", "m1")]
+    transfers = [worker_app.transfer.apply_async(args=(*pairs[i % 6], 0.05), queue=queue) for i in range(36)]
+    by_policy = {name: [send(getattr(worker_app, name), queue, key, 0.2) for _ in range(12)]
+                 for name, key in (("skipping", "p0"), ("retrying", "p1"), ("raising", "p2"))}
+    for result in transfers:  # no deadlock: both orders of each pair finish
+        result.get(timeout=120)
+    outcomes = {name: [_outcome(r) for r in results] for name, results in by_policy.items()}
+    history = holds(redis_server.url)
+    assert violations(history) == []
+    ran = collections.Counter(h.key for h in history)
+    assert sum(ran[k] for k in ("m0", "m1", "m2")) == 2 * len(transfers)
+    assert outcomes["retrying"] == ["ran"] * 12 and ran["p1"] == 12  # each once
+    assert outcomes["skipping"].count("ran") == ran["p0"] >= 1
+    assert set(outcomes["skipping"]) <= {"ran", "skipped"}
+    assert outcomes["raising"].count("ran") == ran["p2"] >= 1
+    assert set(outcomes["raising"]) <= {"ran", "LockNotAcquired"}
+    print(f"{pool}: {dict((name, collections.Counter(o)) for name, o in outcomes.items())}")
+
+
+def _outcome(result) -> str:
+    try:
+        value = result.get(timeout=120)
+    except Exception as exc:
+        return type(exc).__name__
+    return "skipped" if skipped(value) else value
+
+
+@pytest.mark.parametrize("pool", GREEN_POOLS)
 def test_a_partition_interrupts_each_holding_greenlet_and_no_other(pool, workers, queue, redis_server, zk_server):
     keys = [f"cut{i}" for i in range(20)]
     with TcpProxy(zk_server.port) as proxy:
         workers("w1", pool, concurrency=25, ZKT_HOSTS=proxy.hosts)
         held = {key: send(worker_app.long_body, queue, key, 60) for key in keys}
-        wait_until(lambda: sum(e["event"] == "started" for e in events(redis_server.url)) == len(keys), timeout=60)
+        flagged = send(worker_app.flagged_body, queue, "flag0", 12)
+        wait_until(lambda: sum(e["event"] == "started" for e in events(redis_server.url)) == len(keys) + 1,
+                   timeout=60)
         ticker = send(worker_app.ticker, queue, 12)
         wait_until(lambda: any(e["event"] == "tick" for e in events(redis_server.url)), timeout=30)
         proxy.mode = "blackhole"  # w1 hears nothing from ZooKeeper any more
         cut = time.monotonic()
         # Its own queue: the cut worker may have prefetched anything sent to the shared one.
         workers("w2", pool, concurrency=len(keys), queue=queue + "-w2")
-        seconds = [send(worker_app.exclusive, queue + "-w2", key, 0.01) for key in keys]
-        assert sorted(r.get(timeout=60) for r in seconds) == sorted(keys)
+        seconds = [send(worker_app.exclusive, queue + "-w2", key, 0.01) for key in [*keys, "flag0"]]
+        assert sorted(r.get(timeout=60) for r in seconds) == sorted([*keys, "flag0"])
         for key, result in held.items():
             with pytest.raises(Exception, match=rf"task tests\.worker_app\.long_body: lock 'k:{key}' \(/.*\) is lost"):
                 result.get(timeout=30)
         ticks = ticker.get(timeout=30)
+        assert flagged.get(timeout=30) == "finished"  # flag: told, not interrupted
         proxy.mode = "pass"
     history = events(redis_server.url)
     started = {e["key"]: e for e in history if e["event"] == "started"}
     lost = {e["key"]: e for e in history if e["event"] == "lock_lost"}
     assert sorted(lost) == sorted(keys)
+    flag = next(e["time"] for e in history if e["event"] == "flagged")
+    flag_next = next(e["start"] for e in history if e["event"] == "body" and e["key"] == "flag0")
+    assert cut < flag < flag_next, (flag - cut, flag_next - cut)
     for key in keys:
         # In the holder's own greenlet (its task id), after the cut, before anyone else held the key.
         assert lost[key]["task_id"] == started[key]["task_id"] == held[key].id
