@@ -55,7 +55,7 @@ def unlocked(i, counter, pause=0.0):
 
 
 @app.task
-@zk_locked(key="distinct:{i}")
+@zk_locked(key="distinct:{counter}:{i}")  # each run's keys are new, as kazoo's paths below
 def locked_distinct(i, counter, pause=0.0):
     done(counter, pause)
 
@@ -68,5 +68,5 @@ def locked_hot(i, hot, counter, pause=0.0):
 
 @app.task
 def kazoo_lock_in_body(i, counter, pause=0.0):
-    with _client("kazoo").Lock(f"/bench/kazoo/{i}"):
+    with _client("kazoo").Lock(f"/bench/kazoo/{counter}/{i}"):
         done(counter, pause)

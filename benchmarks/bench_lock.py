@@ -5,12 +5,17 @@ both alike. A release does not wait for its delete, so the honest measure is
 the time of a whole acquire+release cycle: the next acquire pays for the
 previous delete if the server has not finished it.
 
-    python benchmarks/bench_lock.py [--rounds 10] [--block 200] [--fsync]
+The CPU column is this process's CPU time (all its threads: kazoo's
+connection thread too) per cycle. With ``--pin`` the server runs on CPU 1 and
+this process on CPU 0, so the server's work never lands in it.
+
+    python benchmarks/bench_lock.py [--rounds 10] [--block 200] [--fsync] [--pin]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -33,10 +38,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block", type=int, default=200)
     parser.add_argument("--fsync", action="store_true", help="let the server fsync each write (production-like)")
+    parser.add_argument("--pin", action="store_true", help="ZooKeeper on CPU 1, this process on CPU 0")
     args = parser.parse_args()
 
     extra = {"forceSync": "yes"} if args.fsync else {}
-    with ZooKeeperServer(extra_config=extra) as zk:
+    if args.pin:
+        os.sched_setaffinity(0, {0})
+    with ZooKeeperServer(extra_config=extra, cpus="1" if args.pin else None) as zk:
         app = Celery("bench", set_as_current=False)
         app.conf.zklock_hosts = zk.hosts
         kazoo = KazooClient(hosts=zk.hosts)
@@ -77,27 +85,33 @@ def main() -> None:
             "kazoo Lock, reused": kazoo_reused,
         }
         samples: Dict[str, List[float]] = {name: [] for name in cases}
+        cpu: Dict[str, List[float]] = {name: [] for name in cases}
         for fn in cases.values():  # warm up: connections, paths, JIT of the server
             for _ in range(100):
                 fn()
         for _ in range(args.rounds):
             for name, fn in cases.items():
+                c0 = time.process_time()
                 for _ in range(args.block):
                     t0 = time.perf_counter()
                     fn()
                     samples[name].append(time.perf_counter() - t0)
+                cpu[name].append((time.process_time() - c0) / args.block)
         kazoo.stop()
         close_sessions()
 
     base = statistics.median(samples["kazoo Lock, new per use"])
-    print(f"acquire+release, uncontended, {args.rounds * args.block} cycles each, "
-          f"ZooKeeper 3.8 on loopback, forceSync={'yes' if args.fsync else 'no'}")
-    print(f"{'implementation':<28}{'median ms':>10}{'p90 ms':>9}{'vs kazoo new':>14}")
+    base_cpu = statistics.median(cpu["kazoo Lock, new per use"])
+    print(f"acquire+release, uncontended, {args.rounds * args.block} cycles each, ZooKeeper 3.8 on loopback, "
+          f"forceSync={'yes' if args.fsync else 'no'}, {'pinned to its own CPU' if args.pin else 'sharing the CPUs'}")
+    print(f"{'implementation':<28}{'median ms':>10}{'p90 ms':>9}{'vs kazoo new':>14}{'CPU ms':>9}{'vs kazoo new':>14}")
     for name, values in samples.items():
         values.sort()
         med = statistics.median(values)
         p90 = values[int(len(values) * 0.9)]
-        print(f"{name:<28}{med * 1000:>10.3f}{p90 * 1000:>9.3f}{med / base:>13.2f}x")
+        spent = statistics.median(cpu[name])
+        print(f"{name:<28}{med * 1000:>10.3f}{p90 * 1000:>9.3f}{med / base:>13.2f}x{spent * 1000:>9.3f}"
+              f"{spent / base_cpu:>13.2f}x")
 
 
 if __name__ == "__main__":

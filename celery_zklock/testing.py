@@ -185,6 +185,7 @@ class ZooKeeperServer:
         extra_config: Optional[Dict[str, str]] = None,
         jvm_flags: Sequence[str] = (),
         secure: bool = False,
+        cpus: Optional[str] = None,
     ) -> None:
         self.port = port or free_port()
         #: With ``secure``, a TLS client port as well (give the ``ssl.*`` settings in extra_config).
@@ -197,6 +198,8 @@ class ZooKeeperServer:
         self.peers = peers
         self.extra_config = dict(extra_config or {})
         self.jvm_flags = list(jvm_flags)
+        #: Pin the server to these CPUs (``taskset -c`` syntax), so a benchmark measures its client alone.
+        self.cpus = cpus
         self.log = self.dir / "server.log"
         self._process: Optional[ChildProcess] = None
 
@@ -256,6 +259,7 @@ class ZooKeeperServer:
             classpath += os.pathsep + NETTY_CODEC_JAR
         cfg = self._write_config()
         argv = [
+            *(["taskset", "-c", self.cpus] if self.cpus else []),
             java,
             "-Xmx256m",
             "-XX:+UseSerialGC",
