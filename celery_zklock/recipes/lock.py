@@ -216,6 +216,8 @@ class Lock:
         self.lost_reason = ""
         self._generation = -1
         self._prefix = ""
+        #: The node whose delete we sent (its watch event is then our own doing).
+        self._deleting: Optional[str] = None
         self._created = False
         self._cancelled = False
         self._event = threading.Event()
@@ -512,6 +514,9 @@ class Lock:
     def _delete_own_node(self) -> None:
         node = self.node
         if node is not None:
+            with self._mutex:
+                # Its watch may fire before the next line runs: our own delete is no news.
+                self._deleting = node
             self.session.nodes.delete_later(f"{self.path}/{node}")
             self.node = None  # only once the delete is sent: an interruption before it repeats the send
 
@@ -563,7 +568,8 @@ class Lock:
 
     def _node_gone(self, node: str) -> None:
         with self._mutex:
-            if node != self.node or self.state not in (LockState.HELD, LockState.IN_DOUBT):
+            if node != self.node or node == self._deleting or self.state not in (LockState.HELD,
+                                                                                   LockState.IN_DOUBT):
                 return  # our own release, or an earlier node of ours
             self.state = LockState.LOST
             self.lost_reason = f"its node {node} was deleted by someone else"
