@@ -33,7 +33,7 @@ demo: system venv
 	$(BIN)/python example_project/demo.py
 
 bench: system venv
-	$(BIN)/python benchmarks/bench_lock.py
+	$(BIN)/python benchmarks/bench_lock.py --fsync --pin
 
 chaos: system venv
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
