@@ -203,5 +203,5 @@ def session_facts() -> Dict[str, Any]:
     threads = len(os.listdir("/proc/self/task"))
     gevent = sys.modules.get("gevent")
     pool = getattr(gevent.get_hub(), "_threadpool", None) if gevent else None
-    return {"handler": type(handler).__name__, "os_threads": threads,
+    return {"handler": [kind.__name__ for kind in type(handler).__mro__], "os_threads": threads,
             "others": threads - 1 - (0 if pool is None else pool.size)}

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any, Callable, Optional, Tuple, Type
 
@@ -24,8 +25,9 @@ __all__ = ["TIMEOUTS", "call_soon", "handler", "library", "timeouts"]
 
 #: What a kazoo request's ``get(timeout)`` raises under the threading handler.
 TIMEOUTS: Tuple[Type[BaseException], ...] = (KazooTimeoutError,)
-_GREEN_HANDLERS = (("kazoo.handlers.gevent", "SequentialGeventHandler"),
-                   ("kazoo.handlers.eventlet", "SequentialEventletHandler"))
+#: Each green library's kazoo handler: (module, class).
+_HANDLERS = {"gevent": ("kazoo.handlers.gevent", "SequentialGeventHandler"),
+             "eventlet": ("kazoo.handlers.eventlet", "SequentialEventletHandler")}
 
 
 def library() -> Optional[str]:
@@ -43,19 +45,42 @@ def library() -> Optional[str]:
 def handler(threaded: Callable[[], Any]) -> Any:
     """A new kazoo handler for this process: the green library's, or ``threaded()``.
 
-    kazoo's threading handler under a patched ``threading`` would still block the hub in
-    its ``select``; the green handlers wait on the hub instead.
+    The threading handlers wait in the OS's ``poll`` or ``select``, which gevent's patch
+    removes or would have block the hub; the green handlers wait on the hub.
     """
     green = library()
+    if green is None:
+        return threaded()
     if green == "gevent":
-        from kazoo.handlers.gevent import SequentialGeventHandler
+        return _gevent_handler()
+    module, name = _HANDLERS[green]
+    return getattr(importlib.import_module(module), name)()
 
-        return SequentialGeventHandler()
-    if green == "eventlet":
-        from kazoo.handlers.eventlet import SequentialEventletHandler
 
-        return SequentialEventletHandler()
-    return threaded()
+def _gevent_handler() -> Any:
+    """kazoo's gevent handler, whose results time out the way the other handlers' do.
+
+    gevent's ``AsyncResult.get(timeout=...)`` raises a bare ``gevent.Timeout``: a
+    BaseException, and the very class of Celery's hard time limit, so no ``except``
+    could tell the two apart. Here a timed-out ``get`` raises ``KazooTimeoutError``, as
+    under the threading handler, and a Celery time limit passes through untouched.
+    """
+    import gevent
+    import gevent.event
+    from kazoo.handlers.gevent import SequentialGeventHandler
+
+    class Result(gevent.event.AsyncResult):  # type: ignore[misc]
+        def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+            if not block or timeout is None or self.ready():
+                return super().get(block, timeout)
+            with gevent.Timeout(timeout, KazooTimeoutError(f"no answer within {timeout:g}s")):
+                return super().get()
+
+    class Handler(SequentialGeventHandler):  # type: ignore[misc]
+        def async_result(self) -> Any:
+            return Result()
+
+    return Handler()
 
 
 def timeouts() -> Tuple[Type[BaseException], ...]:
@@ -65,7 +90,7 @@ def timeouts() -> Tuple[Type[BaseException], ...]:
     BaseException). Evaluated in ``except`` clauses, so it costs nothing unless one raises.
     """
     found = TIMEOUTS
-    for module, name in _GREEN_HANDLERS:
+    for module, name in _HANDLERS.values():
         loaded = sys.modules.get(module)
         if loaded is not None:
             found += (getattr(loaded, name).timeout_exception,)

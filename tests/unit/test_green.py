@@ -37,9 +37,10 @@ def test_a_patched_process_gets_its_library_s_handler(library, patch, handler):
 from celery_zklock.private import PollHandler
 from celery_zklock.zk import green
 h = green.handler(PollHandler)
-print(green.library(), type(h).__name__, h.timeout_exception in green.timeouts())
+kinds = {{c.__name__ for c in type(h).__mro__}}
+print(green.library(), "{handler}" in kinds, h.timeout_exception in green.timeouts())
 """)
-    assert out == f"{library} {handler} True"
+    assert out == f"{library} True True"
 
 
 def test_a_library_imported_but_not_patching_changes_nothing():
@@ -61,3 +62,28 @@ except Exception as exc:
 """)
     assert out.startswith("ConfigurationError gevent monkey-patched this process after celery_zklock was imported: "
                           "patch first"), out
+
+
+def test_a_gevent_request_that_times_out_raises_what_every_handler_raises():
+    """gevent's own AsyncResult raises a bare gevent.Timeout (a BaseException, and the class of
+    Celery's hard time limit). A timed-out request must be told apart from that limit."""
+    out = run("""from gevent import monkey; monkey.patch_all()
+import gevent
+from celery_zklock.private import PollHandler
+from celery_zklock.zk import green
+h = green.handler(PollHandler)
+try:
+    h.async_result().get(timeout=0.01)
+except green.timeouts() as exc:
+    print("request", type(exc).__name__)
+limit = gevent.Timeout(0.05)  # what Celery's gevent pool raises at a task's time_limit
+try:
+    with limit:
+        h.async_result().get(timeout=5)
+except gevent.Timeout as exc:
+    print("limit", exc is limit)
+ready = h.async_result()
+ready.set(7)
+print("ready", ready.get(timeout=0))
+""")
+    assert out.splitlines() == ["request KazooTimeoutError", "limit True", "ready 7"]
