@@ -164,6 +164,9 @@ def test_a_leader_that_lost_and_regained_leadership_while_asleep_reloads_the_sch
     tick_until_sent(first, 1)
     # While the first beat sleeps between ticks, leadership goes to the second and back.
     second = RecordingScheduler(app=beat_app)
+    # Queued first: a first beat that loses its node re-joins at once, and would be ahead of
+    # a second beat still starting (that schedule failed this test under Python 3.9).
+    wait_until(lambda: second.election.node_path is not None, timeout=10)
     kazoo.delete(first.election.node_path)
     assert second.election.wait_leader(10)
     tick_until_sent(second, 4)
