@@ -51,23 +51,25 @@ def note(event: str, **fields: Any) -> None:
         "task_id": request.id, **fields}))
 
 
+def note_body(lock: Any, key: str, start: float, end: float) -> None:
+    """One hold of ``lock`` (the history's Hold), and which lock current_lock() gave the body."""
+    note("body", key=key, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases, lock_key=lock.key,
+         start=start, end=end)
+
+
 def hold(seconds: float, key: str) -> None:
-    lock = current_lock()
     start = time.monotonic()
     deadline = start + seconds
     while time.monotonic() < deadline:  # short sleeps: a lost lock interrupts between them
         time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-    note("body", key=key, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases, lock_key=lock.key,
-         start=start, end=time.monotonic())
+    note_body(current_lock(), key, start, time.monotonic())
 
 
 def hold_on_socket(seconds: float, key: str) -> None:
     """Like hold, but the body waits on a socket: a Redis BLPOP that nobody answers."""
-    lock = current_lock()
     start = time.monotonic()
     history().blpop(f"nobody-pushes:{current_task.request.id}", timeout=seconds)
-    note("body", key=key, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases, lock_key=lock.key,
-         start=start, end=time.monotonic())
+    note_body(current_lock(), key, start, time.monotonic())
 
 
 @app.task(bind=True)
@@ -123,8 +125,7 @@ def transfer(src: str, dst: str, seconds: float) -> None:
     time.sleep(seconds)
     end = time.monotonic()
     for held in current_locks():
-        note("body", key=held.key.split(":", 1)[1], mode=held.mode, token=held.fencing_token, limit=1,
-             lock_key=held.key, start=start, end=end)
+        note_body(held, held.key.split(":", 1)[1], start, end)
 
 
 @app.task

@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any, Callable, Optional, Tuple, Type
 
@@ -25,7 +24,7 @@ __all__ = ["TIMEOUTS", "call_soon", "handler", "library", "timeouts"]
 
 #: What a kazoo request's ``get(timeout)`` raises under the threading handler.
 TIMEOUTS: Tuple[Type[BaseException], ...] = (KazooTimeoutError,)
-#: Each green library's kazoo handler: (module, class).
+#: Each green library's kazoo handler (module, class), for the timeouts of those loaded.
 _HANDLERS = {"gevent": ("kazoo.handlers.gevent", "SequentialGeventHandler"),
              "eventlet": ("kazoo.handlers.eventlet", "SequentialEventletHandler")}
 
@@ -49,12 +48,13 @@ def handler(threaded: Callable[[], Any]) -> Any:
     removes or would have block the hub; the green handlers wait on the hub.
     """
     green = library()
-    if green is None:
-        return threaded()
     if green == "gevent":
         return _gevent_handler()
-    module, name = _HANDLERS[green]
-    return getattr(importlib.import_module(module), name)()
+    if green == "eventlet":
+        from kazoo.handlers.eventlet import SequentialEventletHandler
+
+        return SequentialEventletHandler()
+    return threaded()
 
 
 def _gevent_handler() -> Any:
