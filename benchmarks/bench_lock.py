@@ -28,8 +28,9 @@ from celery import Celery  # noqa: E402
 from kazoo.client import KazooClient  # noqa: E402
 
 import celery_zklock  # noqa: E402
+from celery_zklock.api import settings_of  # noqa: E402
 from celery_zklock.recipes import Lock  # noqa: E402
-from celery_zklock.zk import close_sessions  # noqa: E402
+from celery_zklock.zk import Session, close_sessions  # noqa: E402
 from tests.harness import ZooKeeperServer  # noqa: E402
 
 
@@ -69,6 +70,18 @@ def main() -> None:
             lock.acquire()
             lock.release()
 
+        class KazooPath(Session):
+            # The same lock with every request going through kazoo's connection thread.
+            def client_class(self, handler: object) -> type:
+                return KazooClient
+
+        queued = KazooPath(settings_of(app)).start()
+
+        def ours_queued() -> None:
+            lock = Lock(queued, path + "-queued")
+            lock.acquire()
+            lock.release()
+
         def kazoo_new() -> None:
             lock = kazoo.Lock(path + "-kazoo")
             lock.acquire()
@@ -81,6 +94,7 @@ def main() -> None:
         cases: Dict[str, Callable[[], None]] = {
             "celery-zklock lock()": ours,
             "  without own-node watch": ours_unwatched,
+            "  on kazoo's request path": ours_queued,
             "kazoo Lock, new per use": kazoo_new,
             "kazoo Lock, reused": kazoo_reused,
         }
@@ -98,6 +112,7 @@ def main() -> None:
                     samples[name].append(time.perf_counter() - t0)
                 cpu[name].append((time.process_time() - c0) / args.block)
         kazoo.stop()
+        queued.close()
         close_sessions()
 
     base = statistics.median(samples["kazoo Lock, new per use"])

@@ -12,17 +12,24 @@ plumbing (``zk/``) can use this module without importing Celery.
 from __future__ import annotations
 
 import select
+import socket
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionDropped
 from kazoo.handlers.threading import SequentialThreadingHandler
-from kazoo.protocol.serialization import Create2
+from kazoo.protocol.connection import AUTH_XID, CLOSE_RESPONSE, ConnectionHandler
+from kazoo.protocol.serialization import Auth, Close, Create2, int_struct
+from kazoo.protocol.states import KeeperState
 from kazoo.security import OPEN_ACL_UNSAFE
 
 __all__ = [
+    "DirectClient",
     "PollHandler",
     "connect_on_app_finalize",
     "create_container_async",
+    "create_node_async",
     "current_app",
     "current_task",
     "on_negotiated_timeout",
@@ -48,6 +55,22 @@ _CONTAINER_FLAG = 4
 def create_container_async(client: KazooClient, path: str, data: bytes = b"") -> Any:
     """Send a CreateContainer for ``path`` (parents must exist); returns kazoo's async result."""
     request = _CreateContainer(client.chroot + path, data, client.default_acl or OPEN_ACL_UNSAFE, _CONTAINER_FLAG)
+    result = client.handler.async_result()
+    client._call(request, result)
+    return result
+
+
+def create_node_async(client: KazooClient, path: str, data: bytes, ephemeral: bool = False,
+                      sequence: bool = False) -> Any:
+    """Send a create2 for ``path``; the async result holds (the path as the server names it, its Stat).
+
+    kazoo's ``create_async`` sets its result from a callback thread (it converts the
+    reply there, for ``makepath``), which costs a thread hand-off per create; this
+    is the same request, answered by the connection thread itself. The path
+    returned carries the client's chroot, if any.
+    """
+    request = Create2(client.chroot + path, data, client.default_acl or OPEN_ACL_UNSAFE,
+                      (1 if ephemeral else 0) | (2 if sequence else 0))
     result = client.handler.async_result()
     client._call(request, result)
     return result
@@ -107,6 +130,141 @@ class PollHandler(SequentialThreadingHandler):
                 elif mask == select.POLLOUT and events & (select.POLLOUT | select.POLLERR):
                     writable.append(obj)
         return readable, writable, []
+
+
+class DirectClient(KazooClient):
+    """kazoo's client whose requests leave from the calling thread.
+
+    kazoo queues each request for its connection thread and wakes it through a
+    pipe: a thread hand-off and three system calls per request, most of a lock's
+    CPU. Here the calling thread writes the request to the socket itself when
+    nothing is queued ahead of it; kazoo's thread still reads every reply,
+    re-connects, authenticates and pings, and anything sent while it does goes
+    its queue as before. Replies are read in as large chunks as have arrived.
+
+    Plain TCP and the threading handler only: an SSL socket must not be written
+    by one thread while another reads it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.use_ssl:
+            raise ValueError("DirectClient does not support TLS; use KazooClient")
+        kazoos = self._connection
+        self._connection = _DirectConnection(self, kazoos.retry_sleeper, logger=kazoos.logger,
+                                             sasl_options=kazoos.sasl_options)
+
+    def _call(self, request: Any, async_object: Any) -> Any:
+        if self._connection.send_now(request, async_object):
+            return None
+        return super()._call(request, async_object)
+
+    def _session_callback(self, state: str) -> None:
+        if state != KeeperState.CONNECTED:
+            # Before kazoo fails the requests awaiting replies: none may join them after.
+            self._connection.stop_direct()
+        super()._session_callback(state)
+
+
+class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
+    _UNQUEUED = (Auth.type, Close.type)  # kazoo gives these special xids or handling in its thread
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Held around every write, so requests reach the socket whole and in xid order.
+        self._send_lock = threading.RLock()
+        self._direct = False
+        self._send_timeout = 10.0
+        self._inbox = bytearray()
+
+    def _connect(self, host: str, hostip: str, port: int) -> Any:
+        self._inbox = bytearray()
+        read_timeout, connect_timeout = super()._connect(host, hostip, port)
+        # Only now: the handshake and auth above read their replies inline, and a
+        # reply to a request sent before they finish would be read in their place.
+        with self._send_lock:
+            self._send_timeout = connect_timeout / 1000.0
+            self._direct = self.client._state == KeeperState.CONNECTED
+        return read_timeout, connect_timeout
+
+    def stop_direct(self) -> None:
+        with self._send_lock:
+            self._direct = False
+
+    def send_now(self, request: Any, async_object: Any) -> bool:
+        """Send ``request`` from this thread; False when it must go kazoo's queue instead."""
+        kind = getattr(request, "type", None)
+        if not self._direct or kind is None or kind in self._UNQUEUED:
+            return False
+        client = self.client
+        with self._send_lock:
+            if not self._direct or client._queue:  # a queued request goes first: order is per session
+                return False
+            self._xid = self._xid % 2147483647 + 1
+            client._pending.append((request, async_object, self._xid))  # first: the reply can come at once
+            try:
+                self._submit(request, self._send_timeout, self._xid)
+            except Exception:
+                # Part of it may be on the wire: the stream is no use now. kazoo's thread
+                # sees the connection end, re-connects, and fails this request (ConnectionLoss).
+                self._direct = False
+                try:
+                    self._socket.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        return True
+
+    def _send_request(self, read_timeout: float, connect_timeout: float) -> None:
+        # kazoo's, with the pending entry added before the send and the lock held:
+        # a request sent from another thread meanwhile must get the next xid.
+        with self._send_lock:
+            client = self.client
+            queued = client._queue[0] if client._queue else None
+            if queued is None or getattr(queued[0], "type", None) is None:
+                return super()._send_request(read_timeout, connect_timeout)  # nothing, or kazoo's test sentinels
+            request, async_object = queued
+            if request.type == Auth.type:
+                xid = AUTH_XID
+            else:
+                self._xid = self._xid % 2147483647 + 1
+                xid = self._xid
+            client._pending.append((request, async_object, xid))
+            try:
+                self._submit(request, connect_timeout, xid)
+            except BaseException:
+                client._pending.pop()  # still queued, as in kazoo: failed once, from there
+                raise
+            client._queue.popleft()
+            self._read_sock.recv(1)
+
+    def _write(self, msg: bytes, timeout: float) -> None:
+        with self._send_lock:  # kazoo's pings and handshake write here too
+            super()._write(msg, timeout)
+
+    def _read(self, length: int, timeout: float) -> bytes:
+        inbox = self._inbox
+        with self._socket_error_handling():
+            while len(inbox) < length:
+                try:
+                    chunk = self._socket.recv(65536)
+                except BlockingIOError:
+                    if not self.handler.select([self._socket], [], [], timeout)[0]:
+                        raise self.handler.timeout_exception("socket time-out during read") from None
+                    continue
+                if not chunk:
+                    raise ConnectionDropped("socket connection broken")
+                inbox += chunk
+        data = bytes(inbox[:length])
+        del inbox[:length]
+        return data
+
+    def _read_socket(self, read_timeout: float) -> Any:
+        # One chunk may hold several replies; the socket will not say so again.
+        while True:
+            response = super()._read_socket(read_timeout)
+            inbox = self._inbox
+            if response == CLOSE_RESPONSE or len(inbox) < 4 or len(inbox) < 4 + int_struct.unpack_from(inbox)[0]:
+                return response
 
 
 # -- Celery --------------------------------------------------------------------------------

@@ -444,9 +444,7 @@ class Lock:
         # (pipelined) the first time this session uses the key, and refuse a different one.
         stored = client.get_async(self.path) if container is not None and self.rule.key_data else None
         self._created = True
-        created = client.create_async(
-            f"{self.path}/{self._prefix}", self.data, ephemeral=True, sequence=True, include_data=True
-        )
+        created = self.session.nodes.create_contender(f"{self.path}/{self._prefix}", self.data)
         # Speed-up 2: ZooKeeper answers one session's requests in order, so a read
         # sent right behind the create sees our node and costs no round trip of its own.
         listed = client.get_children_async(self.path) if container is None else None

@@ -24,7 +24,7 @@ from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NodeE
 from kazoo.security import ACL, Permissions
 
 from ..exceptions import ConfigurationError
-from ..private import create_container_async
+from ..private import create_container_async, create_node_async
 
 __all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused", "remaining"]
 
@@ -177,6 +177,11 @@ class Nodes:
             self._containers.pop(path, None)
             self._ensured.pop(posixpath.dirname(path), None)
             self.recreated += 1
+
+    def create_contender(self, prefix: str, data: bytes) -> Any:
+        """Send the create of an EPHEMERAL_SEQUENTIAL node named ``prefix`` + its sequence number;
+        return kazoo's async result of (its path, its Stat), path under the client's chroot."""
+        return create_node_async(self._require(), prefix, data, ephemeral=True, sequence=True)
 
     # -- deletes nobody waits for ---------------------------------------------------------------
     def delete_later(self, path: str) -> None:

@@ -24,7 +24,7 @@ from kazoo.security import ACL, CREATOR_ALL_ACL, READ_ACL_UNSAFE
 
 from ..conf import Settings
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable
-from ..private import PollHandler, on_negotiated_timeout
+from ..private import DirectClient, PollHandler, on_negotiated_timeout
 from . import green
 from .clock import Liveness, LivenessClock
 from .nodes import Nodes
@@ -94,7 +94,7 @@ class Session:
     def start(self) -> Session:
         s = self.settings
         handler = green.handler(PollHandler)
-        client = KazooClient(
+        client = self.client_class(handler)(
             hosts=s.hosts,
             handler=handler,
             timeout=s.session_timeout,
@@ -130,6 +130,11 @@ class Session:
                                           name="celery-zklock-session")
         self._watchdog.start()
         return self
+
+    def client_class(self, handler: Any) -> type:
+        """The kazoo client class to use with ``handler``: requests leave from the calling thread
+        (:class:`DirectClient`) where that is safe, plain TCP under OS threads."""
+        return DirectClient if isinstance(handler, PollHandler) and not self.settings.use_ssl else KazooClient
 
     def close(self) -> None:
         """End the session now, so the server deletes its ephemeral nodes (our locks) at once."""

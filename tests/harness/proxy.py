@@ -103,6 +103,13 @@ class _Link:
     def close(self) -> None:
         for s in (self.client, self.server):
             try:
+                # A pump thread blocked in recv on the socket keeps it open past close(): only
+                # shutdown tears the connection down, so the client learns of it now, not at
+                # its next write.
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 s.close()
             except OSError:

@@ -23,9 +23,14 @@ def _is_private(name: str) -> bool:
 
 
 def names_we_define() -> Set[str]:
-    """Every private name the package itself defines (functions, classes, attributes, arguments)."""
+    """Every private name the package itself defines (functions, classes, attributes, arguments).
+
+    Not private.py's: it overrides kazoo's private methods, which stay kazoo's names.
+    """
     found: Set[str] = set()
-    for _, tree in modules():
+    for path, tree in modules():
+        if path == PRIVATE_MODULE:
+            continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 found.add(node.name)

@@ -1,0 +1,140 @@
+"""The direct request path (``private.DirectClient``): requests leave from the calling thread,
+kazoo's thread reads every reply. Each test places the schedule it is about."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Dict, Iterator, List
+
+import pytest
+from kazoo.exceptions import ConnectionLoss
+from kazoo.protocol.states import KazooState
+from kazoo.security import CREATOR_ALL_ACL, make_digest_acl
+
+from celery_zklock.private import DirectClient, PollHandler
+from tests.harness import TcpProxy
+from tests.util import wait_until
+
+
+@pytest.fixture
+def proxy(zk_server) -> Iterator[TcpProxy]:
+    with TcpProxy(zk_server.port) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def clients() -> Iterator:
+    # Request the proxy before this, where there is one: clients stop before it closes.
+    made: List[DirectClient] = []
+
+    def make(hosts: str, **kwargs: object) -> DirectClient:
+        # A long session: kazoo pings every third of it, and no test here may lean on a ping.
+        client = DirectClient(hosts=hosts, handler=PollHandler(), timeout=30, **kwargs)
+        client.start(timeout=10)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.stop()
+        client.close()
+
+
+def test_replies_reach_their_requests_under_concurrent_threads(clients, zk_server, zk_root):
+    client = clients(zk_server.hosts)
+    states: List[str] = []
+    client.add_listener(states.append)
+    session_id = client.client_id[0]
+    client.ensure_path(zk_root)
+    errors: List[BaseException] = []
+    history: Dict[int, List[bytes]] = {}
+
+    def worker(n: int) -> None:
+        path = f"{zk_root}/n{n}"
+        try:
+            client.create(path, b"0")
+            seen = history.setdefault(n, [])
+            for i in range(1, 150):
+                client.set_async(path, str(i).encode())
+                # Sent right behind the set by this thread: ZooKeeper answers a session in order.
+                seen.append(client.get_async(path).get(timeout=10)[0])
+                if i % 10 == 0:
+                    assert client.exists_async(f"{zk_root}/absent-{n}").get(timeout=10) is None
+                    created = client.create_async(f"{path}/c-", b"", ephemeral=True, sequence=True)
+                    client.delete_async(created.get(timeout=10)).get(timeout=10)
+        except BaseException as exc:  # reported below, with the others
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    # Every thread read back, in order, each value it had just set: no reply went to another request.
+    assert {n: seen for n, seen in history.items()} == {n: [str(i).encode() for i in range(1, 150)] for n in range(8)}
+    assert states == [] and client.client_id[0] == session_id, "a mismatched reply would have dropped the connection"
+
+
+def test_replies_that_arrive_together_are_all_delivered(clients, zk_server, zk_root):
+    # Pipelined replies come in one chunk; the socket never says so again, so the
+    # connection must hand out every whole reply it has read, not just the first.
+    client = clients(zk_server.hosts)
+    client.ensure_path(zk_root)
+    for _ in range(5):
+        results = [client.exists_async(zk_root) for _ in range(300)]
+        # Long before kazoo's next ping (about 10 s away), whose reply would flush a stuck one.
+        assert all(r.get(timeout=3) is not None for r in results)
+
+
+def test_a_request_queued_behind_another_is_never_sent_ahead_of_it(clients, zk_server, zk_root):
+    user, password = "alice", "secret"
+    owner = clients(zk_server.hosts, auth_data=[("digest", f"{user}:{password}")])
+    owner.create(zk_root, b"hers", acl=[make_digest_acl(user, password, all=True)])
+    client = clients(zk_server.hosts)
+    connection = client._connection
+    # Hold the send lock, so kazoo's thread cannot send the queued auth while this thread asks.
+    with connection._send_lock:
+        auth = client.add_auth_async("digest", f"{user}:{password}")  # always kazoo's queue
+        read = client.get_async(zk_root)  # must wait behind the auth, not overtake it
+        assert len(client._queue) == 2
+    assert auth.get(timeout=10) is True
+    assert read.get(timeout=10)[0] == b"hers"
+
+
+def test_nothing_is_sent_before_a_reconnect_has_authenticated(proxy, clients, zk_root):
+    user, password = "alice", "secret"
+    client = clients(proxy.hosts, auth_data=[("digest", f"{user}:{password}")])
+    client.create(zk_root, b"hers", acl=list(CREATOR_ALL_ACL))
+    answers: list = []
+
+    def on_state(state: str) -> None:
+        # Runs in kazoo's thread as it announces CONNECTED, which it does before it
+        # sends the auth: a request sent now would be read in the auth's place.
+        if state == KazooState.CONNECTED:
+            answers.append(client.get_async(zk_root))
+
+    client.add_listener(on_state)
+    proxy.reset()
+    wait_until(lambda: answers, timeout=10)
+    assert answers[0].get(timeout=10)[0] == b"hers"
+    assert client.connected and client._connection._connection_routine.is_alive()
+
+
+def test_a_send_that_fails_ends_the_connection_and_the_session_carries_on(proxy, clients, zk_root):
+    client = clients(proxy.hosts)
+    client.ensure_path(zk_root)
+    session_id = client.client_id[0]
+    connection = client._connection
+    # Hold the send lock, so kazoo's thread cannot notice the broken socket first.
+    with connection._send_lock:
+        connection._socket.shutdown(socket.SHUT_WR)  # the next write fails at once
+        failed = client.exists_async(zk_root)
+        assert not client._queue, "the request took kazoo's queue, not the direct path"
+    with pytest.raises(ConnectionLoss):
+        failed.get(timeout=10)
+    wait_until(lambda: client.connected, timeout=10)
+    assert client.client_id[0] == session_id
+    assert client.exists(zk_root) is not None
+    assert connection._connection_routine.is_alive()
