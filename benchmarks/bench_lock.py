@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -26,12 +28,77 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from celery import Celery  # noqa: E402
 from kazoo.client import KazooClient  # noqa: E402
+from kazoo.protocol.serialization import (  # noqa: E402
+    Connect,
+    Create2,
+    Delete,
+    Exists,
+    GetChildren,
+    ReplyHeader,
+    int_struct,
+)
+from kazoo.security import OPEN_ACL_UNSAFE  # noqa: E402
 
 import celery_zklock  # noqa: E402
 from celery_zklock.api import settings_of  # noqa: E402
 from celery_zklock.recipes import Lock  # noqa: E402
 from celery_zklock.zk import Session, close_sessions  # noqa: E402
 from tests.harness import ZooKeeperServer  # noqa: E402
+
+
+class RawProtocol:
+    """The floor for any Python client: one thread, one socket, kazoo's serializers and nothing
+    else (no second thread, no pings, no watch dispatch, no error handling). Not a lock to use."""
+
+    def __init__(self, hosts: str) -> None:
+        host, port = hosts.split(",")[0].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.inbox = b""
+        self.xid = 0
+        self._send_frames([Connect(0, 0, 10000, 0, b"\0" * 16, False).serialize()])
+        self._frame()
+        self.delete: object = None
+
+    def _send_frames(self, bodies: List[bytes]) -> None:
+        self.sock.sendall(b"".join(int_struct.pack(len(b)) + b for b in bodies))
+
+    def _frame(self) -> bytes:
+        while len(self.inbox) < 4 or len(self.inbox) < 4 + int_struct.unpack_from(self.inbox)[0]:
+            self.inbox += self.sock.recv(65536)
+        n = int_struct.unpack_from(self.inbox)[0]
+        frame, self.inbox = self.inbox[4:4 + n], self.inbox[4 + n:]
+        return frame
+
+    def send(self, *requests: object) -> None:
+        bodies = []
+        for r in requests:
+            self.xid += 1
+            bodies.append(int_struct.pack(self.xid) + int_struct.pack(r.type) + r.serialize())  # type: ignore[attr-defined]
+        self._send_frames(bodies)
+
+    def reply(self, request: object) -> object:
+        while True:
+            frame = self._frame()
+            header, offset = ReplyHeader.deserialize(frame, 0)
+            if header.xid >= 0:  # not a watch event
+                return request.deserialize(frame, offset) if not header.err else None  # type: ignore[attr-defined]
+
+    def lock_cycle(self, parent: str) -> None:
+        """The messages of our uncontended lock: create + children (pipelined), exists with a
+        watch on our node, and a delete sent with the next create and not waited for."""
+        create = Create2(f"{parent}/{uuid.uuid4().hex}__lock__", b"{}", OPEN_ACL_UNSAFE, 3)
+        children = GetChildren(parent, None)
+        pending = [self.delete] if self.delete is not None else []
+        self.send(*pending, create, children)
+        for request in pending:
+            self.reply(request)
+        path, _ = self.reply(create)  # type: ignore[misc]
+        self.reply(children)
+        watch = Exists(path, True)
+        self.send(watch)
+        self.reply(watch)
+        self.delete = Delete(path, -1)
 
 
 def main() -> None:
@@ -50,6 +117,7 @@ def main() -> None:
         app.conf.zklock_hosts = zk.hosts
         kazoo = KazooClient(hosts=zk.hosts)
         kazoo.start()
+        raw = RawProtocol(zk.hosts)
         path = celery_zklock.lock_path(app, "bench")
         reused = kazoo.Lock(path + "-reused")
 
@@ -91,12 +159,18 @@ def main() -> None:
             reused.acquire()
             reused.release()
 
+        kazoo.ensure_path(path + "-raw")
+
+        def raw_floor() -> None:
+            raw.lock_cycle(path + "-raw")
+
         cases: Dict[str, Callable[[], None]] = {
             "celery-zklock lock()": ours,
             "  without own-node watch": ours_unwatched,
             "  on kazoo's request path": ours_queued,
             "kazoo Lock, new per use": kazoo_new,
             "kazoo Lock, reused": kazoo_reused,
+            "raw protocol, one thread": raw_floor,
         }
         samples: Dict[str, List[float]] = {name: [] for name in cases}
         cpu: Dict[str, List[float]] = {name: [] for name in cases}

@@ -146,6 +146,8 @@ class DirectClient(KazooClient):
     by one thread while another reads it.
     """
 
+    _connection: Any
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.use_ssl:
@@ -168,6 +170,7 @@ class DirectClient(KazooClient):
 
 class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
     _UNQUEUED = (Auth.type, Close.type)  # kazoo gives these special xids or handling in its thread
+    _xid: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -200,10 +203,10 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
         with self._send_lock:
             if not self._direct or client._queue:  # a queued request goes first: order is per session
                 return False
-            self._xid = self._xid % 2147483647 + 1
-            client._pending.append((request, async_object, self._xid))  # first: the reply can come at once
+            xid = self._next_xid()
+            client._pending.append((request, async_object, xid))  # first: the reply can come at once
             try:
-                self._submit(request, self._send_timeout, self._xid)
+                self._submit(request, self._send_timeout, xid)
             except Exception:
                 # Part of it may be on the wire: the stream is no use now. kazoo's thread
                 # sees the connection end, re-connects, and fails this request (ConnectionLoss).
@@ -223,11 +226,7 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
             if queued is None or getattr(queued[0], "type", None) is None:
                 return super()._send_request(read_timeout, connect_timeout)  # nothing, or kazoo's test sentinels
             request, async_object = queued
-            if request.type == Auth.type:
-                xid = AUTH_XID
-            else:
-                self._xid = self._xid % 2147483647 + 1
-                xid = self._xid
+            xid = AUTH_XID if request.type == Auth.type else self._next_xid()
             client._pending.append((request, async_object, xid))
             try:
                 self._submit(request, connect_timeout, xid)
@@ -236,6 +235,10 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
                 raise
             client._queue.popleft()
             self._read_sock.recv(1)
+
+    def _next_xid(self) -> int:
+        self._xid = self._xid % 2147483647 + 1  # kazoo's wrap-around
+        return self._xid
 
     def _write(self, msg: bytes, timeout: float) -> None:
         with self._send_lock:  # kazoo's pings and handshake write here too

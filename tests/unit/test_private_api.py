@@ -67,3 +67,22 @@ def test_celery_state_functions():
     assert callable(_state.connect_on_app_finalize), "Celery changed celery._state.connect_on_app_finalize"
     assert private.current_task() is None  # no task runs here
     assert private.current_app() is not None
+
+
+def test_connection_internals_the_direct_request_path_leans_on():
+    # private.DirectClient re-implements _send_request and _read around these.
+    source = inspect.getsource
+    send = source(ConnectionHandler._send_request)
+    for part in ("client._queue[0]", "client._queue.popleft()", "self._read_sock.recv(1)",
+                 "client._pending.append((request, async_object, xid))", "self._submit(request"):
+        assert part in send, f"kazoo changed ConnectionHandler._send_request ({part})"
+    assert "self._read_header(" in source(ConnectionHandler._read_socket), "kazoo changed _read_socket"
+    assert "self._read(4, timeout)" in source(ConnectionHandler._read_header), "kazoo changed _read_header"
+    assert "self._write(" in source(ConnectionHandler._submit), "kazoo changed _submit"
+    assert "self._notify_pending(state)" in source(KazooClient._session_callback), \
+        "kazoo changed KazooClient._session_callback, which fails pending requests"
+    for method, params in ((ConnectionHandler._read, ["self", "length", "timeout"]),
+                           (ConnectionHandler._write, ["self", "msg", "timeout"]),
+                           (ConnectionHandler._submit, ["self", "request", "timeout", "xid"]),
+                           (KazooClient._session_callback, ["self", "state"])):
+        assert list(inspect.signature(method).parameters) == params, f"kazoo changed {method.__qualname__}"
