@@ -11,6 +11,9 @@ plumbing (``zk/``) can use this module without importing Celery.
 
 from __future__ import annotations
 
+import functools
+import logging
+import queue
 import select
 import socket
 import threading
@@ -34,6 +37,7 @@ __all__ = [
     "current_task",
     "on_negotiated_timeout",
     "peer_address",
+    "run_inline",
     "wrap_apply_async",
 ]
 
@@ -100,13 +104,58 @@ def on_negotiated_timeout(client: KazooClient, callback: Callable[[float], None]
     connection._connect = connect
 
 
+logger = logging.getLogger("celery_zklock")
+
+
+def run_inline(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a watch or ``rawlink`` callback to run in the thread that delivers it (kazoo's
+    connection thread) instead of waiting its turn on a callback thread, a hand-off
+    that costs more than a quick look. Only for a quick look that never blocks: hand
+    anything more to ``handler.dispatch_callback``. :class:`PollHandler` honours the
+    mark; other handlers queue the callback as usual.
+    """
+    func.__zklock_inline__ = True  # type: ignore[attr-defined]
+    return func
+
+
+def _inline(func: Any) -> bool:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return getattr(func, "__zklock_inline__", False)
+
+
+def _run(func: Callable[..., Any], *args: Any) -> None:
+    try:
+        func(*args)
+    except Exception:  # as kazoo's callback threads do: a callback's bug must not stop the connection
+        logger.exception("celery-zklock callback failed")
+
+
+class _InlineQueue(queue.Queue):  # type: ignore[type-arg]
+    """kazoo's completion queue: a ``rawlink`` callback marked :func:`run_inline` runs at once."""
+
+    def put(self, item: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+        if isinstance(item, functools.partial) and _inline(item.func):
+            _run(item)
+        else:
+            super().put(item, block, timeout)
+
+
 class PollHandler(SequentialThreadingHandler):
-    """kazoo's threading handler with a cheaper ``select``.
+    """kazoo's threading handler with a cheaper ``select``, which runs :func:`run_inline` callbacks in place.
 
     kazoo's own ``select`` (an internal hook of its connection loop) builds and
     closes an epoll selector on each call, about fourteen times per lock cycle;
     ``poll`` needs no setup, and has no fd limit either.
     """
+
+    queue_impl = _InlineQueue
+
+    def dispatch_callback(self, callback: Any) -> None:
+        if _inline(callback.func):
+            _run(callback.func, *callback.args)
+        else:
+            super().dispatch_callback(callback)
 
     def select(self, rlist: Any, wlist: Any, xlist: Any, timeout: Optional[float] = None) -> Any:
         if timeout is not None and timeout < 0:
@@ -199,23 +248,43 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
         kind = getattr(request, "type", None)
         if not self._direct or kind is None or kind in self._UNQUEUED:
             return False
-        client = self.client
+        body = int_struct.pack(kind) + request.serialize()  # a bad argument raises here, before anything changed
         with self._send_lock:
-            if not self._direct or client._queue:  # a queued request goes first: order is per session
+            if not self._direct or self.client._queue:  # a queued request goes first: order is per session
                 return False
-            xid = self._next_xid()
-            client._pending.append((request, async_object, xid))  # first: the reply can come at once
-            try:
-                self._submit(request, self._send_timeout, xid)
-            except Exception:
-                # Part of it may be on the wire: the stream is no use now. kazoo's thread
-                # sees the connection end, re-connects, and fails this request (ConnectionLoss).
-                self._direct = False
-                try:
-                    self._socket.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            self._send_locked(request, async_object, body)
         return True
+
+    def _send_locked(self, request: Any, async_object: Any, body: bytes) -> None:
+        # Not inline in send_now: Python 3.11 leaves the NOP of a ``try`` inside a ``with``
+        # out of the with's exception table, so an exception a tracer raises there (the
+        # async-exception test raises at every line) would skip the exit and keep the lock.
+        xid = self._next_xid()
+        self.logger.debug("Sending request(xid=%s): %s", xid, request)
+        try:
+            self.client._pending.append((request, async_object, xid))  # first: the reply can come at once
+            self._send_all(int_struct.pack(len(body) + 4) + int_struct.pack(xid) + body)
+        except BaseException as exc:
+            # A send that failed, or that an asynchronous exception (a soft time limit)
+            # interrupted, may have left part of a request on the wire, or an entry no
+            # reply will match: the stream is no use. kazoo's thread sees it end,
+            # re-connects to the session, and fails every request in flight (ConnectionLoss).
+            self._direct = False
+            try:
+                self._socket.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if not isinstance(exc, Exception):
+                raise
+
+    def _send_all(self, frame: bytes) -> None:
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[self._socket.send(view):]
+            except BlockingIOError:
+                if not self.handler.select([], [self._socket], [], self._send_timeout)[1]:
+                    raise self.handler.timeout_exception("socket time-out during write") from None
 
     def _send_request(self, read_timeout: float, connect_timeout: float) -> None:
         # kazoo's, with the pending entry added before the send and the lock held:
@@ -235,6 +304,16 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
                 raise
             client._queue.popleft()
             self._read_sock.recv(1)
+
+    def _read_response(self, header: Any, buffer: bytes, offset: int) -> Any:
+        try:
+            return super()._read_response(header, buffer, offset)
+        except RuntimeError as exc:
+            # kazoo's "xids do not match" ends its thread for good, leaving this process
+            # without a client. A reply that matches no request is a broken stream: drop the
+            # connection instead, so kazoo re-connects to the session and fails what was in flight.
+            self.logger.error("ZooKeeper reply out of order, re-connecting: %s", exc.args)
+            raise ConnectionDropped(f"reply out of order: {exc.args}") from exc
 
     def _next_xid(self) -> int:
         self._xid = self._xid % 2147483647 + 1  # kazoo's wrap-around

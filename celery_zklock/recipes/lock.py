@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionExpiredError
-from kazoo.protocol.states import EventType
+from kazoo.protocol.states import Callback, EventType
 
 from ..exceptions import ConfigurationError, LockLost, LockNotAcquired
+from ..private import run_inline
 from ..zk import Session, SessionState, timeouts
 from ..zk.nodes import refused, remaining
 
@@ -546,23 +547,36 @@ class Lock:
             return
         result.rawlink(functools.partial(self._own_node_checked, node))
 
-    # -- callbacks (kazoo's event thread) -------------------------------------------------
+    # -- callbacks (kazoo's threads) ------------------------------------------------------
+    # Those marked run_inline run in kazoo's connection thread: they only look, and hand
+    # anything more (logs, on_state, requests) to a callback thread with _later.
+    @run_inline
     def _on_watch(self, event: Any) -> None:
         self.wakeups += 1
         self._event.set()
 
+    @run_inline
     def _on_own_node(self, node: str, event: Any) -> None:
+        if event.type == EventType.DELETED and node == self._deleting:
+            return  # our own release: the event every cycle brings
+        self._later(self._own_node_changed, node, event)
+
+    def _own_node_changed(self, node: str, event: Any) -> None:
         if event.type == EventType.DELETED:
             self._node_gone(node)
         elif node == self.node and self.state in (LockState.HELD, LockState.IN_DOUBT):
             self._watch_own_node()  # our own touch (a semaphore's) fired it: watch on
 
+    @run_inline
     def _own_node_checked(self, node: str, result: Any) -> None:
-        try:
-            if result.get_nowait() is None:
-                self._node_gone(node)  # deleted before our watch was set
-        except Exception:
-            pass  # connection trouble: the session's clock decides
+        if result.exception is None and result.value is not None:
+            return  # it was there when our watch was set: the answer every cycle brings
+        if result.exception is None:
+            self._later(self._node_gone, node)  # deleted before our watch was set
+        # else connection trouble: the session's clock decides
+
+    def _later(self, func: Callable[..., None], *args: Any) -> None:
+        self.session.client.handler.dispatch_callback(Callback("completion", func, args))
 
     def _node_gone(self, node: str) -> None:
         with self._mutex:

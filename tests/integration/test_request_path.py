@@ -138,3 +138,22 @@ def test_a_send_that_fails_ends_the_connection_and_the_session_carries_on(proxy,
     assert client.client_id[0] == session_id
     assert client.exists(zk_root) is not None
     assert connection._connection_routine.is_alive()
+
+
+def test_a_reply_that_matches_no_request_costs_a_reconnect_not_the_client(clients, zk_server, zk_root, caplog):
+    client = clients(zk_server.hosts)
+    session_id = client.client_id[0]
+    lost = client.handler.async_result()
+    # An entry no request on the wire stands for: the next reply cannot match it. kazoo
+    # would raise in its connection thread and end it, leaving the process without a client.
+    client._pending.append((None, lost, 999_999))
+    answered = client.exists_async("/")
+    with pytest.raises(RuntimeError, match="xids do not match"):  # kazoo's, on the entry it popped
+        lost.get(timeout=10)
+    with pytest.raises(ConnectionLoss):
+        answered.get(timeout=10)
+    wait_until(lambda: client.connected)
+    assert client.client_id[0] == session_id
+    assert client.exists("/") is not None
+    assert client._connection._connection_routine.is_alive()
+    assert "ZooKeeper reply out of order" in caplog.text
