@@ -5,6 +5,11 @@ both alike. A release does not wait for its delete, so the honest measure is
 the time of a whole acquire+release cycle: the next acquire pays for the
 previous delete if the server has not finished it.
 
+Rows besides ours and kazoo's: our lock without its own-node watch (what that
+guarantee costs), our lock with every request going through kazoo's
+connection thread (what the direct request path saves), and the same messages
+as our lock over a bare socket in one thread (the floor under any Python client).
+
 The CPU column is this process's CPU time (all its threads: kazoo's
 connection thread too) per cycle. With ``--pin`` the server runs on CPU 1 and
 this process on CPU 0, so the server's work never lands in it.
