@@ -58,10 +58,7 @@ _CONTAINER_FLAG = 4
 
 def create_container_async(client: KazooClient, path: str, data: bytes = b"") -> Any:
     """Send a CreateContainer for ``path`` (parents must exist); returns kazoo's async result."""
-    request = _CreateContainer(client.chroot + path, data, client.default_acl or OPEN_ACL_UNSAFE, _CONTAINER_FLAG)
-    result = client.handler.async_result()
-    client._call(request, result)
-    return result
+    return _create(client, _CreateContainer, path, data, _CONTAINER_FLAG)
 
 
 def create_node_async(client: KazooClient, path: str, data: bytes, ephemeral: bool = False,
@@ -73,8 +70,12 @@ def create_node_async(client: KazooClient, path: str, data: bytes, ephemeral: bo
     is the same request, answered by the connection thread itself. The path
     returned carries the client's chroot, if any.
     """
-    request = Create2(client.chroot + path, data, client.default_acl or OPEN_ACL_UNSAFE,
-                      (1 if ephemeral else 0) | (2 if sequence else 0))
+    return _create(client, Create2, path, data, (1 if ephemeral else 0) | (2 if sequence else 0))
+
+
+def _create(client: KazooClient, kind: type, path: str, data: bytes, flags: int) -> Any:
+    # With the client's default ACL, as its own create_async does.
+    request = kind(client.chroot + path, data, client.default_acl or OPEN_ACL_UNSAFE, flags)
     result = client.handler.async_result()
     client._call(request, result)
     return result
@@ -263,7 +264,7 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
         self.logger.debug("Sending request(xid=%s): %s", xid, request)
         try:
             self.client._pending.append((request, async_object, xid))  # first: the reply can come at once
-            self._send_all(int_struct.pack(len(body) + 4) + int_struct.pack(xid) + body)
+            self._write(int_struct.pack(len(body) + 4) + int_struct.pack(xid) + body, self._send_timeout)
         except BaseException as exc:
             # A send that failed, or that an asynchronous exception (a soft time limit)
             # interrupted, may have left part of a request on the wire, or an entry no
@@ -276,15 +277,6 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
                 pass
             if not isinstance(exc, Exception):
                 raise
-
-    def _send_all(self, frame: bytes) -> None:
-        view = memoryview(frame)
-        while view:
-            try:
-                view = view[self._socket.send(view):]
-            except BlockingIOError:
-                if not self.handler.select([], [self._socket], [], self._send_timeout)[1]:
-                    raise self.handler.timeout_exception("socket time-out during write") from None
 
     def _send_request(self, read_timeout: float, connect_timeout: float) -> None:
         # kazoo's, with the pending entry added before the send and the lock held:
@@ -321,7 +313,23 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
 
     def _write(self, msg: bytes, timeout: float) -> None:
         with self._send_lock:  # kazoo's pings and handshake write here too
-            super()._write(msg, timeout)
+            self._send(msg, timeout)
+
+    def _send(self, msg: bytes, timeout: float) -> None:
+        # kazoo's _write, asking select only when the socket is full (kazoo asks before
+        # every send). Not inside _write's ``with``, for the reason given at _send_locked.
+        with self._socket_error_handling():
+            view = memoryview(msg)
+            while view:
+                try:
+                    sent = self._socket.send(view)
+                except BlockingIOError:
+                    if not self.handler.select([], [self._socket], [], timeout)[1]:
+                        raise self.handler.timeout_exception("socket time-out during write") from None
+                    continue
+                if not sent:
+                    raise ConnectionDropped("socket connection broken")
+                view = view[sent:]
 
     def _read(self, length: int, timeout: float) -> bytes:
         inbox = self._inbox
