@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, List
+from typing import Any, Callable, Iterator, List
 
 import redis
 from kazoo.exceptions import NoNodeError
@@ -40,3 +40,20 @@ def holds(redis_url: str) -> List[Hold]:
 
 def send(task, queue: str, *args) -> object:
     return task.apply_async(args=args, queue=queue)
+
+
+def started_clients(build: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """A fixture's body: yields ``make(...)``, which starts a kazoo client ``build(...)`` made;
+    every client made is stopped and closed after the test."""
+    made: List[Any] = []
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        client = build(*args, **kwargs)
+        client.start(timeout=10)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.stop()
+        client.close()

@@ -14,7 +14,7 @@ from kazoo.security import CREATOR_ALL_ACL, make_digest_acl
 
 from celery_zklock.private import DirectClient, PollHandler
 from tests.harness import TcpProxy
-from tests.util import wait_until
+from tests.util import started_clients, wait_until
 
 
 @pytest.fixture
@@ -26,19 +26,9 @@ def proxy(zk_server) -> Iterator[TcpProxy]:
 @pytest.fixture
 def clients() -> Iterator:
     # Request the proxy before this, where there is one: clients stop before it closes.
-    made: List[DirectClient] = []
-
-    def make(hosts: str, **kwargs: object) -> DirectClient:
-        # A long session: kazoo pings every third of it, and no test here may lean on a ping.
-        client = DirectClient(hosts=hosts, handler=PollHandler(), timeout=30, **kwargs)
-        client.start(timeout=10)
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.stop()
-        client.close()
+    # A long session: kazoo pings every third of it, and no test here may lean on a ping.
+    yield from started_clients(
+        lambda hosts, **kwargs: DirectClient(hosts=hosts, handler=PollHandler(), timeout=30, **kwargs))
 
 
 def test_replies_reach_their_requests_under_concurrent_threads(clients, zk_server, zk_root):

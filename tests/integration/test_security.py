@@ -16,6 +16,7 @@ from celery_zklock.conf import Settings
 from celery_zklock.recipes.election import Election
 from celery_zklock.zk import Session
 from tests.harness import ZooKeeperServer
+from tests.util import started_clients
 
 SECRET = "s3cret-pw"
 
@@ -30,18 +31,8 @@ def secure_app(app):
 @pytest.fixture
 def outsider(zk_server):
     """A client without the credential (or with another one)."""
-    made = []
-
-    def make(auth=None):
-        client = KazooClient(hosts=zk_server.hosts, auth_data=[("digest", auth)] if auth else None)
-        client.start(timeout=10)
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.stop()
-        client.close()
+    yield from started_clients(
+        lambda auth=None: KazooClient(hosts=zk_server.hosts, auth_data=[("digest", auth)] if auth else None))
 
 
 @pytest.mark.parametrize("auth", [None, "worker:wrong-password", "mallory:x"])
