@@ -27,7 +27,7 @@ from .api import layout_of, settings_of
 from .conf import Settings, beat_name, describe
 from .exceptions import ZkLockError
 from .layout import LOCK_TREES, Layout, decode_key, hashed_name
-from .private import peer_address
+from .zk.transport import peer_address
 from .recipes.lock import RULES, Rule, contender, semaphore, sequence, split_queue
 from .recipes.marker import read_marker
 from .task import problems

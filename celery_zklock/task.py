@@ -53,7 +53,7 @@ from .conf import (
 from .exceptions import AlreadyQueued, ConfigurationError, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
 from .interrupt import BodyGuard
 from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
-from .private import connect_on_app_finalize, current_app, current_task, wrap_apply_async
+from .glue.celery_internals import connect_on_app_finalize, current_app, current_task, wrap_apply_async
 from .recipes.lock import Lock, LockState
 from .recipes.marker import claim, release
 from .zk import Session, close_sessions, remaining, session_for, timeouts

@@ -36,7 +36,7 @@ from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionEx
 from kazoo.protocol.states import Callback, EventType
 
 from ..exceptions import ConfigurationError, LockLost, LockNotAcquired
-from ..private import run_inline
+from ..zk.transport import run_inline
 from ..zk import Session, SessionState, timeouts
 from ..zk.nodes import refused, remaining
 

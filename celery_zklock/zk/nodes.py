@@ -24,7 +24,7 @@ from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NodeE
 from kazoo.security import ACL, Permissions
 
 from ..exceptions import ConfigurationError
-from ..private import create_container_async, create_node_async
+from .transport import create_container_async, create_node_async
 
 __all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused", "remaining"]
 

@@ -24,7 +24,7 @@ from kazoo.security import ACL, CREATOR_ALL_ACL, READ_ACL_UNSAFE
 
 from ..conf import Settings
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable
-from ..private import DirectClient, PollHandler, on_negotiated_timeout
+from .transport import DirectClient, PollHandler, on_negotiated_timeout
 from . import green
 from .clock import Liveness, LivenessClock
 from .nodes import Nodes

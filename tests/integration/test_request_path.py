@@ -12,7 +12,7 @@ from kazoo.exceptions import ConnectionLoss
 from kazoo.protocol.states import KazooState
 from kazoo.security import CREATOR_ALL_ACL, make_digest_acl
 
-from celery_zklock.private import DirectClient, PollHandler
+from celery_zklock.zk.transport import DirectClient, PollHandler
 from tests.harness import TcpProxy
 from tests.util import started_clients, wait_until
 

@@ -1,5 +1,5 @@
-"""The house rules, checked: private names of kazoo and Celery in one module, and imports
-that point one way (glue -> recipes -> zk -> kazoo)."""
+"""The house rules, checked: private names of kazoo in the transport and of Celery in the glue's
+internals module, and imports that point one way (glue -> recipes -> zk -> kazoo)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from typing import Dict, Iterator, List, Set, Tuple
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "celery_zklock"
-PRIVATE_MODULE = PACKAGE / "private.py"
+TRANSPORT = PACKAGE / "zk" / "transport.py"
+CELERY_INTERNALS = PACKAGE / "glue" / "celery_internals.py"
+#: The only modules that may touch a private name of kazoo (the transport) or Celery (its internals module).
+PRIVATE_MODULES = (TRANSPORT, CELERY_INTERNALS)
 
 
 def modules() -> Iterator[Tuple[Path, ast.Module]]:
@@ -25,11 +28,11 @@ def _is_private(name: str) -> bool:
 def names_we_define() -> Set[str]:
     """Every private name the package itself defines (functions, classes, attributes, arguments).
 
-    Not private.py's: it overrides kazoo's private methods, which stay kazoo's names.
+    Not the transport's: it overrides kazoo's private methods, which stay kazoo's names.
     """
     found: Set[str] = set()
     for path, tree in modules():
-        if path == PRIVATE_MODULE:
+        if path == TRANSPORT:
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -59,18 +62,19 @@ def foreign_private_uses(path: Path, tree: ast.Module, ours: Set[str]) -> List[s
     return out
 
 
-def test_only_private_py_touches_private_names_of_kazoo_or_celery():
+def test_only_the_transport_and_celery_internals_touch_private_names_of_kazoo_or_celery():
     ours = names_we_define()
-    found = [use for path, tree in modules() if path != PRIVATE_MODULE
+    found = [use for path, tree in modules() if path not in PRIVATE_MODULES
              for use in foreign_private_uses(path, tree, ours)]
-    assert found == [], "move these into celery_zklock/private.py"
+    assert found == [], "move these into celery_zklock/zk/transport.py (kazoo) or glue/celery_internals.py (Celery)"
 
 
-def test_the_grep_finds_what_private_py_does():
-    # The check above is worth something only if it sees the uses private.py really makes.
-    uses = foreign_private_uses(PRIVATE_MODULE, ast.parse(PRIVATE_MODULE.read_text()), names_we_define())
-    assert {u.split(": ", 1)[1] for u in uses} >= {".\u005fcall", ".\u005fconnection", ".\u005fsocket",
-                                                      "from celery._state import ..."}
+def test_the_grep_finds_what_the_private_modules_do():
+    # The check above is worth something only if it sees the uses these modules really make.
+    ours = names_we_define()
+    uses = {u.split(": ", 1)[1] for path in PRIVATE_MODULES
+            for u in foreign_private_uses(path, ast.parse(path.read_text()), ours)}
+    assert uses >= {".\u005fcall", ".\u005fconnection", ".\u005fsocket", "from celery._state import ..."}
 
 
 def imports_of(tree: ast.Module, module: str) -> Set[str]:
@@ -104,8 +108,7 @@ def module_graph() -> Dict[str, Set[str]]:
 @pytest.mark.parametrize("layer", ["celery_zklock.zk", "celery_zklock.recipes", "celery_zklock.layout"])
 def test_lower_layers_never_import_celery(layer):
     graph = module_graph()
-    # Everything the layer reaches inside the package, except private.py's lazy Celery imports,
-    # which live inside functions only the glue calls.
+    # Everything the layer reaches inside the package.
     seen, todo = set(), [m for m in graph if m == layer or m.startswith(layer + ".")]
     while todo:
         mod = todo.pop()
@@ -114,24 +117,13 @@ def test_lower_layers_never_import_celery(layer):
         seen.add(mod)
         for name in graph[mod]:
             top = name.split(".")[0]
-            if top == "celery" and mod != "celery_zklock.private":
+            if top == "celery":
                 pytest.fail(f"{mod} imports {name}: Celery belongs in the glue")
             if name in graph and name != "celery_zklock":
                 todo.append(name)
             elif name.rsplit(".", 1)[0] in graph and name.rsplit(".", 1)[0] != "celery_zklock":
                 todo.append(name.rsplit(".", 1)[0])
     assert any(m.startswith(layer) for m in seen)
-
-
-def test_private_py_imports_celery_only_inside_functions():
-    tree = ast.parse(PRIVATE_MODULE.read_text())
-    top_level = set()
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            top_level |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            top_level.add(node.module or "")
-    assert not [name for name in top_level if name.split(".")[0] == "celery"]
 
 
 def test_the_election_imports_no_private_name_of_the_lock_engine():

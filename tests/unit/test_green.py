@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from celery_zklock.private import PollHandler
+from celery_zklock.zk.transport import PollHandler
 from celery_zklock.zk import green
 
 
@@ -34,7 +34,7 @@ def test_an_unpatched_process_keeps_the_threading_handler():
 ])
 def test_a_patched_process_gets_its_library_s_handler(library, patch, handler):
     out = run(f"""{patch}
-from celery_zklock.private import PollHandler
+from celery_zklock.zk.transport import PollHandler
 from celery_zklock.zk import green
 h = green.handler(PollHandler)
 kinds = {{c.__name__ for c in type(h).__mro__}}
@@ -69,7 +69,7 @@ def test_a_gevent_request_that_times_out_raises_what_every_handler_raises():
     Celery's hard time limit). A timed-out request must be told apart from that limit."""
     out = run("""from gevent import monkey; monkey.patch_all()
 import gevent
-from celery_zklock.private import PollHandler
+from celery_zklock.zk.transport import PollHandler
 from celery_zklock.zk import green
 h = green.handler(PollHandler)
 try:

@@ -1,4 +1,5 @@
-"""Each private name celery_zklock.private leans on, checked against the installed kazoo and Celery.
+"""Each private name the transport (zk/transport.py) and the Celery internals (glue/celery_internals.py)
+lean on, checked against the installed kazoo and Celery.
 
 A failure here names the call that an upgrade broke, before any lock misbehaves.
 """
@@ -12,36 +13,37 @@ from kazoo.client import KazooClient
 from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import Create2
 
-from celery_zklock import private
+from celery_zklock.glue import celery_internals
+from celery_zklock.zk import transport
 
 
 @pytest.fixture
 def client():
     # Constructed, never started: no server is needed to see its parts.
-    return KazooClient(hosts="127.0.0.1:1", handler=private.PollHandler())
+    return KazooClient(hosts="127.0.0.1:1", handler=transport.PollHandler())
 
 
 def test_kazoo_client_call_takes_a_request_and_an_async_result(client):
     assert list(inspect.signature(KazooClient._call).parameters) == ["self", "request", "async_object"], \
-        "kazoo changed KazooClient._call, used by private.create_container_async"
+        "kazoo changed KazooClient._call, used by transport.create_container_async"
 
 
 def test_create2_serializes_what_a_container_create_needs():
     fields = getattr(Create2, "_fields", None)
     assert fields == ("path", "data", "acl", "flags"), "kazoo changed Create2, the base of CreateContainer"
-    assert Create2.type == 15 and private._CreateContainer.type == 19
+    assert Create2.type == 15 and transport._CreateContainer.type == 19
 
 
 def test_connection_handler_internals(client):
     connection = client._connection
     assert isinstance(connection, ConnectionHandler), "kazoo changed KazooClient._connection"
-    assert hasattr(connection, "_socket"), "kazoo changed ConnectionHandler._socket, used by private.peer_address"
+    assert hasattr(connection, "_socket"), "kazoo changed ConnectionHandler._socket, used by transport.peer_address"
     params = list(inspect.signature(ConnectionHandler._connect).parameters)
     assert params == ["self", "host", "hostip", "port"], "kazoo changed ConnectionHandler._connect"
     source = inspect.getsource(ConnectionHandler._connect)
     assert "read_timeout = negotiated_session_timeout * 2.0 / 3.0" in source and \
         "return read_timeout, connect_timeout" in source, \
-        "kazoo changed what ConnectionHandler._connect returns, used by private.on_negotiated_timeout"
+        "kazoo changed what ConnectionHandler._connect returns, used by transport.on_negotiated_timeout"
 
 
 def test_on_negotiated_timeout_reports_seconds(client):
@@ -49,7 +51,7 @@ def test_on_negotiated_timeout_reports_seconds(client):
     # 2/3 of the negotiated session timeout (checked above); stand in for its network part.
     client._connection._connect = lambda host, hostip, port: (4000 * 2 / 3, 1000)
     seen = []
-    private.on_negotiated_timeout(client, seen.append)
+    transport.on_negotiated_timeout(client, seen.append)
     assert client._connection._connect("h", "127.0.0.1", 1) == (4000 * 2 / 3, 1000)
     assert seen == [pytest.approx(4.0)]
 
@@ -57,7 +59,7 @@ def test_on_negotiated_timeout_reports_seconds(client):
 def test_kazoo_calls_handler_select_with_three_lists_and_a_timeout():
     source = inspect.getsource(ConnectionHandler)
     assert "self.handler.select([self._socket], [], [], timeout)" in source, \
-        "kazoo's connection loop changed how it calls handler.select (private.PollHandler overrides it)"
+        "kazoo's connection loop changed how it calls handler.select (transport.PollHandler overrides it)"
 
 
 def test_celery_state_functions():
@@ -65,12 +67,12 @@ def test_celery_state_functions():
 
     assert callable(_state.get_current_task), "Celery changed celery._state.get_current_task"
     assert callable(_state.connect_on_app_finalize), "Celery changed celery._state.connect_on_app_finalize"
-    assert private.current_task() is None  # no task runs here
-    assert private.current_app() is not None
+    assert celery_internals.current_task() is None  # no task runs here
+    assert celery_internals.current_app() is not None
 
 
 def test_connection_internals_the_direct_request_path_leans_on():
-    # private.DirectClient re-implements _send_request and _read around these.
+    # transport.DirectClient re-implements _send_request and _read around these.
     source = inspect.getsource
     send = source(ConnectionHandler._send_request)
     for part in ("client._queue[0]", "client._queue.popleft()", "self._read_sock.recv(1)",

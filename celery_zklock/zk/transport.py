@@ -1,12 +1,27 @@
-"""Every use of a private name of kazoo or Celery, in one place.
+"""How requests reach ZooKeeper: kazoo's connection, and every private name of kazoo we use.
 
-Each function here leans on something the library does not promise to keep.
-``tests/unit/test_private_api.py`` checks each one against the installed
-versions and fails naming the call if an upgrade changed it; a grep test
-checks that no other module touches a private name.
+The thread model:
 
-Celery is imported inside the functions that need it, so the ZooKeeper
-plumbing (``zk/``) can use this module without importing Celery.
+* **Writes.** A request leaves from the thread that makes it (:class:`DirectClient`),
+  under one send lock that keeps requests whole and xids in wire order, whenever
+  nothing is queued ahead of it. While kazoo's connection thread connects, re-connects,
+  authenticates or pings, requests go through kazoo's queue, as in kazoo.
+* **Reads.** kazoo's connection thread reads every reply, in whole chunks, and matches
+  it to the oldest pending request (replies come in request order).
+* **Callbacks.** A callback marked :func:`run_inline` (a quick look that never blocks)
+  runs in the connection thread; every other one waits its turn on kazoo's callback
+  thread, as in kazoo.
+* **A failed send.** A send that fails, or that an asynchronous exception interrupts,
+  may leave half a request on the wire: the socket is shut, kazoo's thread re-connects
+  to the same session, and every request in flight fails with ConnectionLoss.
+
+TLS and the green handlers keep kazoo's own path: two threads must not use one SSL
+socket at once, and green handlers have no OS threads.
+
+Each function here leans on something kazoo does not promise to keep.
+``tests/unit/test_private_api.py`` checks each one against the installed version and
+fails naming the call if an upgrade changed it; ``test_boundaries`` checks that only
+this module and ``glue/celery_internals.py`` touch private names.
 """
 
 from __future__ import annotations
@@ -30,15 +45,11 @@ from kazoo.security import OPEN_ACL_UNSAFE
 __all__ = [
     "DirectClient",
     "PollHandler",
-    "connect_on_app_finalize",
     "create_container_async",
     "create_node_async",
-    "current_app",
-    "current_task",
     "on_negotiated_timeout",
     "peer_address",
     "run_inline",
-    "wrap_apply_async",
 ]
 
 
@@ -355,47 +366,3 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
             inbox = self._inbox
             if response == CLOSE_RESPONSE or len(inbox) < 4 or len(inbox) < 4 + int_struct.unpack_from(inbox)[0]:
                 return response
-
-
-# -- Celery --------------------------------------------------------------------------------
-def current_task() -> Any:
-    """The task being executed in this thread, or None (``celery.current_task`` without the proxy)."""
-    from celery._state import get_current_task
-
-    return get_current_task()
-
-
-def current_app() -> Any:
-    """The current Celery app itself, not the proxy (a worker's pool child has exactly one)."""
-    from celery import current_app as proxy
-
-    return proxy._get_current_object()
-
-
-def connect_on_app_finalize(callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Run ``callback(app)`` for every Celery app when it is finalized, even apps made later."""
-    from celery._state import connect_on_app_finalize as connect
-
-    return connect(callback)  # type: ignore[no-any-return]
-
-
-def wrap_apply_async(hook: Callable[..., Any]) -> None:
-    """Route every ``Task.apply_async`` through ``hook(task, original, args, kwargs, options)``.
-
-    Enqueue-time dedupe must run in the publisher for ``@zk_locked`` tasks too, whose
-    class Celery builds from the app's own base: there is no per-task place to hook, so
-    the base method itself is wrapped (once, whatever is imported how often). Subclasses
-    that override ``apply_async`` and call ``super()`` (celery-once's) still pass here.
-    """
-    from celery.app.task import Task
-
-    original = Task.apply_async
-    if getattr(original, "__zklock_wrapped__", False):
-        return
-
-    def apply_async(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        return hook(self, original, args, kwargs, options)
-
-    apply_async.__doc__ = original.__doc__
-    apply_async.__zklock_wrapped__ = True  # type: ignore[attr-defined]
-    Task.apply_async = apply_async  # type: ignore[method-assign]

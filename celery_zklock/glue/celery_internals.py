@@ -1,0 +1,54 @@
+"""Every private name of Celery we use, in one place.
+
+Each function leans on something Celery does not promise to keep;
+``tests/unit/test_private_api.py`` checks each against the installed version.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["connect_on_app_finalize", "current_app", "current_task", "wrap_apply_async"]
+
+
+def current_task() -> Any:
+    """The task being executed in this thread, or None (``celery.current_task`` without the proxy)."""
+    from celery._state import get_current_task
+
+    return get_current_task()
+
+
+def current_app() -> Any:
+    """The current Celery app itself, not the proxy (a worker's pool child has exactly one)."""
+    from celery import current_app as proxy
+
+    return proxy._get_current_object()
+
+
+def connect_on_app_finalize(callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Run ``callback(app)`` for every Celery app when it is finalized, even apps made later."""
+    from celery._state import connect_on_app_finalize as connect
+
+    return connect(callback)  # type: ignore[no-any-return]
+
+
+def wrap_apply_async(hook: Callable[..., Any]) -> None:
+    """Route every ``Task.apply_async`` through ``hook(task, original, args, kwargs, options)``.
+
+    Enqueue-time dedupe must run in the publisher for ``@zk_locked`` tasks too, whose
+    class Celery builds from the app's own base: there is no per-task place to hook, so
+    the base method itself is wrapped (once, whatever is imported how often). Subclasses
+    that override ``apply_async`` and call ``super()`` (celery-once's) still pass here.
+    """
+    from celery.app.task import Task
+
+    original = Task.apply_async
+    if getattr(original, "__zklock_wrapped__", False):
+        return
+
+    def apply_async(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        return hook(self, original, args, kwargs, options)
+
+    apply_async.__doc__ = original.__doc__
+    apply_async.__zklock_wrapped__ = True  # type: ignore[attr-defined]
+    Task.apply_async = apply_async  # type: ignore[method-assign]
