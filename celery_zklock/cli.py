@@ -27,12 +27,12 @@ from .api import layout_of, settings_of
 from .conf import Settings, beat_name, describe
 from .exceptions import ZkLockError
 from .layout import LOCK_TREES, Layout, decode_key, hashed_name
-from .zk.transport import peer_address
 from .recipes.lock import RULES, Rule, contender, semaphore, sequence, split_queue
 from .recipes.marker import read_marker
 from .task import problems
 from .zk import Session, check_acl
 from .zk.probe import addresses, four_letter_word, server_limits
+from .zk.transport import peer_address
 
 __all__ = ["elections", "locks", "queued", "server_info", "zklock"]
 

@@ -51,9 +51,9 @@ from .conf import (
     optional_seconds,
 )
 from .exceptions import AlreadyQueued, ConfigurationError, LockNotAcquired, ZkLockError, ZooKeeperUnavailable
+from .glue.celery_internals import connect_on_app_finalize, current_app, current_task, wrap_apply_async
 from .interrupt import BodyGuard
 from .keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
-from .glue.celery_internals import connect_on_app_finalize, current_app, current_task, wrap_apply_async
 from .recipes.lock import Lock, LockState
 from .recipes.marker import claim, release
 from .zk import Session, close_sessions, remaining, session_for, timeouts

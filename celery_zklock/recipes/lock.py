@@ -36,9 +36,9 @@ from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionEx
 from kazoo.protocol.states import Callback, EventType
 
 from ..exceptions import ConfigurationError, LockLost, LockNotAcquired
-from ..zk.transport import run_inline
 from ..zk import Session, SessionState, timeouts
 from ..zk.nodes import refused, remaining
+from ..zk.transport import run_inline
 
 __all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule", "check_timeout",
            "contender", "semaphore", "sequence", "split_queue", "to_the_end"]

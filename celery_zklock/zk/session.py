@@ -24,10 +24,10 @@ from kazoo.security import ACL, CREATOR_ALL_ACL, READ_ACL_UNSAFE
 
 from ..conf import Settings
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable
-from .transport import DirectClient, PollHandler, on_negotiated_timeout
 from . import green
 from .clock import Liveness, LivenessClock
 from .nodes import Nodes
+from .transport import DirectClient, PollHandler, on_negotiated_timeout
 
 __all__ = ["Session", "SessionState", "acl_for", "close_sessions", "session_for"]
 

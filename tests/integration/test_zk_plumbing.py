@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from celery_zklock.exceptions import ConfigurationError
-from celery_zklock.zk.transport import peer_address
 from celery_zklock.zk import Nodes
+from celery_zklock.zk.transport import peer_address
 from tests.util import wait_until
 
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from celery_zklock.zk.transport import PollHandler
 from celery_zklock.zk import green
+from celery_zklock.zk.transport import PollHandler
 
 
 def run(code: str) -> str:
