@@ -1,6 +1,6 @@
 # Every target sets itself up: system packages, virtualenv, package.
-# Servers are started by the test harness (tests/harness/) on free
-# loopback ports and removed afterwards; nothing here touches 2181 or 6379.
+# Servers are started by the test rig (celery_zklock/testing/, harness/) on
+# free loopback ports and removed afterwards; nothing here touches 2181 or 6379.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -31,11 +31,12 @@ lint: venv
 	$(BIN)/mypy
 
 # The venv has the test extras, matplotlib among them: the demo draws demo-timeline.png.
+# The demo and the benchmarks run as modules from here, where harness/ (the rig) is importable.
 demo: system venv
-	$(BIN)/python example_project/demo.py
+	$(BIN)/python -m example_project.demo
 
 bench: system venv
-	$(BIN)/python benchmarks/bench_lock.py --fsync --pin
+	$(BIN)/python -m benchmarks.bench_lock --fsync --pin
 
 chaos: system venv
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)

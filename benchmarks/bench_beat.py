@@ -4,7 +4,7 @@ Takeover is measured from the signal to the moment another beat leads the
 election (seen by an observer client on the election node). Two beats run
 with LeaderScheduler, a Redis broker and ZooKeeper on this machine.
 
-    python benchmarks/bench_beat.py [--runs 5] [--session-timeout 4]
+    python -m benchmarks.bench_beat [--runs 5] [--session-timeout 4]
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ import argparse
 import json
 import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from kazoo.client import KazooClient
+
+from celery_zklock.keys import encode_key
+from celery_zklock.testing import ZooKeeperServer
+from harness import CeleryBeat, RedisServer
+
+#: The repository's root, on the beats' PYTHONPATH: they run tests.apps.beat_app.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kazoo.client import KazooClient  # noqa: E402
-
-from celery_zklock.keys import encode_key  # noqa: E402
-from tests.harness import CeleryBeat, RedisServer, ZooKeeperServer  # noqa: E402
 
 
 def leader(kazoo: KazooClient, path: str) -> Optional[int]:
@@ -47,7 +47,7 @@ def main() -> None:
         env = {"ZKT_BROKER": rs.url, "ZKT_HOSTS": zk.hosts, "ZKT_ROOT": "/bench-beat", "PYTHONPATH": str(ROOT),
                "ZKT_SESSION_TIMEOUT": str(args.session_timeout)}
         path = f"/bench-beat/beat/{encode_key('beat_app')}/election"
-        beats = [CeleryBeat("tests.beat_app", name=f"b{i}", env=env).start() for i in range(2)]
+        beats = [CeleryBeat("tests.apps.beat_app", name=f"b{i}", env=env).start() for i in range(2)]
         try:
             for run in range(args.runs * 2):
                 sig = signal.SIGTERM if run % 2 == 0 else signal.SIGKILL
@@ -62,7 +62,7 @@ def main() -> None:
                 results[signal.Signals(sig).name].append(time.monotonic() - t0)
                 victim.stop(timeout=10)
                 victim.close()
-                beats[beats.index(victim)] = CeleryBeat("tests.beat_app", name=f"r{run}", env=env).start()
+                beats[beats.index(victim)] = CeleryBeat("tests.apps.beat_app", name=f"r{run}", env=env).start()
         finally:
             for b in beats:
                 b.stop(timeout=10)

@@ -6,9 +6,9 @@
    key (every publish after the first is a duplicate). Wall and client CPU per call.
 2. With ``--history``: the dedupe tests' history (8 publisher processes x 250 calls over
    20 keys, two prefork workers, bodies of 5-50 ms) for each library, checked the same way
-   (tests/harness/dedupe.py, "queued or running").
+   (harness/dedupe.py, "queued or running").
 
-    python benchmarks/bench_dedupe.py [--publishes 1000] [--fsync] [--history]
+    python -m benchmarks.bench_dedupe [--publishes 1000] [--fsync] [--history]
 
 ZooKeeper is pinned to core 1 and this process to core 0 when the machine has two cores.
 """
@@ -26,25 +26,18 @@ import uuid
 from pathlib import Path
 from typing import Dict, List
 
+import redis
+
+from celery_zklock.zk import close_sessions
+from harness import CeleryWorker, RedisServer, ZooKeeperPeer
+from harness.dedupe import dedupe_violations
+
+#: The repository's root, on the PYTHONPATH of the workers and publishers this starts.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-os.environ.setdefault("ZKT_DEDUPE_APP", "dedupe_bench_app")
-
-import redis  # noqa: E402
-
-from celery_zklock.zk import close_sessions  # noqa: E402
-from tests.harness import CeleryWorker, RedisServer, ZooKeeperServer  # noqa: E402
-from tests.harness.dedupe import dedupe_violations  # noqa: E402
+#: The app the publishers (tests.apps.dedupe_publisher) send to.
+APP = "benchmarks.dedupe_bench_app"
 
 VARIANTS = ["plain", "zklock", "once", "singleton"]
-
-
-def pin(zk: ZooKeeperServer) -> str:
-    if (os.cpu_count() or 1) < 2:
-        return "not pinned (one core)"
-    os.sched_setaffinity(zk._process.proc.pid, {1})  # type: ignore[union-attr]
-    os.sched_setaffinity(0, {0})
-    return "ZooKeeper on core 1, this process on core 0"
 
 
 def cost(app_module, name: str, n: int, same_key: bool) -> Dict[str, float]:
@@ -64,10 +57,10 @@ def cost(app_module, name: str, n: int, same_key: bool) -> Dict[str, float]:
 
 def history(env: Dict[str, str], name: str, r: redis.Redis) -> List[str]:
     r.delete("dedupe:publishes", "dedupe:runs")
-    workers = [CeleryWorker("dedupe_bench_app", name=f"{name}{i}", concurrency=4, env=env,
+    workers = [CeleryWorker(APP, name=f"{name}{i}", concurrency=4, env=env,
                             extra_args=["-Q", env["ZKT_QUEUE"]]).start() for i in (1, 2)]
     try:
-        pubs = [subprocess.Popen([sys.executable, "-m", "tests.dedupe_publisher", name, "250", str(seed)], env=env)
+        pubs = [subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", name, "250", str(seed)], env=env)
                 for seed in range(8)]
         for p in pubs:
             p.wait(600)
@@ -93,15 +86,19 @@ def main() -> None:
     parser.add_argument("--fsync", action="store_true", help="let ZooKeeper fsync each write (production-like)")
     parser.add_argument("--history", action="store_true", help="also run the history check for each library")
     args = parser.parse_args()
-    with ZooKeeperServer(extra_config={"forceSync": "yes"} if args.fsync else {}) as zk, RedisServer() as rs:
+    pinned = (os.cpu_count() or 1) >= 2
+    zk_server = ZooKeeperPeer(extra_config={"forceSync": "yes"} if args.fsync else {}, cpus="1" if pinned else None)
+    with zk_server as zk, RedisServer() as rs:
         env = {**os.environ, "ZKT_BROKER": rs.url, "ZKT_HOSTS": zk.hosts, "ZKT_ROOT": "/bench-dedupe",
-               "ZKT_QUEUE": "bench-dedupe", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
+               "ZKT_QUEUE": "bench-dedupe", "ZKT_DEDUPE_APP": APP, "PYTHONPATH": str(ROOT)}
         os.environ.update({k: v for k, v in env.items() if k.startswith("ZKT_")})
-        import dedupe_bench_app as bench_app
+        from benchmarks import dedupe_bench_app as bench_app  # reads the ZKT_ settings when imported
 
         bench_app.app.conf.update(broker_url=rs.url, result_backend=rs.url, zklock_hosts=zk.hosts,
                                   zklock_root="/bench-dedupe", task_default_queue="bench-dedupe")
-        where = pin(zk)
+        if pinned:
+            os.sched_setaffinity(0, {0})
+        where = "ZooKeeper on core 1, this process on core 0" if pinned else "not pinned (one core)"
         r = redis.Redis.from_url(rs.url)
         for name in VARIANTS:  # warm up: connections, sessions, paths
             cost(bench_app, name, 50, False)

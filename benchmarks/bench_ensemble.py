@@ -21,7 +21,7 @@ raw: the create). The servers fsync each write unless ``--no-fsync``. With
 ``--hosts`` it measures an ensemble you run (a staging one), writing only
 under ``/bench-ensemble``: the same table, for your hardware.
 
-    python benchmarks/bench_ensemble.py [--clients 1,2,4,8] [--seconds 5] [--workloads raw,warm,distinct,hot]
+    python -m benchmarks.bench_ensemble [--clients 1,2,4,8] [--seconds 5] [--workloads raw,warm,distinct,hot]
                                         [--no-fsync] [--hosts zk1:2181,zk2:2181,zk3:2181]
 """
 
@@ -30,16 +30,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.harness import ZooKeeperEnsemble  # noqa: E402
+from harness import ZooKeeperEnsemble
 
 WORKLOADS = ("raw", "warm", "distinct", "hot")
 HOT_KEYS = 4

@@ -14,7 +14,7 @@ The CPU column is this process's CPU time (all its threads: kazoo's
 connection thread too) per cycle. With ``--pin`` the server runs on CPU 1 and
 this process on CPU 0, so the server's work never lands in it.
 
-    python benchmarks/bench_lock.py [--rounds 10] [--block 200] [--fsync] [--pin]
+    python -m benchmarks.bench_lock [--rounds 10] [--block 200] [--fsync] [--pin]
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Callable, Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from celery import Celery  # noqa: E402
-from kazoo.client import KazooClient  # noqa: E402
-from kazoo.protocol.serialization import (  # noqa: E402
+from celery import Celery
+from kazoo.client import KazooClient
+from kazoo.protocol.serialization import (
     Connect,
     Create2,
     Delete,
@@ -42,13 +38,13 @@ from kazoo.protocol.serialization import (  # noqa: E402
     ReplyHeader,
     int_struct,
 )
-from kazoo.security import OPEN_ACL_UNSAFE  # noqa: E402
+from kazoo.security import OPEN_ACL_UNSAFE
 
-import celery_zklock  # noqa: E402
-from celery_zklock.api import settings_of  # noqa: E402
-from celery_zklock.recipes import Lock  # noqa: E402
-from celery_zklock.zk import Session, close_sessions  # noqa: E402
-from tests.harness import ZooKeeperServer  # noqa: E402
+import celery_zklock
+from celery_zklock.api import settings_of
+from celery_zklock.recipes import Lock
+from celery_zklock.zk import Session, close_sessions
+from harness import ZooKeeperPeer
 
 
 class RawProtocol:
@@ -117,7 +113,7 @@ def main() -> None:
     extra = {"forceSync": "yes"} if args.fsync else {}
     if args.pin:
         os.sched_setaffinity(0, {0})
-    with ZooKeeperServer(extra_config=extra, cpus="1" if args.pin else None) as zk:
+    with ZooKeeperPeer(extra_config=extra, cpus="1" if args.pin else None) as zk:
         app = Celery("bench", set_as_current=False)
         app.conf.zklock_hosts = zk.hosts
         kazoo = KazooClient(hosts=zk.hosts)

@@ -10,7 +10,7 @@ With ``--pin``, ZooKeeper runs on CPU 1 and everything else (this process,
 Redis, the worker) on CPU 0: the worker's cost as on a host of its own. With
 ``--fsync`` the server syncs each write, as production servers do.
 
-    python benchmarks/bench_tasks.py [--tasks 1000] [--rounds 3] [--concurrency 2] [--pools prefork,gevent]
+    python -m benchmarks.bench_tasks [--tasks 1000] [--rounds 3] [--concurrency 2] [--pools prefork,gevent]
                                      [--pin] [--fsync]
 """
 
@@ -19,18 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List
 
+import redis
+
+from benchmarks import bench_app
+from harness import CeleryWorker, RedisServer, ZooKeeperPeer
+
+#: The repository's root, on the worker's PYTHONPATH: it runs benchmarks.bench_app.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-import bench_app  # noqa: E402
-import redis  # noqa: E402
-
-from tests.harness import CeleryWorker, RedisServer, ZooKeeperServer  # noqa: E402
 
 LABELS = {"unlocked": "unlocked", "locked_distinct": "@zk_locked, distinct keys",
           "locked_hot": "@zk_locked, 5 hot keys", "kazoo_lock_in_body": "kazoo Lock in the body"}
@@ -65,17 +64,17 @@ def main() -> None:
     if args.pin:
         os.sched_setaffinity(0, {0})  # inherited by Redis and the worker
     # The container reaper at ZooKeeper's default interval (60 s), not the test harness's 500 ms.
-    zk_server = ZooKeeperServer(extra_config={"forceSync": "yes"} if args.fsync else {}, cpus="1" if args.pin else None,
+    zk_server = ZooKeeperPeer(extra_config={"forceSync": "yes"} if args.fsync else {}, cpus="1" if args.pin else None,
                                 container_check_ms=60_000)
     with zk_server as zk, RedisServer() as rs:
         env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk.hosts,
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
+               "PYTHONPATH": str(ROOT)}
         bench_app.app.conf.update(broker_url=rs.url, zklock_hosts=zk.hosts)
         r = redis.Redis.from_url(rs.url)
         for pool in args.pools.split(","):
             names, concurrency, pause = SETUPS[pool]
             concurrency = concurrency or args.concurrency
-            with CeleryWorker("bench_app", name="bench", pool=pool, concurrency=concurrency, env=env):
+            with CeleryWorker("benchmarks.bench_app", name="bench", pool=pool, concurrency=concurrency, env=env):
                 for name in names:  # warm up: connections, sessions, key nodes
                     run(name, 100, r, pause)
                 rates: Dict[str, List[float]] = {name: [] for name in names}

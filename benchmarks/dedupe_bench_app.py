@@ -1,6 +1,6 @@
 """The app of bench_dedupe.py: the same "one queued or running copy per key" task three
 ways (celery-zklock, celery-once, celery-singleton), each recording its runs like
-tests/dedupe_app.py, plus a plain task for the cost baseline."""
+tests/apps/dedupe_app.py, plus a plain task for the cost baseline."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from celery_once import QueueOnce
 from celery_singleton import Singleton
 
 from celery_zklock import zk_locked
-from tests.dedupe_app import app, body
+from tests.apps.dedupe_app import app, body
 
 broker = os.environ.get("ZKT_BROKER", "redis://127.0.0.1:1/0")
 app.conf.update(
     ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": broker, "default_timeout": 3600}},
     singleton_backend_url=broker,
-    include=["dedupe_bench_app"],
+    include=["benchmarks.dedupe_bench_app"],
 )
 
 

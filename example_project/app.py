@@ -13,8 +13,9 @@ from celery.signals import task_prerun
 
 from celery_zklock import current_locks, signals
 
-app = Celery("example_project", include=["billing", "reports", "crm", "partners", "maintenance"])
-app.config_from_object("celeryconfig")
+app = Celery("example_project", include=["example_project.billing", "example_project.reports", "example_project.crm",
+                                         "example_project.partners", "example_project.maintenance"])
+app.config_from_object("example_project.celeryconfig")
 _redis: Any = None
 
 

@@ -1,8 +1,8 @@
 """Money: one invoice is charged or refunded by one task at a time; a transfer locks both accounts."""
 
-from app import app, work
-
 from celery_zklock import zk_locked
+
+from .app import app, work
 
 
 @app.task

@@ -17,6 +17,6 @@ broker_connection_retry_on_startup = True
 beat_scheduler = "celery_zklock.beat:LeaderScheduler"
 beat_max_loop_interval = 1
 beat_schedule = {
-    "heartbeat": {"task": "maintenance.heartbeat", "schedule": 2.0},
-    "cleanup": {"task": "maintenance.cleanup", "schedule": crontab(minute="*")},
+    "heartbeat": {"task": "example_project.maintenance.heartbeat", "schedule": 2.0},
+    "cleanup": {"task": "example_project.maintenance.cleanup", "schedule": crontab(minute="*")},
 }

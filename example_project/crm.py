@@ -4,9 +4,9 @@ Refreshing a customer's cache is a debounce: while one refresh is still queued, 
 publish adds nothing (it returns the queued one), and once that refresh starts, the
 next publish queues a new one, so no update is missed."""
 
-from app import app, work
-
 from celery_zklock import zk_locked
+
+from .app import app, work
 
 
 @app.task

@@ -7,7 +7,7 @@ take over, then checks the recorded history and prints a summary. With
 matplotlib installed (``pip install 'celery-zklock[plot]'``) it also draws
 the timeline to a PNG. Everything it started is stopped, also on Ctrl-C.
 
-    make demo      # or: python example_project/demo.py
+    make demo      # or, from the repository's root: python -m example_project.demo
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+from celery_zklock.testing import Hold, ServerError, ZooKeeperServer, violations
+from harness import CeleryBeat, CeleryWorker, RedisServer
+
+#: The repository's root, on the PYTHONPATH of the workers and beats: they run example_project.app.
+ROOT = Path(__file__).resolve().parents[1]
 PNG = Path.cwd() / "demo-timeline.png"
 
 
 def burst() -> List[Any]:
     """Contending work: same invoices, crossing transfers, readers and a writer, skips, a semaphore."""
-    import billing
-    import crm
-    import partners
-    import reports
+    from example_project import billing, crm, partners, reports  # configured from the environment main() sets
 
     sent = []
     for i in range(4):
@@ -99,8 +99,6 @@ class Timeline(threading.Thread):
 
 
 def main() -> int:
-    from tests.harness import CeleryBeat, CeleryWorker, HarnessError, Hold, RedisServer, ZooKeeperServer, violations
-
     started: List[Any] = []
     timeline: Optional[Timeline] = None
     try:
@@ -112,10 +110,10 @@ def main() -> int:
         redis_server.start()
         os.environ.update(DEMO_ZK_HOSTS=zk.hosts, DEMO_BROKER_URL=redis_server.url)
         env = {"DEMO_ZK_HOSTS": zk.hosts, "DEMO_BROKER_URL": redis_server.url,
-               "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+               "PYTHONPATH": str(ROOT)}
         print(f"ZooKeeper on {zk.hosts}, Redis on {redis_server.url}")
-        workers = [CeleryWorker("app", name=f"worker{i}", concurrency=3, env=env) for i in (1, 2)]
-        beats = [CeleryBeat("app", name=f"beat{i}", env=env) for i in (1, 2)]
+        workers = [CeleryWorker("example_project.app", name=f"worker{i}", concurrency=3, env=env) for i in (1, 2)]
+        beats = [CeleryBeat("example_project.app", name=f"beat{i}", env=env) for i in (1, 2)]
         for p in workers + beats:
             started.append(p)
             p.start(wait=False)
@@ -123,7 +121,7 @@ def main() -> int:
             p.start_wait()
         print("two workers (prefork, concurrency 3) and two beats are up\n")
 
-        from app import app
+        from example_project.app import app
 
         t0 = time.time()
         timeline = Timeline(redis_server.url, t0)
@@ -185,7 +183,7 @@ def main() -> int:
             isinstance(o, BaseException) for o in outcomes)
         print("\nall promises kept" if ok else "\nA PROMISE WAS BROKEN: see above")
         return 0 if ok else 1
-    except HarnessError as exc:
+    except ServerError as exc:  # a server, worker or beat did not start
         print(f"error: {exc}")
         return 1
     except KeyboardInterrupt:

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from app import app, record
+from .app import app, record
 
 
 def _note_dispatch(task: Any, entry: str) -> None:

@@ -1,8 +1,8 @@
 """Partner APIs allow two concurrent calls each: a counting semaphore per partner."""
 
-from app import app, work
-
 from celery_zklock import zk_locked
+
+from .app import app, work
 
 
 @app.task

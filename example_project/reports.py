@@ -1,8 +1,8 @@
 """Reports: many readers at once, or one writer rebuilding the dataset."""
 
-from app import app, work
-
 from celery_zklock import ZkLockedTask
+
+from .app import app, work
 
 
 @app.task(base=ZkLockedTask, zklock={"key": "dataset:{dataset}", "mode": "write"})

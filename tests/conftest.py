@@ -11,8 +11,9 @@ from celery import Celery
 from kazoo.client import KazooClient
 
 from celery_zklock.conf import Settings
+from celery_zklock.testing import ZooKeeperServer
 from celery_zklock.zk import Session, close_sessions
-from tests.harness import RedisServer, ZooKeeperEnsemble, ZooKeeperServer
+from harness import RedisServer, ZooKeeperEnsemble
 
 _started: List[object] = []
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, List
 import redis
 from kazoo.exceptions import NoNodeError
 
-from tests.harness import Hold
+from celery_zklock.testing import Hold
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -28,7 +28,7 @@ def children(kazoo, path: str) -> List[str]:
         return []
 
 
-# -- the history tests.worker_app's bodies record in Redis --------------------------------
+# -- the history tests.apps.worker_app's bodies record in Redis --------------------------------
 def events(redis_url: str) -> List[dict]:
     return [json.loads(x) for x in redis.Redis.from_url(redis_url).lrange("history", 0, -1)]
 

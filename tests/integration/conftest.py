@@ -1,4 +1,4 @@
-"""Fixtures for the tests that run real `celery worker` processes of tests.worker_app."""
+"""Fixtures for the tests that run real `celery worker` processes of tests.apps.worker_app."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Dict, Iterator, List
 import pytest
 import redis
 
-from tests import worker_app
-from tests.harness import CeleryWorker
+from harness import CeleryWorker
+from tests.apps import worker_app
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def workers(env) -> Iterator:
 
     def start(name: str, pool: str = "prefork", concurrency: int = 2, queue: str = "", **overrides: str
               ) -> CeleryWorker:
-        worker = CeleryWorker("tests.worker_app", name=name, pool=pool, concurrency=concurrency,
+        worker = CeleryWorker("tests.apps.worker_app", name=name, pool=pool, concurrency=concurrency,
                               env={**env, **overrides}, extra_args=["-Q", queue or env["ZKT_QUEUE"]])
         started.append(worker)
         return worker.start()

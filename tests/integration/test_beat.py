@@ -19,7 +19,7 @@ import redis
 from kazoo.client import KazooClient
 
 from celery_zklock.keys import encode_key
-from tests.harness import CeleryBeat, TcpProxy, free_port
+from harness import CeleryBeat, TcpProxy, free_port
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def beats(env) -> Iterator:
     started: List[CeleryBeat] = []
 
     def start(name: str, **overrides: str) -> CeleryBeat:
-        beat = CeleryBeat("tests.beat_app", name=name, env={**env, **overrides})
+        beat = CeleryBeat("tests.apps.beat_app", name=name, env={**env, **overrides})
         started.append(beat)
         return beat.start()
 
@@ -175,8 +175,8 @@ def test_crontab_entry_runs_once_at_its_minute_after_a_takeover(beats, kazoo, zk
 
 
 def test_bad_input(env, zk_server, zk_root, queue, redis_server, kazoo):
-    empty = CeleryBeat("tests.beat_app", name="empty", env={**env, "ZKT_EMPTY_SCHEDULE": "1"})
-    dead = CeleryBeat("tests.beat_app", name="dead",
+    empty = CeleryBeat("tests.apps.beat_app", name="empty", env={**env, "ZKT_EMPTY_SCHEDULE": "1"})
+    dead = CeleryBeat("tests.apps.beat_app", name="dead",
                       env={**env, "ZKT_HOSTS": f"127.0.0.1:{free_port()}", "ZKT_CONNECT_TIMEOUT": "2"})
     try:
         for beat, message in ((empty, "celery-zklock: beat_schedule is empty"),
@@ -192,7 +192,7 @@ def test_bad_input(env, zk_server, zk_root, queue, redis_server, kazoo):
     # A corrupt state node is logged and the entry treated as never run, not a crash.
     state = f"{zk_root}/beat/{encode_key('beat_app')}/entries/{encode_key('every-second')}"
     kazoo.create(state, b"\xff not json", makepath=True)
-    beat = CeleryBeat("tests.beat_app", name="corrupt", env=env).start()
+    beat = CeleryBeat("tests.apps.beat_app", name="corrupt", env=env).start()
     try:
         wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 2, timeout=20)
         assert "is corrupt" in beat.log_text() and "treating it as never run" in beat.log_text()
@@ -203,7 +203,7 @@ def test_bad_input(env, zk_server, zk_root, queue, redis_server, kazoo):
 
 
 def test_leader_only_makes_another_scheduler_dispatch_from_one_beat(env, queue, redis_server, kazoo, zk_root):
-    started = [CeleryBeat("tests.beat_app", name=f"lo{i}", scheduler="tests.beat_app:LeaderOnlyPersistent",
+    started = [CeleryBeat("tests.apps.beat_app", name=f"lo{i}", scheduler="tests.apps.beat_app:LeaderOnlyPersistent",
                           env=env).start() for i in range(2)]
     try:
         wait_until(lambda: len(redis.Redis.from_url(redis_server.url).lrange(queue, 0, -1)) >= 4, timeout=30)

@@ -21,8 +21,9 @@ import pytest
 import redis
 from kazoo.client import KazooClient
 
-from tests import chaos_app
-from tests.harness import CeleryBeat, CeleryWorker, Hold, RedisServer, TcpProxy, violations
+from celery_zklock.testing import Hold, violations
+from harness import CeleryBeat, CeleryWorker, RedisServer, TcpProxy
+from tests.apps import chaos_app
 from tests.util import children, wait_until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -80,13 +81,13 @@ class Chaos:
         return proxy
 
     def worker(self, name: str, hosts: Optional[str] = None, session_timeout: float = TIMEOUT) -> CeleryWorker:
-        worker = CeleryWorker("tests.chaos_app", name=name, concurrency=3, env=self.env(hosts, session_timeout),
+        worker = CeleryWorker("tests.apps.chaos_app", name=name, concurrency=3, env=self.env(hosts, session_timeout),
                               extra_args=["-Q", self.queue])
         self.processes.append(worker)
         return worker.start()  # type: ignore[return-value]
 
     def beat(self, name: str, hosts: Optional[str] = None) -> CeleryBeat:
-        beat = CeleryBeat("tests.chaos_app", name=name, env=self.env(hosts))
+        beat = CeleryBeat("tests.apps.chaos_app", name=name, env=self.env(hosts))
         self.processes.append(beat)
         return beat.start()  # type: ignore[return-value]
 

@@ -12,14 +12,14 @@ from typing import Dict, Iterator
 import pytest
 import redis
 
-from tests import worker_app
-from tests.harness import CeleryBeat, CeleryWorker, free_port
+from harness import CeleryBeat, CeleryWorker, free_port
+from tests.apps import worker_app
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
 
 
-def cli(environ: Dict[str, str], *args: str, app: str = "tests.worker_app") -> subprocess.CompletedProcess:
+def cli(environ: Dict[str, str], *args: str, app: str = "tests.apps.worker_app") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "celery", "-A", app, "zklock", *args], env=environ,
                           capture_output=True, text=True, timeout=60)
 
@@ -32,9 +32,10 @@ def cli_env(env) -> Dict[str, str]:  # noqa: F811
 @pytest.fixture
 def busy(cli_env, queue, redis_server) -> Iterator[dict]:  # noqa: F811
     """A worker holding k:a with one task waiting behind it, and a beat leading its election."""
-    worker = CeleryWorker("tests.worker_app", name="w1", concurrency=2, env=cli_env, extra_args=["-Q", queue]).start()
+    worker = CeleryWorker("tests.apps.worker_app", name="w1", concurrency=2, env=cli_env,
+                          extra_args=["-Q", queue]).start()
     history = redis.Redis.from_url(redis_server.url)
-    beat = CeleryBeat("tests.beat_app", name="b1", env={**cli_env, "ZKT_QUEUE": f"{queue}-beat"}).start()
+    beat = CeleryBeat("tests.apps.beat_app", name="b1", env={**cli_env, "ZKT_QUEUE": f"{queue}-beat"}).start()
     try:
         holder = worker_app.long_body.apply_async(("a", 30), queue=queue)
         # Only once the holder holds: sent together, the two tasks race for the lock in two
@@ -64,7 +65,7 @@ def test_locks_and_status_show_holder_waiters_and_beat_leader(busy, cli_env):
     [holder] = row["holders"]
     assert row["key"] == "k:a" and row["waiters"] == 1
     assert holder["mode"] == "exclusive" and holder["task_id"] == busy["holder"].id
-    assert holder["pid"] in busy["worker"].children() and holder["task"] == "tests.worker_app.long_body"
+    assert holder["pid"] in busy["worker"].children() and holder["task"] == "tests.apps.worker_app.long_body"
     assert holder["held_for"] >= 0 and isinstance(holder["token"], int)
     assert locks_json(cli_env, "--key", "invoice:*")["locks"] == []
 
@@ -78,20 +79,20 @@ def test_locks_and_status_show_holder_waiters_and_beat_leader(busy, cli_env):
     text = cli(cli_env, "locks")
     assert text.returncode == 0 and "k:a" in text.stdout and busy["holder"].id in text.stdout
     # An operator sees who holds it (worker and task), and with --waiters who waits, in queue order.
-    assert "w1@" in text.stdout and "tests.worker_app.long_body" in text.stdout
+    assert "w1@" in text.stdout and "tests.apps.worker_app.long_body" in text.stdout
     assert busy["waiter"].id not in text.stdout
     [waiting] = locks_json(cli_env)["locks"][0]["waiting"]
-    assert waiting["task_id"] == busy["waiter"].id and waiting["task"] == "tests.worker_app.exclusive"
+    assert waiting["task_id"] == busy["waiter"].id and waiting["task"] == "tests.apps.worker_app.exclusive"
     assert waiting["worker"].startswith("w1@") and waiting["pid"] in busy["worker"].children()
     rows = cli(cli_env, "locks", "--waiters").stdout.splitlines()
     [waiter_row] = [r for r in rows if "waiting #1" in r]
-    assert busy["waiter"].id in waiter_row and "tests.worker_app.exclusive" in waiter_row
+    assert busy["waiter"].id in waiter_row and "tests.apps.worker_app.exclusive" in waiter_row
     nothing = cli(cli_env, "locks", "--key", "invoice:*")
     assert nothing.returncode == 0 and nothing.stdout.strip() == "no lock matches 'invoice:*'"
 
 
 def test_locks_shows_a_semaphore_against_its_limit_on_every_holder_row(cli_env, queue, redis_server):  # noqa: F811
-    with CeleryWorker("tests.worker_app", name="w2", concurrency=3, env=cli_env, extra_args=["-Q", queue]):
+    with CeleryWorker("tests.apps.worker_app", name="w2", concurrency=3, env=cli_env, extra_args=["-Q", queue]):
         for _ in range(2):
             worker_app.pooled.apply_async(("p", 30), queue=queue)
         history = redis.Redis.from_url(redis_server.url)
@@ -146,11 +147,11 @@ def test_junk_written_by_others_never_breaks_the_cli(cli_env, kazoo, zk_root):
 def test_status_says_when_the_leader_holds_the_election_but_dispatches_nothing(cli_env, kazoo, zk_root, queue):  # noqa: F811
     # Another app's election with nobody in it is a leftover, not an app without a leader.
     kazoo.ensure_path(f"{zk_root}/beat/k-other_app/election")
-    beat = CeleryBeat("tests.beat_app", name="stuck", scheduler="tests.beat_app:StuckLeader",
+    beat = CeleryBeat("tests.apps.beat_app", name="stuck", scheduler="tests.apps.beat_app:StuckLeader",
                       env={**cli_env, "ZKT_QUEUE": f"{queue}-beat"}).start()
     try:
         def status() -> str:
-            return cli(cli_env, "status", app="tests.beat_app").stdout
+            return cli(cli_env, "status", app="tests.apps.beat_app").stdout
 
         wait_until(lambda: "beat_app (this app): leader" in status(), timeout=30)
         healthy = status()

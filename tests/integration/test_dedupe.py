@@ -19,9 +19,9 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 
 from celery_zklock import ZooKeeperUnavailable, zk_locked
-from tests import dedupe_app
-from tests.harness import CeleryWorker, free_port
-from tests.harness.dedupe import dedupe_violations
+from harness import CeleryWorker, free_port
+from harness.dedupe import dedupe_violations
+from tests.apps import dedupe_app
 from tests.util import children, wait_until
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def workers(env) -> Iterator:
     started: List[CeleryWorker] = []
 
     def start(name: str, concurrency: int = 4, **overrides: str) -> CeleryWorker:
-        worker = CeleryWorker("tests.dedupe_app", name=name, concurrency=concurrency, env={**env, **overrides},
+        worker = CeleryWorker("tests.apps.dedupe_app", name=name, concurrency=concurrency, env={**env, **overrides},
                               extra_args=["-Q", env["ZKT_QUEUE"]])
         started.append(worker)
         return worker.start()
@@ -50,7 +50,7 @@ def workers(env) -> Iterator:
 
 
 def publish(env: Dict[str, str], task: str, count: int, seed: int, **overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.dedupe_publisher", task, str(count), str(seed)],
+    return subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", task, str(count), str(seed)],
                             env={**env, **overrides})
 
 
@@ -221,12 +221,12 @@ def test_eager_mode_dedupes_nothing_it_runs_at_once_and_leaves_no_marker(env):
 
 def test_operators_see_the_markers(env):
     sent = dedupe_app.debounced.delay("cli", 1)
-    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.dedupe_app", "zklock", "queued", "--json"],
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.dedupe_app", "zklock", "queued", "--json"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     [row] = [r for r in json.loads(out.stdout)["queued"] if r["key"] == "k:cli"]
-    assert row["task_id"] == sent.id and row["task"] == "tests.dedupe_app.debounced"
+    assert row["task_id"] == sent.id and row["task"] == "tests.apps.dedupe_app.debounced"
     assert 0 <= row["age"] < 30 and 0 < row["expires_in"] <= 3  # zklock_dedupe_ttl=3 in these tests
-    text = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.dedupe_app", "zklock", "queued"], env=env,
+    text = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.dedupe_app", "zklock", "queued"], env=env,
                           capture_output=True, text=True, timeout=60).stdout
     assert "k:cli" in text and sent.id in text and "EXPIRES IN" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -9,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-DEMO = Path(__file__).resolve().parents[2] / "example_project" / "demo.py"
+#: The repository's root: `python -m example_project.demo` runs from there (here: through PYTHONPATH).
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_demo_runs_and_keeps_every_promise(tmp_path):
-    out = subprocess.run([sys.executable, str(DEMO)], cwd=tmp_path, capture_output=True, text=True, timeout=90)
+    out = subprocess.run([sys.executable, "-m", "example_project.demo"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=90, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "overlaps found in the history" in out.stdout and "all promises kept" in out.stdout
     assert "SKIPPED" in out.stdout and "after waiting" in out.stdout and "beat takeover after SIGKILL" in out.stdout

@@ -8,14 +8,14 @@ import time
 import pytest
 
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
-from tests.harness import four_letter_word
+from celery_zklock.zk.probe import four_letter_word
 from tests.util import wait_until
 
 
 def server_of(ensemble, session_id: int):
     """The ensemble member our session is connected to (from its ``cons`` listing)."""
     for server in ensemble.servers:
-        if server.running and f"sid=0x{session_id:x}" in four_letter_word(server.port, "cons"):
+        if server.running and f"sid=0x{session_id:x}" in four_letter_word("127.0.0.1", server.port, "cons"):
             return server
     raise AssertionError("no server lists our session")
 

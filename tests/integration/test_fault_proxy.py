@@ -9,7 +9,7 @@ import pytest
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
 
-from tests.harness import Op, TcpProxy
+from harness import Op, TcpProxy
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import pytest
 
 from celery_zklock.recipes import EXCLUSIVE, READ, WRITE, Election, Lock, Rule, semaphore, sequence
 from celery_zklock.testing import Hold, violations
-from tests.harness import Op, TcpProxy
+from harness import Op, TcpProxy
 from tests.util import children, wait_until
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from celery_zklock import skipped
-from tests import worker_app
-from tests.harness import TcpProxy, max_concurrency, violations
+from celery_zklock.testing import max_concurrency, violations
+from harness import TcpProxy
+from tests.apps import worker_app
 from tests.util import children, events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow

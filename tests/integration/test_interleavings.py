@@ -22,7 +22,7 @@ from celery_zklock.beat import LeaderScheduler
 from celery_zklock.exceptions import ConfigurationError
 from celery_zklock.layout import Layout
 from celery_zklock.recipes import Election, Lock, semaphore, sequence
-from tests.harness import Op, TcpProxy
+from harness import Op, TcpProxy
 from tests.util import wait_until
 
 

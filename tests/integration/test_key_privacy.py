@@ -18,9 +18,10 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 
 import celery_zklock
-from celery_zklock.testing import SLF4J_SIMPLE_JAR, find_zookeeper_jar
-from tests import worker_app
-from tests.harness import CeleryWorker, violations
+from celery_zklock.testing import violations
+from celery_zklock.testing.server import SLF4J_SIMPLE_JAR, find_zookeeper_jar
+from harness import CeleryWorker
+from tests.apps import worker_app
 from tests.util import events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
@@ -90,11 +91,11 @@ def test_hashed_workers_exclude_each_other(workers, queue, redis_server):  # noq
 def test_switching_key_names_with_live_holders_is_refused_in_one_line(env, workers, queue, redis_server,  # noqa: F811
                                                                        kazoo, zk_root):
     readable = workers("w1", concurrency=1)
-    assert ("celery-zklock: tests.worker_app.by_default_key lock on all their arguments, which ZooKeeper shows "
+    assert ("celery-zklock: tests.apps.worker_app.by_default_key lock on all their arguments, which ZooKeeper shows "
             "in clear as node names") in readable.log_text()
     send(worker_app.long_body, queue, "live", 30)
     wait_until(lambda: any(e["event"] == "started" for e in events(redis_server.url)), timeout=30)
-    refused = CeleryWorker("tests.worker_app", name="w2", env={**env, "ZKT_KEY_SECRET": SECRET},
+    refused = CeleryWorker("tests.apps.worker_app", name="w2", env={**env, "ZKT_KEY_SECRET": SECRET},
                            extra_args=["-Q", queue]).start(wait=False)
     try:
         assert refused.proc.wait(60) != 0
@@ -132,7 +133,7 @@ def test_private_acl_lets_no_one_else_list_or_read(hashed, app, zk_server, zk_ro
                                **({"ZKT_KEY_SECRET": SECRET} if hashed else {})}
 
         def locks(*args: str) -> List[dict]:
-            out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.worker_app", "zklock", "locks",
+            out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.worker_app", "zklock", "locks",
                                   "--json", *args], env=env, capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
             return json.loads(out.stdout)["locks"]

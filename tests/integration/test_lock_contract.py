@@ -11,7 +11,7 @@ import pytest
 
 from celery_zklock import Lock, LockNotAcquired
 from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, Rule, semaphore
-from tests.harness import Hold, max_concurrency, violations
+from celery_zklock.testing import Hold, max_concurrency, violations
 from tests.util import children, wait_until
 
 KINDS = {

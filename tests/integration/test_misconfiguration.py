@@ -11,15 +11,15 @@ from typing import Dict
 
 import pytest
 
-from tests.harness import CeleryBeat, CeleryWorker
+from harness import CeleryBeat, CeleryWorker
 
 pytestmark = pytest.mark.slow
 
 MISTAKES = {
     "setting": "unknown setting 'zklock_sesion_timeout'; did you mean 'zklock_session_timeout'?",
     "django_setting": "unknown setting 'CELERY_ZKLOCK_HOST'; did you mean 'CELERY_ZKLOCK_HOSTS'?",
-    "option": "task tests.misconfigured_app.report: unknown lock option 'mdoe'; did you mean 'mode'?",
-    "stray": "task tests.misconfigured_app.report: the zklock option needs base=ZkLockedTask",
+    "option": "task tests.apps.misconfigured_app.report: unknown lock option 'mdoe'; did you mean 'mode'?",
+    "stray": "task tests.apps.misconfigured_app.report: the zklock option needs base=ZkLockedTask",
 }
 
 
@@ -30,7 +30,7 @@ def env(zk_server, zk_root, redis_server) -> Dict[str, str]:
 
 
 def check(env: Dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.misconfigured_app", "zklock", "check"],
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.misconfigured_app", "zklock", "check"],
                           env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -42,7 +42,7 @@ def one_line(text: str, message: str) -> None:
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 @pytest.mark.parametrize("kind", [CeleryWorker, CeleryBeat])
 def test_worker_and_beat_refuse_to_start_in_one_line(kind, mistake, env):
-    proc = kind("tests.misconfigured_app", name=f"{mistake}-{kind.kind}", env={**env, "ZKT_MISTAKE": mistake})
+    proc = kind("tests.apps.misconfigured_app", name=f"{mistake}-{kind.kind}", env={**env, "ZKT_MISTAKE": mistake})
     proc.start(wait=False)
     try:
         assert proc.proc.wait(60) != 0

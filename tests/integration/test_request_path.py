@@ -13,7 +13,7 @@ from kazoo.protocol.states import KazooState
 from kazoo.security import CREATOR_ALL_ACL, make_digest_acl
 
 from celery_zklock.zk.transport import DirectClient, PollHandler
-from tests.harness import TcpProxy
+from harness import TcpProxy
 from tests.util import started_clients, wait_until
 
 

@@ -15,7 +15,7 @@ from celery_zklock import ConfigurationError, lock
 from celery_zklock.conf import Settings
 from celery_zklock.recipes.election import Election
 from celery_zklock.zk import Session
-from tests.harness import ZooKeeperServer
+from harness import ZooKeeperPeer
 from tests.util import started_clients
 
 SECRET = "s3cret-pw"
@@ -123,7 +123,7 @@ def tls(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tls_server(tls):
-    server = ZooKeeperServer(secure=True, extra_config={
+    server = ZooKeeperPeer(secure=True, extra_config={
         "ssl.keyStore.location": str(tls / "server-bundle.pem"),
         "ssl.keyStore.type": "PEM",
         "ssl.trustStore.location": str(tls / "ca.pem"),

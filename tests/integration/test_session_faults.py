@@ -14,7 +14,7 @@ from celery_zklock import LockLost, ZooKeeperUnavailable
 from celery_zklock.conf import Settings
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.zk import Session, close_sessions, session_for
-from tests.harness import TcpProxy, free_port
+from harness import TcpProxy, free_port
 from tests.util import children, wait_until
 
 

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.harness import Hold, ZooKeeperServer, violations
+from celery_zklock.testing import Hold, ZooKeeperServer, violations
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def eager_reaper() -> Iterator[ZooKeeperServer]:
 def test_processes_never_overlap_while_key_nodes_are_reaped(eager_reaper, zk_root):
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.stress_contender", eager_reaper.hosts, zk_root, "3", "150", f"p{i}"],
+            [sys.executable, "-m", "tests.apps.stress_contender", eager_reaper.hosts, zk_root, "3", "150", f"p{i}"],
             stdout=subprocess.PIPE, text=True,
         )
         for i in range(4)

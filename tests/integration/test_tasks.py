@@ -13,7 +13,8 @@ from celery import Celery
 
 import celery_zklock
 from celery_zklock import LockLost, LockNotAcquired, ZkLockedTask, current_lock, signals, zk_locked
-from tests.harness import Hold, TcpProxy, violations
+from celery_zklock.testing import Hold, violations
+from harness import TcpProxy
 from tests.util import children, wait_until
 
 

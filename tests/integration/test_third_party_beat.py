@@ -16,15 +16,15 @@ from typing import Dict, List
 import pytest
 import redis
 
-from tests.harness import CeleryBeat
+from harness import CeleryBeat
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 4.0  # zklock_session_timeout of the beats
 
 SCHEDULERS = {
-    "redbeat": ("tests.redbeat_app", "celery_zklock.schedulers:LeaderOnlyRedBeatScheduler"),
-    "django-celery-beat": ("tests.django_project.celery", "celery_zklock.schedulers:LeaderOnlyDatabaseScheduler"),
+    "redbeat": ("tests.apps.redbeat_app", "celery_zklock.schedulers:LeaderOnlyRedBeatScheduler"),
+    "django-celery-beat": ("tests.apps.django_project.celery", "celery_zklock.schedulers:LeaderOnlyDatabaseScheduler"),
 }
 
 
@@ -43,7 +43,7 @@ def test_one_beat_dispatches_and_a_killed_leader_hands_over_within_the_session_t
                            "ZKT_ROOT": zk_root, "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": str(TIMEOUT),
                            "ZKT_DJANGO_DB": str(tmp_path / "db.sqlite3"), "PYTHONPATH": os.getcwd()}
     if kind == "django-celery-beat":
-        subprocess.run([sys.executable, "-c", "import tests.django_project.celery; from django.core.management "
+        subprocess.run([sys.executable, "-c", "import tests.apps.django_project.celery; from django.core.management "
                         "import call_command; call_command('migrate', verbosity=0)"], env=env, check=True,
                        timeout=120)
     beats = [CeleryBeat(app, name=f"{kind}-{i}", scheduler=scheduler, env=env) for i in range(2)]

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from celery_zklock import skipped
-from tests import worker_app
-from tests.harness import CeleryWorker, TcpProxy, free_port, max_concurrency, violations
+from celery_zklock.testing import max_concurrency, violations
+from harness import CeleryWorker, TcpProxy, free_port
+from tests.apps import worker_app
 from tests.util import children, events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
@@ -65,8 +66,8 @@ def test_skip_runs_or_skips_each_task_and_logs_the_holder(workers, queue, redis_
     named = [h for s in skips for h in s["holders"]]
     assert named, "no skip saw its holder"
     for h in named:
-        assert h["task"] == "tests.worker_app.skipping" and by_id[h["task_id"]].get() == "ran"
-        assert (f"is held by task tests.worker_app.skipping[{h['task_id']}] on worker {h['worker']} "
+        assert h["task"] == "tests.apps.worker_app.skipping" and by_id[h["task_id"]].get() == "ran"
+        assert (f"is held by task tests.apps.worker_app.skipping[{h['task_id']}] on worker {h['worker']} "
                 f"(pid {h['pid']} on host {h['host']})") in logs
 
 
@@ -143,7 +144,7 @@ def test_unreachable_zookeeper_fails_locked_tasks_clearly_and_spares_the_rest(wo
 
 
 def test_worker_with_bad_settings_refuses_to_start(env, queue):
-    worker = CeleryWorker("tests.worker_app", name="bad", env={**env, "ZKT_SESSION_TIMEOUT": "-3"},
+    worker = CeleryWorker("tests.apps.worker_app", name="bad", env={**env, "ZKT_SESSION_TIMEOUT": "-3"},
                           extra_args=["-Q", queue])
     worker.start(wait=False)
     try:

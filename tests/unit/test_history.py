@@ -1,6 +1,6 @@
 """The checker must catch what it is there to catch, or every concurrency test is hollow."""
 
-from tests.harness import Hold, max_concurrency, violations
+from celery_zklock.testing import Hold, max_concurrency, violations
 
 
 def test_clean_history_passes():

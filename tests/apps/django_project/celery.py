@@ -5,9 +5,9 @@ import os
 import django
 from celery import Celery
 
-import tests.third_party_beat  # noqa: F401  (the sent_by header)
+import tests.apps.third_party_beat  # noqa: F401  (the sent_by header)
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django_project.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.apps.django_project.settings")
 django.setup()
 
 app = Celery("django_project")

@@ -9,7 +9,7 @@ import os
 
 from celery import Celery
 
-import tests.third_party_beat  # noqa: F401  (the sent_by header)
+import tests.apps.third_party_beat  # noqa: F401  (the sent_by header)
 
 app = Celery("redbeat_app")
 app.conf.update(
@@ -23,7 +23,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
     beat_max_loop_interval=6,
-    beat_schedule={"every-second": {"task": "tests.redbeat_app.tick", "schedule": 1.0}},
+    beat_schedule={"every-second": {"task": "tests.apps.redbeat_app.tick", "schedule": 1.0}},
 )
 
 

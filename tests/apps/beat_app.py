@@ -20,8 +20,8 @@ app.conf.update(
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
     beat_max_loop_interval=1,
     beat_schedule={} if os.environ.get("ZKT_EMPTY_SCHEDULE") else {
-        "every-second": {"task": "tests.beat_app.tick", "schedule": 1.0},
-        **({"every-minute": {"task": "tests.beat_app.tick", "schedule": crontab(minute="*")}}
+        "every-second": {"task": "tests.apps.beat_app.tick", "schedule": 1.0},
+        **({"every-minute": {"task": "tests.apps.beat_app.tick", "schedule": crontab(minute="*")}}
            if os.environ.get("ZKT_CRONTAB") else {}),
     },
 )

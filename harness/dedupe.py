@@ -31,7 +31,7 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
     """
     problems: List[str] = []
     first: Dict[str, Dict[str, float]] = collections.defaultdict(dict)
-    starts = collections.Counter()
+    starts: collections.Counter[str] = collections.Counter()
     for r in runs:
         first[r["task_id"]].setdefault(r["event"], r["time"])
         starts[r["task_id"]] += r["event"] == "start"

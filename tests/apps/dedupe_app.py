@@ -49,7 +49,7 @@ def note(event: str, task_id: str = "", **fields: Any) -> None:
 
 @task_prerun.connect
 def _pre(sender: Any = None, task_id: str = "", args: Any = (), kwargs: Any = None, **extra: Any) -> None:
-    if sender is not None and sender.name.startswith("tests.dedupe_app."):
+    if sender is not None and sender.name.startswith("tests.apps.dedupe_app."):
         note("pre", task_id=task_id, key=(kwargs or {}).get("key", args[0] if args else None))
 
 

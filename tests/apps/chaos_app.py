@@ -35,7 +35,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     broker_connection_max_retries=None,
     beat_max_loop_interval=0.5,
-    beat_schedule={"every-second": {"task": "tests.chaos_app.tick", "schedule": 1.0,
+    beat_schedule={"every-second": {"task": "tests.apps.chaos_app.tick", "schedule": 1.0,
                                     "options": {"queue": f"{QUEUE}-beat"}}},
 )
 _redis: Any = None

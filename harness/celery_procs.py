@@ -10,7 +10,7 @@ from pathlib import Path
 from signal import SIGTERM
 from typing import Dict, List, Optional, Sequence
 
-from celery_zklock.testing import ChildProcess, HarnessError, wait_for
+from .process import ChildProcess, HarnessError, wait_for
 
 __all__ = ["CeleryBeat", "CeleryWorker"]
 
@@ -99,7 +99,7 @@ class CeleryWorker(_CeleryProcess):
 
     Example::
 
-        with CeleryWorker("tests.worker_app", name="w1", pool="prefork", concurrency=2, env=env) as w:
+        with CeleryWorker("tests.apps.worker_app", name="w1", pool="prefork", concurrency=2, env=env) as w:
             result = task.delay(1).get(timeout=10)
     """
 

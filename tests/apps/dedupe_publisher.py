@@ -1,6 +1,6 @@
-"""A publisher process of the dedupe tests: ``python -m tests.dedupe_publisher TASK N SEED``.
+"""A publisher process of the dedupe tests: ``python -m tests.apps.dedupe_publisher TASK N SEED``.
 
-TASK is a task of ``tests.dedupe_app``, or of the module ``ZKT_DEDUPE_APP`` names (the
+TASK is a task of ``tests.apps.dedupe_app``, or of the module ``ZKT_DEDUPE_APP`` names (the
 comparison benchmark's app, with celery-once and celery-singleton tasks).
 
 Sends N ``.delay()`` calls of TASK over 20 keys, each with a fresh task id, and records
@@ -25,7 +25,7 @@ import redis
 
 from celery_zklock import signals
 
-dedupe_app = importlib.import_module(os.environ.get("ZKT_DEDUPE_APP", "tests.dedupe_app"))
+dedupe_app = importlib.import_module(os.environ.get("ZKT_DEDUPE_APP", "tests.apps.dedupe_app"))
 
 marked: Dict[str, float] = {}
 

@@ -19,7 +19,7 @@ app.conf.update(
     zklock_connect_timeout=5,
     zklock_session_timeout=float(os.environ.get("ZKT_SESSION_TIMEOUT", "4")),
     broker_connection_retry_on_startup=True,
-    beat_schedule={"every-second": {"task": "tests.misconfigured_app.fine", "schedule": 1.0}},
+    beat_schedule={"every-second": {"task": "tests.apps.misconfigured_app.fine", "schedule": 1.0}},
 )
 if MISTAKE == "setting":
     app.conf.zklock_sesion_timeout = 5

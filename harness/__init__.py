@@ -1,0 +1,25 @@
+"""The project's own test rig: servers, a fault proxy, Celery process drivers. Not shipped.
+
+Tests, benchmarks and the demo import it as a sibling of the package: pytest through
+``pythonpath = ["."]``, the benchmarks and the demo by running as modules from the
+repository's root (``python -m benchmarks.bench_lock``). The ZooKeeper server and the
+history checks users need are public, in :mod:`celery_zklock.testing`.
+
+- :mod:`.process`: :class:`ChildProcess`, :func:`wait_for` (and the public server module's
+  :func:`~celery_zklock.testing.server.free_port`, a port nothing listens on);
+- :mod:`.servers`: :class:`ZooKeeperPeer` (ensemble wiring, a TLS port, CPU pinning),
+  :class:`ZooKeeperEnsemble`, :class:`RedisServer`;
+- :mod:`.proxy`: :class:`TcpProxy`, which knows ZooKeeper's framing, and its :class:`Fault`\\ s;
+- :mod:`.celery_procs`: real ``celery worker`` and ``celery beat`` subprocesses;
+- :mod:`.dedupe`: the history check of enqueue-time dedupe.
+"""
+
+from celery_zklock.testing.server import free_port
+
+from .celery_procs import CeleryBeat, CeleryWorker
+from .process import ChildProcess, HarnessError, wait_for
+from .proxy import Fault, Op, TcpProxy
+from .servers import RedisServer, ZooKeeperEnsemble, ZooKeeperPeer
+
+__all__ = ["CeleryBeat", "CeleryWorker", "ChildProcess", "Fault", "HarnessError", "Op", "RedisServer", "TcpProxy",
+           "ZooKeeperEnsemble", "ZooKeeperPeer", "free_port", "wait_for"]

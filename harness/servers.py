@@ -1,0 +1,204 @@
+"""The rig's servers beyond the public ZooKeeperServer: a server the rig can wire into an
+ensemble, give a TLS port or pin to CPUs; an ensemble of them; and Redis."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from signal import SIGKILL, SIGTERM
+from typing import Any, Dict, List, Optional, Tuple
+
+from celery_zklock.testing import ZooKeeperServer
+from celery_zklock.testing.server import DEBIAN_ZOOKEEPER_JAR, free_port
+from celery_zklock.zk.probe import four_letter_word
+
+from .process import ChildProcess, HarnessError, tail, wait_for
+
+__all__ = ["RedisServer", "ZooKeeperEnsemble", "ZooKeeperPeer"]
+
+#: Debian's manifest of zookeeper.jar leaves out netty-codec, which the TLS (Netty) server needs.
+NETTY_CODEC_JAR = "/usr/share/java/netty-codec.jar"
+
+
+class ZooKeeperPeer(ZooKeeperServer):
+    """A :class:`~celery_zklock.testing.ZooKeeperServer` with the rig's knobs: a member of a
+    :class:`ZooKeeperEnsemble` (``myid``, ``peers``: ``(id, quorum port, election port)``),
+    a TLS client port besides the plain one (``secure``; the ``ssl.*`` settings go in
+    ``extra_config``), and pinned to CPUs (``cpus``, ``taskset -c`` syntax) so a benchmark
+    measures its client alone.
+
+    Example::
+
+        with ZooKeeperPeer(cpus="1", extra_config={"forceSync": "yes"}) as zk:
+            client = KazooClient(hosts=zk.hosts)
+    """
+
+    def __init__(self, *, myid: Optional[int] = None, peers: Optional[List[Tuple[int, int, int]]] = None,
+                 secure: bool = False, cpus: Optional[str] = None, **options: Any) -> None:
+        super().__init__(**options)
+        self.myid = myid
+        self.peers = peers
+        #: With ``secure``, a TLS client port as well.
+        self.secure_port = free_port() if secure else None
+        self.cpus = cpus
+
+    @property
+    def secure_hosts(self) -> str:
+        if self.secure_port is None:
+            raise HarnessError("this server was not started with secure=True")
+        return f"127.0.0.1:{self.secure_port}"
+
+    def config(self) -> Dict[str, str]:
+        lines = super().config()
+        if self.secure_port is not None:
+            lines["secureClientPort"] = str(self.secure_port)
+            lines["secureClientPortAddress"] = "127.0.0.1"
+            lines["serverCnxnFactory"] = "org.apache.zookeeper.server.NettyServerCnxnFactory"
+        for sid, quorum_port, election_port in self.peers or ():
+            lines[f"server.{sid}"] = f"127.0.0.1:{quorum_port}:{election_port}"
+        return lines
+
+    def classpath(self) -> str:
+        classpath = super().classpath()
+        if self.secure_port is None or not classpath.startswith(DEBIAN_ZOOKEEPER_JAR):
+            return classpath
+        if not os.path.exists(NETTY_CODEC_JAR):
+            raise HarnessError(f"ZooKeeper's TLS port needs {NETTY_CODEC_JAR} (Debian's libnetty-java)")
+        return classpath + os.pathsep + NETTY_CODEC_JAR
+
+    def command(self, cfg: Path) -> List[str]:
+        return [*(["taskset", "-c", self.cpus] if self.cpus else []), *super().command(cfg)]
+
+    def start(self, wait: bool = True) -> ZooKeeperPeer:
+        if self.peers:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            (self.data_dir / "myid").write_text(f"{self.myid}\n")
+        super().start(wait)
+        return self
+
+    def mode(self) -> str:
+        """``standalone``, ``leader`` or ``follower`` (empty when not serving)."""
+        for line in four_letter_word("127.0.0.1", self.port, "srvr").splitlines():
+            if line.startswith("Mode:"):
+                return line.split(":", 1)[1].strip()
+        return ""
+
+    def mntr(self) -> Dict[str, str]:
+        """The server's ``mntr`` figures, by name."""
+        figures = (line.partition("\t") for line in four_letter_word("127.0.0.1", self.port, "mntr").splitlines())
+        return {name: value for name, tab, value in figures if tab}
+
+
+class ZooKeeperEnsemble:
+    """A real 3-server (or ``size``-server) ensemble on loopback.
+
+    Example::
+
+        with ZooKeeperEnsemble() as ens:
+            client = KazooClient(hosts=ens.hosts)
+            ens.leader().stop(SIGKILL)
+    """
+
+    def __init__(self, size: int = 3, **server_options: Any) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="zklock-ensemble-"))
+        peers = [(sid, free_port(), free_port()) for sid in range(1, size + 1)]
+        self.servers = [ZooKeeperPeer(base_dir=self.dir / f"server{sid}", myid=sid, peers=peers, **server_options)
+                        for sid, _, _ in peers]
+
+    @property
+    def hosts(self) -> str:
+        return ",".join(s.hosts for s in self.servers)
+
+    def start(self) -> ZooKeeperEnsemble:
+        for server in self.servers:
+            server.start(wait=False)
+        for server in self.servers:
+            server.wait_serving()
+        return self
+
+    def leader(self) -> ZooKeeperPeer:
+        for server in self.servers:
+            if server.running and server.is_serving() and server.mode() == "leader":
+                return server
+        raise HarnessError("the ensemble has no leader")
+
+    def log_tail(self) -> str:
+        return "\n".join(f"--- server {s.myid} ---\n{s.log_tail(15)}" for s in self.servers)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> ZooKeeperEnsemble:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RedisServer:
+    """A real ``redis-server`` on a free port, no persistence, its own temp directory.
+
+    Example::
+
+        with RedisServer() as redis:
+            app.conf.broker_url = redis.url
+    """
+
+    def __init__(self, persistent: bool = False) -> None:
+        self.port = free_port()
+        #: Keep data across :meth:`stop` / :meth:`start` (an append-only file, fsynced per write).
+        self.persistent = persistent
+        self.dir = Path(tempfile.mkdtemp(prefix="zklock-redis-"))
+        self.log = self.dir / "redis.log"
+        self._process: Optional[ChildProcess] = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise HarnessError("Redis is not installed: install Debian's 'redis-server' package (make test does)")
+        argv = [
+            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            "--save", "", "--protected-mode", "yes",
+            *(["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]),
+        ]
+        self._process = ChildProcess(argv, self.log, self.dir)
+        self._process.start()
+
+        def ping() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+
+        try:
+            wait_for(ping, 20, f"Redis on port {self.port}", self.log)
+        except BaseException:
+            self._process.stop(SIGKILL)
+            raise
+        return self
+
+    def log_tail(self, lines: int = 20) -> str:
+        return tail(self.log, lines)
+
+    def stop(self, sig: int = SIGTERM) -> None:
+        """Stop the server (start() again restarts it on the same port)."""
+        if self._process is not None:
+            self._process.stop(sig)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
