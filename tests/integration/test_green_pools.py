@@ -115,7 +115,8 @@ def test_a_partition_interrupts_each_holding_greenlet_and_no_other(pool, workers
         seconds = [send(worker_app.exclusive, queue + "-w2", key, 0.01) for key in [*keys, "flag0"]]
         assert sorted(r.get(timeout=60) for r in seconds) == sorted([*keys, "flag0"])
         for key, result in held.items():
-            with pytest.raises(Exception, match=rf"task tests\.worker_app\.long_body: lock 'k:{key}' \(/.*\) is lost"):
+            with pytest.raises(Exception,
+                               match=rf"task tests\.apps\.worker_app\.long_body: lock 'k:{key}' \(/.*\) is lost"):
                 result.get(timeout=30)
         ticks = ticker.get(timeout=30)
         assert flagged.get(timeout=30) == "finished"  # flag: told, not interrupted

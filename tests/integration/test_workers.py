@@ -109,7 +109,7 @@ def test_cut_worker_body_gets_lock_lost_before_another_starts(pool, workers, que
         second = send(worker_app.exclusive, queue + "-w2", "cut", 0.01)
         assert second.get(timeout=60) == "cut"
         # The key, the path and the reason.
-        with pytest.raises(Exception, match=r"task tests\.worker_app\.long_body: lock 'k:cut' \(/.*\) is lost: "
+        with pytest.raises(Exception, match=r"task tests\.apps\.worker_app\.long_body: lock 'k:cut' \(/.*\) is lost: "
                                             r"its session was lost \(no answer from ZooKeeper within the 4s"):
             long_task.get(timeout=30)
         history = events(redis_server.url)
