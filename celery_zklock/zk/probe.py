@@ -23,9 +23,10 @@ from ..exceptions import ZooKeeperUnavailable
 
 __all__ = ["addresses", "four_letter_word", "server_limits"]
 
-#: How each ZooKeeper reply to a four-letter word begins (answered, not whitelisted, not serving).
+#: How each ZooKeeper reply to a four-letter word begins: srvr, not whitelisted, not serving, conf,
+#: mntr (``zk_version\t...``) and cons (`` /127.0.0.1:52314[1](queued=...``).
 _ZOOKEEPER = re.compile(rb"^(Zookeeper version:|\w{4} is not executed because|This ZooKeeper instance is not"
-                        rb"|[a-zA-Z.]+=)")
+                        rb"|[a-zA-Z.]+=|zk_\w+\t| /\S+\[\d+\]\()")
 
 
 def addresses(hosts: str) -> List[Tuple[str, int]]:
