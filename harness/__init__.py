@@ -5,11 +5,11 @@ Tests, benchmarks and the demo import it as a sibling of the package: pytest thr
 repository's root (``python -m benchmarks.bench_lock``). The ZooKeeper server and the
 history checks users need are public, in :mod:`celery_zklock.testing`.
 
-- :mod:`.process`: :class:`ChildProcess`, :func:`wait_for` (and the public server module's
-  :func:`~celery_zklock.testing.server.free_port`, a port nothing listens on);
+- :mod:`.process`: :class:`ChildProcess`, :func:`wait_for`;
+- :func:`free_port` (the public server module's): a loopback port nothing listens on;
 - :mod:`.servers`: :class:`ZooKeeperPeer` (ensemble wiring, a TLS port, CPU pinning),
   :class:`ZooKeeperEnsemble`, :class:`RedisServer`;
-- :mod:`.proxy`: :class:`TcpProxy`, which knows ZooKeeper's framing, and its :class:`Fault`\\ s;
+- :mod:`.proxy`: :class:`TcpProxy`, which knows ZooKeeper's framing, and the faults it places;
 - :mod:`.celery_procs`: real ``celery worker`` and ``celery beat`` subprocesses;
 - :mod:`.dedupe`: the history check of enqueue-time dedupe.
 """
