@@ -65,10 +65,9 @@ def main() -> None:
         os.sched_setaffinity(0, {0})  # inherited by Redis and the worker
     # The container reaper at ZooKeeper's default interval (60 s), not the test harness's 500 ms.
     zk_server = ZooKeeperPeer(extra_config={"forceSync": "yes"} if args.fsync else {}, cpus="1" if args.pin else None,
-                                container_check_ms=60_000)
+                              container_check_ms=60_000)
     with zk_server as zk, RedisServer() as rs:
-        env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk.hosts,
-               "PYTHONPATH": str(ROOT)}
+        env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk.hosts, "PYTHONPATH": str(ROOT)}
         bench_app.app.conf.update(broker_url=rs.url, zklock_hosts=zk.hosts)
         r = redis.Redis.from_url(rs.url)
         for pool in args.pools.split(","):

@@ -109,8 +109,7 @@ def main() -> int:
         started.append(redis_server)
         redis_server.start()
         os.environ.update(DEMO_ZK_HOSTS=zk.hosts, DEMO_BROKER_URL=redis_server.url)
-        env = {"DEMO_ZK_HOSTS": zk.hosts, "DEMO_BROKER_URL": redis_server.url,
-               "PYTHONPATH": str(ROOT)}
+        env = {"DEMO_ZK_HOSTS": zk.hosts, "DEMO_BROKER_URL": redis_server.url, "PYTHONPATH": str(ROOT)}
         print(f"ZooKeeper on {zk.hosts}, Redis on {redis_server.url}")
         workers = [CeleryWorker("example_project.app", name=f"worker{i}", concurrency=3, env=env) for i in (1, 2)]
         beats = [CeleryBeat("example_project.app", name=f"beat{i}", env=env) for i in (1, 2)]
