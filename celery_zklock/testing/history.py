@@ -6,12 +6,12 @@ Who may overlap whom is not spelled out here: it is what the lock's
 contenders it would find ahead of it, so a history is checked by the very rule the
 lock runs on.
 
-Example::
+In one process, :class:`HistoryRecorder` records holds as they end. Across processes
+(workers), record each body's key, mode, fencing token and times where the test can read
+them, and check them together::
 
-    history = HistoryRecorder()
-    with celery_zklock.lock(app, "invoice:42") as held, history.hold(held, who="t1"):
-        charge()
-    assert history.violations() == []
+    holds = [Hold(e["key"], e["mode"], e["token"], e["start"], e["end"], e["worker"]) for e in recorded]
+    assert violations(holds) == []
 """
 
 from __future__ import annotations
