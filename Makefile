@@ -9,7 +9,7 @@ STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: test test-oldest lint demo bench chaos system venv clean
+.PHONY: test test-oldest lint docs demo bench chaos system venv clean
 
 test: system venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -29,6 +29,17 @@ test-oldest: system venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+# The documentation site, built into site/ (gitignored). --strict turns every warning (a broken link,
+# a page left out of the nav) into a failure. Its own stamp: `make test` needs no docs tools.
+DOCS_STAMP = $(VENV)/.docs-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict --quiet --site-dir site
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	@rm -f $(VENV)/.docs-*
+	@touch $@
 
 # The venv has the test extras, matplotlib among them: the demo draws demo-timeline.png.
 # The demo and the benchmarks run as modules from here, where harness/ (the rig) is importable.
@@ -62,9 +73,9 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9))' || { echo "error: $(PYTHON) is older than Python 3.9"; exit 1; }
 	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV) || { echo "error: could not create a virtualenv with $(PYTHON) (install python3-venv)"; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,lint,ci]'
+	$(BIN)/python -m pip install -q -e '.[test]' --group lint --group ci
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache *.egg-info site
