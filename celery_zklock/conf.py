@@ -18,7 +18,7 @@ from typing import Any, Iterable, List, Mapping, Optional, Tuple
 from .exceptions import ConfigurationError
 
 __all__ = [
-    "ACL_POLICIES", "CONTENTION_POLICIES", "DEDUPE_MODES", "DEFAULTS", "DUPLICATE_POLICIES",
+    "ACL_POLICIES", "CONTENTION_POLICIES", "DEDUPE_MODES", "DEFAULTS", "DESCRIPTIONS", "DUPLICATE_POLICIES",
     "UNAVAILABLE_POLICIES", "KEY_NAMES", "LOCK_LOST_POLICIES", "MIN_SECRET", "Settings",
     "TaskDefaults", "beat_name", "describe", "did_you_mean", "unknown_settings",
 ]
@@ -45,7 +45,7 @@ KEY_NAMES = ("readable", "hashed")
 #: The shortest ``zklock_key_secret``: an HMAC key shorter than this is guessable.
 MIN_SECRET = 16
 
-#: Setting name -> default. The README's settings table mirrors this.
+#: Setting name -> default (what each one is: DESCRIPTIONS, below).
 DEFAULTS: Mapping[str, Any] = {
     "zklock_hosts": "127.0.0.1:2181",
     "zklock_root": "/celery-zklock",
@@ -64,6 +64,45 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_default_timeout": 60.0,
     "zklock_dedupe_ttl": 3600.0,
     "zklock_beat_name": None,
+}
+
+#: Setting name -> (its type, what it does). The settings reference in docs/ is rendered
+#: from this and DEFAULTS when the site is built; a unit test checks every setting has one.
+DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
+    "zklock_hosts": ("str", "ZooKeeper connect string, `host:port,...[/chroot]`. Credentials "
+                     "(`user:password@`) are refused without being echoed: they go in `zklock_auth`."),
+    "zklock_root": ("str", "Absolute znode under which everything lives: locks, semaphores, dedupe markers, "
+                    "beat elections and beat state."),
+    "zklock_session_timeout": ("seconds", "The session timeout: how long a crashed holder keeps its locks, and "
+                               "how soon a silent holder counts its locks as lost (at 0.9 of it). The server "
+                               "clamps it to its `minSessionTimeout`..`maxSessionTimeout`; the shorter one wins."),
+    "zklock_connect_timeout": ("seconds", "How long the first connect may take before `ZooKeeperUnavailable`: "
+                               "locked tasks, a dedupe publish and beat give up after it rather than hang."),
+    "zklock_auth": ("str", "Digest credential `user:password`. Never printed or logged (kazoo's own DEBUG log "
+                    "of it is redacted)."),
+    "zklock_acl": ("str", "ACL of every node created: `open` (anyone may change them, ZooKeeper's default), "
+                   "`creator` (only clients with the same `zklock_auth` may create, change or delete; anyone may "
+                   "read) or `private` (only that credential, for reading and listing too). `creator` and "
+                   "`private` need `zklock_auth`."),
+    "zklock_key_names": ("str", "How a lock key becomes a znode name: `readable` (the key itself, "
+                         "percent-encoded) or `hashed` (an HMAC-SHA256 of the key under `zklock_key_secret`; the "
+                         "holder's data then carries no key either)."),
+    "zklock_key_secret": ("str or bytes", "The HMAC key of `hashed` names: at least 16 bytes, the same in every "
+                          "worker, beat and CLI of the app. Required by `hashed`, refused without it. Never printed."),
+    "zklock_use_ssl": ("bool", "Talk TLS to ZooKeeper's `secureClientPort`."),
+    "zklock_ca": ("path", "PEM file of the CA(s) that signed the servers' certificates (needs `zklock_use_ssl`)."),
+    "zklock_certfile": ("path", "PEM client certificate, for servers with `ssl.clientAuth=need` (set together "
+                        "with `zklock_keyfile`)."),
+    "zklock_keyfile": ("path", "PEM private key of `zklock_certfile`."),
+    "zklock_verify_certs": ("bool", "Verify the server's certificate against `zklock_ca` (and the system CAs)."),
+    "zklock_default_on_contention": ("str", "Policy of locked tasks that do not set `on_contention`: `wait`, "
+                                     "`skip`, `retry` or `raise`."),
+    "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
+                               "`None` waits forever."),
+    "zklock_dedupe_ttl": ("seconds", "Life of a dedupe marker whose message was lost (a call's `expires` "
+                          "shortens it; `countdown` and `eta` add their delay)."),
+    "zklock_beat_name": ("str", "Name of the beat election: beats with the same name elect one leader. "
+                         "Unset: the app's main name (`celery` when it has none)."),
 }
 
 
