@@ -34,7 +34,7 @@ lint: venv
 # a page left out of the nav) into a failure. Its own stamp: `make test` needs no docs tools.
 DOCS_STAMP = $(VENV)/.docs-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 docs: $(DOCS_STAMP)
-	$(BIN)/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site  # (the variable: Material's end-of-life banner)
 
 $(DOCS_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[docs]'
