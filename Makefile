@@ -31,10 +31,11 @@ lint: venv
 	$(BIN)/mypy
 
 # The documentation site, built into site/ (gitignored). --strict turns every warning (a broken link,
-# a page left out of the nav) into a failure. Its own stamp: `make test` needs no docs tools.
+# a page left out of the nav) into a failure; NO_MKDOCS_2_WARNING quiets Material's end-of-life banner.
+# Its own stamp: `make test` needs no docs tools.
 DOCS_STAMP = $(VENV)/.docs-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 docs: $(DOCS_STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site  # (the variable: Material's end-of-life banner)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
 $(DOCS_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[docs]'
