@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Tuple
 
 import redis
 from kazoo.exceptions import NoNodeError
 
+from celery_zklock.recipes import Observer
 from celery_zklock.testing import Hold
 
 
@@ -18,6 +19,22 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+class WaitLog(Observer):
+    """What one contender saw while it waited (``Lock(..., observer=WaitLog())``)."""
+
+    def __init__(self) -> None:
+        #: Watch events it received (the herd-effect tests count them).
+        self.wakeups = 0
+        #: The nodes the rule last told it to watch.
+        self.blocked_by: Tuple[str, ...] = ()
+
+    def woken(self) -> None:
+        self.wakeups += 1
+
+    def blocked(self, watching: Tuple[str, ...]) -> None:
+        self.blocked_by = watching
 
 
 def children(kazoo, path: str) -> List[str]:

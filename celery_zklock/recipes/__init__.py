@@ -1,7 +1,17 @@
-"""Recipes that know only kazoo and our session, never Celery."""
+"""Recipes that know only kazoo and our session, never Celery.
+
+- :mod:`.rules`: who holds, decided from node names alone (exclusive, read, write, semaphore);
+- :mod:`.engine`: one contender's loop through a key's queue, returning a :class:`Held`;
+- :mod:`.lock`: the handle users hold (:class:`Lock`), watching over its hold;
+- :mod:`.queue`: a read-only view of a key's queue (holders, contenders);
+- :mod:`.election`: leader election on the lock, as a state machine;
+- :mod:`.marker`: one dedupe marker per key.
+"""
 
 from .election import Election, ElectionState
-from .lock import EXCLUSIVE, READ, RULES, WRITE, Decision, Lock, LockState, Rule, contender, semaphore, sequence
+from .engine import Held, Observer
+from .lock import Lock, LockState
+from .rules import EXCLUSIVE, READ, RULES, WRITE, Decision, Rule, contender, semaphore, sequence
 
-__all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Election", "ElectionState", "Lock", "LockState", "Rule",
-           "contender", "semaphore", "sequence"]
+__all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Election", "ElectionState", "Held", "Lock", "LockState",
+           "Observer", "Rule", "contender", "semaphore", "sequence"]

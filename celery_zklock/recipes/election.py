@@ -11,6 +11,18 @@ A standby waits on the recipe's single watch (herd-free), so it costs
 nothing while it waits. ``on_change(state)`` fires only when the state really
 changes, from a background thread.
 
+The election's state follows its lock's (:data:`LEADER_STATE`, the one mapping): a held
+lock leads, a lock in doubt is a suspended leader, and a lost one is released and queued
+again (standby).
+
+Threads:
+
+=================================  ==========================================================
+``start``, ``close``, ``wait_*``   the caller's thread; ``is_leader``, ``leadership``: any thread
+``_run``                           the election's own thread: takes the lock, leads, stands by
+``_on_lock_state``                 the lock's notifying thread (see :mod:`.lock`): never blocks
+=================================  ==========================================================
+
 Example::
 
     election = Election(session, "/celery-zklock/beat/proj/election", data=b'{"pid": 42}')
@@ -25,14 +37,15 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 from kazoo.exceptions import NoNodeError
 
 from ..zk import Session
-from .lock import EXCLUSIVE, Lock, LockState, contender, sequence
+from .lock import Lock, LockState
+from .rules import EXCLUSIVE, contender, sequence
 
-__all__ = ["Election", "ElectionState", "Leadership"]
+__all__ = ["LEADER_STATE", "Election", "ElectionState", "Leadership"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -46,6 +59,11 @@ class ElectionState(str, enum.Enum):
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+#: What a leader is while its lock is in each state (LOST: it stands by again, once released).
+LEADER_STATE: Dict[LockState, ElectionState] = {LockState.HELD: ElectionState.LEADER,
+                                                LockState.IN_DOUBT: ElectionState.SUSPENDED}
 
 
 class Leadership(NamedTuple):
@@ -174,15 +192,13 @@ class Election:
             except Exception:
                 logger.exception("election state listener failed")
 
-    def _on_lock_state(self, lock: Lock, state: str) -> None:
+    def _on_lock_state(self, lock: Lock, state: LockState) -> None:
         if lock is not self._lock:
             return
-        if state == LockState.IN_DOUBT:
-            self._set(ElectionState.SUSPENDED)
-        elif state == LockState.HELD:
-            self._set(ElectionState.LEADER)
-        elif state == LockState.LOST:
-            self._lost.set()
+        if state == LockState.LOST:
+            self._lost.set()  # _run releases the lock and stands by again
+        elif state in LEADER_STATE:
+            self._set(LEADER_STATE[state])
 
     def _run(self) -> None:
         announced = False

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
-from ..zk import Session, remaining
+from ..zk import Session, deadline, reply
 
 __all__ = ["claim", "live", "read_marker", "release"]
 
@@ -60,16 +60,16 @@ def claim(session: Session, path: str, data: Dict[str, Any],
     """Make ``path`` our marker, holding ``data``. Returns (None, our version) when it is ours,
     or (the live marker's data, -1) when another copy holds it."""
     client = session.client
-    deadline = None if timeout is None else time.monotonic() + timeout
+    until = deadline(timeout)
     raw = json.dumps(data).encode()
     for _ in range(5):
         try:
-            client.create_async(path, raw).get(timeout=remaining(deadline))
+            reply(client.create_async(path, raw), until)
             return None, 0
         except NodeExistsError:
             pass
         try:
-            current, stat = client.get_async(path).get(timeout=remaining(deadline))
+            current, stat = reply(client.get_async(path), until)
         except NoNodeError:
             continue  # its copy started meanwhile: create again
         marker = read_marker(current)
@@ -77,7 +77,7 @@ def claim(session: Session, path: str, data: Dict[str, Any],
             return marker, -1
         try:
             # Its copy's message is presumed lost: take the node over, version-checked.
-            client.set_async(path, raw, version=stat.version).get(timeout=remaining(deadline))
+            reply(client.set_async(path, raw, version=stat.version), until)
             return None, stat.version + 1
         except (BadVersionError, NoNodeError):
             continue  # someone else took it over or it went: look again
@@ -87,16 +87,16 @@ def claim(session: Session, path: str, data: Dict[str, Any],
 def release(session: Session, path: str, task_id: str, timeout: Optional[float] = None) -> bool:
     """Delete the marker at ``path`` if it still names ``task_id``; True if deleted."""
     client = session.client
-    deadline = None if timeout is None else time.monotonic() + timeout
+    until = deadline(timeout)
     try:
-        current, stat = client.get_async(path).get(timeout=remaining(deadline))
+        current, stat = reply(client.get_async(path), until)
     except NoNodeError:
         return False
     marker = read_marker(current)
     if marker is None or marker["task_id"] != task_id:
         return False  # a newer copy's marker: not ours to delete
     try:
-        client.delete_async(path, version=stat.version).get(timeout=remaining(deadline))
+        reply(client.delete_async(path, version=stat.version), until)
         return True
     except (BadVersionError, NoNodeError):
         return False  # taken over or deleted since we read it: not ours any more

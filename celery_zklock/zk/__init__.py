@@ -3,13 +3,15 @@
 - :mod:`.session`: the kazoo client (hosts, auth, TLS, its handler) and one session per process;
 - :mod:`.clock`: :class:`LivenessClock`, the pure rule for when a session's nodes count as lost;
 - :mod:`.nodes`: persistent paths, key containers, and deletes nobody waits for;
+- :mod:`.deadlines`: a timeout as one ``time.monotonic()`` moment, the seconds left, a reply waited for until then;
 - :mod:`.green`: the gevent or eventlet handler, when one of them patched the process.
 """
 
 from .clock import Liveness, LivenessClock
+from .deadlines import deadline, remaining, reply
 from .green import timeouts
-from .nodes import Nodes, check_acl, remaining
-from .session import Session, SessionState, acl_for, close_sessions, session_for
+from .nodes import Nodes, check_acl
+from .session import Session, SessionListener, acl_for, close_sessions, session_for
 
-__all__ = ["Liveness", "LivenessClock", "Nodes", "Session", "SessionState", "acl_for", "check_acl",
-           "close_sessions", "remaining", "session_for", "timeouts"]
+__all__ = ["Liveness", "LivenessClock", "Nodes", "Session", "SessionListener", "acl_for", "check_acl",
+           "close_sessions", "deadline", "remaining", "reply", "session_for", "timeouts"]

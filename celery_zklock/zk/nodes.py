@@ -15,7 +15,6 @@ import collections
 import json
 import posixpath
 import threading
-import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -24,9 +23,10 @@ from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NodeE
 from kazoo.security import ACL, Permissions
 
 from ..exceptions import ConfigurationError
+from .deadlines import deadline, reply
 from .transport import create_container_async, create_node_async
 
-__all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused", "remaining"]
+__all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused"]
 
 #: Key containers remembered per session; older ones are simply created again.
 MAX_KNOWN_CONTAINERS = 4096
@@ -66,15 +66,15 @@ class Nodes:
         if self._ensured.get(f"scheme:{scheme}"):
             return
         client = self._require()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        until = deadline(timeout)
         self.ensure_path(self.root, timeout)
         for _ in range(3):
-            raw, stat = client.get_async(self.root).get(timeout=remaining(deadline))
+            raw, stat = reply(client.get_async(self.root), until)
             recorded = _scheme_of(raw)
             if recorded == scheme:
                 break
             if recorded is not None:
-                busy = self._contended(trees, deadline)
+                busy = self._contended(trees, until)
                 if busy:
                     kind, ours = recorded.split(":")[0], scheme.split(":")[0]
                     raise ConfigurationError(
@@ -84,26 +84,26 @@ class Nodes:
                         "locks would not exclude each other. Stop every worker of the old setting, then start "
                         "the new ones")
             try:
-                client.set_async(self.root, json.dumps({"key_names": scheme}).encode(),
-                                 version=stat.version).get(timeout=remaining(deadline))
+                reply(client.set_async(self.root, json.dumps({"key_names": scheme}).encode(), version=stat.version),
+                      until)
                 break
             except BadVersionError:
                 continue  # someone else wrote it meanwhile: read it again
         self._ensured[f"scheme:{scheme}"] = True
 
-    def _contended(self, trees: Tuple[str, ...], deadline: Optional[float]) -> Optional[str]:
+    def _contended(self, trees: Tuple[str, ...], until: Optional[float]) -> Optional[str]:
         """A lock node under ``trees`` that has a child (a holder or a waiter), or None."""
         client = self._require()
         for tree in trees:
             base = f"{self.root}/{tree}"
             try:
-                names = client.get_children_async(base).get(timeout=remaining(deadline))
+                names = reply(client.get_children_async(base), until)
             except NoNodeError:
                 continue
             pending = [(name, client.get_children_async(f"{base}/{name}")) for name in names]
             for name, result in pending:
                 try:
-                    if result.get(timeout=remaining(deadline)):
+                    if reply(result, until):
                         return f"{base}/{name}"
                 except NoNodeError:
                     pass  # reaped while we looked
@@ -124,21 +124,21 @@ class Nodes:
         if self._ensured.get(path):
             return
         client = self._require()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        until = deadline(timeout)
         levels = _all_levels(path)
         sent = [(level, client.create_async(level)) for level in levels]
         for level, result in sent:
             try:
-                result.get(timeout=remaining(deadline))
+                reply(result, until)
             except NodeExistsError:
                 pass
             except NoAuthError:
                 # The server checks the parent's ACL before it looks for the node itself.
-                if client.exists_async(level).get(timeout=remaining(deadline)) is None:
+                if reply(client.exists_async(level), until) is None:
                     raise refused(level) from None
         if self.acl != "open":
             for level in self._levels(path):
-                check_acl(level, client.get_acls_async(level).get(timeout=remaining(deadline))[0], self.acl)
+                check_acl(level, reply(client.get_acls_async(level), until)[0], self.acl)
         self._ensured[path] = True
 
     def _levels(self, path: str) -> List[str]:
@@ -233,11 +233,6 @@ def refused(path: str) -> ConfigurationError:
 def _all_levels(path: str) -> List[str]:
     parts = path.strip("/").split("/")
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
-
-
-def remaining(deadline: Optional[float]) -> Optional[float]:
-    """Seconds left until a ``time.monotonic()`` deadline (never negative), or None for no deadline."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _scheme_of(raw: bytes) -> Optional[str]:

@@ -1,5 +1,12 @@
 """The connection: one kazoo client per process and settings, and the session's liveness.
 
+Listeners (:class:`SessionListener`) are told the session's :class:`Liveness` when it
+changes: kazoo's CONNECTED, SUSPENDED and LOST with our clock folded in, named for what
+they mean for the session's nodes (HELD, IN_DOUBT, LOST). A listener is told LOST first
+when the generation changes, then the new liveness. It is called from whichever thread
+saw the change (kazoo's connection thread, its callback thread, the session's watchdog,
+or the caller of :meth:`Session.close`): it must not block.
+
 Example::
 
     session = Session(Settings(hosts=zk.hosts))
@@ -15,7 +22,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 from kazoo.client import KazooClient
 from kazoo.protocol.serialization import Auth
@@ -29,21 +36,16 @@ from .clock import Liveness, LivenessClock
 from .nodes import Nodes
 from .transport import DirectClient, PollHandler, on_negotiated_timeout
 
-__all__ = ["Session", "SessionState", "acl_for", "close_sessions", "session_for"]
+__all__ = ["Session", "SessionListener", "acl_for", "close_sessions", "session_for"]
 
 logger = logging.getLogger("celery_zklock")
 
 
-class SessionState:
-    """What listeners are told (kazoo's three states, our clock folded in)."""
+class SessionListener(Protocol):
+    """What :meth:`Session.add_listener` takes: told each change of the session's liveness."""
 
-    CONNECTED = "connected"  # the server answered us recently: held locks are held
-    SUSPENDED = "suspended"  # no connection: held locks are in doubt
-    LOST = "lost"  # the session may have expired: held locks are lost
-
-
-_NOTIFY = {Liveness.HELD: SessionState.CONNECTED, Liveness.IN_DOUBT: SessionState.SUSPENDED,
-           Liveness.LOST: SessionState.LOST}
+    def on_session_state(self, liveness: Liveness) -> None:
+        """The session's nodes are now HELD, IN_DOUBT or LOST. Runs on the notifying thread: do not block."""
 
 
 class Session:
@@ -61,7 +63,7 @@ class Session:
         self.nodes = Nodes(lambda: self._client, settings.root, settings.acl)
         self._client: Optional[KazooClient] = None
         self._ping_in_flight = False
-        self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._listeners: weakref.WeakSet[SessionListener] = weakref.WeakSet()
         self._stopped = threading.Event()
         self._wakeup = threading.Event()
         self._lock = threading.RLock()
@@ -88,8 +90,9 @@ class Session:
         return self.clock.generation
 
     @property
-    def state(self) -> str:
-        return _NOTIFY[self.clock.connection]
+    def state(self) -> Liveness:
+        """What the connection vouches for now (the clock's view before it runs out; see :meth:`is_alive`)."""
+        return self.clock.connection
 
     def start(self) -> Session:
         s = self.settings
@@ -152,27 +155,27 @@ class Session:
         self._after(changed)
 
     # -- listeners ----------------------------------------------------------
-    def add_listener(self, obj: Any) -> None:
-        """Register an object with ``on_session_state(state: str)``; held weakly."""
-        self._listeners.add(obj)
+    def add_listener(self, listener: SessionListener) -> None:
+        """Tell ``listener`` each change of the session's liveness; held weakly."""
+        self._listeners.add(listener)
 
-    def remove_listener(self, obj: Any) -> None:
-        self._listeners.discard(obj)
+    def remove_listener(self, listener: SessionListener) -> None:
+        self._listeners.discard(listener)
 
-    def _notify(self, state: str) -> None:
-        for obj in list(self._listeners):
+    def _notify(self, liveness: Liveness) -> None:
+        for listener in list(self._listeners):
             try:
-                obj.on_session_state(state)
+                listener.on_session_state(liveness)
             except Exception:  # a listener's bug must not break the session
                 logger.exception("celery-zklock session listener failed")
 
-    def _after(self, lost: bool, state: Optional[str] = None) -> None:
-        """Tell listeners what changed: LOST first (a new generation), then the new state."""
+    def _after(self, lost: bool, liveness: Optional[Liveness] = None) -> None:
+        """Tell listeners what changed: LOST first (a new generation), then the new liveness."""
         if lost:
             self.nodes.forget()
-            self._notify(SessionState.LOST)
-        if state is not None:
-            self._notify(state)
+            self._notify(Liveness.LOST)
+        if liveness is not None:
+            self._notify(liveness)
 
     # -- state ----------------------------------------------------------------
     def lost_at(self) -> float:
@@ -194,12 +197,12 @@ class Session:
     def _on_kazoo_state(self, state: str) -> None:
         # Runs on kazoo's event thread: do no blocking calls here.
         now = time.monotonic()
-        notify = None
+        notify: Optional[Liveness] = None
         with self._lock:
             generation = self.clock.generation
             if state == KazooState.SUSPENDED:
                 if self.clock.suspended(now):
-                    notify = SessionState.SUSPENDED
+                    notify = Liveness.IN_DOUBT
             elif state == KazooState.LOST:
                 self.clock.expired(now)
             elif state == KazooState.CONNECTED:
@@ -208,7 +211,7 @@ class Session:
                     return
                 sid = client.client_id[0] if client.client_id else None
                 if self.clock.connected(now, sid):
-                    notify = SessionState.CONNECTED
+                    notify = Liveness.HELD
             lost = self.clock.generation != generation
         self._after(lost, notify)
         self._wakeup.set()
@@ -231,7 +234,7 @@ class Session:
             with self._lock:
                 revived = self.clock.answered(sent, client.connected)
             if revived:
-                self._notify(SessionState.CONNECTED)
+                self._notify(Liveness.HELD)
 
         try:
             client.exists_async("/").rawlink(acked)

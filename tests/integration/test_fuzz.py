@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from celery_zklock.recipes import EXCLUSIVE, READ, WRITE, Election, Lock, Rule, semaphore, sequence
+from celery_zklock.recipes import EXCLUSIVE, READ, WRITE, Election, Lock, Observer, Rule, semaphore, sequence
 from celery_zklock.testing import Hold, violations
 from harness import Op, TcpProxy
 from tests.util import children, wait_until
@@ -39,20 +39,18 @@ class Injected(BaseException):
     """An asynchronous exception, as a soft time limit or a LockLost would arrive."""
 
 
-class TracedLock(Lock):
-    """Remembers the sequence number of every node it queued with."""
+class Trace(Observer):
+    """Remembers the sequence number of every node a contender queued with, and why it started over."""
 
-    def _create_node(self, deadline: Optional[float]) -> List[str]:
-        try:
-            out = super()._create_node(deadline)
-        except Exception as exc:
-            self.failed.append(f"{time.monotonic():.3f} {exc!r}")
-            raise
-        self.seqs.append(sequence(self.node))  # type: ignore[arg-type]
-        return out
+    def __init__(self) -> None:
+        self.seqs: List[int] = []
+        self.failed: List[str] = []
 
-    seqs: List[int]
-    failed: List[str]
+    def created(self, node: str) -> None:
+        self.seqs.append(sequence(node))
+
+    def started_over(self, why: str) -> None:
+        self.failed.append(f"{time.monotonic():.3f} {why}")
 
 
 @dataclass
@@ -77,7 +75,7 @@ def _async_raise(thread_id: int, exc: Optional[type]) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
-def _contend(run: Run, lock: TracedLock, hold_for: float, interrupt_after: Optional[float],
+def _contend(run: Run, lock: Lock, trace: Trace, hold_for: float, interrupt_after: Optional[float],
              path: str) -> None:
     me = threading.get_ident()
     guard = threading.Lock()
@@ -116,8 +114,8 @@ def _contend(run: Run, lock: TracedLock, hold_for: float, interrupt_after: Optio
     finally:
         if timer is not None:
             timer.cancel()
-        run.seqs = list(lock.seqs)
-        run.failed = list(lock.failed)
+        run.seqs = list(trace.seqs)
+        run.failed = list(trace.failed)
 
 
 def _blocks(rule: Rule, other: Run) -> bool:
@@ -202,10 +200,10 @@ def _round(seed: int, rig, kazoo) -> List[str]:
                 delay = rng.uniform(0.001, 0.05)
                 proxy.delay_watch(delay)
                 run.slack += delay
-        lock = TracedLock(sessions[i], path, rule)
-        lock.seqs, lock.failed = [], []
+        trace = Trace()
+        lock = Lock(sessions[i], path, rule, observer=trace)
         interrupt = rng.uniform(0, 0.03) if rng.random() < 0.2 else None
-        t = threading.Thread(target=_contend, args=(run, lock, rng.uniform(0, 0.005), interrupt, path))
+        t = threading.Thread(target=_contend, args=(run, lock, trace, rng.uniform(0, 0.005), interrupt, path))
         runs.append(run)
         threads.append(t)
     for t in threads:

@@ -23,7 +23,7 @@ from celery_zklock.exceptions import ConfigurationError
 from celery_zklock.layout import Layout
 from celery_zklock.recipes import Election, Lock, semaphore, sequence
 from harness import Op, TcpProxy
-from tests.util import wait_until
+from tests.util import WaitLog, wait_until
 
 
 @pytest.fixture
@@ -58,11 +58,12 @@ def test_a_waiter_behind_a_semaphore_holder_that_never_waited_is_woken(new_sessi
     late_read = proxy.hold_request(Op.GET_CHILDREN)
     p_got = in_thread(lambda: p.acquire(timeout=30))
     late_read.wait_matched()
-    u = Lock(new_session(), path, rule)
+    u_log = WaitLog()
+    u = Lock(new_session(), path, rule, observer=u_log)
     u_holds = threading.Event()
     u_got: List[float] = []
     in_thread(lambda: u.acquire(timeout=30) and (u_got.append(time.monotonic()), u_holds.set()))
-    wait_until(lambda: u.blocked_by == (p.node,))  # U saw H1, H2 and P ahead: it watches P alone
+    wait_until(lambda: u_log.blocked_by == (p.node,))  # U saw H1, H2 and P ahead: it watches P alone
     h1.release()
     wait_until(lambda: h1.node is None and len(kazoo.get_children(path)) == 3)
     late_read.release()
@@ -262,12 +263,13 @@ def test_holders_names_the_holder_not_the_waiter_ahead(new_session, zk_root):
     path = f"{zk_root}/locks/k-h"
     holder = Lock(new_session(), path, data=b"holder")
     assert holder.acquire(timeout=5)
-    first = Lock(new_session(), path, data=b"first waiter")
+    first_log, second_log = WaitLog(), WaitLog()
+    first = Lock(new_session(), path, data=b"first waiter", observer=first_log)
     in_thread(lambda: first.acquire(timeout=30))
-    wait_until(lambda: first.blocked_by != ())
-    second = Lock(new_session(), path, data=b"second waiter")
+    wait_until(lambda: first_log.blocked_by != ())
+    second = Lock(new_session(), path, data=b"second waiter", observer=second_log)
     assert not second.acquire(blocking=False)
-    assert second.blocked_by == (first.node,)  # it watched the waiter ahead of it
+    assert second_log.blocked_by == (first.node,)  # it watched the waiter ahead of it
     assert second.holders() == ["holder"]
     assert holder.contenders() == ["holder", "first waiter"]
     holder.release()

@@ -13,7 +13,7 @@ import celery_zklock
 from celery_zklock import Lock, LockNotAcquired
 from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, semaphore
 from celery_zklock.zk import Session
-from tests.util import children, wait_until
+from tests.util import WaitLog, children, wait_until
 
 
 def count_nodes(kazoo, path: str) -> int:
@@ -26,7 +26,8 @@ def test_each_release_wakes_exactly_one_of_30_waiters(new_session, zk_root, kazo
     path = f"{zk_root}/locks/k-herd"
     holder = Lock(new_session(), path, EXCLUSIVE)
     assert holder.acquire()
-    waiters = [Lock(new_session(), path, EXCLUSIVE) for _ in range(30)]
+    seen = [WaitLog() for _ in range(30)]
+    waiters = [Lock(new_session(), path, EXCLUSIVE, observer=log) for log in seen]
     acquired = [threading.Event() for _ in waiters]
     let_go = [threading.Event() for _ in waiters]
 
@@ -40,16 +41,16 @@ def test_each_release_wakes_exactly_one_of_30_waiters(new_session, zk_root, kazo
     for i, t in enumerate(threads):
         t.start()
         wait_until(lambda n=i + 2: len(children(kazoo, path)) == n)  # queue in index order
-    wait_until(lambda: all(w.state == "waiting" for w in waiters) and sum(w.wakeups for w in waiters) == 0)
+    wait_until(lambda: all(w.state == "waiting" for w in waiters) and sum(log.wakeups for log in seen) == 0)
     holder.release()
     for i in range(30):
         assert acquired[i].wait(30), f"waiter {i} never got the lock"
         # Exactly one watch event per release so far, and it went to the next in line.
-        assert [w.wakeups for w in waiters] == [1] * (i + 1) + [0] * (29 - i)
+        assert [log.wakeups for log in seen] == [1] * (i + 1) + [0] * (29 - i)
         let_go[i].set()
     for t in threads:
         t.join(30)
-    assert sum(w.wakeups for w in waiters) == 30
+    assert sum(log.wakeups for log in seen) == 30
 
 
 @pytest.mark.parametrize(
@@ -150,7 +151,8 @@ def test_semaphore_hands_a_freed_place_to_the_first_waiter_at_once(new_session, 
     rule = semaphore(2)
     h1, h2 = Lock(new_session(), path, rule), Lock(new_session(), path, rule)
     assert h1.acquire() and h2.acquire()
-    waiters = [Lock(new_session(), path, rule) for _ in range(4)]
+    seen = [WaitLog() for _ in range(4)]
+    waiters = [Lock(new_session(), path, rule, observer=log) for log in seen]
     got = [threading.Event() for _ in waiters]
     threads = []
     for i, w in enumerate(waiters):
@@ -176,7 +178,7 @@ def test_semaphore_hands_a_freed_place_to_the_first_waiter_at_once(new_session, 
         t.join(5)
     # Each release woke a bounded number of contenders: at most one waiter per
     # release plus one per promotion, never the whole queue.
-    assert sum(w.wakeups for w in waiters) <= 2 * 4
+    assert sum(log.wakeups for log in seen) <= 2 * 4
     waiters[1].release()
     waiters[3].release()
 

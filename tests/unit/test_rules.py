@@ -1,6 +1,6 @@
 import pytest
 
-from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, Decision, semaphore
+from celery_zklock.recipes.rules import EXCLUSIVE, READ, WRITE, Decision, semaphore
 
 
 def n(kind: str, seq: int, who: str = "u") -> str:

@@ -1,0 +1,151 @@
+"""Who holds a key, decided from its node names alone: exclusive, read, write and semaphore
+as small :class:`Rule` values (the way Curator splits ``LockInternals`` from its drivers).
+
+A contender's node is ``<uuid><node_name><seq>``, kazoo's names, so kazoo's ``Lock``,
+``ReadLock`` and ``WriteLock`` on the same key contend with ours. A rule answers, from one
+unwatched read of the key's children, whether a node holds and which node(s) it should
+watch while it waits. Pure: no server, no threads; the engine, the queue view, the CLI and
+the test kit's history checks all ask the same rules.
+
+Example::
+
+    >>> READ.decide(["a__rlock__0000000001", "b__rlock__0000000002"], "b__rlock__0000000002").holds
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
+
+from ..exceptions import ConfigurationError
+
+__all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Rule", "contender", "semaphore", "sequence",
+           "split_queue"]
+
+_CONTENDER_RE = re.compile(r"(__lock__|__rlock__|__sem__)(-?\d{10})$")
+
+
+def contender(name: str) -> Optional[Tuple[str, int]]:
+    """``(node name, sequence)`` of a contender's node, or None for anything else (junk).
+
+    >>> contender("0f3a__rlock__0000000007"), contender("junk")
+    (('__rlock__', 7), None)
+    """
+    m = _CONTENDER_RE.search(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def sequence(name: str) -> int:
+    """A contender node's sequence number (-1 for junk): the order of the queue."""
+    parsed = contender(name)
+    return parsed[1] if parsed else -1
+
+
+class Decision(NamedTuple):
+    holds: bool
+    #: Node names to watch (with ``exists``) while waiting; empty when holding.
+    watch: Tuple[str, ...]
+    #: True when the one watched node is a *waiter* that may become a holder:
+    #: if it has already been promoted (its version went up), look again.
+    watch_promotion: bool
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a contender's node is called, who blocks it, and how many may hold at once.
+
+    Example::
+
+        >>> EXCLUSIVE.decide(["a__lock__0000000001", "b__lock__0000000002"], "b__lock__0000000002")
+        Decision(holds=False, watch=('a__lock__0000000001',), watch_promotion=False)
+    """
+
+    #: The mode, as users, node data and the CLI spell it: write, read or semaphore.
+    name: str
+    node_name: str
+    blocked_by: FrozenSet[str]
+    leases: int = 1
+
+    @property
+    def key_data(self) -> bytes:
+        """What the key's node holds: a semaphore's limit, so all its contenders agree on it."""
+        return json.dumps({"limit": self.leases}).encode() if self.name == "semaphore" else b""
+
+    def check_key_data(self, path: str, data: bytes) -> None:
+        """Raise ConfigurationError if the key's node says another limit than ours.
+
+        >>> semaphore(2).check_key_data("/s/k-a", b'{"limit": 1}')
+        Traceback (most recent call last):
+        ...
+        celery_zklock.exceptions.ConfigurationError: semaphore /s/k-a has limit=1, this contender asks for limit=2; ...
+        """
+        try:
+            stored = json.loads(data.decode()).get("limit") if data else None
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            stored = None  # made by someone else, or by a version that stored nothing: nothing to compare
+        if isinstance(stored, int) and stored != self.leases:
+            raise ConfigurationError(
+                f"semaphore {path} has limit={stored}, this contender asks for limit={self.leases}; "
+                f"a key's contenders must agree. To change a limit, drain the key: once its last "
+                f"contender leaves, the server removes its node and the next one sets the limit"
+            )
+
+    def decide(self, children: Iterable[str], me: str) -> Decision:
+        """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch."""
+        mine = contender(me)
+        if mine is None:
+            raise ValueError(f"{me!r} is not a contender node")
+        my_seq = mine[1]
+        ahead = []
+        for child in children:
+            other = contender(child)
+            # Nodes of other kinds and foreign junk never block us.
+            if other is not None and other[0] in self.blocked_by and other[1] < my_seq:
+                ahead.append((other[1], child))
+        if len(ahead) < self.leases:
+            return Decision(True, (), False)
+        ahead.sort()
+        if len(ahead) == self.leases:
+            # First in line: any holder leaving frees a place for us, so watch
+            # them all (for a mutex that is just the predecessor).
+            return Decision(False, tuple(c for _, c in ahead), False)
+        # Further back: only our predecessor. With several leases it may be
+        # promoted while we sleep; it touches its node then, waking us alone.
+        return Decision(False, (ahead[-1][1],), self.leases > 1)
+
+
+#: The writer's rule, also used for exclusive locks: every earlier node blocks.
+WRITE = Rule("write", "__lock__", frozenset({"__lock__", "__rlock__"}))
+EXCLUSIVE = WRITE
+#: Readers are blocked only by earlier writers.
+READ = Rule("read", "__rlock__", frozenset({"__lock__"}))
+
+
+def semaphore(limit: int) -> Rule:
+    """The rule of a counting semaphore: at most ``limit`` holders per key, FIFO."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive int, not {limit!r}")
+    return Rule("semaphore", "__sem__", frozenset({"__sem__"}), limit)
+
+
+#: The rule of each node name (a semaphore's with one lease: its limit lives in holder data).
+RULES: Dict[str, Rule] = {r.node_name: r for r in (WRITE, READ, semaphore(1))}
+
+
+def split_queue(children: Iterable[str], rule_of: Callable[[str], Rule]) -> Tuple[List[str], List[str]]:
+    """Split the contender nodes among ``children`` into holders and waiters, each in queue
+    order; ``rule_of(node_name)`` gives each kind's rule. Junk is left out.
+
+    >>> split_queue(["a__lock__0000000001", "b__rlock__0000000002", "junk"], RULES.__getitem__)
+    (['a__lock__0000000001'], ['b__rlock__0000000002'])
+    """
+    nodes = sorted((c for c in children if contender(c)), key=sequence)
+    holders: List[str] = []
+    waiters: List[str] = []
+    for node in nodes:
+        kind = contender(node)[0]  # type: ignore[index]
+        (holders if rule_of(kind).decide(nodes, node).holds else waiters).append(node)
+    return holders, waiters

@@ -1,0 +1,34 @@
+"""Deadlines: a timeout turned into a ``time.monotonic()`` moment once, and the seconds left until it.
+
+A call that makes several requests passes one deadline down, so its timeout bounds the
+whole call, not each request.
+
+Example::
+
+    >>> until = deadline(5.0)
+    >>> 4.9 < remaining(until) <= 5.0, deadline(None), remaining(None)
+    (True, None, None)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+__all__ = ["deadline", "remaining", "reply"]
+
+
+def deadline(timeout: Optional[float]) -> Optional[float]:
+    """The ``time.monotonic()`` moment ``timeout`` seconds from now, or None for no timeout."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def remaining(until: Optional[float]) -> Optional[float]:
+    """Seconds left until a :func:`deadline` (never negative), or None for no deadline."""
+    return None if until is None else max(0.0, until - time.monotonic())
+
+
+def reply(result: Any, until: Optional[float]) -> Any:
+    """The reply to a request sent with one of kazoo's ``*_async`` calls, waited for until ``until``
+    at most; raises the request's error, or the handler's timeout error (see ``green.timeouts()``)."""
+    return result.get(timeout=remaining(until))
