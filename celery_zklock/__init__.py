@@ -29,18 +29,20 @@ Module map (imports point one way: glue -> recipes -> zk -> kazoo; nothing under
     testing.py, pytest.py      a real ZooKeeper server, history checks, and the opt-in pytest plugin
 """
 
-from .api import lock, lock_path
 from .exceptions import (
     AlreadyQueued,
     ConfigurationError,
     KeyBuildError,
     LockLost,
     LockNotAcquired,
+    NoCurrentLock,
     ZkLockError,
     ZooKeeperUnavailable,
 )
-from .recipes.lock import Lock, LockState
-from .task import SKIPPED, ZkLockedTask, current_lock, current_locks, skipped, zk_locked
+from .glue.api import lock, lock_path
+from .glue.locking import SKIPPED, current_lock, current_locks, skipped
+from .glue.task import ZkLockedTask, zk_locked
+from .recipes import Lock, LockState
 
 __all__ = [
     "AlreadyQueued",
@@ -50,6 +52,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockState",
+    "NoCurrentLock",
     "SKIPPED",
     "ZkLockError",
     "ZkLockedTask",

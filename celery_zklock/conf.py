@@ -13,35 +13,50 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Iterable, List, Literal, Mapping, Optional, Tuple, TypeVar, get_args
 
 from .exceptions import ConfigurationError
 
 __all__ = [
     "ACL_POLICIES", "CONTENTION_POLICIES", "DEDUPE_MODES", "DEFAULTS", "DESCRIPTIONS", "DUPLICATE_POLICIES",
-    "UNAVAILABLE_POLICIES", "KEY_NAMES", "LOCK_LOST_POLICIES", "MIN_SECRET", "Settings",
-    "TaskDefaults", "beat_name", "describe", "did_you_mean", "unknown_settings",
+    "KEY_NAMES", "LOCK_LOST_POLICIES", "LOCK_MODES", "MIN_SECRET", "UNAVAILABLE_POLICIES", "AclPolicy",
+    "ContentionPolicy", "DedupeMode", "DuplicatePolicy", "KeyNames", "LockLostPolicy", "LockMode", "Settings",
+    "TaskDefaults", "UnavailablePolicy", "beat_name", "choice", "describe", "did_you_mean", "optional_seconds",
+    "unknown_settings",
 ]
 
+# Each set of values is a Literal type, for type checkers, and the tuple of its values, for the
+# checks here: the tuple is read off the type, so the two cannot drift apart.
+
+#: Lock modes: ``exclusive`` (the same lock as ``write``), ``write`` or ``read``.
+LockMode = Literal["exclusive", "write", "read"]
+LOCK_MODES: Tuple[LockMode, ...] = get_args(LockMode)
 #: What a task does when its lock is held by someone else.
-CONTENTION_POLICIES = ("wait", "skip", "retry", "raise")
+ContentionPolicy = Literal["wait", "skip", "retry", "raise"]
+CONTENTION_POLICIES: Tuple[ContentionPolicy, ...] = get_args(ContentionPolicy)
 #: What happens to a running body whose lock is lost.
-LOCK_LOST_POLICIES = ("interrupt", "flag")
+LockLostPolicy = Literal["interrupt", "flag"]
+LOCK_LOST_POLICIES: Tuple[LockLostPolicy, ...] = get_args(LockLostPolicy)
 
 #: Who may change our nodes: ``open`` (anyone, ZooKeeper's default), ``creator``
 #: (only clients with the same ``zklock_auth`` credential; everyone may read) or
 #: ``private`` (only that credential, for reading too).
-ACL_POLICIES = ("open", "creator", "private")
+AclPolicy = Literal["open", "creator", "private"]
+ACL_POLICIES: Tuple[AclPolicy, ...] = get_args(AclPolicy)
 #: Enqueue-time dedupe: at most one copy per key ``queued``, or ``queued_or_running``.
-DEDUPE_MODES = ("queued", "queued_or_running")
+DedupeMode = Literal["queued", "queued_or_running"]
+DEDUPE_MODES: Tuple[DedupeMode, ...] = get_args(DedupeMode)
 #: What a deduplicated publish gives back: the queued copy's AsyncResult, AlreadyQueued, or None.
-DUPLICATE_POLICIES = ("return", "raise", "none")
+DuplicatePolicy = Literal["return", "raise", "none"]
+DUPLICATE_POLICIES: Tuple[DuplicatePolicy, ...] = get_args(DuplicatePolicy)
 #: A publish of a dedupe task while ZooKeeper is unreachable: fails, or publishes without dedupe.
-UNAVAILABLE_POLICIES = ("fail", "publish")
+UnavailablePolicy = Literal["fail", "publish"]
+UNAVAILABLE_POLICIES: Tuple[UnavailablePolicy, ...] = get_args(UnavailablePolicy)
 
 #: How lock keys become znode names: ``readable`` (the key, percent-encoded) or
 #: ``hashed`` (an HMAC-SHA256 of the key under ``zklock_key_secret``).
-KEY_NAMES = ("readable", "hashed")
+KeyNames = Literal["readable", "hashed"]
+KEY_NAMES: Tuple[KeyNames, ...] = get_args(KeyNames)
 #: The shortest ``zklock_key_secret``: an HMAC key shorter than this is guessable.
 MIN_SECRET = 16
 
@@ -221,8 +236,8 @@ class Settings:
     session_timeout: float = DEFAULTS["zklock_session_timeout"]
     connect_timeout: float = DEFAULTS["zklock_connect_timeout"]
     auth: Optional[Tuple[str, str]] = None
-    acl: str = DEFAULTS["zklock_acl"]
-    key_names: str = DEFAULTS["zklock_key_names"]
+    acl: AclPolicy = DEFAULTS["zklock_acl"]
+    key_names: KeyNames = DEFAULTS["zklock_key_names"]
     key_secret: Optional[bytes] = field(default=None, repr=False)
     use_ssl: bool = False
     ca: Optional[str] = None
@@ -313,11 +328,18 @@ def describe(conf: Mapping[str, Any]) -> List[str]:
     return lines
 
 
-def choice(name: str, value: Any, allowed: Tuple[str, ...]) -> str:
-    """Return ``value`` if it is one of ``allowed``, else raise naming ``name``."""
+_Choice = TypeVar("_Choice", bound=str)
+
+
+def choice(name: str, value: Any, allowed: Tuple[_Choice, ...]) -> _Choice:
+    """Return ``value`` if it is one of ``allowed``, else raise naming ``name``.
+
+    >>> choice("on_contention", "skip", CONTENTION_POLICIES)
+    'skip'
+    """
     if value not in allowed:
         raise ConfigurationError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
-    return str(value)
+    return allowed[allowed.index(value)]
 
 
 def optional_seconds(name: str, value: Any) -> Optional[float]:
@@ -333,7 +355,7 @@ def optional_seconds(name: str, value: Any) -> Optional[float]:
 class TaskDefaults:
     """Defaults for locked tasks, from ``zklock_default_*`` settings."""
 
-    on_contention: str = DEFAULTS["zklock_default_on_contention"]
+    on_contention: ContentionPolicy = DEFAULTS["zklock_default_on_contention"]
     timeout: Optional[float] = DEFAULTS["zklock_default_timeout"]
     dedupe_ttl: float = DEFAULTS["zklock_dedupe_ttl"]
 

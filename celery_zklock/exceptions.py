@@ -11,8 +11,8 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["AlreadyQueued", "ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "ZkLockError",
-           "ZooKeeperUnavailable"]
+__all__ = ["AlreadyQueued", "ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "NoCurrentLock",
+           "ZkLockError", "ZooKeeperUnavailable"]
 
 
 class ZkLockError(Exception):
@@ -51,3 +51,8 @@ class AlreadyQueued(ZkLockError):
 
 class LockLost(ZkLockError):
     """A held lock is lost or in doubt: its session expired or may have expired."""
+
+
+class NoCurrentLock(ZkLockError, LookupError):
+    """``current_lock()`` has no one lock to return: it was called outside a locked task's body,
+    or in a task that holds several (``current_locks()`` returns them all)."""

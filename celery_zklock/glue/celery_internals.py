@@ -6,9 +6,9 @@ Each function leans on something Celery does not promise to keep;
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, List
 
-__all__ = ["connect_on_app_finalize", "current_app", "current_task", "wrap_apply_async"]
+__all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "wrap_apply_async"]
 
 
 def current_task() -> Any:
@@ -30,6 +30,13 @@ def connect_on_app_finalize(callback: Callable[[Any], Any]) -> Callable[[Any], A
     from celery._state import connect_on_app_finalize as connect
 
     return connect(callback)  # type: ignore[no-any-return]
+
+
+def finalized_apps() -> List[Any]:
+    """The live Celery apps of this process that are finalized already (as Celery's own shared_task looks)."""
+    from celery._state import _get_active_apps
+
+    return [app for app in list(_get_active_apps()) if app.finalized]
 
 
 def wrap_apply_async(hook: Callable[..., Any]) -> None:

@@ -12,7 +12,7 @@ import pytest
 from celery import Celery
 
 import celery_zklock
-from celery_zklock import LockLost, LockNotAcquired, ZkLockedTask, current_lock, signals, zk_locked
+from celery_zklock import LockLost, LockNotAcquired, ZkLockedTask, current_lock, current_locks, signals, zk_locked
 from celery_zklock.testing import Hold, violations
 from harness import TcpProxy
 from tests.util import children, wait_until
@@ -60,7 +60,7 @@ def test_lock_is_given_back_on_return_exception_and_retry(celery_app, celery_wor
     names = [n for n, _ in received]
     assert names.count("lock_acquired") == names.count("lock_released") == 4
     assert all(kw["held_seconds"] >= 0 for n, kw in received if n == "lock_released")
-    assert current_lock() is None
+    assert current_locks() == []
 
 
 def test_base_class_and_multi_key_locks(celery_app, celery_worker):
@@ -72,7 +72,7 @@ def test_base_class_and_multi_key_locks(celery_app, celery_worker):
     @celery_app.task
     @zk_locked(key=["account:{dst}", "account:{src}"])
     def transfer(src, dst, amount):
-        return [lock.key for lock in current_lock()]
+        return [lock.key for lock in current_locks()]
 
     @celery_app.task(base=ZkLockedTask)
     def anonymous(a, b=2):
@@ -95,7 +95,7 @@ def test_opposite_transfers_never_deadlock(celery_app):
     def transfer(src, dst):
         start = time.monotonic()
         time.sleep(0.005)
-        for lock in current_lock():
+        for lock in current_locks():
             history.append(Hold(lock.key, "exclusive", lock.fencing_token, start, time.monotonic(), src))
         return True
 

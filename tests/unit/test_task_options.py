@@ -8,6 +8,7 @@ from celery import Celery
 
 from celery_zklock import ConfigurationError, KeyBuildError, ZkLockedTask, zk_locked
 from celery_zklock.conf import TaskDefaults
+from celery_zklock.glue.options import locking_of
 from celery_zklock.keys import bind_arguments, build_keys, check_key_parts, default_key
 
 
@@ -84,7 +85,7 @@ def test_bad_decorator_options_name_task_and_option(options, message):
     def fn(x):
         pass
     locked = zk_locked(**options)(fn)  # not raised here: Celery would wrap it in a traceback
-    assert re.match(rf"task .*fn.*{message}", locked.__zklock_problem__)
+    assert re.match(rf"task .*fn.*{message}", locking_of(locked).problem)
     with pytest.raises(ConfigurationError, match=rf"task .*fn.*{message}"):
         locked(1)  # every call raises it
 
@@ -115,7 +116,8 @@ def test_base_class_options_are_one_line_problems_and_every_call_raises(options,
 
 
 def test_zklock_option_without_the_base_class_is_reported(caplog):
-    from celery_zklock.task import _validate, problems
+    from celery_zklock.glue.worker import _validate
+    from celery_zklock.task import problems
 
     app = Celery("stray", set_as_current=False)
 

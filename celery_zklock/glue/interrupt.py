@@ -24,8 +24,8 @@ import threading
 from types import FrameType
 from typing import Any, Optional, Type
 
-from .exceptions import LockLost
-from .zk import green
+from ..exceptions import LockLost
+from ..zk import green
 
 __all__ = ["INTERRUPT_SIGNAL", "BodyGuard", "LockLostInterrupt"]
 

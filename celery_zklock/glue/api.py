@@ -1,0 +1,129 @@
+"""Locks by key for a Celery app, usable anywhere (tasks use the same functions).
+
+Example::
+
+    with celery_zklock.lock(app, "report:2024", mode="write", timeout=5) as held:
+        store.save(report, fence=held.fencing_token)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any, Callable, Dict, Optional, TypeVar
+
+from kazoo.exceptions import KazooException
+
+from ..conf import LockMode, Settings, TaskDefaults
+from ..exceptions import ZooKeeperUnavailable
+from ..layout import LOCK_TREES, Layout, check_key
+from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
+from ..zk import Session, session_for, timeouts
+
+__all__ = ["MODES", "claim_scheme", "holder_data", "layout_of", "lock", "lock_path", "rule_for", "settings_of",
+           "task_defaults"]
+
+#: Lock modes and their rules; ``exclusive`` and ``write`` are the same lock.
+MODES: Dict[LockMode, Rule] = {"exclusive": EXCLUSIVE, "write": WRITE, "read": READ}
+
+_Read = TypeVar("_Read")
+
+
+def _once_per_app(app: Any, attribute: str, read: Callable[[Any], _Read]) -> _Read:
+    cached = getattr(app, attribute, None)
+    if cached is None:
+        cached = read(app.conf)
+        try:
+            setattr(app, attribute, cached)
+        except AttributeError:  # pragma: no cover - an app object that refuses attributes
+            pass
+    return cached
+
+
+def settings_of(app: Any) -> Settings:
+    """The validated ``zklock_*`` settings of a Celery app (read once per app)."""
+    return _once_per_app(app, "_zklock_settings", Settings.from_conf)
+
+
+def task_defaults(app: Any) -> TaskDefaults:
+    """The app's defaults for locked tasks, from its ``zklock_default_*`` settings (read once per app)."""
+    return _once_per_app(app, "_zklock_task_defaults", TaskDefaults.from_conf)
+
+
+def layout_of(app: Any) -> Layout:
+    """The znode paths of a Celery app (under its ``zklock_root``, named as ``zklock_key_names`` says)."""
+    settings = settings_of(app)
+    return Layout(settings.root, settings.key_secret if settings.key_names == "hashed" else None)
+
+
+def rule_for(mode: LockMode = "exclusive", limit: Optional[int] = None) -> Rule:
+    """The lock rule for a mode, or the semaphore rule when ``limit`` is given."""
+    if limit is not None:
+        if mode != "exclusive":
+            raise ValueError(f"limit={limit!r} makes a semaphore; it cannot be combined with mode={mode!r}")
+        return semaphore(limit)
+    try:
+        return MODES[mode]
+    except (KeyError, TypeError):
+        raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}") from None
+
+
+def lock_path(app: Any, key: str, limit: Optional[int] = None) -> str:
+    """The znode under which the lock for ``key`` lives: ``<zklock_root>/locks/<key's name>``
+    (semaphores: ``<zklock_root>/semaphores/<key's name>``)."""
+    check_key(key)
+    return layout_of(app).lock(key, semaphore=limit is not None)
+
+
+_HOST = socket.gethostname()
+
+
+def holder_data(**extra: Any) -> bytes:
+    """Node data naming the holder, so an operator can see who holds what."""
+    return json.dumps({"host": _HOST, "pid": os.getpid(), **extra}, sort_keys=True).encode()
+
+
+def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
+    """Check (once per session) that the root names keys as ``layout`` does: see Nodes.claim_scheme."""
+    try:
+        session.nodes.claim_scheme(layout.scheme, LOCK_TREES, timeout)
+    except (KazooException, *timeouts()) as exc:
+        raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root} within "
+                                   f"zklock_connect_timeout={timeout:g}s: {type(exc).__name__}") from None
+
+
+def lock(
+    app: Any,
+    key: str,
+    mode: LockMode = "exclusive",
+    timeout: Optional[float] = None,
+    *,
+    limit: Optional[int] = None,
+    session: Optional[Session] = None,
+    on_state: Optional[Callable[[Lock, str], None]] = None,
+    **holder: Any,
+) -> Lock:
+    """A lock on ``key`` for ``app``; use it as a context manager or call acquire/release.
+
+    ``timeout`` (seconds, None = forever) applies to the ``with`` form, which
+    raises :class:`~celery_zklock.LockNotAcquired` when it runs out.
+    ``limit=N`` gives a counting semaphore instead (N holders at most).
+    ``on_state(lock, state)`` hears when a held lock becomes in doubt, held again, or lost.
+    Extra keyword arguments go into the holder's node data.
+    """
+    # Validate everything before touching ZooKeeper (lock_path checks the key).
+    rule = rule_for(mode, limit)
+    check_timeout(timeout)
+    layout = layout_of(app)
+    path = layout.lock(key, semaphore=limit is not None)
+    name = mode if limit is None else rule.name
+    extra: Dict[str, Any] = {} if limit is None else {"limit": limit}  # lets `celery zklock locks` tell holders apart
+    if layout.secret is None:
+        extra["key"] = key  # under hashed names the data carries no key either
+    settings = settings_of(app)
+    session = session or session_for(settings)
+    claim_scheme(session, layout, settings.connect_timeout)
+    return Lock(session, path, rule,
+                data=holder_data(mode=name, **extra, **holder), timeout=timeout, key=key, mode=name,
+                on_state=on_state, label=layout.label(key))

@@ -1,0 +1,304 @@
+"""Singleton ``celery beat``: only the elected leader dispatches.
+
+``LeaderScheduler`` keeps each entry's ``last_run_at`` and ``total_run_count``
+in ZooKeeper, so a new leader on another host continues where the old one
+stopped. Before sending a due entry it records the run in one transaction
+that also checks that its own election node still exists: if the transaction
+fails, it has lost leadership and sends nothing.
+
+Example::
+
+    celery -A proj beat -S celery_zklock.beat:LeaderScheduler
+
+``leader_only(Cls)`` makes a scheduler that keeps its own shared state
+(django-celery-beat, redbeat) dispatch only while it leads::
+
+    celery -A proj beat -S "proj.schedulers:LeaderOnlyDatabaseScheduler"
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from datetime import datetime, timezone
+from typing import Any, Dict, Optional, Tuple, Type, TypeVar, cast
+
+from celery.beat import ScheduleEntry, Scheduler
+from kazoo.exceptions import ConnectionLoss, KazooException, NodeExistsError, NoNodeError
+
+from ..conf import beat_name
+from ..exceptions import ConfigurationError, ZkLockError
+from ..layout import Layout
+from ..recipes.election import Election, Leadership
+from ..zk import Session, session_for
+from .api import layout_of, settings_of
+from .options import problems
+
+__all__ = ["LeaderScheduler", "leader_only"]
+
+logger = logging.getLogger("celery_zklock.beat")
+
+S = TypeVar("S", bound=Type[Scheduler])
+
+#: Seconds ahead a leader promises its next tick: `status` reports a leader past its promise.
+TICK_PROMISE = 10.0
+
+
+class _Leadership(Scheduler):
+    """Mixin: run an election, tick the scheduler only while leading, leave at close.
+
+    It subclasses Scheduler only to be typed as one: ``leader_only(Cls)`` puts it
+    before ``Cls`` in the MRO, so its ``super()`` calls reach ``Cls``.
+    """
+
+    #: The election of this beat (None when constructed lazily, to be introspected only).
+    election: Optional[Election] = None
+    #: ``<zklock_root>/beat/<zklock_beat_name>``.
+    beat_path: str = ""
+    #: The paths under ``zklock_root``; the beat's name within them.
+    layout: Optional[Layout] = None
+    beat_name: str = ""
+    #: The election token the schedule's state was loaded under (None: not leading).
+    _leading_token: Optional[int] = None
+    #: What the leader tells ``celery zklock status`` in its election node (JSON).
+    _info: Dict[str, Any] = {}
+    #: Wall time by which this leader has promised, in its node, to tick again.
+    _tick_by: float = 0.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self, "lock_key", None) and any(c.__module__.startswith("redbeat") for c in type(self).__mro__):
+            # redbeat's own Redis lock outlives a killed leader by 5 x beat_max_loop_interval
+            # (25 min by default): the new elected leader would wait that long in redbeat's
+            # beat_init handler before its first dispatch. The election decides instead.
+            logger.info("beat: redbeat's own lock (redbeat_lock_key) is off: the ZooKeeper election "
+                        "decides which beat dispatches")
+            self.lock_key = None
+
+    def setup_schedule(self) -> None:
+        try:
+            self._join()
+        except ZkLockError as exc:
+            logger.critical("celery-zklock: %s", exc)
+            raise SystemExit(1) from None  # one clear line, not a traceback
+
+    def _join(self) -> None:
+        app = self.app
+        settings = settings_of(app)
+        found = problems(app)
+        if found:
+            raise ConfigurationError("; ".join(found))
+        self.layout, self.beat_name = layout_of(app), beat_name(app.conf, app.main)
+        self.beat_path = self.layout.beat(self.beat_name)
+        super().setup_schedule()
+        session = session_for(settings)  # ZooKeeperUnavailable within zklock_connect_timeout
+        self._info = {"host": socket.gethostname(), "pid": os.getpid(),
+                      "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        self.election = Election(session, self.layout.election(self.beat_name), json.dumps(self._info).encode())
+        self.election.start()
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        election = self.election
+        if election is None or not election.is_leader:
+            if self._leading_token is not None:
+                self._leading_token = None
+                logger.warning("beat: not leading any more (%s): dispatch stopped",
+                               election.state if election else "closed")
+            # Wait on the election, not on ZooKeeper: we are woken the moment we lead.
+            if election is None or not election.wait_leader(self.max_interval):
+                return 0.05  # beat sleeps this long, then ticks (and waits) again
+        token = election.token
+        if token != self._leading_token:
+            # A new leadership, even one this beat never saw end (it lost and regained
+            # it between two ticks): another leader may have run entries meanwhile.
+            try:
+                self.on_leadership()
+            except KazooException as exc:  # the connection broke while we loaded state: not leading yet
+                logger.warning("beat: could not take over the schedule (%s); trying again", exc)
+                return 0.5
+            self._leading_token = token
+        interval = super().tick(*args, **kwargs)
+        now = time.time()
+        if self._tick_by - now < TICK_PROMISE / 2:
+            # Promise the next tick well ahead, so a healthy leader writes every few seconds
+            # and `celery zklock status` can tell a leader whose dispatch is stuck.
+            self._tick_by = now + max(float(interval), TICK_PROMISE)
+            self._publish(tick_by=round(self._tick_by, 3))
+        return interval
+
+    def on_leadership(self) -> None:
+        """Called once each time this beat becomes the leader, before its first dispatch."""
+        logger.info("beat: leading; dispatching from now on")
+        self._tick_by = 0.0
+        self._publish(leader_since=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def _publish(self, **info: Any) -> None:
+        """Add ``info`` to our election node's data, for `celery zklock status` (fire and forget)."""
+        election = self.election
+        node = election.node_path if election is not None else None
+        if election is not None and node is not None:
+            self._info = {**self._info, **info}
+            election.session.client.set_async(node, json.dumps(self._info).encode())
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.election is not None:
+                self.election.close()  # deletes our node: a standby takes over at once
+
+
+def leader_only(scheduler_cls: S) -> S:
+    """A subclass of ``scheduler_cls`` that dispatches only while it leads the election.
+
+    Example::
+
+        from django_celery_beat.schedulers import DatabaseScheduler
+        LeaderOnlyDatabaseScheduler = leader_only(DatabaseScheduler)
+    """
+    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+        raise TypeError(f"leader_only() needs a celery.beat.Scheduler subclass, not {scheduler_cls!r}")
+    return cast(S, type(f"LeaderOnly{scheduler_cls.__name__}", (_Leadership, scheduler_cls), {
+        "__module__": scheduler_cls.__module__,
+        "__doc__": f"{scheduler_cls.__name__} that dispatches only while it leads the beat election.",
+    }))
+
+
+class LeaderScheduler(_Leadership):
+    """The stock scheduler, leader-elected, with its state in ZooKeeper and fenced dispatch.
+
+    A crash between recording a run and sending it loses that one run rather
+    than sending it twice: the record comes first, so no leader can send a
+    run that another leader also sends.
+    """
+
+    #: Seconds between syncs do not matter: every run is recorded before it is sent.
+    sync_every = 3600
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: Entry name -> (token, run number) of a run :meth:`reserve` recorded and
+        #: :meth:`apply_entry` has not sent yet.
+        self._recorded: Dict[str, Tuple[Optional[int], int]] = {}
+        super().__init__(*args, **kwargs)
+
+    def _join(self) -> None:
+        if not self.app.conf.beat_schedule:
+            raise ConfigurationError("beat_schedule is empty: LeaderScheduler has nothing to schedule")
+        super()._join()
+
+    # -- state in ZooKeeper ----------------------------------------------------
+    def _entry_path(self, name: str) -> str:
+        assert self.layout is not None
+        return self.layout.entry(self.beat_name, name)
+
+    def on_leadership(self) -> None:
+        """Continue exactly where the previous leader stopped: load every entry's state."""
+        assert self.election is not None and self.layout is not None
+        session = self.election.session
+        session.nodes.ensure_path(self.layout.entries(self.beat_name))
+        client = session.client
+        for name, entry in list(self.schedule.items()):
+            try:
+                raw, _ = client.get(self._entry_path(name))
+            except NoNodeError:
+                continue  # never run under this election
+            try:
+                state = json.loads(raw)
+                # In the app's time zone, as Celery's own app.now(): before 5.7 Celery
+                # compares crontab fields with last_run_at's fields without converting.
+                last = datetime.fromtimestamp(float(state["last_run_at"]), timezone.utc).astimezone(
+                    self.app.timezone)
+                count = int(state["total_run_count"])
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.error("beat: state of entry %r at %s is corrupt (%s); treating it as never run",
+                             name, self._entry_path(name), exc)
+                continue
+            self.schedule[name] = entry.__class__(**dict(entry, last_run_at=last, total_run_count=count))
+        self.populate_heap()  # order the runs by the loaded state
+        super().on_leadership()
+
+    def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
+        """Celery takes a run here: record it, fenced on our leadership, before anything is sent.
+
+        If the record fails, the run is not taken: the entry keeps its old state
+        and :meth:`apply_entry` sends nothing.
+        """
+        self._recorded.pop(entry.name, None)
+        new = super().reserve(entry)
+        lead = self.election.leadership() if self.election is not None else None
+        if lead is None or not self._record(lead, new):
+            logger.warning("beat: lost leadership before sending %s; not sent", entry.name)
+            self.schedule[entry.name] = entry
+            return entry
+        self._recorded[entry.name] = (lead.token, new.total_run_count)
+        return new
+
+    def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
+        recorded = self._recorded.pop(entry.name, None)
+        election = self.election
+        if recorded is None or election is None:
+            return  # reserve() did not record this run (it said why)
+        if not election.session.is_alive():
+            # The session may have expired while we recorded: another leader may be sending.
+            logger.warning("beat: leadership in doubt after recording %s; not sent (run counted)", entry.name)
+            return
+        options = dict(entry.options)
+        options["headers"] = {**options.get("headers", {}), "zklock_beat": {
+            "pid": os.getpid(), "host": socket.gethostname(), "token": recorded[0],
+            "entry": entry.name, "run": recorded[1], "sent": time.time()}}
+        entry.options = options
+        super().apply_entry(entry, producer=producer)
+
+    def _record(self, lead: Leadership, entry: ScheduleEntry) -> bool:
+        """Record the run in one transaction that also checks our election node; True if it committed."""
+        assert self.election is not None
+        session = self.election.session
+        client = session.client
+        run = {"last_run_at": entry.last_run_at.timestamp(), "total_run_count": entry.total_run_count,
+               "token": lead.token}
+        data = json.dumps(run).encode()
+        path = self._entry_path(entry.name)
+        for _ in range(2):
+            try:
+                tx = client.transaction()
+                tx.check(lead.node_path, -1)  # -1: any version; fails if our election node is gone
+                if client.exists(path) is None:
+                    tx.create(path, data)
+                else:
+                    tx.set_data(path, data)
+                results = tx.commit()
+            except ConnectionLoss:
+                # The transaction may have committed before the connection broke: read it back.
+                return self._committed(path, run, session)
+            except Exception as exc:  # connection trouble: leadership unproven
+                logger.warning("beat: could not record %s (%s)", entry.name, exc)
+                return False
+            if not any(isinstance(r, Exception) for r in results):
+                return True
+            if isinstance(results[1], NodeExistsError):
+                continue  # created meanwhile by a former leader: set it instead
+            logger.warning("beat: record of %s refused: %s", entry.name, results)
+            return False
+        return False
+
+    def _committed(self, path: str, run: Dict[str, Any], session: Session) -> bool:
+        """After a lost reply: True if the entry holds exactly this run, under this leadership."""
+        deadline = time.monotonic() + session.timeout
+        while not session.client.connected:
+            if time.monotonic() > deadline:
+                logger.warning("beat: could not learn whether run %s of %s was recorded; not sent",
+                               run["total_run_count"], path)
+                return False
+            time.sleep(0.05)
+        try:
+            stored = json.loads(session.client.get(path)[0])
+        except (KazooException, ValueError):
+            return False
+        committed = all(stored.get(k) == v for k, v in run.items())
+        logger.warning("beat: the reply to the record of %s was lost; it %s", path,
+                       "committed: sending" if committed else "did not commit: not sent")
+        return committed
+

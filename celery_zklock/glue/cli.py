@@ -1,0 +1,382 @@
+"""``celery -A proj zklock``: see who holds which lock and who leads beat, and check the setup.
+
+Registered through the ``celery.commands`` entry point::
+
+    celery -A proj zklock check              # settings, connection, server version and mode, round trip
+    celery -A proj zklock status             # beat election, held locks, the server we asked
+    celery -A proj zklock locks --key 'invoice:*' --json
+    celery -A proj zklock queued             # dedupe markers: key, task id, age, expiry
+
+It reads ZooKeeper only (with the app's credential, if any): it never changes a lock.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import logging
+import statistics
+import time
+from typing import Any, Dict, List, NoReturn, Optional
+
+import click
+from kazoo.exceptions import NoNodeError
+
+from ..conf import Settings, beat_name, describe
+from ..exceptions import ZkLockError
+from ..layout import LOCK_TREES, Layout, decode_key, hashed_name
+from ..recipes.lock import RULES, Rule, contender, semaphore, sequence, split_queue
+from ..recipes.marker import read_marker
+from ..zk import Session, check_acl
+from ..zk.probe import addresses, four_letter_word, server_limits
+from ..zk.transport import peer_address
+from .api import layout_of, settings_of
+from .options import problems
+
+__all__ = ["elections", "locks", "queued", "server_info", "zklock"]
+
+
+# -- reading the tree (no Celery here: these take a started Session) ---------------------------
+def _children(session: Session, path: str) -> List[str]:
+    try:
+        return session.client.get_children(path)
+    except NoNodeError:
+        return []
+
+
+def _read(session: Session, parent: str, names: List[str]) -> Dict[str, Any]:
+    """Data and stat of many children, fetched in one pipelined burst; vanished ones left out."""
+    pending = [(name, session.client.get_async(f"{parent}/{name}")) for name in names]
+    out = {}
+    for name, result in pending:
+        try:
+            out[name] = result.get(timeout=10)
+        except NoNodeError:
+            pass  # released while we looked
+    return out
+
+
+def _json(raw: bytes) -> Dict[str, Any]:
+    """Node data as a dict; junk written by others becomes {} (never a crash)."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _rule(kind: str, infos: List[Dict[str, Any]]) -> Rule:
+    rule = RULES[kind]
+    if rule.name != "semaphore":
+        return rule
+    # A semaphore's limit lives in its holders' data.
+    limits = [i["limit"] for i in infos if type(i.get("limit")) is int and i["limit"] > 0]
+    return semaphore(limits[0] if limits else 1)
+
+
+def locks(session: Session, root: str, pattern: Optional[str] = None,
+          secret: Optional[bytes] = None) -> List[Dict[str, Any]]:
+    """Every lock with a holder or a waiter under ``root``; ``pattern`` is a glob on the key.
+
+    Under hashed key names (``secret`` given) a name cannot be matched by a glob:
+    ``pattern`` is then one exact key, whose name is computed with the secret.
+
+    Example::
+
+        for row in locks(session, "/celery-zklock", "invoice:*"):
+            print(row["key"], row["holders"], row["waiters"])
+    """
+    now = time.time()
+    rows = []
+    wanted = hashed_name(secret, pattern) if secret is not None and pattern is not None else None
+    for tree in LOCK_TREES:
+        base = f"{root}/{tree}"
+        for name in sorted(_children(session, base)):
+            if wanted is not None and name != wanted:
+                continue
+            path = f"{base}/{name}"
+            nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
+            if not nodes:
+                continue
+            infos = {n: _json(data) for n, (data, _) in nodes.items()}
+            key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
+            if key is None:
+                key = pattern if wanted is not None and pattern is not None else decode_key(name) or name
+            if wanted is None and pattern is not None and not fnmatch.fnmatchcase(key, pattern):
+                continue
+            rule = _rule(semaphore(1).node_name, list(infos.values()))
+            holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values())))
+            holders = [_contender(n, infos[n], nodes[n][1], now, "held_for") for n in holding]
+            rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting),
+                         # In queue order: the next holder first.
+                         "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
+                         "limit": rule.leases if holders and holders[0]["mode"] == "semaphore" else None})
+    return rows
+
+
+def _contender(node: str, info: Dict[str, Any], stat: Any, now: float, age: str) -> Dict[str, Any]:
+    return {
+        "mode": info["mode"] if isinstance(info.get("mode"), str)
+        else _rule(contender(node)[0], []).name,  # type: ignore[index]
+        "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
+        "task_id": info.get("task_id"), "worker": info.get("worker"),
+        # From the node's creation: a holder's includes the time it waited first.
+        age: round(max(0.0, now - stat.ctime / 1000), 3),
+        "token": stat.czxid, "node": node,
+    }
+
+
+def queued(session: Session, root: str) -> List[Dict[str, Any]]:
+    """Every dedupe marker under ``root``: key (its name under hashed key names), task, task id, age, expiry."""
+    now = time.time()
+    base = Layout(root).queued_tree
+    rows = []
+    for name, (raw, _) in sorted(_read(session, base, _children(session, base)).items()):
+        marker = read_marker(raw) or {}
+        expires = marker.get("expires")
+        enqueued = marker.get("enqueued")
+        rows.append({"key": marker.get("key") if isinstance(marker.get("key"), str) else decode_key(name) or name,
+                     "task": marker.get("task"), "task_id": marker.get("task_id"),
+                     "age": round(now - enqueued, 3) if isinstance(enqueued, (int, float)) else None,
+                     "expires_in": round(expires - now, 3) if isinstance(expires, (int, float)) else None,
+                     "path": f"{base}/{name}"})
+    return rows
+
+
+def elections(session: Session, root: str) -> List[Dict[str, Any]]:
+    """Each beat election under ``root``: its leader and standbys, as their nodes describe them."""
+    out = []
+    layout = Layout(root)
+    for name in sorted(_children(session, layout.beats)):
+        beat = decode_key(name)
+        path = layout.election(beat) if beat is not None else f"{layout.beats}/{name}/election"
+        nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
+        order = sorted(nodes, key=sequence)
+        candidates = [{**_json(nodes[n][0]), "token": nodes[n][1].czxid} for n in order]
+        out.append({"name": beat if beat is not None else name, "path": path,
+                    "leader": candidates[0] if candidates else None, "standbys": candidates[1:]})
+    return out
+
+
+def server_info(session: Session, samples: int = 5) -> Dict[str, Any]:
+    """The server this session talks to: address, version, mode, and the median round trip."""
+    client = session.client
+    rtts = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        client.exists("/")
+        rtts.append((time.perf_counter() - t0) * 1000)
+    host, port = peer_address(client)
+    info: Dict[str, Any] = {"server": f"{host}:{port}", "session_id": f"0x{client.client_id[0]:x}",
+                            "rtt_ms": round(statistics.median(rtts), 3), "version": None, "mode": None}
+    try:
+        for line in client.command(b"srvr").splitlines():
+            if line.startswith("Zookeeper version:"):
+                # "3.8.0-<commit>, built on ...": the release is what matters here.
+                info["version"] = line.split(":", 1)[1].split(",")[0].strip().split("-")[0]
+            elif line.startswith("Mode:"):
+                info["mode"] = line.split(":", 1)[1].strip()
+    except Exception:
+        pass  # 'srvr' not in 4lw.commands.whitelist: version and mode stay unknown
+    return info
+
+
+# -- the click commands --------------------------------------------------------------------------
+def _connect(ctx: click.Context) -> tuple[Settings, Session, Any]:
+    app = ctx.obj.app
+    try:
+        settings = settings_of(app)
+        return settings, Session(settings).start(), app
+    except ZkLockError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
+    """The table of ``locks`` (and ``status``): a row per holder, and per waiter with ``waiters``."""
+    if not rows:
+        return ["  (no lock is held or waited for)"]
+    lines = [f"  {'KEY':<28} {'MODE':<9} {'HELD':>5} {'HOLDER':<22} {'WORKER':<20} {'TASK':<28} "
+             f"{'TASK ID':<36} {'FOR':>7} {'WAITERS':>7}  TOKEN"]
+
+    def line(key: str, who: Dict[str, Any], held: str, age: str, waiting: str) -> str:
+        # str() everywhere: node data may hold anything.
+        holder = f"{who.get('host')}/{who.get('pid')}" if who else "-"
+        return (f"  {key[:28]:<28} {str(who.get('mode', '-')):<9} {held:>5} {holder[:22]:<22} "
+                f"{str(who.get('worker') or '-')[:20]:<20} {str(who.get('task') or '-')[:28]:<28} "
+                f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7}  {who.get('token', '-')}")
+
+    for row in rows:
+        count = len(row["holders"])
+        held = f"{count}/{row['limit']}" if row.get("limit") else str(count)
+        for h in row["holders"] or [{}]:
+            lines.append(line(row["key"], h, held, _age(h["held_for"]) if h else "-", str(row["waiters"])))
+        if waiters:
+            for place, w in enumerate(row.get("waiting", []), 1):
+                lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), ""))
+    return lines
+
+
+def _stalled(leader: Dict[str, Any], now: float) -> str:
+    """What is wrong with a leader that holds the election but does not dispatch ("" if nothing).
+
+    A leading beat promises in its node to tick again by ``tick_by`` and keeps
+    renewing the promise; one past it is stuck (a blocked scheduler, a stale lock of its own).
+    """
+    if "leader_since" not in leader:
+        return " -- elected, but has not started dispatching"
+    tick_by = leader.get("tick_by")
+    if isinstance(tick_by, (int, float)) and now > tick_by + 2:
+        return (f" -- STUCK: it holds the election but has not ticked for {now - tick_by:.0f}s past "
+                f"the time it promised; nothing is being dispatched")
+    return ""
+
+
+@click.group(name="zklock")
+def zklock() -> None:
+    """celery-zklock: lock holders, the beat leader, and a setup check."""
+    # kazoo logs each failed connect attempt; our one line says what failed.
+    logging.getLogger("kazoo").addHandler(logging.NullHandler())
+    logging.getLogger("kazoo").propagate = False
+
+
+@zklock.command()
+@click.pass_context
+def status(ctx: click.Context) -> None:
+    """The beat election, the held locks, and the server asked."""
+    settings, session, app = _connect(ctx)
+    try:
+        server = server_info(session)
+        click.echo(f"ZooKeeper {server['server']} (session {server['session_id']}, mode {server['mode'] or '?'}, "
+                   f"round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
+        ours = Layout(settings.root).election(beat_name(app.conf, app.main))
+        # An empty election is another app's leftover, unless it is this app's.
+        found = [e for e in elections(session, settings.root) if e["leader"] or e["path"] == ours]
+        click.echo("Beat election:" if found else "Beat election: none (no LeaderScheduler has run here)")
+        for e in found:
+            mark = " (this app)" if e["path"] == ours else ""
+            leader = e["leader"]
+            click.echo(f"  {e['name']}{mark}: " + (
+                f"leader {leader.get('host')}/{leader.get('pid')} since {leader.get('leader_since', '?')} "
+                f"(token {leader['token']}){_stalled(leader, time.time())}" if leader else "no leader"))
+            for s in e["standbys"]:
+                click.echo(f"    standby {s.get('host')}/{s.get('pid')} waiting since {s.get('since', '?')}")
+        rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"]]
+        held = sum(len(r["holders"]) for r in rows)
+        click.echo(f"Locks: {held} held, {sum(r['waiters'] for r in rows)} waiting")
+        for line in _lock_lines(rows):
+            click.echo(line)
+    finally:
+        session.close()
+
+
+@zklock.command(name="locks")
+@click.option("--key", "pattern", default=None,
+              help="Only keys matching this glob, e.g. 'invoice:*' (one exact key under hashed key names).")
+@click.option("--waiters", "show_waiters", is_flag=True, help="Also a row per waiter, in queue order.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts (waiters always in it).")
+@click.pass_context
+def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool, as_json: bool) -> None:
+    """Held and waited-for locks: mode, holders (host/pid, worker, task, task id), held for, waiters, token."""
+    settings, session, _ = _connect(ctx)
+    try:
+        rows = locks(session, settings.root, pattern, layout_of(ctx.obj.app).secret)
+    finally:
+        session.close()
+    if as_json:
+        click.echo(json.dumps({"root": settings.root, "locks": rows}, indent=2))
+    elif pattern is not None and not rows:
+        click.echo(f"  no lock matches {pattern!r}")
+    else:
+        for line in _lock_lines(rows, show_waiters):
+            click.echo(line)
+
+
+@zklock.command(name="queued")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+@click.pass_context
+def queued_command(ctx: click.Context, as_json: bool) -> None:
+    """Dedupe markers: each key with a copy queued (or running), its task id, age and expiry."""
+    settings, session, _ = _connect(ctx)
+    try:
+        rows = queued(session, settings.root)
+    finally:
+        session.close()
+    if as_json:
+        click.echo(json.dumps({"root": settings.root, "queued": rows}, indent=2))
+        return
+    if not rows:
+        click.echo("  (no copy is queued under dedupe)")
+        return
+    click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}")
+    for r in rows:
+        expires = "expired" if r["expires_in"] is not None and r["expires_in"] <= 0 else (
+            _age(r["expires_in"]) if r["expires_in"] is not None else "?")
+        click.echo(f"  {str(r['key'])[:32]:<32} {str(r['task'] or '-')[:28]:<28} {str(r['task_id'] or '-'):<36} "
+                   f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
+
+
+@zklock.command()
+@click.pass_context
+def check(ctx: click.Context) -> None:
+    """Validate the settings and the tasks' lock options, ask the servers, connect; exit 1 on any problem."""
+    app = ctx.obj.app
+    try:
+        settings = settings_of(app)
+    except ZkLockError as exc:
+        _check_failed([str(exc)], app.conf)
+    failures = problems(app)
+    limits: Dict[str, Optional[int]] = {}
+    if not settings.use_ssl:  # four-letter words are not served on ZooKeeper's TLS port
+        for host, port in addresses(settings.hosts):
+            try:
+                four_letter_word(host, port, "srvr")
+                limits = limits or server_limits(four_letter_word(host, port, "conf"))
+            except ZkLockError as exc:
+                failures.append(f"zklock_hosts: {exc}")
+    if failures:
+        _check_failed(failures, app.conf)  # before connecting: kazoo would retry for zklock_connect_timeout
+    try:
+        session = Session(settings).start()
+    except ZkLockError as exc:
+        _check_failed([str(exc)], app.conf)
+    try:
+        server = server_info(session)
+        granted = session.clock.negotiated_timeout
+        root = session.client.exists(settings.root)
+        if root is not None and settings.acl != "open":
+            check_acl(settings.root, session.client.get_acls(settings.root)[0], settings.acl)
+    except ZkLockError as exc:
+        failures.append(str(exc))
+    finally:
+        session.close()
+    if granted is not None and granted != settings.session_timeout:
+        bounds = ", ".join(f"{k}={v} ms" for k, v in limits.items() if v is not None)
+        failures.append(
+            f"zklock_session_timeout={settings.session_timeout:g}s but the server grants {granted:g}s"
+            + (f" (its {bounds})" if bounds else "") + ": locks would count as lost on the server's clock, "
+            f"not yours; set zklock_session_timeout={granted:g} or change the server's limits")
+    if failures:
+        _check_failed(failures, app.conf)
+    click.echo(f"settings ok: zklock_hosts={settings.hosts} zklock_root={settings.root} "
+               f"zklock_session_timeout={settings.session_timeout:g}s (granted as asked) zklock_acl={settings.acl} "
+               f"tls={'on' if settings.use_ssl else 'off'} "
+               f"auth={'digest user ' + settings.auth[0] if settings.auth else 'none'}")
+    click.echo(f"connected to {server['server']}: ZooKeeper {server['version'] or '? (srvr not whitelisted)'}, "
+               f"mode {server['mode'] or '?'}, round trip {server['rtt_ms']:.2f} ms (median of 5)")
+    click.echo(f"{settings.root}: {'exists' if root is not None else 'not created yet (the first lock creates it)'}")
+
+
+def _check_failed(failures: List[str], conf: Any) -> NoReturn:
+    for failure in failures:
+        click.echo(f"Error: {failure}", err=True)
+    click.echo("settings used:", err=True)
+    for line in describe(conf):
+        click.echo(f"  {line}", err=True)
+    raise SystemExit(1)

@@ -1,0 +1,152 @@
+"""Enqueue-time dedupe: a marker per key, created as a copy is published and given back as it
+starts (``queued``) or ends (``queued_or_running``), or when it is revoked.
+
+:func:`publish` and :func:`revoked` are hooks; :func:`~celery_zklock.glue.worker.install`
+connects them. :func:`marker_kept` is the running copy's side.
+
+Example::
+
+    @app.task
+    @zk_locked(key="sync:{account}", dedupe="queued", lock=False)
+    def sync(account): ...
+
+    sync.delay(7)
+    sync.delay(7)        # the first copy's AsyncResult: no second message while it is queued
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import time
+from typing import Any, Callable, Dict, Iterator, Optional
+
+from celery.exceptions import Retry
+from kazoo.exceptions import KazooException
+from kombu.utils.uuid import uuid
+
+from .. import signals
+from ..exceptions import AlreadyQueued, ZooKeeperUnavailable
+from ..recipes.marker import claim, release
+from ..zk import session_for, timeouts
+from .api import claim_scheme, layout_of, settings_of, task_defaults
+from .celery_internals import current_task
+from .options import LockSpec, spec_of
+
+__all__ = ["MARKER_HEADER", "marker_kept", "publish", "revoked"]
+
+logger = logging.getLogger("celery_zklock")
+
+#: The message header that names a dedupe copy's marker, for the worker that runs it.
+MARKER_HEADER = "zklock_marker"
+
+
+def _dedupe_spec(task: Any) -> Optional[LockSpec]:
+    spec = spec_of(task)
+    return spec if spec is not None and spec.dedupe is not None else None
+
+
+def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any]) -> Any:
+    """``Task.apply_async`` for every task: a dedupe task publishes only if no copy with its key
+    is queued (or running); any other task is published as it is."""
+    spec = _dedupe_spec(task)
+    if spec is None:
+        return original(task, args, kwargs, **options)  # every other task pays only the lookup above
+    running = current_task()
+    if running is not None and options.get("task_id") == running.request.id:
+        return original(task, args, kwargs, **options)  # a retry: the same copy, it keeps its marker
+    app = task.app
+    where = f"task {task.name}"
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    keys = spec.keys(task.name, task.run, args, kwargs, False)
+    key = keys[0] if len(keys) == 1 else "\n".join(sorted(set(keys)))
+    settings, layout = settings_of(app), layout_of(app)
+    ttl = spec.marker_ttl(task_defaults(app))
+    expires = _seconds_until(options.get("expires"), app)
+    if expires is not None:
+        ttl = max(0.0, min(ttl, expires))  # the message is dropped after that anyway
+    else:
+        ttl += max(0.0, _seconds_until(options.get("eta"), app) or float(options.get("countdown") or 0))
+    task_id = options.pop("task_id", None) or uuid()
+    now = time.time()
+    data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
+            **({"key": key} if layout.secret is None else {})}
+    path = layout.queued(key)
+    try:
+        session = session_for(settings)
+        claim_scheme(session, layout, settings.connect_timeout)
+        session.nodes.ensure_path(layout.queued_tree, settings.connect_timeout)
+        existing, _ = claim(session, path, data, settings.connect_timeout)
+    except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
+        if spec.dedupe_on_unavailable == "publish":
+            logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
+            return original(task, args, kwargs, task_id=task_id, **options)
+        raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
+                                   f"({type(exc).__name__}: {exc}); dedupe_on_unavailable='publish' publishes "
+                                   "anyway") from None
+    if existing is not None:
+        signals.task_deduplicated.send(sender=task, key=layout.label(key), task_id=existing["task_id"])
+        if spec.on_duplicate == "raise":
+            raise AlreadyQueued(f"{where}: not published: a copy with key {layout.label(key)!r} is "
+                                f"{str(spec.dedupe).replace('_', ' ')} (task id {existing['task_id']})",
+                                existing["task_id"])
+        return None if spec.on_duplicate == "none" else task.AsyncResult(existing["task_id"])
+    signals.task_marked.send(sender=task, key=layout.label(key), task_id=task_id, path=path)
+    options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
+    try:
+        return original(task, args, kwargs, task_id=task_id, **options)
+    except BaseException:
+        release(session, path, task_id, settings.connect_timeout)  # never sent: nothing will run it
+        raise
+
+
+def _seconds_until(expires: Any, app: Any) -> Optional[float]:
+    if expires is None:
+        return None
+    if isinstance(expires, datetime.datetime):
+        return (expires - (app.now() if expires.tzinfo else datetime.datetime.now())).total_seconds()
+    return float(expires)
+
+
+@contextlib.contextmanager
+def marker_kept(task: Any, spec: LockSpec) -> Iterator[None]:
+    """Around a dedupe copy's run: its marker goes as it starts (``queued``) or when it is done
+    (``queued_or_running``), but not when it retries: the same copy runs again."""
+    marker = _marker_of(task.request) if spec.dedupe is not None else None
+    if marker is not None and spec.dedupe == "queued":
+        _release_marker(task, marker)  # started: the next publish queues a new copy
+    finished = True
+    try:
+        yield
+    except Retry:
+        finished = False
+        raise
+    finally:
+        if marker is not None and spec.dedupe == "queued_or_running" and finished:
+            _release_marker(task, marker)
+
+
+def _marker_of(request: Any) -> Optional[str]:
+    # A worker turns message headers into request attributes; eager apply() keeps them in .headers.
+    marker = getattr(request, MARKER_HEADER, None) or (getattr(request, "headers", None) or {}).get(MARKER_HEADER)
+    return marker if isinstance(marker, str) else None
+
+
+def _release_marker(task: Any, path: str, task_id: Optional[str] = None) -> None:
+    """Give back the marker of copy ``task_id`` (the running one by default). A failure is
+    only logged: the task must not fail for it, and the marker expires by itself."""
+    task_id = task_id or task.request.id
+    settings = settings_of(task.app)
+    try:
+        release(session_for(settings), path, task_id, settings.connect_timeout)
+    except Exception as exc:
+        logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); it expires by itself",
+                       task.name, task_id, path, exc)
+
+
+def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """A ``task_revoked`` receiver: a revoked (or expired) copy never runs, so its marker goes now."""
+    marker = _marker_of(request) if request is not None and _dedupe_spec(sender) is not None else None
+    if marker is not None:
+        _release_marker(sender, marker, request.id)

@@ -1,0 +1,236 @@
+"""Running a task body under its locks: build the keys, take the locks in one global order,
+run the body, give them back on every path; and what the body sees of them.
+
+Example::
+
+    result = run_locked(task, spec, fn, args, kwargs, bound, body)   # body's result, or a skip record
+
+    # inside the body:
+    current_lock().ensure()                                          # raises LockLost if lost or in doubt
+    db.write(row, fence=current_lock().fencing_token)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from contextvars import ContextVar
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .. import signals
+from ..exceptions import LockNotAcquired, NoCurrentLock, ZooKeeperUnavailable
+from ..recipes import Lock, LockState
+from ..zk import remaining, session_for
+from .api import lock, lock_path, settings_of, task_defaults
+from .celery_internals import current_task
+from .interrupt import BodyGuard
+from .options import LockSpec
+
+__all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
+
+logger = logging.getLogger("celery_zklock")
+
+#: The locks of each running locked body, innermost last. A ContextVar, not a threading.local:
+#: each greenlet has its own context whatever was patched when, and so does each thread.
+_held: ContextVar[List[List[Lock]]] = ContextVar("celery_zklock_held")
+
+
+def _stack() -> List[List[Lock]]:
+    stack = _held.get(None)
+    if stack is None:
+        stack = []
+        _held.set(stack)
+    return stack
+
+
+def current_lock() -> Lock:
+    """The lock the running task holds.
+
+    Raises :class:`~celery_zklock.NoCurrentLock` outside a locked body, and in a task that
+    holds several locks: :func:`current_locks` returns every one of them.
+
+    Example::
+
+        current_lock().ensure()   # raises LockLost if the lock is lost or in doubt
+        db.write(row, fence=current_lock().fencing_token)
+    """
+    held = current_locks()
+    if len(held) == 1:
+        return held[0]
+    task = current_task()
+    where = f"task {task.name}" if task is not None else "current_lock()"
+    if held:
+        raise NoCurrentLock(f"{where} holds {len(held)} locks ({', '.join(repr(h.label) for h in held)}): "
+                            "current_locks() returns them all, in lock order")
+    raise NoCurrentLock(f"{where}: no lock is held here (current_lock() works inside a locked task's body; "
+                        "current_locks() returns [] elsewhere)")
+
+
+def current_locks() -> List[Lock]:
+    """Every lock the running task holds, in lock order ([] outside a locked task).
+
+    Example::
+
+        for held in current_locks():
+            held.ensure()
+    """
+    stack = _held.get(None)
+    return list(stack[-1]) if stack else []
+
+
+def run_locked(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+               bound: bool, body: Callable[[], Any]) -> Any:
+    """Build the keys, take the locks in one global order, run ``body``, release on every path.
+
+    Each lock goes into ``held`` *before* it is acquired, and is released from there, in
+    :func:`_run` and again here. An asynchronous exception (a soft time limit) may land on
+    any line, even as ``acquire`` returns or on the first line of a ``finally``; one such
+    exception can defeat one of the two nets, never both, and release is idempotent.
+    """
+    held: List[Lock] = []
+    stack = _stack()
+    depth = len(stack)
+    try:
+        return _run(task, spec, fn, args, kwargs, bound, body, held)
+    finally:
+        del stack[depth:]  # current_lock() never outlives the body either
+        release_all(task, held)
+
+
+def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+         bound: bool, body: Callable[[], Any], held: List[Lock]) -> Any:
+    app = task.app
+    where = f"task {task.name}"
+    defaults = task_defaults(app)
+    policy, timeout = spec.contention(defaults), spec.wait_timeout(defaults)
+    keys = spec.keys(task.name, fn, args, kwargs, bound)
+    # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
+    ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
+    settings = settings_of(app)
+    try:
+        session = session_for(settings)
+    except ZooKeeperUnavailable as exc:
+        raise ZooKeeperUnavailable(f"{where}: {exc}") from None
+    request = task.request
+    guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
+    on_state = functools.partial(_on_state, task, request.id, guard)
+    locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
+                  task=task.name, task_id=request.id, worker=request.hostname)
+             for _, key in ordered]
+    if policy != "wait":
+        # Policies that do not wait still answer within zklock_connect_timeout when
+        # ZooKeeper does not: not acquired, so the policy applies.
+        timeout = settings.connect_timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stack = _stack()
+    try:
+        for one in locks:
+            held.append(one)
+            if one.acquire(blocking=policy == "wait", timeout=remaining(deadline)):
+                signals.lock_acquired.send(sender=task, lock=one)
+                continue
+            held.pop()
+            return _contended(task, spec, policy, timeout, one, held, deadline)
+        for one in held:
+            one.ensure()  # one may have been lost while we waited for another: no body then
+        acquired = list(held)
+        try:
+            stack.append(acquired)
+            if guard is None:
+                return body()
+            with guard:
+                return body()
+        finally:
+            if stack and stack[-1] is acquired:
+                stack.pop()
+    finally:
+        release_all(task, held)
+
+
+def release_all(task: Any, held: List[Lock]) -> None:
+    """Release ``held`` (last taken first) and empty it; finishes even if interrupted, then re-raises."""
+    interrupted: Optional[BaseException] = None
+    attempts = 0
+    while held and attempts < 3 * len(held) + 3:
+        attempts += 1
+        one = held[-1]
+        try:
+            since = one.held_since
+            if one.release():
+                signals.lock_released.send(sender=task, lock=one, held_seconds=time.monotonic() - since)
+        except BaseException as exc:  # noqa: B036 - release the rest first, re-raise below
+            interrupted = interrupted or exc
+            continue  # the same lock again: release is idempotent
+        held.pop()
+    if interrupted is not None:
+        raise interrupted
+
+
+def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float], lock: Lock,
+               held: List[Lock], deadline: Optional[float]) -> Any:
+    release_all(task, held)  # give back what we took before waiting on nothing
+    signals.lock_contended.send(sender=task, lock=lock, policy=policy)
+    where = f"task {task.name}"
+    if policy == "skip":
+        holders = [_holder(data) for data in lock.holders(timeout=remaining(deadline))]
+        logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.label, lock.mode,
+                    "; ".join(_describe(h) for h in holders) or "another contender (it has just let go)")
+        return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders}}
+    message = (f"{where}: lock {lock.label!r} ({lock.mode}) not acquired" +
+               (f" within {timeout:g}s" if policy == "wait" and timeout is not None else ""))
+    if policy == "retry":
+        raise task.retry(countdown=spec.retry_countdown, exc=LockNotAcquired(message))
+    raise LockNotAcquired(message)
+
+
+#: The one key of the result a task returns when ``on_contention="skip"`` skipped it.
+SKIPPED = "zklock_skipped"
+
+_WHO = ("task", "task_id", "worker", "host", "pid")
+
+
+def skipped(result: Any) -> Optional[Dict[str, Any]]:
+    """What stopped a task, if ``result`` is a skipped task's result; None for any other result.
+
+    A skip returns ``{"zklock_skipped": {"key", "mode", "holders"}}`` rather than None, so a
+    caller can tell it from a body that returned None; it serializes with every Celery serializer.
+
+    >>> skipped({"zklock_skipped": {"key": "sync:42", "mode": "exclusive", "holders": []}})["key"]
+    'sync:42'
+    >>> skipped(None) is None
+    True
+    """
+    if isinstance(result, dict) and len(result) == 1 and isinstance(result.get(SKIPPED), dict):
+        return result[SKIPPED]
+    return None
+
+
+def _holder(data: str) -> Dict[str, Any]:
+    """Who a holder is, from its node data (junk written by others gives {})."""
+    try:
+        info = json.loads(data)
+    except ValueError:
+        return {}
+    return {k: info.get(k) for k in _WHO} if isinstance(info, dict) else {}
+
+
+def _describe(holder: Dict[str, Any]) -> str:
+    """``task T[id] on worker W (pid P on host H)``, with whatever the holder's data names."""
+    if not holder.get("task"):
+        return f"pid {holder.get('pid')} on host {holder.get('host')}" if holder else "a contender of unknown origin"
+    return (f"task {holder['task']}[{holder.get('task_id')}] on worker {holder.get('worker')} "
+            f"(pid {holder.get('pid')} on host {holder.get('host')})")
+
+
+def _on_state(task: Any, task_id: Optional[str], guard: Optional[BodyGuard], lock: Lock, state: str) -> None:
+    # Runs on kazoo's or the session watchdog's thread (or greenlet): never block here, and
+    # never read task.request, which is the running thread's (or greenlet's) and not the body's.
+    if state != LockState.LOST:
+        return
+    message = lock.lost_message()
+    interrupted = guard.interrupt(f"task {task.name}: {message}") if guard is not None else False
+    logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task_id, message,
+                   "; raising LockLost in the body" if interrupted else "")
+    signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted)

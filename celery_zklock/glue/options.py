@@ -1,0 +1,268 @@
+"""A locked task's options: checked once, when the task is defined, into a :class:`LockSpec`.
+
+Both forms keep what they checked in the same place, a :class:`Locking` on the task's
+``run`` (``@zk_locked`` returns a new run; ``ZkLockedTask`` wraps the run its class
+defines), and everyone reads it through :func:`locking_of`. Each default is written
+once, as a field of :class:`LockSpec`. No Celery here: the CLI and the beat import
+:func:`problems` without the rest of the glue.
+
+Example::
+
+    spec = spec_of(app.tasks["billing.charge"])
+    spec.mode, spec.on_contention        # ('exclusive', <from settings>)
+    problems(app)                        # one line per task whose options are wrong
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, TypedDict, Union
+
+from ..conf import (
+    CONTENTION_POLICIES,
+    DEDUPE_MODES,
+    DUPLICATE_POLICIES,
+    LOCK_LOST_POLICIES,
+    UNAVAILABLE_POLICIES,
+    ContentionPolicy,
+    DedupeMode,
+    DuplicatePolicy,
+    LockLostPolicy,
+    LockMode,
+    TaskDefaults,
+    UnavailablePolicy,
+    choice,
+    did_you_mean,
+    optional_seconds,
+)
+from ..exceptions import ConfigurationError
+from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
+from .api import rule_for
+
+__all__ = ["DEFAULT", "OPTIONS", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions", "locked_tasks",
+           "locking_of", "problems", "spec_of", "strays"]
+
+
+class FromSettings(enum.Enum):
+    """The type of :data:`DEFAULT`."""
+
+    DEFAULT = "from settings"
+
+    def __repr__(self) -> str:
+        return "<from settings>"
+
+
+#: "Use the app's setting": zklock_default_on_contention, zklock_default_timeout or zklock_dedupe_ttl.
+DEFAULT = FromSettings.DEFAULT
+
+#: The ``key`` option: a template, a callable, a list of these, or None (the task name plus its arguments).
+KeyOption = Union[KeyPart, Sequence[KeyPart], None]
+
+
+class LockOptions(TypedDict, total=False):
+    """The options of ``@zk_locked(key, **options)``; one left out takes :class:`LockSpec`'s default."""
+
+    mode: LockMode
+    limit: Optional[int]
+    on_contention: ContentionPolicy
+    timeout: Optional[float]
+    retry_countdown: float
+    on_lock_lost: LockLostPolicy
+    lock: bool
+    dedupe: Optional[DedupeMode]
+    on_duplicate: DuplicatePolicy
+    dedupe_ttl: float
+    dedupe_on_unavailable: UnavailablePolicy
+
+
+class TaskLockOptions(LockOptions, total=False):
+    """``ZkLockedTask``'s ``zklock`` option: the key and the :class:`LockOptions`."""
+
+    key: KeyOption
+
+
+@dataclasses.dataclass(frozen=True)
+class LockSpec:
+    """A task's validated lock options; each default is written here and nowhere else.
+
+    Its fields are the options (``key`` is kept as ``parts``): :data:`OPTIONS` is read off them.
+    """
+
+    where: str
+    parts: Tuple[KeyPart, ...] = ()  # the ``key`` option
+    mode: LockMode = "exclusive"
+    limit: Optional[int] = None
+    on_contention: Union[ContentionPolicy, Literal[FromSettings.DEFAULT]] = DEFAULT
+    timeout: Union[float, None, Literal[FromSettings.DEFAULT]] = DEFAULT
+    retry_countdown: float = 5.0
+    on_lock_lost: LockLostPolicy = "interrupt"
+    #: Take the execution lock (False: dedupe only).
+    lock: bool = True
+    #: Enqueue-time dedupe: None, ``queued`` or ``queued_or_running``.
+    dedupe: Optional[DedupeMode] = None
+    on_duplicate: DuplicatePolicy = "return"
+    dedupe_ttl: Union[float, Literal[FromSettings.DEFAULT]] = DEFAULT
+    dedupe_on_unavailable: UnavailablePolicy = "fail"
+
+    @classmethod
+    def make(cls, fn: Callable[..., Any], where: str, options: Mapping[str, Any]) -> LockSpec:
+        """Validate lock options against the task function; errors name the task and the option."""
+        unknown = sorted(set(options) - set(OPTIONS), key=str)
+        if unknown:
+            known = f" (known: {list(OPTIONS)})"
+            raise ConfigurationError("; ".join(
+                f"{where}: unknown lock option {name!r}" + (did_you_mean(str(name), OPTIONS) or known)
+                for name in unknown))
+
+        def get(name: str) -> Any:
+            return options.get(name, _DEFAULTS[name])
+
+        mode, limit = get("mode"), get("limit")
+        try:
+            rule_for(mode, limit)
+        except ValueError as exc:
+            raise ConfigurationError(f"{where}: {exc}") from None
+        policy = get("on_contention")
+        if policy is not DEFAULT:
+            choice(f"{where}: on_contention", policy, CONTENTION_POLICIES)
+        timeout = get("timeout")
+        if timeout is not DEFAULT:
+            optional_seconds(f"{where}: timeout", timeout)
+        countdown = optional_seconds(f"{where}: retry_countdown", get("retry_countdown"))
+        if countdown is None:
+            raise ConfigurationError(f"{where}: retry_countdown must be a number of seconds, not None")
+        return cls(where=where, parts=check_key_parts(options.get("key"), fn, where), mode=mode, limit=limit,
+                   on_contention=policy, timeout=timeout, retry_countdown=countdown,
+                   on_lock_lost=choice(f"{where}: on_lock_lost", get("on_lock_lost"), LOCK_LOST_POLICIES),
+                   **_dedupe_options(where, options, get))
+
+    def contention(self, defaults: TaskDefaults) -> ContentionPolicy:
+        """What this task does when its lock is held: its own policy, else the app's default."""
+        return defaults.on_contention if self.on_contention is DEFAULT else self.on_contention
+
+    def wait_timeout(self, defaults: TaskDefaults) -> Optional[float]:
+        """How long ``wait`` waits (None: forever)."""
+        return defaults.timeout if self.timeout is DEFAULT else self.timeout
+
+    def marker_ttl(self, defaults: TaskDefaults) -> float:
+        """The life of a dedupe marker whose message is lost."""
+        return defaults.dedupe_ttl if self.dedupe_ttl is DEFAULT else float(self.dedupe_ttl)
+
+    def keys(self, task_name: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+             bound: bool) -> List[str]:
+        """The keys of one call: the ``key`` option rendered, or the task name plus every argument."""
+        where = f"task {task_name}"
+        try:
+            arguments = bind_arguments(fn, args, kwargs, skip_first=bound)
+        except TypeError as exc:
+            raise TypeError(f"{where}: {exc}") from None
+        if self.parts:
+            return build_keys(self.parts, arguments, args[1:] if bound else args, kwargs, where)
+        return [default_key(task_name, arguments)]
+
+
+def _dedupe_options(where: str, options: Mapping[str, Any], get: Callable[[str], Any]) -> Dict[str, Any]:
+    dedupe = get("dedupe")
+    if dedupe is not None:
+        choice(f"{where}: dedupe", dedupe, DEDUPE_MODES)
+    locking = get("lock")
+    if not isinstance(locking, bool):
+        raise ConfigurationError(f"{where}: lock must be True or False, not {locking!r}")
+    if not locking and dedupe is None:
+        raise ConfigurationError(f"{where}: lock=False without dedupe=... would do nothing; drop zk_locked instead")
+    ttl = get("dedupe_ttl")
+    if ttl is not DEFAULT and (optional_seconds(f"{where}: dedupe_ttl", ttl) or 0) <= 0:
+        raise ConfigurationError(f"{where}: dedupe_ttl must be a positive number of seconds, not {ttl!r}")
+    extra = {"on_duplicate": choice(f"{where}: on_duplicate", get("on_duplicate"), DUPLICATE_POLICIES),
+             "dedupe_on_unavailable": choice(f"{where}: dedupe_on_unavailable", get("dedupe_on_unavailable"),
+                                             UNAVAILABLE_POLICIES)}
+    if dedupe is None:
+        given = [name for name in _DEDUPE_ONLY if get(name) != _DEFAULTS[name]]
+        if given:
+            raise ConfigurationError(f"{where}: {', '.join(given)} apply only with dedupe=...; set dedupe too")
+    return {"lock": locking, "dedupe": dedupe, "dedupe_ttl": ttl, **extra}
+
+
+#: The lock options of ``@zk_locked`` and ``ZkLockedTask(zklock={...})``, in one place.
+OPTIONS: Tuple[str, ...] = ("key", *(f.name for f in dataclasses.fields(LockSpec) if f.name not in ("where", "parts")))
+_DEFAULTS: Dict[str, Any] = {"key": None, **{f.name: f.default for f in dataclasses.fields(LockSpec)
+                                             if f.name in OPTIONS}}
+#: The options that mean something only with ``dedupe``.
+_DEDUPE_ONLY = ("on_duplicate", "dedupe_ttl", "dedupe_on_unavailable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Locking:
+    """What a task's lock options came to when it was defined: its spec, or why it has none.
+
+    A wrong option is not raised while the task is defined: Celery would print the error
+    inside a traceback from its app loader. It is logged when the app is finalized,
+    refuses the worker and the beat in one line, and is raised by every call.
+    """
+
+    spec: Optional[LockSpec]
+    problem: str = ""
+    #: Which form asked for the lock: ``@zk_locked``, or ``zklock`` (ZkLockedTask's option).
+    form: Literal["@zk_locked", "zklock"] = "@zk_locked"
+
+    @classmethod
+    def check(cls, fn: Callable[..., Any], where: str, options: Mapping[str, Any],
+              form: Literal["@zk_locked", "zklock"]) -> Locking:
+        try:
+            return cls(LockSpec.make(fn, where, options), "", form)
+        except ConfigurationError as exc:
+            return cls(None, str(exc), form)
+
+    def attach(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        """Keep this on ``run``, the one place :func:`locking_of` looks."""
+        setattr(run, _ON_RUN, self)
+        return run
+
+
+#: The attribute of a locked task's run that holds its Locking.
+_ON_RUN = "__zklock__"
+
+
+def locking_of(task: Any) -> Optional[Locking]:
+    """How a task (or a task's run) is locked; None when it is not a locked task.
+
+    >>> locking_of(print) is None
+    True
+    """
+    found = getattr(getattr(task, "run", task), _ON_RUN, None)
+    return found if isinstance(found, Locking) else None
+
+
+def spec_of(task: Any) -> Optional[LockSpec]:
+    """A task's lock options (None: not a locked task, or its options are wrong)."""
+    locking = locking_of(task)
+    return locking.spec if locking is not None else None
+
+
+def locked_tasks(app: Any) -> Dict[str, Locking]:
+    """Task name -> Locking, for each locked task of ``app`` (valid or not)."""
+    return {name: locking for name, locking in ((n, locking_of(t)) for n, t in app.tasks.items())
+            if locking is not None}
+
+
+def strays(app: Any) -> Dict[str, str]:
+    """Task name -> the problem, for each task whose ``zklock`` option does not lock it (Celery ignores it)."""
+    return {name: f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
+            for name, task in app.tasks.items()
+            if getattr(task, "zklock", None) is not None and getattr(locking_of(task), "form", "") != "zklock"}
+
+
+def problems(app: Any) -> List[str]:
+    """What is wrong with an app's locked tasks, one line each.
+
+    Wrong lock options (see :class:`Locking`), and a ``zklock`` option on a task
+    that is not a ZkLockedTask, which Celery would silently ignore.
+    """
+    stray = strays(app)
+    found = []
+    for name, task in sorted(app.tasks.items()):
+        problem = getattr(locking_of(task), "problem", "") or stray.get(name)
+        if problem:
+            found.append(problem)
+    return found

@@ -1,0 +1,189 @@
+"""Worker wiring: :func:`install` connects every hook celery-zklock has in Celery, once per process.
+
+When the hooks go in. Importing celery_zklock patches nothing and connects no signal
+receiver: it only asks Celery (``connect_on_app_finalize``) to show it each app as the
+app is finalized. Then:
+
+1. An app *uses* celery-zklock when one of its tasks is locked (``@zk_locked`` or
+   ``ZkLockedTask``, with valid options or not) or carries a ``zklock`` option, or when
+   its configuration sets a ``zklock_*`` setting. Each app is looked at once, when it is
+   finalized and has made its tasks (``on_after_finalize``); for an app that uses
+   celery-zklock, its problems are logged, its tasks with a stray ``zklock`` option are
+   made to refuse every call, and :func:`install` runs.
+2. Two moments come before the app can be looked at, and install at once
+   (:func:`task_defined`, called as a locked task is defined):
+
+   - a dedupe task: its marker is made in the publisher, and Celery publishes from an app
+     it never finalized (``task.delay()`` makes a lazy task and sends it);
+   - a locked task defined when an app of the process is finalized already: Celery adds it
+     to that app after the look (a worker's ``--include`` modules, a test's task).
+
+3. :func:`install` is idempotent. It routes ``Task.apply_async`` through the dedupe
+   publish, and connects ``task_revoked`` (a revoked copy's marker), ``worker_init``
+   (refuse a worker whose locked tasks or settings are wrong), ``worker_ready`` (say
+   which keys ZooKeeper shows in clear), ``worker_process_init`` (open the session
+   before the first task) and ``worker_process_shutdown``/``worker_shutdown`` (close
+   the sessions, so their locks go at once). Each receiver checks the app it hears
+   about: an app that does not use celery-zklock pays one lookup per publish.
+
+``tests/unit/test_boundaries.py`` checks this rule in a fresh interpreter.
+
+Example::
+
+    install()   # what a finalized app that uses celery-zklock triggers; call it yourself only in odd set-ups
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, List, Optional
+
+from celery.signals import (
+    task_revoked,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
+
+from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
+from ..zk import Session, close_sessions, session_for
+from . import dedupe
+from .api import claim_scheme, layout_of, settings_of, task_defaults
+from .celery_internals import connect_on_app_finalize, current_app, finalized_apps, wrap_apply_async
+from .options import LockSpec, locked_tasks, problems, strays
+
+__all__ = ["install", "task_defined", "uses_zklock"]
+
+logger = logging.getLogger("celery_zklock")
+
+_installing = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+    """Connect every hook of celery-zklock to Celery, once per process (see the module's rule)."""
+    global _installed
+    with _installing:
+        if _installed:
+            return
+        wrap_apply_async(dedupe.publish)
+        task_revoked.connect(dedupe.revoked, weak=False)
+        worker_init.connect(_validate, weak=False)
+        worker_ready.connect(_tell_about_readable_arguments, weak=False)
+        worker_process_init.connect(_open_session, weak=False)
+        worker_process_shutdown.connect(_close_sessions, weak=False)
+        worker_shutdown.connect(_close_sessions, weak=False)
+        _installed = True
+
+
+def task_defined(spec: Optional[LockSpec]) -> None:
+    """A locked task was defined: install now if the finalize look would come too late (rule 2)."""
+    if not _installed and ((spec is not None and spec.dedupe is not None) or finalized_apps()):
+        install()
+
+
+def uses_zklock(app: Any) -> bool:
+    """Whether ``app`` uses celery-zklock (rule 1): a locked task, a ``zklock`` option, or a ``zklock_*`` setting."""
+    return bool(locked_tasks(app) or strays(app) or any(
+        isinstance(name, str) and name.lower().startswith(("zklock_", "celery_zklock_")) for name in app.conf))
+
+
+@connect_on_app_finalize
+def _watch(app: Any) -> None:
+    # Called as the app starts finalizing, before it makes its lazy tasks: look once it has.
+    app.on_after_finalize.connect(_look, weak=False)
+
+
+def _look(sender: Any, **kwargs: Any) -> None:
+    sender.on_after_finalize.disconnect(_look)  # once per app
+    if not uses_zklock(sender):
+        return
+    # Celery swallows exceptions raised here: log, and make the calls fail. The
+    # worker and the beat refuse to start (_validate, beat._join).
+    for problem in problems(sender):
+        logger.error("celery-zklock: %s", problem)
+    _refuse_stray_calls(sender)
+    install()
+
+
+def _refuse_stray_calls(app: Any) -> None:
+    """Make every call of a task with a stray ``zklock`` option raise, instead of running unlocked."""
+    for name, problem in strays(app).items():
+        task = app.tasks[name]
+        if "run" in vars(task):
+            continue  # refused already
+
+        def refuse(*args: Any, _message: str = f"{problem}; not run unlocked", **kwargs: Any) -> Any:
+            raise ConfigurationError(_message)
+
+        task.run = refuse  # Celery's tracer and Task.__call__ both call the instance's run
+
+
+def _validate(sender: Any = None, **kwargs: Any) -> None:
+    """Refuse to start a worker whose locked tasks or zklock_* settings are wrong."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    found = problems(app)
+    if locked_tasks(app):
+        try:
+            settings = settings_of(app)
+            task_defaults(app)
+            found += _check_scheme(app, settings)
+        except ZkLockError as exc:
+            found.append(str(exc))
+    if found:
+        for problem in found:
+            logger.critical("celery-zklock: %s", problem)
+        # SystemExit, not an Exception: Celery logs and swallows Exceptions from signal handlers.
+        raise SystemExit(1)
+
+
+def _check_scheme(app: Any, settings: Any) -> List[str]:
+    """Refuse a worker whose key names would split the app's locks (see Nodes.claim_scheme)."""
+    try:
+        session = Session(settings).start()
+    except ZooKeeperUnavailable as exc:
+        logger.warning("celery-zklock: %s; the key-name scheme is checked at the first lock instead", exc)
+        return []
+    try:
+        claim_scheme(session, layout_of(app), settings.connect_timeout)
+    except ConfigurationError as exc:
+        return [str(exc)]
+    except ZooKeeperUnavailable as exc:
+        logger.warning("celery-zklock: %s; it is checked at the first lock instead", exc)
+    finally:
+        session.close()
+    return []
+
+
+def _tell_about_readable_arguments(sender: Any = None, **kwargs: Any) -> None:
+    """Not an error, but operators deserve to know what anyone on the ZooKeeper network can read.
+
+    At worker_ready, not worker_init: only then does Celery's logging show INFO lines.
+    """
+    app = getattr(sender, "app", None)
+    if app is None or not locked_tasks(app) or settings_of(app).key_names != "readable":
+        return
+    names = sorted(name for name, locking in locked_tasks(app).items()
+                   if locking.spec is not None and not locking.spec.parts)
+    if names:
+        logger.info("celery-zklock: %s lock on all their arguments, which ZooKeeper shows in clear as node "
+                    "names; zklock_key_names='hashed' (with zklock_key_secret) hides them", ", ".join(names))
+
+
+def _open_session(**kwargs: Any) -> None:
+    app = current_app()
+    if not locked_tasks(app):
+        return  # unlocked apps pay nothing
+    try:
+        session_for(settings_of(app))
+    except ZooKeeperUnavailable as exc:
+        logger.error("celery-zklock: %s; locked tasks will fail until ZooKeeper is reachable", exc)
+
+
+def _close_sessions(**kwargs: Any) -> None:
+    close_sessions()  # ends our sessions now, so our locks go now
