@@ -1,6 +1,6 @@
 """An opt-in pytest plugin for testing your own locked tasks against a real ZooKeeper.
 
-It is registered under the ``pytest11`` entry point as ``celery_zklock`` and is
+It is registered under the ``pytest11`` entry point as ``celery_zklock.pytest`` and is
 inert until a test asks for one of its fixtures: loading it imports neither
 Celery nor kazoo and starts nothing. Where plugin autoloading is off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), enable it the way Celery's own plugin is
