@@ -1,9 +1,14 @@
 """The house rules, checked: private names of kazoo in the transport and of Celery in the glue's
-internals module, and imports that point one way (glue -> recipes -> zk -> kazoo)."""
+internals module; imports that point one way (glue -> recipes -> zk -> kazoo), Celery only in the
+glue; and importing celery_zklock hooks nothing into Celery until an app that uses it is finalized."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
@@ -105,7 +110,14 @@ def module_graph() -> Dict[str, Set[str]]:
     return graph
 
 
-@pytest.mark.parametrize("layer", ["celery_zklock.zk", "celery_zklock.recipes", "celery_zklock.layout"])
+#: What reaches no Celery, even indirectly: everything below the glue, what users share with it, and
+#: the glue's rooms that need none (the CLI and the beat import problems() from options).
+CELERY_FREE = ["celery_zklock.zk", "celery_zklock.recipes", "celery_zklock.layout", "celery_zklock.conf",
+               "celery_zklock.keys", "celery_zklock.exceptions", "celery_zklock.testing",
+               "celery_zklock.glue.options", "celery_zklock.glue.api", "celery_zklock.glue.interrupt"]
+
+
+@pytest.mark.parametrize("layer", CELERY_FREE)
 def test_lower_layers_never_import_celery(layer):
     graph = module_graph()
     # Everything the layer reaches inside the package.
@@ -131,3 +143,125 @@ def test_the_election_imports_no_private_name_of_the_lock_engine():
     imported = [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "lock"
                 for a in node.names]
     assert imported and not [name for name in imported if _is_private(name)]
+
+
+def test_only_the_glue_imports_celery():
+    # The faces at the old paths (task, beat, cli, schedulers, api) import the glue, not Celery; the
+    # signals are Celery's own Signal class, so users connect them as usual; the pytest plugin's
+    # fixture makes a Celery app.
+    found = []
+    for module, names in module_graph().items():
+        used = sorted(n for n in names if n.split(".")[0] == "celery")
+        if not used or module.startswith("celery_zklock.glue.") or module == "celery_zklock.pytest":
+            continue
+        if module == "celery_zklock.signals" and all(n.startswith("celery.utils.dispatch") for n in used):
+            continue
+        found.append(f"{module} imports {used}")
+    assert found == [], "Celery belongs in celery_zklock/glue/"
+
+
+FACES = {"celery_zklock.task", "celery_zklock.beat", "celery_zklock.cli", "celery_zklock.schedulers",
+         "celery_zklock.api"}
+
+
+def test_the_glue_rooms_import_one_way():
+    graph = module_graph()
+    glue = {m for m in graph if m.startswith("celery_zklock.glue.")}
+
+    def rooms(module: str) -> Set[str]:
+        found = {n if n in graph else n.rsplit(".", 1)[0] for n in graph[module]}
+        assert not found & FACES, f"{module} imports a face ({sorted(found & FACES)}): faces import the glue"
+        return found & glue
+
+    done: Set[str] = set()
+
+    def visit(module: str, path: Tuple[str, ...]) -> None:
+        if module in path:
+            pytest.fail("an import cycle in the glue: " + " -> ".join(path[path.index(module):] + (module,)))
+        if module not in done:
+            for room in rooms(module):
+                visit(room, path + (module,))
+            done.add(module)
+
+    for module in sorted(glue):
+        visit(module, ())
+    assert "celery_zklock.glue.worker" in done
+
+
+#: Runs in a fresh interpreter before each scenario: what celery-zklock has hooked into Celery.
+HOOKS = """
+import json
+from celery import Celery, signals
+from celery.app.task import Task
+
+HOOKED = ("task_revoked", "worker_init", "worker_ready", "worker_process_init", "worker_process_shutdown",
+          "worker_shutdown")
+BEFORE = {name: len(getattr(signals, name).receivers) for name in HOOKED}
+seen = {}
+
+
+def note(moment):
+    seen[moment] = [getattr(Task.apply_async, "__zklock_wrapped__", False),
+                    sorted(n for n in HOOKED if len(getattr(signals, n).receivers) > BEFORE[n])]
+"""
+INSTALLED = [True, sorted(["task_revoked", "worker_init", "worker_ready", "worker_process_init",
+                           "worker_process_shutdown", "worker_shutdown"])]
+NOTHING = [False, []]
+
+#: The rule of celery_zklock.glue.worker, moment by moment: scenario -> (its code, what each moment shows).
+SCENARIOS = {
+    "installed when an app that uses it is finalized": ("""
+import celery_zklock
+from celery_zklock import zk_locked
+note("imported")
+plain, used = Celery("plain", set_as_current=False), Celery("used", set_as_current=False)
+
+@used.task(shared=False)
+@zk_locked(key="k:{x}")
+def locked(x): ...
+
+note("a locked task defined")
+
+@plain.task(shared=False)
+def unlocked(x): ...
+
+plain.finalize()
+note("an app that does not use it finalized")
+used.finalize()
+note("the app that uses it finalized")
+""", {"imported": NOTHING, "a locked task defined": NOTHING, "an app that does not use it finalized": NOTHING,
+      "the app that uses it finalized": INSTALLED}),
+    "a dedupe task installs as it is defined: publishers need not finalize their app": ("""
+from celery_zklock import zk_locked
+app = Celery("publisher", set_as_current=False)
+
+@app.task(shared=False)
+@zk_locked(key="k:{x}", dedupe="queued")
+def deduped(x): ...
+
+note("a dedupe task defined")
+""", {"a dedupe task defined": INSTALLED}),
+    "a locked task added to a finalized app installs as it is defined": ("""
+from celery_zklock import zk_locked
+app = Celery("running", set_as_current=False)
+app.finalize()
+note("an app that does not use it finalized")
+
+@app.task(shared=False)
+@zk_locked(key="k:{x}")
+def added(x): ...
+
+note("a locked task added to it")
+""", {"an app that does not use it finalized": NOTHING, "a locked task added to it": INSTALLED}),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_importing_hooks_nothing_into_celery_until_an_app_uses_it(scenario):
+    code, expected = SCENARIOS[scenario]
+    program = HOOKS + textwrap.dedent(code) + "\nprint(json.dumps(seen))\n"
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                            cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
+    # Each moment: [Task.apply_async routed through the dedupe publish, the worker signals with our receivers].
+    assert json.loads(result.stdout.splitlines()[-1]) == expected

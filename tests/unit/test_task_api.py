@@ -1,0 +1,141 @@
+"""The task API as a user types it: current_lock() is a Lock, option values are checked types,
+and a misspelt option is a one-line problem with a did-you-mean, like every other wrong option."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+from celery import Celery
+
+from celery_zklock import ConfigurationError, NoCurrentLock, current_lock, current_locks, zk_locked
+from celery_zklock.conf import LOCK_MODES
+from celery_zklock.glue import locking
+from celery_zklock.glue.api import MODES
+from celery_zklock.glue.options import OPTIONS, LockSpec, TaskLockOptions, locking_of
+from celery_zklock.task import problems
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_misspelt_decorator_option_is_a_problem_naming_task_option_and_the_likely_one(caplog):
+    app = Celery("typo", set_as_current=False)
+
+    @app.task(shared=False)
+    @zk_locked(key="sync:{account}", on_contension="skip")  # type: ignore[call-arg]
+    def sync(account):
+        pass
+
+    app.finalize()
+    message = r"task .*sync: unknown lock option 'on_contension'; did you mean 'on_contention'\?$"
+    assert [p for p in problems(app) if re.match(message, p)], problems(app)
+    assert "unknown lock option 'on_contension'" in caplog.text  # logged once the app is finalized
+    with pytest.raises(ConfigurationError, match=message):
+        sync(7)  # every call raises it
+
+
+class FakeLock:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+
+def _with_held(*held: FakeLock) -> Any:
+    """What current_lock() answers inside a body holding ``held`` (in a context of its own)."""
+    def run() -> Any:
+        locking._stack().append(list(held))
+        try:
+            return current_lock()
+        except NoCurrentLock as exc:
+            return exc
+    return contextvars.copy_context().run(run)
+
+
+def test_current_lock_is_the_one_lock_held():
+    one = FakeLock("invoice:7")
+    assert _with_held(one) is one
+
+
+def test_current_lock_outside_a_locked_body_raises_pointing_to_current_locks():
+    with pytest.raises(NoCurrentLock, match=r"no lock is held here.*current_locks\(\) returns \[\]"):
+        current_lock()
+    assert current_locks() == []
+    assert issubclass(NoCurrentLock, LookupError)
+
+
+def test_current_lock_in_a_multi_key_task_raises_naming_current_locks():
+    error = _with_held(FakeLock("account:a"), FakeLock("account:b"))
+    assert isinstance(error, NoCurrentLock)
+    assert re.search(r"holds 2 locks \('account:a', 'account:b'\): current_locks\(\) returns them all", str(error))
+
+
+def test_the_typed_options_are_the_options():
+    assert set(TaskLockOptions.__annotations__) == set(OPTIONS)
+    assert set(MODES) == set(LOCK_MODES)
+    assert LockSpec.make(print, "t", {}).on_contention is LockSpec("t").on_contention
+
+
+TYPED = '''
+from celery import Celery
+
+from celery_zklock import current_lock, current_locks, zk_locked
+
+app = Celery("typed")
+
+
+@app.task
+@zk_locked(key="invoice:{invoice_id}", mode="read", on_contention="skip", timeout=None, dedupe="queued")
+def charge(invoice_id: int) -> None:
+    current_lock().ensure()
+    fence = current_lock().fencing_token
+    for held in current_locks():
+        held.ensure()
+    print(fence)
+
+
+@zk_locked(on_contention="skp")
+def misspelt_value(x: int) -> None: ...
+
+
+@zk_locked(on_contension="skip")
+def misspelt_option(x: int) -> None: ...
+'''
+
+
+def test_mypy_takes_current_lock_as_a_lock_and_checks_option_names_and_values(tmp_path: Path):
+    pytest.importorskip("mypy", reason="mypy is in the lint dependency group")
+    (tmp_path / "typed_tasks.py").write_text(TYPED)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--no-error-summary",
+         "--cache-dir", str(ROOT / ".mypy_cache" / "task_api"), "typed_tasks.py"],
+        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "MYPYPATH": str(ROOT)}, timeout=600)
+    lines = TYPED.splitlines()
+    errors: List[str] = []
+    for found in re.finditer(r"^typed_tasks\.py:(\d+): error: (.*)$", result.stdout, re.M):
+        errors.append(f"{lines[int(found[1]) - 1].strip()}  <- {found[2]}")
+    assert len(errors) == 2, "\n".join(errors) or result.stdout + result.stderr
+    assert 'on_contention="skp"' in errors[0] and 'on_contension="skip"' in errors[1]
+
+
+def test_the_locking_is_kept_in_one_place_for_both_forms():
+    from celery_zklock import ZkLockedTask
+
+    app = Celery("forms", set_as_current=False)
+
+    @app.task(shared=False)
+    @zk_locked(key="a:{x}")
+    def decorated(x):
+        pass
+
+    @app.task(base=ZkLockedTask, zklock={"key": "b:{x}"}, shared=False)
+    def based(x):
+        pass
+
+    app.finalize()
+    assert locking_of(decorated).form == "@zk_locked" and locking_of(based).form == "zklock"
+    assert locking_of(decorated).spec.parts == ("a:{x}",) and locking_of(based).spec.parts == ("b:{x}",)
