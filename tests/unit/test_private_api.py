@@ -67,6 +67,8 @@ def test_celery_state_functions():
 
     assert callable(_state.get_current_task), "Celery changed celery._state.get_current_task"
     assert callable(_state.connect_on_app_finalize), "Celery changed celery._state.connect_on_app_finalize"
+    assert callable(_state._get_active_apps), "Celery changed celery._state._get_active_apps"
+    assert all(app.finalized for app in celery_internals.finalized_apps())
     assert celery_internals.current_task() is None  # no task runs here
     assert celery_internals.current_app() is not None
 
