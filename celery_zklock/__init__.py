@@ -17,12 +17,16 @@ Module map (imports point one way: glue -> recipes -> zk -> kazoo; nothing under
     conf.py                    every zklock_* setting, read and validated once
     keys.py                    task arguments -> lock key
     layout.py                  every znode path; lock key <-> znode name (readable or HMAC-hashed)
-    recipes/lock.py            the one lock engine; exclusive, read, write, semaphore as Rule values
-    recipes/election.py        leader election on that engine, as an explicit state machine
+    recipes/rules.py           exclusive, read, write, semaphore as Rule values: who holds, from node names (pure)
+    recipes/engine.py          the one lock engine: a contender's loop through a key's queue, returning a Held
+    recipes/lock.py            Lock, the handle users hold: keeps the Held, watches its node and its session
+    recipes/queue.py           the read-only view of a key's queue: holders and contenders
+    recipes/election.py        leader election on the lock, as an explicit state machine
     recipes/marker.py          one dedupe marker per key: atomic create, versioned take-over and delete
     zk/session.py              the kazoo client and one session per process (fork-safe)
     zk/clock.py                LivenessClock: when a session's nodes count as lost (pure)
     zk/nodes.py                persistent paths, key containers, deferred deletes, the root's key-name scheme
+    zk/deadlines.py            a timeout as one monotonic moment; the seconds left; a reply waited for until then
     zk/probe.py                a four-letter word on a bare socket: is an address ZooKeeper at all?
     private.py                 the only module that touches kazoo's or Celery's private names
     interrupt.py, signals.py   LockLost inside a running body; the lock and dedupe signals

@@ -26,8 +26,8 @@ from kazoo.exceptions import NoNodeError
 from ..conf import Settings, beat_name, describe
 from ..exceptions import ZkLockError
 from ..layout import LOCK_TREES, Layout, decode_key, hashed_name
-from ..recipes.lock import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..recipes.marker import read_marker
+from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session, check_acl
 from ..zk.probe import addresses, four_letter_word, server_limits
 from ..zk.transport import peer_address

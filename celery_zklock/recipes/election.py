@@ -15,13 +15,11 @@ The election's state follows its lock's (:data:`LEADER_STATE`, the one mapping):
 lock leads, a lock in doubt is a suspended leader, and a lost one is released and queued
 again (standby).
 
-Threads:
+Threads, one table::
 
-=================================  ==========================================================
-``start``, ``close``, ``wait_*``   the caller's thread; ``is_leader``, ``leadership``: any thread
-``_run``                           the election's own thread: takes the lock, leads, stands by
-``_on_lock_state``                 the lock's notifying thread (see :mod:`.lock`): never blocks
-=================================  ==========================================================
+    start, close, wait_leader    the caller's thread; is_leader, leadership, leader: any thread
+    _run                         the election's own thread: takes the lock, leads, stands by
+    _on_lock_state               the lock's notifying thread (see lock.py): never blocks
 
 Example::
 

@@ -10,13 +10,11 @@ It starts over in one place, for one of three causes: the connection broke, the 
 changed, or someone else deleted its node. Starting over finds a node it may already
 have by its uuid prefix before it ever creates a second one.
 
-Threads:
+Threads, one table::
 
-====================  ==============================================================
-``run``, ``leave``    the caller's thread (the lock handle runs one at a time)
-``cancel``, ``wake``  any thread: they only set the event ``run`` waits on
-``_on_watch``         kazoo's connection thread (``run_inline``): sets that event
-====================  ==============================================================
+    run, leave      the caller's thread (the lock handle runs one at a time)
+    cancel, wake    any thread: they only set the event run waits on
+    _on_watch       kazoo's connection thread (run_inline): sets that event, nothing more
 
 Example::
 

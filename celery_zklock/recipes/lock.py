@@ -6,18 +6,17 @@ Its state (:class:`LockState`) goes UNLOCKED -> WAITING -> HELD, and then follow
 session's :class:`~celery_zklock.zk.Liveness` (:data:`HOLD_STATE`, the one mapping) until
 released; a node of ours deleted by someone else makes it LOST too.
 
-Threads (``_on_*``: kazoo's connection thread; ``_after_*``: kazoo's callback thread):
+Threads, one table (``_on_*`` run on kazoo's connection thread, ``_after_*`` on its callback thread)::
 
-=============================  ===============================================================
-``acquire``, ``release``       the caller's thread; ``cancel``, ``ensure``, ``is_held``,
-                               ``holders``, ``contenders``, ``lost_message``: any thread
-``_on_own_node``,              kazoo's connection thread (``run_inline``): they only look, and
-``_on_own_node_checked``       hand anything more to the callback thread with ``_later``
-``_after_own_node_event``,     kazoo's callback thread; ``on_state`` listeners run here too
-``_after_node_gone``
-``on_session_state``           the session's notifying thread (see :mod:`celery_zklock.zk.session`);
-                               ``on_state`` listeners run here too
-=============================  ===============================================================
+    acquire, release                       the caller's thread
+    cancel, ensure, is_held, lost_message,
+    holders, contenders                    any thread
+    _on_own_node, _on_own_node_checked     kazoo's connection thread (run_inline): they only look,
+                                           and hand anything more to the callback thread (_later)
+    _after_own_node_event,
+    _after_node_gone                       kazoo's callback thread; on_state listeners run here too
+    on_session_state                       the session's notifying thread (see zk/session.py);
+                                           on_state listeners run here too
 
 Example::
 

@@ -25,7 +25,7 @@ def rule_of(rule: Rule) -> Callable[[str], Rule]:
     """Each node name's rule, seen by a contender under ``rule``: its own kind shares its rule
     (a semaphore's limit), the other kinds are kazoo's.
 
-    >>> from .rules import semaphore
+    >>> from celery_zklock.recipes.rules import semaphore
     >>> rule_of(semaphore(3))("__sem__").leases, rule_of(semaphore(3))("__lock__").name
     (3, 'write')
     """

@@ -3,9 +3,15 @@
 Listeners (:class:`SessionListener`) are told the session's :class:`Liveness` when it
 changes: kazoo's CONNECTED, SUSPENDED and LOST with our clock folded in, named for what
 they mean for the session's nodes (HELD, IN_DOUBT, LOST). A listener is told LOST first
-when the generation changes, then the new liveness. It is called from whichever thread
-saw the change (kazoo's connection thread, its callback thread, the session's watchdog,
-or the caller of :meth:`Session.close`): it must not block.
+when the generation changes, then the new liveness.
+
+Threads, one table::
+
+    start, close, add_listener, remove_listener   the caller's thread
+    _on_kazoo_state, _on_negotiated               kazoo's connection thread: no blocking calls
+    _check, _heartbeat                            the session's watchdog thread; the heartbeat's
+                                                  reply (acked) comes on kazoo's callback thread
+    listeners (on_session_state)                  whichever of these saw the change: never block
 
 Example::
 
@@ -195,7 +201,6 @@ class Session:
             self.clock.negotiated_timeout = timeout
 
     def _on_kazoo_state(self, state: str) -> None:
-        # Runs on kazoo's event thread: do no blocking calls here.
         now = time.monotonic()
         notify: Optional[Liveness] = None
         with self._lock:
