@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, List, Tuple
 import redis
 from kazoo.exceptions import NoNodeError
 
-from celery_zklock.recipes import Observer
+from celery_zklock.recipes import ContenderObserver
 from celery_zklock.testing import Hold
 
 
@@ -21,7 +21,7 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-class WaitLog(Observer):
+class WaitLog(ContenderObserver):
     """What one contender saw while it waited (``Lock(..., observer=WaitLog())``)."""
 
     def __init__(self) -> None:

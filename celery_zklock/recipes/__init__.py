@@ -9,9 +9,9 @@
 """
 
 from .election import Election, ElectionState
-from .engine import Held, Observer
+from .engine import ContenderObserver, Held
 from .lock import Lock, LockState
 from .rules import EXCLUSIVE, READ, RULES, WRITE, Decision, Rule, contender, semaphore, sequence
 
-__all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Election", "ElectionState", "Held", "Lock", "LockState",
-           "Observer", "Rule", "contender", "semaphore", "sequence"]
+__all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "ContenderObserver", "Decision", "Election", "ElectionState", "Held",
+           "Lock", "LockState", "Rule", "contender", "semaphore", "sequence"]

@@ -39,7 +39,7 @@ from ..zk.nodes import refused
 from ..zk.transport import run_inline
 from .rules import Decision, Rule, sequence
 
-__all__ = ["Engine", "Held", "Observer"]
+__all__ = ["ContenderObserver", "Engine", "Held"]
 
 
 class Held(NamedTuple):
@@ -53,7 +53,7 @@ class Held(NamedTuple):
     generation: int
 
 
-class Observer:
+class ContenderObserver:
     """What one contender does in the queue, for tests and tools: subclass and override (each
     hook here does nothing). ``woken`` runs on kazoo's connection thread and must not block;
     the others run on the thread that acquires."""
@@ -71,7 +71,7 @@ class Observer:
         """We start over: the connection broke, the session changed, or our node was deleted."""
 
 
-_QUIET = Observer()
+_QUIET = ContenderObserver()
 
 
 class _StartOver(NamedTuple):
@@ -82,7 +82,7 @@ class Engine:
     """One contender for the key at ``path`` under ``rule``, holding ``data`` in its node."""
 
     def __init__(self, session: Session, path: str, rule: Rule, data: bytes = b"",
-                 observer: Optional[Observer] = None) -> None:
+                 observer: Optional[ContenderObserver] = None) -> None:
         self.session = session
         self.path = path
         self.rule = rule

@@ -44,7 +44,7 @@ from ..exceptions import LockLost, LockNotAcquired
 from ..zk import Liveness, Session, deadline
 from ..zk.transport import run_inline
 from . import queue
-from .engine import Engine, Held, Observer
+from .engine import ContenderObserver, Engine, Held
 from .rules import EXCLUSIVE, READ, RULES, WRITE, Decision, Rule, contender, semaphore, sequence, split_queue
 
 __all__ = ["EXCLUSIVE", "HOLD_STATE", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule",
@@ -70,6 +70,7 @@ class LockState(str, enum.Enum):
 HOLD_STATE: Dict[Liveness, LockState] = {Liveness.HELD: LockState.HELD, Liveness.IN_DOUBT: LockState.IN_DOUBT,
                                          Liveness.LOST: LockState.LOST}
 _HOLDING = (LockState.HELD, LockState.IN_DOUBT)
+_RELEASABLE = (*_HOLDING, LockState.LOST)
 
 
 class Lock:
@@ -97,7 +98,7 @@ class Lock:
         key: Optional[str] = None,
         mode: Optional[str] = None,
         label: Optional[str] = None,
-        observer: Optional[Observer] = None,
+        observer: Optional[ContenderObserver] = None,
     ) -> None:
         if not isinstance(path, str) or not path.startswith("/") or path.endswith("/"):
             raise ValueError(f"path must be an absolute znode path, not {path!r}")
@@ -199,7 +200,7 @@ class Lock:
         :meth:`acquire` as it returned): call it in a ``finally`` that covers the acquire too.
         """
         with self._mutex:
-            if self.state not in (*_HOLDING, LockState.LOST):
+            if self.state not in _RELEASABLE:
                 return False
         to_the_end(self._give_back)
         return True

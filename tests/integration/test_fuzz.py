@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from celery_zklock.recipes import EXCLUSIVE, READ, WRITE, Election, Lock, Observer, Rule, semaphore, sequence
+from celery_zklock.recipes import EXCLUSIVE, READ, WRITE, ContenderObserver, Election, Lock, Rule, semaphore, sequence
 from celery_zklock.testing import Hold, violations
 from harness import Op, TcpProxy
 from tests.util import children, wait_until
@@ -39,7 +39,7 @@ class Injected(BaseException):
     """An asynchronous exception, as a soft time limit or a LockLost would arrive."""
 
 
-class Trace(Observer):
+class Trace(ContenderObserver):
     """Remembers the sequence number of every node a contender queued with, and why it started over."""
 
     def __init__(self) -> None:
