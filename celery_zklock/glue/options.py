@@ -40,8 +40,8 @@ from ..exceptions import ConfigurationError
 from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
 from .api import rule_for
 
-__all__ = ["DEFAULT", "OPTIONS", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions", "locked_tasks",
-           "locking_of", "problems", "spec_of", "strays"]
+__all__ = ["DEFAULT", "OPTIONS", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions",
+           "locked_tasks", "locking_of", "problems", "spec_of", "strays"]
 
 
 class FromSettings(enum.Enum):

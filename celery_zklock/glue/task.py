@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Tuple, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Tuple, TypeVar, cast
 
 from celery import Task
 
@@ -129,7 +129,7 @@ def _own_run(cls: type) -> Optional[Tuple[Callable[..., Any], bool]]:
 
 def _check(cls: Any, fn: Callable[..., Any]) -> Locking:
     where = f"task {cls.name or cls.__name__}"
-    options: Union[Mapping[str, Any], Any] = cls.zklock if cls.zklock is not None else {}
+    options: Any = cls.zklock if cls.zklock is not None else {}
     form: Literal["zklock"] = "zklock"
     if locking_of(fn) is not None:
         return Locking(None, f"{where}: @zk_locked and base=ZkLockedTask would lock it twice; use one of them", form)
