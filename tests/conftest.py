@@ -8,6 +8,7 @@ from typing import Iterator, List
 
 import pytest
 from celery import Celery
+from celery.result import task_join_will_block
 from kazoo.client import KazooClient
 
 from celery_zklock.conf import Settings
@@ -53,6 +54,16 @@ def _close_sessions_after_each_test() -> Iterator[None]:
     """Sessions opened by a test (tasks run in-process open them lazily) end with it."""
     yield
     close_sessions()
+
+
+@pytest.fixture(autouse=True)
+def _join_guard_left_as_found() -> Iterator[None]:
+    """Celery's "never call get() within a task" flag is one process-wide global that each eager
+    call saves and restores: eager calls on several threads at once can leave it set, and every
+    later test's .get() then fails. Fail the test that left it, not the innocent next one."""
+    before = task_join_will_block()
+    yield
+    assert task_join_will_block() == before, "this test left Celery's task_join_will_block flag changed"
 
 
 @pytest.fixture
