@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["LOCK_TREES", "MAX_NAME", "Layout", "check_key", "decode_key", "encode_key", "hashed_name"]
+__all__ = ["LOCK_TREES", "MAX_NAME", "Layout", "check_key", "decode_key", "encode_key", "hashed_name", "node_object"]
 
 #: The two trees lock keys live in: semaphores apart, so a semaphore and a lock on one key never meet.
 LOCK_TREES: Tuple[str, str] = ("locks", "semaphores")
@@ -42,6 +43,21 @@ _PREFIX_LEN = 120
 # Characters kept as they are. Everything else, '%' itself included, is
 # percent-encoded from UTF-8, which is what makes the encoding injective.
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.:@=,+")
+
+
+def node_object(raw: Union[bytes, str, None]) -> Dict[str, Any]:
+    """A node's data as the JSON object we write there; {} for no data, or for junk others wrote.
+
+    Anyone with write access may put anything in a node, so a reader never crashes on it::
+
+        >>> node_object(b'{"pid": 7}'), node_object(b"\\xff"), node_object(b"[1]"), node_object(None)
+        ({'pid': 7}, {}, {}, {})
+    """
+    try:
+        value = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def check_key(key: object, what: str = "key") -> str:

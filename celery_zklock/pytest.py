@@ -1,8 +1,9 @@
 """An opt-in pytest plugin for testing your own locked tasks against a real ZooKeeper.
 
 It is registered under the ``pytest11`` entry point as ``celery_zklock.pytest`` and is
-inert until a test asks for one of its fixtures: loading it imports neither
-Celery nor kazoo and starts nothing. Where plugin autoloading is off
+inert until a test asks for one of its fixtures: loading it starts nothing and
+hooks nothing into Celery (it imports the package, and so Celery and kazoo; the
+test kit and its server are imported by the fixtures that use them). Where plugin autoloading is off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), enable it the way Celery's own plugin is
 enabled, in ``conftest.py``::
 
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
-if TYPE_CHECKING:  # imported by the fixtures themselves: loading the plugin must cost nothing
+if TYPE_CHECKING:  # imported by the fixtures themselves: loading the plugin loads no test kit
     from .testing import HistoryRecorder, ZooKeeperServer
 
 __all__ = ["zklock_app", "zklock_history", "zookeeper_server"]

@@ -31,7 +31,7 @@ from kazoo.exceptions import ConnectionLoss, KazooException, NodeExistsError, No
 
 from ..conf import beat_name
 from ..exceptions import ConfigurationError, ZkLockError
-from ..layout import Layout
+from ..layout import Layout, node_object
 from ..recipes.election import Election, Leadership
 from ..zk import Session, session_for
 from .api import layout_of, settings_of
@@ -206,7 +206,7 @@ class LeaderScheduler(_Leadership):
             except NoNodeError:
                 continue  # never run under this election
             try:
-                state = json.loads(raw)
+                state = node_object(raw)
                 # In the app's time zone, as Celery's own app.now(): before 5.7 Celery
                 # compares crontab fields with last_run_at's fields without converting.
                 last = datetime.fromtimestamp(float(state["last_run_at"]), timezone.utc).astimezone(
@@ -294,8 +294,8 @@ class LeaderScheduler(_Leadership):
                 return False
             time.sleep(0.05)
         try:
-            stored = json.loads(session.client.get(path)[0])
-        except (KazooException, ValueError):
+            stored = node_object(session.client.get(path)[0])
+        except KazooException:
             return False
         committed = all(stored.get(k) == v for k, v in run.items())
         logger.warning("beat: the reply to the record of %s was lost; it %s", path,

@@ -25,7 +25,7 @@ from kazoo.exceptions import NoNodeError
 
 from ..conf import Settings, beat_name, describe
 from ..exceptions import ZkLockError
-from ..layout import LOCK_TREES, Layout, decode_key, hashed_name
+from ..layout import LOCK_TREES, Layout, decode_key, hashed_name, node_object
 from ..recipes.marker import read_marker
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session, check_acl
@@ -56,14 +56,6 @@ def _read(session: Session, parent: str, names: List[str]) -> Dict[str, Any]:
             pass  # released while we looked
     return out
 
-
-def _json(raw: bytes) -> Dict[str, Any]:
-    """Node data as a dict; junk written by others becomes {} (never a crash)."""
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _rule(kind: str, infos: List[Dict[str, Any]]) -> Rule:
@@ -99,7 +91,7 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
             nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
             if not nodes:
                 continue
-            infos = {n: _json(data) for n, (data, _) in nodes.items()}
+            infos = {n: node_object(data) for n, (data, _) in nodes.items()}
             key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
             if key is None:
                 key = pattern if wanted is not None and pattern is not None else decode_key(name) or name
@@ -153,7 +145,7 @@ def elections(session: Session, root: str) -> List[Dict[str, Any]]:
         path = layout.election(beat) if beat is not None else f"{layout.beats}/{name}/election"
         nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
         order = sorted(nodes, key=sequence)
-        candidates = [{**_json(nodes[n][0]), "token": nodes[n][1].czxid} for n in order]
+        candidates = [{**node_object(nodes[n][0]), "token": nodes[n][1].czxid} for n in order]
         out.append({"name": beat if beat is not None else name, "path": path,
                     "leader": candidates[0] if candidates else None, "standbys": candidates[1:]})
     return out
@@ -198,6 +190,13 @@ def _age(seconds: float) -> str:
     return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
 
 
+def _cell(value: Any, width: int) -> str:
+    """A table cell of ``width`` characters; a longer value is cut with an ellipsis, so a cut
+    never passes for the whole value (``--json`` gives every value whole)."""
+    text = str(value)
+    return f"{text if len(text) <= width else text[:width - 1] + '…':<{width}}"
+
+
 def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
     """The table of ``locks`` (and ``status``): a row per holder, and per waiter with ``waiters``."""
     if not rows:
@@ -208,8 +207,8 @@ def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
     def line(key: str, who: Dict[str, Any], held: str, age: str, waiting: str) -> str:
         # str() everywhere: node data may hold anything.
         holder = f"{who.get('host')}/{who.get('pid')}" if who else "-"
-        return (f"  {key[:28]:<28} {str(who.get('mode', '-')):<9} {held:>5} {holder[:22]:<22} "
-                f"{str(who.get('worker') or '-')[:20]:<20} {str(who.get('task') or '-')[:28]:<28} "
+        return (f"  {_cell(key, 28)} {str(who.get('mode', '-')):<9} {held:>5} {_cell(holder, 22)} "
+                f"{_cell(who.get('worker') or '-', 20)} {_cell(who.get('task') or '-', 28)} "
                 f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7}  {who.get('token', '-')}")
 
     for row in rows:
@@ -318,7 +317,7 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
     for r in rows:
         expires = "expired" if r["expires_in"] is not None and r["expires_in"] <= 0 else (
             _age(r["expires_in"]) if r["expires_in"] is not None else "?")
-        click.echo(f"  {str(r['key'])[:32]:<32} {str(r['task'] or '-')[:28]:<28} {str(r['task_id'] or '-'):<36} "
+        click.echo(f"  {_cell(r['key'], 32)} {_cell(r['task'] or '-', 28)} {str(r['task_id'] or '-'):<36} "
                    f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
 
 

@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from contextvars import ContextVar
@@ -21,8 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .. import signals
 from ..exceptions import LockNotAcquired, NoCurrentLock, ZooKeeperUnavailable
+from ..layout import node_object
 from ..recipes import Lock, LockState
-from ..zk import remaining, session_for
+from ..zk import deadline, remaining, session_for
 from .api import lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
@@ -123,16 +123,16 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         # Policies that do not wait still answer within zklock_connect_timeout when
         # ZooKeeper does not: not acquired, so the policy applies.
         timeout = settings.connect_timeout
-    deadline = None if timeout is None else time.monotonic() + timeout
+    until = deadline(timeout)
     stack = _stack()
     try:
         for one in locks:
             held.append(one)
-            if one.acquire(blocking=policy == "wait", timeout=remaining(deadline)):
+            if one.acquire(blocking=policy == "wait", timeout=remaining(until)):
                 signals.lock_acquired.send(sender=task, lock=one)
                 continue
             held.pop()
-            return _contended(task, spec, policy, timeout, one, held, deadline)
+            return _contended(task, spec, policy, timeout, one, held, until)
         for one in held:
             one.ensure()  # one may have been lost while we waited for another: no body then
         acquired = list(held)
@@ -169,12 +169,12 @@ def release_all(task: Any, held: List[Lock]) -> None:
 
 
 def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float], lock: Lock,
-               held: List[Lock], deadline: Optional[float]) -> Any:
+               held: List[Lock], until: Optional[float]) -> Any:
     release_all(task, held)  # give back what we took before waiting on nothing
     signals.lock_contended.send(sender=task, lock=lock, policy=policy)
     where = f"task {task.name}"
     if policy == "skip":
-        holders = [_holder(data) for data in lock.holders(timeout=remaining(deadline))]
+        holders = [_holder(data) for data in lock.holders(timeout=remaining(until))]
         logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.label, lock.mode,
                     "; ".join(_describe(h) for h in holders) or "another contender (it has just let go)")
         return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders}}
@@ -209,11 +209,8 @@ def skipped(result: Any) -> Optional[Dict[str, Any]]:
 
 def _holder(data: str) -> Dict[str, Any]:
     """Who a holder is, from its node data (junk written by others gives {})."""
-    try:
-        info = json.loads(data)
-    except ValueError:
-        return {}
-    return {k: info.get(k) for k in _WHO} if isinstance(info, dict) else {}
+    info = node_object(data)
+    return {k: info.get(k) for k in _WHO} if info else {}
 
 
 def _describe(holder: Dict[str, Any]) -> str:

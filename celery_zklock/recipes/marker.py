@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
+from ..layout import node_object
 from ..zk import Session, deadline, reply
 
 __all__ = ["claim", "live", "read_marker", "release"]
@@ -35,13 +36,9 @@ def read_marker(raw: bytes) -> Optional[Dict[str, Any]]:
     >>> read_marker(b'{"task_id": "a", "expires": 5.0}')["task_id"], read_marker(b"junk")
     ('a', None)
     """
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    expires = data.get("expires") if isinstance(data, dict) else None
-    if not isinstance(data, dict) or not isinstance(data.get("task_id"), str) or \
-            isinstance(expires, bool) or not isinstance(expires, (int, float)):
+    data = node_object(raw)
+    expires = data.get("expires")
+    if not isinstance(data.get("task_id"), str) or isinstance(expires, bool) or not isinstance(expires, (int, float)):
         return None
     return data
 

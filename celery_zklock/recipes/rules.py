@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 from ..exceptions import ConfigurationError
+from ..layout import node_object
 
 __all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Rule", "contender", "semaphore", "sequence",
            "split_queue"]
@@ -82,10 +83,8 @@ class Rule:
         ...
         celery_zklock.exceptions.ConfigurationError: semaphore /s/k-a has limit=1, this contender asks for limit=2; ...
         """
-        try:
-            stored = json.loads(data.decode()).get("limit") if data else None
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            stored = None  # made by someone else, or by a version that stored nothing: nothing to compare
+        # Made by someone else, or by a version that stored nothing: nothing to compare.
+        stored = node_object(data).get("limit")
         if isinstance(stored, int) and stored != self.leases:
             raise ConfigurationError(
                 f"semaphore {path} has limit={stored}, this contender asks for limit={self.leases}; "

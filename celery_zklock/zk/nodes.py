@@ -23,6 +23,7 @@ from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NodeE
 from kazoo.security import ACL, Permissions
 
 from ..exceptions import ConfigurationError
+from ..layout import node_object
 from .deadlines import deadline, reply
 from .transport import create_container_async, create_node_async
 
@@ -237,11 +238,7 @@ def _all_levels(path: str) -> List[str]:
 
 def _scheme_of(raw: bytes) -> Optional[str]:
     """The scheme recorded in the root's data (None: none, or data that is not ours)."""
-    try:
-        value = json.loads(raw.decode("utf-8")) if raw else None
-    except (UnicodeDecodeError, ValueError):
-        return None
-    scheme = value.get("key_names") if isinstance(value, dict) else None
+    scheme = node_object(raw).get("key_names")
     return scheme if isinstance(scheme, str) else None
 
 

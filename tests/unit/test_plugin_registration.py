@@ -34,3 +34,14 @@ def test_a_conftest_may_name_the_plugin_whether_or_not_it_is_autoloaded(tmp_path
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
+
+
+def test_the_test_kits_old_names_fail_clearly_or_keep_working():
+    import celery_zklock.testing as kit
+
+    with pytest.warns(DeprecationWarning, match="ServerError"):
+        assert kit.HarnessError is kit.ServerError
+    with pytest.raises(AttributeError, match="wait_for was the project's own test rig"):
+        kit.wait_for  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        kit.nothing  # noqa: B018
