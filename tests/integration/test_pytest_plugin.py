@@ -24,9 +24,10 @@ def test_a_users_locked_task_never_overlaps(zklock_app, zklock_history):
 
     def customer(i: int) -> None:
         for _ in range(5):
-            # Eager: the body runs right here. (.result, not .get(): Celery's "never call
-            # get() within a task" flag is process-wide, and another thread is in a task.)
-            assert charge.delay(i % 2).result == i % 2
+            # Called: the body runs right here, under its lock. Not .delay() eagerly: Celery's
+            # "never call get() within a task" flag is process-wide, saved and restored by each
+            # eager call, and calls interleaved on four threads leave it set.
+            assert charge(i % 2) == i % 2
 
     threads = [threading.Thread(target=customer, args=(i,), name=f"c{i}") for i in range(4)]
     for t in threads:
