@@ -66,6 +66,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_root": "/celery-zklock",
     "zklock_session_timeout": 10.0,
     "zklock_connect_timeout": 15.0,
+    "zklock_server_tick_time": None,
     "zklock_auth": None,
     "zklock_acl": "open",
     "zklock_key_names": "readable",
@@ -93,6 +94,12 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                "clamps it to its `minSessionTimeout`..`maxSessionTimeout`; the shorter one wins."),
     "zklock_connect_timeout": ("seconds", "How long the first connect may take before `ZooKeeperUnavailable`: "
                                "locked tasks, a dedupe publish and beat give up after it rather than hang."),
+    "zklock_server_tick_time": ("seconds or None", "The ensemble's `tickTime`. A follower hands its clients' "
+                                "heartbeats to the leader once per tick, so a holder counts a heartbeat as proof "
+                                "of life only a tick after its answer came (see the guarantees page). Unset: "
+                                "half the session timeout, the longest tick a server with ZooKeeper's default "
+                                "`minSessionTimeout` allows. Set it to the real tick to count lost locks later, "
+                                "never to less."),
     "zklock_auth": ("str", "Digest credential `user:password`. Never printed or logged (kazoo's own DEBUG log "
                     "of it is redacted)."),
     "zklock_acl": ("str", "ACL of every node created: `open` (anyone may change them, ZooKeeper's default), "
@@ -235,6 +242,7 @@ class Settings:
     root: str = DEFAULTS["zklock_root"]
     session_timeout: float = DEFAULTS["zklock_session_timeout"]
     connect_timeout: float = DEFAULTS["zklock_connect_timeout"]
+    server_tick_time: Optional[float] = None
     auth: Optional[Tuple[str, str]] = None
     acl: AclPolicy = DEFAULTS["zklock_acl"]
     key_names: KeyNames = DEFAULTS["zklock_key_names"]
@@ -250,6 +258,14 @@ class Settings:
         _znode_path("zklock_root", self.root)
         _positive_seconds("zklock_session_timeout", self.session_timeout)
         _positive_seconds("zklock_connect_timeout", self.connect_timeout)
+        if self.server_tick_time is not None:
+            _positive_seconds("zklock_server_tick_time", self.server_tick_time)
+            if self.server_tick_time > self.session_timeout / 2:
+                raise ConfigurationError(
+                    f"zklock_server_tick_time={self.server_tick_time:g} is more than half of "
+                    f"zklock_session_timeout={self.session_timeout:g}: a heartbeat proves the session only a "
+                    "tick after its answer, too late to keep it; ZooKeeper itself grants no session shorter "
+                    "than two ticks by default. Raise zklock_session_timeout")
         choice("zklock_acl", self.acl, ACL_POLICIES)
         if self.acl != "open" and self.auth is None:
             raise ConfigurationError(f"zklock_acl={self.acl!r} needs zklock_auth: ZooKeeper ties it to a credential")
@@ -299,6 +315,7 @@ class Settings:
             root=_znode_path("zklock_root", get("zklock_root")),
             session_timeout=_positive_seconds("zklock_session_timeout", get("zklock_session_timeout")),
             connect_timeout=_positive_seconds("zklock_connect_timeout", get("zklock_connect_timeout")),
+            server_tick_time=optional_seconds("zklock_server_tick_time", get("zklock_server_tick_time")),
             auth=_auth(conf.get("zklock_auth")),
             acl=get("zklock_acl"),
             key_names=get("zklock_key_names"),

@@ -48,6 +48,8 @@ class Op:
     CREATE2 = 15
     CREATE_CONTAINER = 19
     CLOSE = -11
+    #: The ConnectRequest and ConnectResponse (no header: the proxy names them by place, first on each side).
+    CONNECT = -10
     SET_AUTH = 100
     SET_WATCHES = 101
 
@@ -266,7 +268,9 @@ class TcpProxy:
                 if self._closed.is_set():
                     break
                 fault = None
-                if not first and len(frame) >= 12:
+                if first:
+                    fault = self._take("reply" if is_reply else "request", 0, Op.CONNECT)
+                elif len(frame) >= 12:
                     xid, second = struct.unpack(">ii", frame[4:12])
                     if is_reply:
                         op = link.ops.pop(xid, 0)

@@ -8,7 +8,7 @@ when the generation changes, then the new liveness.
 Threads, one table::
 
     start, close, add_listener, remove_listener   the caller's thread
-    _on_kazoo_state, _on_negotiated               kazoo's connection thread: no blocking calls
+    _on_kazoo_state, _on_connect_reply            kazoo's connection thread: no blocking calls
     _check, _heartbeat                            the session's watchdog thread; the heartbeat's
                                                   reply (acked) comes on kazoo's callback thread
     listeners (on_session_state)                  whichever of these saw the change: never block
@@ -40,7 +40,7 @@ from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from . import green
 from .clock import Liveness, LivenessClock
 from .nodes import Nodes
-from .transport import DirectClient, PollHandler, on_negotiated_timeout
+from .transport import DirectClient, PollHandler, on_connect_reply
 
 __all__ = ["Session", "SessionListener", "acl_for", "close_sessions", "session_for"]
 
@@ -65,10 +65,11 @@ class Session:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pid = os.getpid()
-        self.clock = LivenessClock(settings.session_timeout)
+        self.clock = LivenessClock(settings.session_timeout, tick=settings.server_tick_time)
         self.nodes = Nodes(lambda: self._client, settings.root, settings.acl)
         self._client: Optional[KazooClient] = None
         self._ping_in_flight = False
+        self._connect_sent: Optional[float] = None  # when the last accepted ConnectRequest went out
         self._listeners: weakref.WeakSet[SessionListener] = weakref.WeakSet()
         self._stopped = threading.Event()
         self._wakeup = threading.Event()
@@ -118,7 +119,7 @@ class Session:
             connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2,
                               "sleep_func": handler.sleep_func},
         )
-        on_negotiated_timeout(client, self._on_negotiated)
+        on_connect_reply(client, self._on_connect_reply)
         client.add_listener(self._on_kazoo_state)
         self._client = client
         try:
@@ -131,10 +132,6 @@ class Session:
                 f"could not reach ZooKeeper at zklock_hosts={s.hosts!r} within "
                 f"zklock_connect_timeout={s.connect_timeout:g}s"
             ) from None
-        with self._lock:
-            now = time.monotonic()
-            self.clock.connected(now, client.client_id[0] if client.client_id else None)
-            self.clock.answered(now, True)  # the connect reply just came: fresh proof, not a stale one
         self._watchdog = threading.Thread(target=_watchdog_loop, args=(weakref.ref(self),), daemon=True,
                                           name="celery-zklock-session")
         self._watchdog.start()
@@ -192,13 +189,16 @@ class Session:
         """True when connected and the server answered recently enough to vouch for our nodes."""
         return self.clock.liveness(time.monotonic()) == Liveness.HELD
 
-    def _on_negotiated(self, timeout: float) -> None:
+    def _on_connect_reply(self, sent: float, timeout: float) -> None:
+        # Before kazoo says CONNECTED (and so before start() returns): the clock
+        # knows the granted timeout, and what the connect proves, from the first moment.
         if timeout < self.settings.session_timeout:
             logger.warning("ZooKeeper granted a %gs session, shorter than zklock_session_timeout=%gs: "
                            "locks count as lost after the shorter one (raise the server's maxSessionTimeout)",
                            timeout, self.settings.session_timeout)
         with self._lock:
             self.clock.negotiated_timeout = timeout
+            self._connect_sent = sent
 
     def _on_kazoo_state(self, state: str) -> None:
         now = time.monotonic()
@@ -215,7 +215,7 @@ class Session:
                 if client is None:
                     return
                 sid = client.client_id[0] if client.client_id else None
-                if self.clock.connected(now, sid):
+                if self.clock.connected(now, sid, self._connect_sent):
                     notify = Liveness.HELD
             lost = self.clock.generation != generation
         self._after(lost, notify)
@@ -237,12 +237,14 @@ class Session:
             except Exception:
                 return
             with self._lock:
-                revived = self.clock.answered(sent, client.connected)
+                revived = self.clock.answered(sent, time.monotonic(), client.connected)
             if revived:
                 self._notify(Liveness.HELD)
 
         try:
-            client.exists_async("/").rawlink(acked)
+            # A sync, not a read: a follower answers reads on its own, even cut off from
+            # the leader, but forwards a sync to the leader, who alone expires sessions.
+            client.sync_async("/").rawlink(acked)
         except Exception:
             self._ping_in_flight = False
 

@@ -32,13 +32,14 @@ import queue
 import select
 import socket
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionDropped
 from kazoo.handlers.threading import SequentialThreadingHandler
 from kazoo.protocol.connection import AUTH_XID, CLOSE_RESPONSE, ConnectionHandler
-from kazoo.protocol.serialization import Auth, Close, Create2, int_struct
+from kazoo.protocol.serialization import Auth, Close, Connect, Create2, int_struct
 from kazoo.protocol.states import KeeperState
 from kazoo.security import OPEN_ACL_UNSAFE
 
@@ -47,7 +48,7 @@ __all__ = [
     "PollHandler",
     "create_container_async",
     "create_node_async",
-    "on_negotiated_timeout",
+    "on_connect_reply",
     "peer_address",
     "run_inline",
 ]
@@ -98,22 +99,30 @@ def peer_address(client: KazooClient) -> Tuple[str, int]:
     return host, port
 
 
-def on_negotiated_timeout(client: KazooClient, callback: Callable[[float], None]) -> None:
-    """Call ``callback(seconds)`` with the session timeout the server grants, on every connect.
+def on_connect_reply(client: KazooClient, callback: Callable[[float, float], None]) -> None:
+    """Call ``callback(sent, granted)`` on each connect the server accepts, before kazoo says CONNECTED.
 
-    kazoo receives it in the connect reply but keeps it in a local variable
-    (logged only at its BLATHER level). Its ``_connect`` returns the read
-    timeout it derives from it: two thirds of the negotiated timeout, in ms.
+    ``sent`` is the monotonic time just before the ConnectRequest went out: the server
+    touched the session after it, never before, so that is what the reply proves.
+    ``granted`` is the session timeout the server granted, in seconds. kazoo reads
+    both in ``_connect`` but keeps them in local variables (the timeout is logged only
+    at its BLATHER level); its ``_invoke`` sends the request and returns the reply.
+    An expired session's reply (timeout 0) is not reported: kazoo raises on it.
     """
     connection = client._connection
-    original = connection._connect
+    original = connection._invoke
 
-    def connect(*args: Any, **kwargs: Any) -> Any:
-        read_timeout, connect_timeout = original(*args, **kwargs)
-        callback(read_timeout * 3 / 2 / 1000)
-        return read_timeout, connect_timeout
+    def invoke(timeout: float, request: Any, xid: Optional[int] = None) -> Any:
+        if not isinstance(request, Connect):
+            return original(timeout, request, xid)
+        sent = time.monotonic()
+        result = original(timeout, request, xid)
+        reply = result[0]
+        if reply.time_out > 0:
+            callback(sent, reply.time_out / 1000.0)
+        return result
 
-    connection._connect = connect
+    connection._invoke = invoke
 
 
 logger = logging.getLogger("celery_zklock")

@@ -14,7 +14,7 @@ from celery_zklock import LockLost, ZooKeeperUnavailable
 from celery_zklock.conf import Settings
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.zk import Session, close_sessions, session_for
-from harness import TcpProxy, free_port
+from harness import Op, TcpProxy, free_port
 from tests.util import children, wait_until
 
 
@@ -75,6 +75,35 @@ def test_partitioned_holder_counts_its_lock_lost_before_another_gets_it(proxy, n
     # The other could only get it once the server expired the holder's session.
     assert other_got - cut >= timeout * 0.9
     print(f"lost after {lost_at - cut:.2f}s, other holder after {other_got - cut:.2f}s")
+    other.release()
+    proxy.mode = "pass"
+
+
+@pytest.mark.slow
+def test_a_late_reconnect_reply_proves_nothing_newer_than_its_request(proxy, new_session, zk_root):
+    # The server touched the session when the ConnectRequest came, not when its reply
+    # (held back here) reached us; then the link goes dark. The server expires the session
+    # a timeout after the request: the holder must count its lock lost before then.
+    timeout = 4.0
+    path = f"{zk_root}/locks/k-late-connect"
+    holder = Lock(new_session(hosts=proxy.hosts, session_timeout=timeout), path, EXCLUSIVE)
+    lost: List[float] = []
+    holder.on_state = lambda lock, state: lost.append(time.monotonic()) if state == "lost" else None
+    assert holder.acquire()
+    held = proxy.hold_reply(Op.CONNECT)
+    proxy.reset()  # kazoo reconnects to the same session at once
+    held.wait_matched()
+    requested = time.monotonic()  # the server has the request: the session was touched before now
+    time.sleep(3.2)  # the reply is late: the schedule under test, not a wait for something
+    held.release()
+    assert held.done.wait(5)
+    proxy.mode = "blackhole"
+    other = Lock(new_session(), path, EXCLUSIVE)
+    assert other.acquire(timeout=30)
+    other_got = time.monotonic()
+    wait_until(lambda: bool(lost), timeout=10)
+    assert lost[0] < other_got, (f"two holders for {lost[0] - other_got:.2f}s: the holder counted its lock "
+                                 f"lost {lost[0] - requested:.2f}s after the reconnect request")
     other.release()
     proxy.mode = "pass"
 

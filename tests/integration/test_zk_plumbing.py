@@ -9,6 +9,7 @@ import pytest
 from celery_zklock.exceptions import ConfigurationError
 from celery_zklock.zk import Nodes
 from celery_zklock.zk.transport import peer_address
+from harness import Op, TcpProxy
 from tests.util import wait_until
 
 
@@ -81,3 +82,17 @@ def test_the_session_learns_the_timeout_the_server_grants(new_session, zk_server
     assert capped.timeout == pytest.approx(60.0)  # the "lost" clock runs on the shorter one
     assert "shorter than zklock_session_timeout=120s" in caplog.text
     assert peer_address(capped.client)[1] == zk_server.port
+
+
+def test_start_returns_knowing_the_granted_timeout_while_the_auth_reply_is_late(new_session, zk_server):
+    # kazoo says CONNECTED, which start() waits for, before it sends the credential and
+    # reads its reply: the clock must run on the granted timeout from that moment.
+    with TcpProxy(zk_server.port) as proxy:
+        held = proxy.hold_reply(Op.SET_AUTH)
+        try:
+            session = new_session(hosts=proxy.hosts, session_timeout=120, auth=("zklock", "secret"))
+            assert not held.done.is_set()  # start() returned; the auth reply is still in the proxy
+            assert session.clock.negotiated_timeout == pytest.approx(60.0)
+            assert session.timeout == pytest.approx(60.0)
+        finally:
+            held.release()

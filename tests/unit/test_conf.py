@@ -17,10 +17,19 @@ def test_defaults():
     ("zklock_session_timeout", 0), ("zklock_session_timeout", -1), ("zklock_session_timeout", "10"),
     ("zklock_session_timeout", float("nan")), ("zklock_connect_timeout", True),
     ("zklock_auth", "nocolon"), ("zklock_auth", ":pw"),
+    ("zklock_server_tick_time", 0), ("zklock_server_tick_time", "2"), ("zklock_server_tick_time", 5.5),
 ])
 def test_bad_values_name_the_setting(name, value):
     with pytest.raises(ConfigurationError, match=name):
         Settings.from_conf({name: value})
+
+
+def test_the_server_tick_is_at_most_half_the_session_timeout():
+    assert Settings.from_conf({"zklock_server_tick_time": 2}).server_tick_time == 2.0
+    assert Settings.from_conf({}).server_tick_time is None  # the clock assumes half the session timeout
+    with pytest.raises(ConfigurationError, match="zklock_server_tick_time=3 is more than half of "
+                                                 "zklock_session_timeout=4"):
+        Settings.from_conf({"zklock_server_tick_time": 3, "zklock_session_timeout": 4})
 
 
 def test_password_is_never_shown():

@@ -7,21 +7,22 @@ import pytest
 from celery_zklock.zk.clock import HEARTBEATS_PER_TIMEOUT, LOSS_MARGIN, Liveness, LivenessClock
 
 T = 10.0  # configured session timeout
-LOST_AFTER = T * (1 - LOSS_MARGIN)  # 9.0 s of silence
+TICK = 1.0  # the server's tickTime: how long an answer waits to become proof
+LOST_AFTER = T * (1 - LOSS_MARGIN)  # 9.0 s without proof
 
 HELD, IN_DOUBT, LOST = Liveness.HELD, Liveness.IN_DOUBT, Liveness.LOST
 
 
-def run(events):
+def run(events, tick=TICK):
     """Feed (time, event, *args) to a fresh clock; return it."""
-    clock = LivenessClock(T)
+    clock = LivenessClock(T, tick=tick)
     for now, event, *args in events:
-        if event == "connected":
+        if event == "connected":  # (time, event, session id, connect send time)
             clock.connected(now, *args)
         elif event == "answered":  # (reply time, event, send time)
-            clock.answered(args[0], connected=True)
+            clock.answered(args[0], now, connected=True)
         elif event == "answered_while_down":
-            clock.answered(args[0], connected=False)
+            clock.answered(args[0], now, connected=False)
         elif event == "suspended":
             clock.suspended(now)
         elif event == "expired":
@@ -33,34 +34,51 @@ def run(events):
     return clock
 
 
-START = [(0.0, "connected", 1), (0.0, "answered", 0.0)]
+START = [(0.0, "connected", 1, 0.0)]  # a new session, asked for at 0.0: proof at once
 
 CASES = {
     # name: (events after START, time asked, expected liveness, expected generation)
     "fresh": ([], 1.0, HELD, 0),
     "silent, just before the margin": ([], LOST_AFTER - 1e-9, HELD, 0),
     "silent, exactly at the margin": ([], LOST_AFTER, LOST, 0),
-    "reply counts from its send time, not its arrival": (
-        [(8.5, "answered", 2.0)], 2.0 + LOST_AFTER, LOST, 0),
-    "reply sent just before the margin extends it": (
-        [(8.999, "answered", 8.99)], 8.99 + LOST_AFTER - 0.001, HELD, 0),
-    "an older reply never moves the clock back": (
-        [(5.0, "answered", 4.0), (5.1, "answered", 1.0)], 4.0 + LOST_AFTER - 0.001, HELD, 0),
+    "a lone answer is no proof (a follower cut from the leader answers too)": (
+        [(2.1, "answered", 2.0)], LOST_AFTER, LOST, 0),
+    "an answer becomes proof when one sent a tick after it is answered": (
+        [(2.1, "answered", 2.0), (3.2, "answered", 3.1)], 2.0 + LOST_AFTER - 1e-9, HELD, 0),
+    "proof counts from its send time, not its arrival": (
+        [(2.5, "answered", 2.0), (3.6, "answered", 3.5)], 2.0 + LOST_AFTER, LOST, 0),
+    "one sent less than a tick after is no witness": (
+        [(2.1, "answered", 2.0), (3.0, "answered", 2.9)], LOST_AFTER, LOST, 0),
+    "the witness itself waits for its own": (
+        [(2.1, "answered", 2.0), (3.2, "answered", 3.1)], 3.1 + LOST_AFTER - 0.5, LOST, 0),
+    "an older answer never moves the clock back": (
+        [(5.0, "answered", 4.0), (6.1, "answered", 6.0), (6.2, "answered", 1.0), (7.5, "answered", 7.4)],
+        4.0 + LOST_AFTER - 0.001, HELD, 0),
     "suspended: in doubt": ([(3.0, "suspended")], 4.0, IN_DOUBT, 0),
     "suspended past the margin: lost": ([(3.0, "suspended")], LOST_AFTER, LOST, 0),
     "suspended then connected to the same session: held again": (
-        [(3.0, "suspended"), (4.0, "connected", 1)], 5.0, HELD, 0),
+        [(3.0, "suspended"), (4.0, "connected", 1, 3.5)], 5.0, HELD, 0),
+    "a reconnect is an answer like any other (its leader may be deposed)": (
+        [(3.0, "suspended"), (4.0, "connected", 1, 3.5)], LOST_AFTER, LOST, 0),
+    "a reconnect counts from the request, once a heartbeat a tick later is answered": (
+        [(3.0, "suspended"), (7.2, "connected", 1, 3.5), (8.4, "answered", 8.3)], 3.5 + LOST_AFTER - 1e-9, HELD, 0),
     "suspended then connected to a new session: a new generation": (
-        [(3.0, "suspended"), (4.0, "connected", 2)], 5.0, HELD, 1),
+        [(3.0, "suspended"), (4.0, "connected", 2, 3.5)], 5.0, HELD, 1),
+    "a new session is proof from its request at once: a quorum created it": (
+        [(3.0, "suspended"), (4.0, "connected", 2, 3.5)], 3.5 + LOST_AFTER - 1e-9, HELD, 1),
+    "a connect whose send time is unknown proves nothing": (
+        [(3.0, "suspended"), (4.0, "connected", 2)], LOST_AFTER, LOST, 1),
     "kazoo said LOST": ([(3.0, "expired")], 3.5, LOST, 1),
     "the clock ran out (tick)": ([(LOST_AFTER, "tick")], LOST_AFTER, LOST, 1),
     "a tick before the margin does nothing": ([(LOST_AFTER - 0.01, "tick")], LOST_AFTER - 0.01, HELD, 0),
-    "revived by a reply sent after the loss, same generation kept lost": (
-        [(LOST_AFTER, "tick"), (9.5, "answered", 9.2)], 9.6, HELD, 1),
-    "not revived by a reply sent before the loss": (
-        [(LOST_AFTER, "tick"), (9.5, "answered", 8.0)], 9.6, LOST, 1),
+    "revived by proof sent after the loss, same generation kept lost": (
+        [(LOST_AFTER, "tick"), (9.5, "answered", 9.2), (10.5, "answered", 10.5)], 10.6, HELD, 1),
+    "not revived by a lone answer sent after the loss": (
+        [(LOST_AFTER, "tick"), (9.5, "answered", 9.2)], 9.6, LOST, 1),
+    "not revived by proof sent before the loss": (
+        [(8.1, "answered", 8.0), (LOST_AFTER, "tick"), (9.5, "answered", 9.2)], 9.6, LOST, 1),
     "not revived while kazoo is disconnected": (
-        [(LOST_AFTER, "tick"), (9.5, "answered_while_down", 9.2)], 9.6, LOST, 1),
+        [(LOST_AFTER, "tick"), (9.5, "answered", 9.2), (10.6, "answered_while_down", 10.5)], 10.6, LOST, 1),
     "expired twice counts once": ([(3.0, "expired"), (3.1, "expired")], 3.2, LOST, 1),
 }
 
@@ -73,27 +91,27 @@ def test_liveness(name):
     assert clock.generation == generation
 
 
-def test_a_reconnect_counts_as_an_answer_one_heartbeat_old():
-    clock = run(START + [(5.0, "suspended"), (100.0, "connected", 1)])
-    assert clock.last_answer == pytest.approx(100.0 - T / HEARTBEATS_PER_TIMEOUT)
-    reconnect_lost_after = 100.0 - T / HEARTBEATS_PER_TIMEOUT + LOST_AFTER
-    assert clock.liveness(reconnect_lost_after - 0.001) == HELD
-    assert clock.liveness(reconnect_lost_after) == LOST
+def test_without_a_known_tick_the_lag_is_half_the_timeout():
+    # ZooKeeper grants no session shorter than two ticks unless minSessionTimeout is lowered.
+    clock = run(START + [(2.1, "answered", 2.0), (6.9, "answered", 6.8)], tick=None)
+    assert clock.lag == T / 2 and clock.last_answer == 0.0
+    clock.answered(7.2, 7.3)
+    assert clock.last_answer == 2.0
 
 
 @pytest.mark.parametrize("negotiated, lost_after", [(4.0, 4.0 * (1 - LOSS_MARGIN)), (20.0, LOST_AFTER)])
 def test_the_shorter_of_configured_and_negotiated_timeout_applies(negotiated, lost_after):
     clock = LivenessClock(T)
-    clock.connected(0.0, 1, negotiated_timeout=negotiated)
-    clock.answered(0.0, connected=True)
+    clock.negotiated_timeout = negotiated
+    clock.connected(0.0, 1, sent=0.0)
     assert clock.timeout == min(T, negotiated)
     assert clock.liveness(lost_after - 1e-9) == HELD
     assert clock.liveness(lost_after) == LOST
 
 
 @pytest.mark.parametrize("events, changed", [
-    ([(0.0, "connected", 1)], True),  # first connect
-    ([(0.0, "connected", 1), (1.0, "connected", 1)], False),  # nothing new
+    ([(0.0, "connected", 1, 0.0)], True),  # first connect
+    ([(0.0, "connected", 1, 0.0), (1.0, "connected", 1, 0.9)], False),  # nothing new
 ])
 def test_connected_reports_a_change_only_once(events, changed):
     clock = LivenessClock(T)
@@ -112,12 +130,15 @@ def test_events_report_changes():
 def test_heartbeat_interval_never_sleeps_past_the_margin():
     clock = run(START)
     assert clock.heartbeat_interval(0.0) == pytest.approx(T / HEARTBEATS_PER_TIMEOUT)
+    # A long lag leaves less time between heartbeats: a quarter of what the margin leaves after it.
+    assert run(START, tick=None).heartbeat_interval(0.0) == pytest.approx((LOST_AFTER - T / 2) / 4)
     assert clock.heartbeat_interval(LOST_AFTER - 0.5) == pytest.approx(0.5)
     assert clock.heartbeat_interval(LOST_AFTER + 5) == 0.005  # never negative or zero
 
 
-@pytest.mark.parametrize("timeout, margin", [(0, 0.1), (-1, 0.1), (10, 1.0), (10, -0.1)])
-def test_bad_parameters(timeout, margin):
+@pytest.mark.parametrize("timeout, margin, tick", [(0, 0.1, None), (-1, 0.1, None), (10, 1.0, None),
+                                                   (10, -0.1, None), (10, 0.1, 0)])
+def test_bad_parameters(timeout, margin, tick):
     with pytest.raises(ValueError):
-        LivenessClock(timeout, margin)
+        LivenessClock(timeout, margin, tick)
 

@@ -7,11 +7,12 @@ A failure here names the call that an upgrade broke, before any lock misbehaves.
 from __future__ import annotations
 
 import inspect
+import time
 
 import pytest
 from kazoo.client import KazooClient
 from kazoo.protocol.connection import ConnectionHandler
-from kazoo.protocol.serialization import Create2
+from kazoo.protocol.serialization import Auth, Connect, Create2
 
 from celery_zklock.glue import celery_internals
 from celery_zklock.zk import transport
@@ -40,20 +41,28 @@ def test_connection_handler_internals(client):
     assert hasattr(connection, "_socket"), "kazoo changed ConnectionHandler._socket, used by transport.peer_address"
     params = list(inspect.signature(ConnectionHandler._connect).parameters)
     assert params == ["self", "host", "hostip", "port"], "kazoo changed ConnectionHandler._connect"
+    params = list(inspect.signature(ConnectionHandler._invoke).parameters)
+    assert params == ["self", "timeout", "request", "xid"], "kazoo changed ConnectionHandler._invoke"
     source = inspect.getsource(ConnectionHandler._connect)
-    assert "read_timeout = negotiated_session_timeout * 2.0 / 3.0" in source and \
-        "return read_timeout, connect_timeout" in source, \
-        "kazoo changed what ConnectionHandler._connect returns, used by transport.on_negotiated_timeout"
+    assert "connect_result, zxid = self._invoke(" in source and "connect_result.time_out" in source, \
+        "kazoo changed how ConnectionHandler._connect sends the ConnectRequest, used by transport.on_connect_reply"
 
 
-def test_on_negotiated_timeout_reports_seconds(client):
-    # kazoo's _connect returns (read timeout, connect timeout) in ms, the read timeout being
-    # 2/3 of the negotiated session timeout (checked above); stand in for its network part.
-    client._connection._connect = lambda host, hostip, port: (4000 * 2 / 3, 1000)
-    seen = []
-    transport.on_negotiated_timeout(client, seen.append)
-    assert client._connection._connect("h", "127.0.0.1", 1) == (4000 * 2 / 3, 1000)
-    assert seen == [pytest.approx(4.0)]
+def test_on_connect_reply_reports_the_send_time_and_the_granted_seconds(client):
+    # Stand in for the network part of kazoo's _invoke: the send, and the reply it reads.
+    def invoke(timeout, request, xid=None):
+        sent.append(time.monotonic())
+        return Connect(0, 0, 4000, 1, b"", False), 5
+
+    sent, seen = [], []
+    client._connection._invoke = invoke
+    before = time.monotonic()
+    transport.on_connect_reply(client, lambda *args: seen.append(args))
+    request = Connect(0, 0, 10000, 0, b"", False)
+    assert client._connection._invoke(1.0, request) == (Connect(0, 0, 4000, 1, b"", False), 5)
+    assert seen == [(pytest.approx(sent[0], abs=0.05), pytest.approx(4.0))] and before <= seen[0][0] <= sent[0]
+    client._connection._invoke(1.0, Auth(0, "digest", "u:p"), xid=-4)  # anything but a connect: not reported
+    assert len(seen) == 1
 
 
 def test_kazoo_calls_handler_select_with_three_lists_and_a_timeout():
