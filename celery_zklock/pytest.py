@@ -65,6 +65,7 @@ def zklock_app(zookeeper_server: ZooKeeperServer) -> Iterator[Any]:
         zklock_hosts=zookeeper_server.hosts,
         zklock_root=root,
         zklock_session_timeout=4,
+        zklock_server_tick_time=zookeeper_server.tick_ms / 1000,
         zklock_connect_timeout=10,
         task_always_eager=True,
         task_eager_propagates=True,

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Callable, List, Optional
 
-__all__ = ["Fault", "Op", "TcpProxy"]
+__all__ = ["Fault", "Op", "Pipe", "TcpProxy"]
 
 
 class Op:
@@ -332,3 +332,95 @@ class TcpProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Pipe:
+    """A byte pipe from a loopback port to one target that a test can cut and heal.
+
+    For links that are not ZooKeeper's client protocol (an ensemble's quorum and
+    election links). A cut holds every byte where it is, in both directions, and
+    holds new connections before they reach the target, as a partitioned network
+    does (TCP keeps retrying; nothing is reset): the peers notice only through their
+    own timeouts. :meth:`heal` lets everything held go on, in order.
+    """
+
+    def __init__(self, target_port: int, name: str = "") -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.name = name
+        self._open = threading.Event()
+        self._open.set()
+        self._closed = threading.Event()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port = int(self._sock.getsockname()[1])
+        self._sockets: List[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, name=f"Pipe:{name}", daemon=True).start()
+
+    @property
+    def cut(self) -> bool:
+        return not self._open.is_set()
+
+    def cut_off(self) -> None:
+        self._open.clear()
+
+    def heal(self) -> None:
+        self._open.set()
+
+    def _wait_open(self) -> bool:
+        while not self._open.wait(0.1):
+            if self._closed.is_set():
+                return False
+        return not self._closed.is_set()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
+
+    def _connect(self, client: socket.socket) -> None:
+        if not self._wait_open():
+            client.close()
+            return
+        try:
+            server = socket.create_connection(self.target, timeout=5)
+            server.settimeout(None)
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self._sockets += [client, server]
+        for src, dst in ((client, server), (server, client)):
+            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                # What was read while cut, an end of stream too, waits for the heal.
+                if not self._wait_open() or not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            try:
+                s.close()
+            except OSError:
+                pass

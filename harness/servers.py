@@ -16,6 +16,7 @@ from celery_zklock.testing.server import DEBIAN_ZOOKEEPER_JAR, free_port
 from celery_zklock.zk.probe import four_letter_word
 
 from .process import ChildProcess, HarnessError, tail, wait_for
+from .proxy import Pipe
 
 __all__ = ["RedisServer", "ZooKeeperEnsemble", "ZooKeeperPeer"]
 
@@ -95,22 +96,42 @@ class ZooKeeperPeer(ZooKeeperServer):
 class ZooKeeperEnsemble:
     """A real 3-server (or ``size``-server) ensemble on loopback.
 
+    With ``partitionable``, every server-to-server link (quorum and election, each
+    direction) runs through a :class:`~harness.proxy.Pipe`: :meth:`cut` and
+    :meth:`isolate` partition the servers from each other while every client keeps
+    its own link, and :meth:`heal` ends it. Each server's ``zoo.cfg`` names itself
+    at its real ports and the others at the pipes it reaches them through.
+
     Example::
 
-        with ZooKeeperEnsemble() as ens:
-            client = KazooClient(hosts=ens.hosts)
-            ens.leader().stop(SIGKILL)
+        with ZooKeeperEnsemble(partitionable=True) as ens:
+            leader = ens.leader()
+            ens.isolate(leader.myid)   # its clients stay connected to it
+            ens.heal()
     """
 
-    def __init__(self, size: int = 3, **server_options: Any) -> None:
+    def __init__(self, size: int = 3, partitionable: bool = False, **server_options: Any) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="zklock-ensemble-"))
-        peers = [(sid, free_port(), free_port()) for sid in range(1, size + 1)]
-        self.servers = [ZooKeeperPeer(base_dir=self.dir / f"server{sid}", myid=sid, peers=peers, **server_options)
-                        for sid, _, _ in peers]
+        ports = {sid: (free_port(), free_port()) for sid in range(1, size + 1)}
+        #: (from sid, to sid) -> the quorum and election pipes of that direction.
+        self.pipes: Dict[Tuple[int, int], Tuple[Pipe, Pipe]] = {}
+        if partitionable:
+            self.pipes = {(a, b): (Pipe(ports[b][0], f"{a}->{b} quorum"), Pipe(ports[b][1], f"{a}->{b} election"))
+                          for a in ports for b in ports if a != b}
+
+        def view(sid: int) -> List[Tuple[int, int, int]]:
+            return [(other, *((p.port for p in self.pipes[sid, other]) if (sid, other) in self.pipes
+                              else ports[other])) for other in ports]
+
+        self.servers = [ZooKeeperPeer(base_dir=self.dir / f"server{sid}", myid=sid, peers=view(sid),
+                                      **server_options) for sid in ports]
 
     @property
     def hosts(self) -> str:
         return ",".join(s.hosts for s in self.servers)
+
+    def server(self, sid: int) -> ZooKeeperPeer:
+        return self.servers[sid - 1]
 
     def start(self) -> ZooKeeperEnsemble:
         for server in self.servers:
@@ -125,12 +146,47 @@ class ZooKeeperEnsemble:
                 return server
         raise HarnessError("the ensemble has no leader")
 
+    def wait_leader(self, timeout: float = 30.0) -> ZooKeeperPeer:
+        """The leader, once there is one and every other running server follows it."""
+        def settled() -> bool:
+            modes = [s.mode() for s in self.servers if s.running and s.is_serving()]
+            return modes.count("leader") == 1 and len(modes) == len([s for s in self.servers if s.running]) \
+                and set(modes) <= {"leader", "follower"}
+        wait_for(settled, timeout, "an ensemble with one leader and every other server following it")
+        return self.leader()
+
+    # -- partitions among the servers ---------------------------------------------------------
+    def cut(self, a: int, b: int) -> None:
+        """Partition servers ``a`` and ``b`` from each other, both ways."""
+        for pair in ((a, b), (b, a)):
+            for pipe in self._pipes(pair):
+                pipe.cut_off()
+
+    def isolate(self, sid: int) -> None:
+        """Partition server ``sid`` from every other server."""
+        for other in range(1, len(self.servers) + 1):
+            if other != sid:
+                self.cut(sid, other)
+
+    def heal(self) -> None:
+        for pipes in self.pipes.values():
+            for pipe in pipes:
+                pipe.heal()
+
+    def _pipes(self, pair: Tuple[int, int]) -> Tuple[Pipe, Pipe]:
+        if not self.pipes:
+            raise HarnessError("this ensemble was not started with partitionable=True")
+        return self.pipes[pair]
+
     def log_tail(self) -> str:
         return "\n".join(f"--- server {s.myid} ---\n{s.log_tail(15)}" for s in self.servers)
 
     def close(self) -> None:
         for server in self.servers:
             server.close()
+        for pipes in self.pipes.values():
+            for pipe in pipes:
+                pipe.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> ZooKeeperEnsemble:

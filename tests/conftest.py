@@ -80,6 +80,7 @@ def app(zk_server: ZooKeeperServer, zk_root: str) -> Iterator[Celery]:
     app.conf.zklock_hosts = zk_server.hosts
     app.conf.zklock_root = zk_root
     app.conf.zklock_session_timeout = 4
+    app.conf.zklock_server_tick_time = zk_server.tick_ms / 1000
     app.conf.zklock_connect_timeout = 5
     yield app
     close_sessions()
@@ -87,7 +88,8 @@ def app(zk_server: ZooKeeperServer, zk_root: str) -> Iterator[Celery]:
 
 @pytest.fixture
 def settings(zk_server: ZooKeeperServer, zk_root: str) -> Settings:
-    return Settings(hosts=zk_server.hosts, root=zk_root, session_timeout=4, connect_timeout=5)
+    return Settings(hosts=zk_server.hosts, root=zk_root, session_timeout=4, connect_timeout=5,
+                    server_tick_time=zk_server.tick_ms / 1000)
 
 
 @pytest.fixture
@@ -125,6 +127,7 @@ def celery_config(redis_server: RedisServer, zk_server: ZooKeeperServer) -> dict
         "zklock_hosts": zk_server.hosts,
         "zklock_root": "/in-process",
         "zklock_session_timeout": 4,
+        "zklock_server_tick_time": zk_server.tick_ms / 1000,
         "broker_connection_retry_on_startup": True,
         # Celery 5.3 retries for ~20 s per result collected after the test's Redis has stopped.
         "result_backend_transport_options": {"retry_policy": {"max_retries": 1}},

@@ -52,13 +52,11 @@ import collections
 import enum
 from typing import Deque, Optional, Tuple
 
-__all__ = ["HEARTBEATS_PER_TIMEOUT", "LOSS_MARGIN", "Liveness", "LivenessClock"]
+__all__ = ["LOSS_MARGIN", "Liveness", "LivenessClock"]
 
 #: Fraction of the session timeout given up as safety margin before a silent
 #: session counts as lost: covers clock-rate drift and a late watchdog wake-up.
 LOSS_MARGIN = 0.1
-#: Heartbeats per session timeout, at least; more means fresher proof that we are alive.
-HEARTBEATS_PER_TIMEOUT = 6
 
 
 class Liveness(str, enum.Enum):
@@ -130,11 +128,13 @@ class LivenessClock:
     def heartbeat_interval(self, now: float) -> float:
         """Seconds until the next heartbeat or the next moment the clock could run out.
 
-        Proof is about ``lag`` plus two intervals old when it is renewed; a quarter of
-        what the margin leaves after the lag keeps half of it for slow replies.
+        Proof is at most ``lag`` plus two intervals old. At most a quarter of what the
+        margin leaves after the lag keeps half of it for slow replies; half the lag
+        (but no less than a twentieth of the timeout) keeps proof at most two lags
+        old, so a connection broken for a while recovers before the clock runs out.
         """
-        spare = self.timeout * (1 - self.margin) - self.lag
-        interval = min(self.timeout / HEARTBEATS_PER_TIMEOUT, spare / 4)
+        timeout, lag = self.timeout, self.lag
+        interval = min((timeout * (1 - self.margin) - lag) / 4, max(lag / 2, timeout / 20))
         if self.connection != Liveness.LOST:
             interval = min(interval, self.lost_at() - now)
         return max(interval, 0.005)
