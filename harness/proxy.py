@@ -275,9 +275,11 @@ class TcpProxy:
                     if is_reply:
                         op = link.ops.pop(xid, 0)
                         if link.cut_at_xid is not None and xid == link.cut_at_xid:
-                            link.close()  # the server answered: the work is done; the client never hears
+                            # The server answered: the work is done; the client never hears. Done is
+                            # set first: the client wakes at the cut, and a test then reads it.
                             assert link.cut_fault is not None
                             link.cut_fault.done.set()
+                            link.close()
                             break
                     else:
                         op = second
