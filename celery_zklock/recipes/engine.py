@@ -220,6 +220,7 @@ class Engine:
         container = nodes.ensure_container(self.path, remaining(until), self.rule.key_data)
         # A semaphore's limit lives in its key's node, written by whoever made it: read it
         # (pipelined) the first time this session uses the key, and refuse a different one.
+        # Later contenders of the session are checked against what it read then.
         stored = client.get_async(self.path) if container is not None and self.rule.key_data else None
         self._created = True
         created = nodes.create_contender(f"{self.path}/{self._prefix}", self.data)
@@ -237,9 +238,11 @@ class Engine:
         node = self.node = posixpath.basename(path)
         self.token = stat.czxid
         self.observer.created(node)
-        if stored is not None:
-            self.rule.check_key_data(self.path, reply(stored, until)[0])
-        nodes.container_used(self.path)
+        data = reply(stored, until)[0] if stored is not None else None
+        # Every contender is checked, not only the first of this session: two of one
+        # process (a prefork child's tasks) may ask one key for different limits.
+        self.rule.check_key_data(self.path, nodes.container_data(self.path) if data is None else data)
+        nodes.container_used(self.path, data)
         if listed is not None:
             return reply(listed, until)
         if sequence(node) == 0:

@@ -42,7 +42,8 @@ class Nodes:
         self.acl = acl
         self._lock = threading.Lock()
         self._ensured: Dict[str, bool] = {}
-        self._containers: OrderedDict[str, None] = OrderedDict()
+        #: Key containers this session has used lately -> what it read in them (a semaphore's limit).
+        self._containers: OrderedDict[str, bytes] = OrderedDict()
         #: How often a key's container had been reaped when we came to use it (a metric).
         self.recreated = 0
         # Deletes nobody waits for. Checked later, not through a callback: a
@@ -163,13 +164,21 @@ class Nodes:
         self.ensure_path(posixpath.dirname(path), timeout)
         return create_container_async(self._require(), path, data)
 
-    def container_used(self, path: str) -> None:
-        """A child was created under ``path``: it exists, so skip its create next time."""
+    def container_used(self, path: str, data: Optional[bytes] = None) -> None:
+        """A child was created under ``path``: it exists, so skip its create next time.
+        ``data`` is what the container was read to hold (None: not read this time)."""
         with self._lock:
-            self._containers[path] = None
+            if data is None:
+                data = self._containers.get(path, b"")
+            self._containers[path] = data
             self._containers.move_to_end(path)
             while len(self._containers) > MAX_KNOWN_CONTAINERS:
                 self._containers.popitem(last=False)
+
+    def container_data(self, path: str) -> bytes:
+        """What this session last read in the container at ``path`` (empty: nothing, or never read)."""
+        with self._lock:
+            return self._containers.get(path, b"")
 
     def container_gone(self, path: str) -> None:
         """``path`` was not there: reaped (it had no children for a while), or its whole tree

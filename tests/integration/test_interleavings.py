@@ -321,6 +321,20 @@ def test_a_contender_with_another_semaphore_limit_is_refused(new_session, kazoo,
     two.release()
 
 
+def test_a_contender_with_another_semaphore_limit_is_refused_in_the_same_session(new_session, zk_root):
+    # Two tasks of one prefork child share the process's session: the second must be
+    # checked too, not only the first contender the session saw for the key.
+    session = new_session()
+    path = f"{zk_root}/semaphores/k-lim-one-session"
+    one = Lock(session, path, semaphore(1))
+    assert one.acquire(timeout=5)
+    two = Lock(session, path, semaphore(2))
+    with pytest.raises(ConfigurationError, match=r"has limit=1, this contender asks for limit=2"):
+        two.acquire(timeout=5)
+    assert not two.is_held and one.is_held
+    one.release()
+
+
 def test_one_shared_lock_object_lets_exactly_one_thread_in(new_session, zk_root):
     session = new_session()
     previous = sys.getswitchinterval()
