@@ -18,7 +18,7 @@ import json
 import re
 import string
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .exceptions import ConfigurationError, KeyBuildError
 from .layout import MAX_NAME, check_key, encode_key
@@ -191,12 +191,35 @@ class _StableFormatter(string.Formatter):
         value, used = super().get_field(field_name, args, kwargs)
         cls = type(value)
         text = str(value)
+        unordered = _unordered(value)
+        if unordered is not None:
+            # Refused, not rendered canonically: a canonical rendering would change the key
+            # such a template gave before, and old and new workers would not exclude each other.
+            raise KeyBuildError(
+                f"{self.where}: key {self.template!r} would render {{{field_name}}} with a {unordered} in it, "
+                f"whose text follows its {'insertion' if unordered == 'dict' else 'hash'} order: two equal "
+                f"values could give two keys that never exclude each other; name the fields that identify "
+                f"the work (like {{{field_name}[id]}}), or leave key= out for the default key, which is canonical")
         if (cls.__str__ is object.__str__ and cls.__repr__ is object.__repr__) or _ADDRESS.search(text):
             raise KeyBuildError(
                 f"{self.where}: key {self.template!r} would render {{{field_name}}} as {text[:60]!r}, which names "
                 f"an object, not a value: two calls for the same {cls.__name__} would not exclude each other; "
                 f"name a field that identifies it (like {{{field_name}.id}}) or give {cls.__name__} a __str__")
         return value, used
+
+
+def _unordered(value: Any, depth: int = 0) -> Optional[str]:
+    """The name of a dict or set in ``value`` (itself, or inside a list or tuple), else None."""
+    if isinstance(value, dict):
+        return "dict"
+    if isinstance(value, (set, frozenset)):
+        return "set"
+    if isinstance(value, (list, tuple)) and depth < 20:
+        for item in value:
+            found = _unordered(item, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _name(fn: Callable[..., Any]) -> str:

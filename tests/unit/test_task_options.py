@@ -189,3 +189,20 @@ def test_a_template_renders_values_and_objects_with_their_own_str():
                                                                                                  "id:7"]
     assert build_keys(["o:{order.id}"], {"order": Opaque(3)}, [], {}, "t") == ["o:3"]
     assert build_keys(["o:{order}"], {"order": Order(3)}, [], {}, "t") == ["o:Order(id=3)"]  # a dataclass repr
+
+
+@pytest.mark.parametrize("value, kind", [
+    ({"id": 1, "total": 5}, "dict"), ({"b", "a"}, "set"), (frozenset({1}), "set"),
+    ([1, {"id": 1}], "dict"), (({"a"},), "set"),
+])
+def test_a_template_refuses_a_value_whose_text_follows_its_order(value, kind):
+    # {'id': 1, 'total': 5} and {'total': 5, 'id': 1} are equal, and would render as two keys.
+    with pytest.raises(KeyBuildError, match=rf"task t: key 'order:{{order}}' would render {{order}} with a {kind} "
+                                            rf"in it.*like {{order\[id\]}}.*the default key, which is canonical"):
+        build_keys(["order:{order}"], {"order": value}, [], {}, "task t")
+
+
+def test_a_template_names_a_dicts_fields_and_renders_plain_lists_as_before():
+    order = {"total": 5, "id": 1}
+    assert build_keys(["order:{order[id]}"], {"order": order}, [], {}, "t") == ["order:1"]
+    assert build_keys(["ids:{ids}"], {"ids": [1, 2]}, [], {}, "t") == ["ids:[1, 2]"]
