@@ -109,16 +109,16 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
     ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
     settings = settings_of(app)
-    try:
-        session = session_for(settings)
-    except ZooKeeperUnavailable as exc:
-        raise ZooKeeperUnavailable(f"{where}: {exc}") from None
     request = task.request
     guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
     on_state = functools.partial(_on_state, task, request.id, guard)
-    locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
-                  task=task.name, task_id=request.id, worker=request.hostname)
-             for _, key in ordered]
+    try:
+        session = session_for(settings)
+        locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
+                      task=task.name, task_id=request.id, worker=request.hostname)
+                 for _, key in ordered]
+    except ZooKeeperUnavailable as exc:
+        raise ZooKeeperUnavailable(f"{where}: {exc}; the task did not run") from None
     if policy != "wait":
         # Policies that do not wait still answer within zklock_connect_timeout when
         # ZooKeeper does not: not acquired, so the policy applies.
@@ -132,6 +132,14 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 signals.lock_acquired.send(sender=task, lock=one)
                 continue
             held.pop()
+            if not session.is_alive():
+                # No answer is not a held key: no policy may take it for one (skip would
+                # report success for work that never ran).
+                release_all(task, held)
+                raise ZooKeeperUnavailable(
+                    f"{where}: ZooKeeper at zklock_hosts={settings.hosts!r} did not answer, so lock "
+                    f"{one.label!r} ({one.mode}) was not taken and the task did not run "
+                    f"(on_contention={policy!r} applies only when another contender holds the key)")
             return _contended(task, spec, policy, timeout, one, held, until)
         for one in held:
             one.ensure()  # one may have been lost while we waited for another: no body then

@@ -22,7 +22,7 @@ app is finalized. Then:
    publish, and connects ``task_revoked`` (a revoked copy's marker), ``worker_init``
    (refuse a worker whose locked tasks or settings are wrong), ``worker_ready`` (say
    which keys ZooKeeper shows in clear), ``worker_process_init`` (open the session
-   before the first task) and ``worker_process_shutdown``/``worker_shutdown`` (close
+   in the background, before the first task) and ``worker_process_shutdown``/``worker_shutdown`` (close
    the sessions, so their locks go at once). Each receiver checks the app it hears
    about: an app that does not use celery-zklock pays one lookup per publish.
 
@@ -179,8 +179,16 @@ def _open_session(**kwargs: Any) -> None:
     app = current_app()
     if not locked_tasks(app):
         return  # unlocked apps pay nothing
+    # In the background: a pool process that is not up within 4 s is killed by Celery, so
+    # one that waited here for an unreachable ZooKeeper would never run anything, unlocked
+    # tasks included. A locked task that comes first waits for this start (session_for
+    # holds one lock around it), bounded by zklock_connect_timeout, as it would anyway.
+    threading.Thread(target=_connect, args=(settings_of(app),), name="celery-zklock-connect", daemon=True).start()
+
+
+def _connect(settings: Any) -> None:
     try:
-        session_for(settings_of(app))
+        session_for(settings)
     except ZooKeeperUnavailable as exc:
         logger.error("celery-zklock: %s; locked tasks will fail until ZooKeeper is reachable", exc)
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from celery_zklock import skipped
+from celery_zklock import ZooKeeperUnavailable, skipped
 from celery_zklock.testing import max_concurrency, violations
 from harness import CeleryWorker, TcpProxy, free_port
 from tests.apps import worker_app
@@ -189,3 +189,34 @@ def test_an_outage_logs_one_line_per_state_change_not_one_per_connect_attempt(wo
     assert len(noise) == 1, noise
     hidden = int(worker.log_text().split("ZooKeeper reachable again after ")[1].split()[0])
     assert hidden >= 2  # what was held back, counted
+
+
+@pytest.mark.slow
+def test_with_zookeeper_gone_pool_processes_start_and_unlocked_tasks_run(env):
+    # Celery kills a pool process that is not up within 4 s; one that waited for an
+    # unreachable ZooKeeper at start (6 s here) was replaced, and waited again, for ever.
+    # Every third task replaces its process.
+    nothing = f"127.0.0.1:{free_port()}"
+    with CeleryWorker("tests.apps.worker_app", name="nozk", pool="prefork", concurrency=2,
+                      env={**env, "ZKT_HOSTS": nothing, "ZKT_CONNECT_TIMEOUT": "6"},
+                      extra_args=["-Q", env["ZKT_QUEUE"], "--max-tasks-per-child=3"]) as worker:
+        results = [send(worker_app.unlocked, env["ZKT_QUEUE"], i) for i in range(10)]
+        assert [r.get(timeout=60) for r in results] == [2 * i for i in range(10)]
+        assert "Timed out waiting for UP message" not in worker.log_text()
+
+
+@pytest.mark.slow
+def test_with_zookeeper_unreachable_every_policy_says_so_and_none_says_skipped(env, zk_server):
+    # A key nobody holds, on a worker whose ZooKeeper stopped answering: skip reported
+    # success without running, and blamed "another contender (it has just let go)".
+    queue = env["ZKT_QUEUE"]
+    with TcpProxy(zk_server.port) as proxy, \
+            CeleryWorker("tests.apps.worker_app", name="dark", pool="prefork", concurrency=1,
+                         env={**env, "ZKT_HOSTS": proxy.hosts}, extra_args=["-Q", queue]) as worker:
+        assert send(worker_app.skipping, queue, "warm-up", 0).get(timeout=30) == "ran"
+        proxy.close()  # ZooKeeper gone: the connection drops, and every new one is refused
+        for task in (worker_app.skipping, worker_app.raising, worker_app.retrying):
+            result = send(task, queue, "nobody-holds-it", 0)
+            with pytest.raises(ZooKeeperUnavailable, match=rf"^task {task.name}: .*the task did not run"):
+                result.get(timeout=60)
+        assert "skipped" not in worker.log_text()
