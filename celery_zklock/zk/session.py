@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import logging
 import os
 import threading
@@ -40,7 +41,7 @@ from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from . import green
 from .clock import Liveness, LivenessClock
 from .nodes import Nodes
-from .transport import DirectClient, PollHandler, on_connect_reply
+from .transport import DirectClient, PollHandler, drift, on_connect_reply
 
 __all__ = ["Session", "SessionListener", "acl_for", "close_sessions", "session_for"]
 
@@ -69,7 +70,9 @@ class Session:
         self.nodes = Nodes(lambda: self._client, settings.root, settings.acl)
         self._client: Optional[KazooClient] = None
         self._ping_in_flight = False
-        self._connect_sent: Optional[float] = None  # when the last accepted ConnectRequest went out
+        #: When the last accepted ConnectRequest went out; without kazoo's hooks, a moment
+        #: before it (the start, or the moment the connection broke).
+        self._connect_sent: Optional[float] = None
         self._listeners: weakref.WeakSet[SessionListener] = weakref.WeakSet()
         self._stopped = threading.Event()
         self._wakeup = threading.Event()
@@ -119,9 +122,11 @@ class Session:
             connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2,
                               "sleep_func": handler.sleep_func},
         )
-        on_connect_reply(client, self._on_connect_reply)
+        if not kazoo_drifted():
+            on_connect_reply(client, self._on_connect_reply)
         client.add_listener(self._on_kazoo_state)
         self._client = client
+        self._connect_sent = time.monotonic()
         try:
             client.start(timeout=s.connect_timeout)
         except green.timeouts():
@@ -140,7 +145,8 @@ class Session:
     def client_class(self, handler: Any) -> type:
         """The kazoo client class to use with ``handler``: requests leave from the calling thread
         (:class:`DirectClient`) where that is safe, plain TCP under OS threads."""
-        return DirectClient if isinstance(handler, PollHandler) and not self.settings.use_ssl else KazooClient
+        direct = isinstance(handler, PollHandler) and not self.settings.use_ssl and not kazoo_drifted()
+        return DirectClient if direct else KazooClient
 
     def close(self) -> None:
         """End the session now, so the server deletes its ephemeral nodes (our locks) at once."""
@@ -205,6 +211,8 @@ class Session:
         notify: Optional[Liveness] = None
         with self._lock:
             generation = self.clock.generation
+            if state in (KazooState.SUSPENDED, KazooState.LOST):
+                self._connect_sent = now  # the next ConnectRequest goes out after this
             if state == KazooState.SUSPENDED:
                 if self.clock.suspended(now):
                     notify = Liveness.IN_DOUBT
@@ -262,6 +270,30 @@ class Session:
                            silent, self.timeout)
             self._after(True)
         return interval
+
+
+_drift: Optional[List[str]] = None
+
+
+def kazoo_drifted() -> bool:
+    """Whether this kazoo changed what the fast request path leans on (see transport.drift);
+    checked once per process, and said once, as a WARNING naming the version."""
+    global _drift
+    if _drift is None:
+        _drift = drift()
+        if _drift:
+            logger.warning("celery-zklock: kazoo %s changed private methods the fast request path uses (%s): "
+                           "using kazoo's own request path, which works but costs more CPU per lock, and the "
+                           "session's clock counts a reconnect from when the connection broke. Please report "
+                           "it, naming this kazoo version", kazoo_version(), "; ".join(_drift))
+    return bool(_drift)
+
+
+def kazoo_version() -> str:
+    try:
+        return importlib.metadata.version("kazoo")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - kazoo imported but not installed
+        return "(unknown version)"
 
 
 def acl_for(settings: Settings) -> Optional[List[ACL]]:

@@ -18,15 +18,19 @@ The thread model:
 TLS and the green handlers keep kazoo's own path: two threads must not use one SSL
 socket at once, and green handlers have no OS threads.
 
-Each function here leans on something kazoo does not promise to keep.
-``tests/unit/test_private_api.py`` checks each one against the installed version and
-fails naming the call if an upgrade changed it; ``test_boundaries`` checks that only
-this module and ``glue/celery_internals.py`` touch private names.
+Each function here leans on something kazoo does not promise to keep. :func:`drift`
+checks every such method (present, same parameters, doing what the override relies
+on) when the first session starts; on any change the session keeps kazoo's own
+request path, with one WARNING naming the kazoo version, so an upgrade costs speed,
+never the client. ``tests/unit/test_private_api.py`` fails on such an upgrade, naming
+the method; ``test_boundaries`` checks that only this module and
+``glue/celery_internals.py`` touch private names.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import queue
 import select
@@ -48,6 +52,7 @@ __all__ = [
     "PollHandler",
     "create_container_async",
     "create_node_async",
+    "drift",
     "on_connect_reply",
     "peer_address",
     "run_inline",
@@ -126,6 +131,62 @@ def on_connect_reply(client: KazooClient, callback: Callable[[float, float], Non
 
 
 logger = logging.getLogger("celery_zklock")
+
+
+# -- what of kazoo's private API the fast path leans on ------------------------------------
+#: (owner, method, its parameters, pieces of its source the override relies on)
+_HOOKS: Tuple[Tuple[type, str, Tuple[str, ...], Tuple[str, ...]], ...] = (
+    (KazooClient, "_call", ("self", "request", "async_object"), ()),
+    (KazooClient, "_session_callback", ("self", "state"), ("self._notify_pending(state)",)),
+    (ConnectionHandler, "_connect", ("self", "host", "hostip", "port"),
+     ("connect_result, zxid = self._invoke(", "connect_result.time_out", "return read_timeout, connect_timeout")),
+    (ConnectionHandler, "_invoke", ("self", "timeout", "request", "xid"), ()),
+    (ConnectionHandler, "_send_request", ("self", "read_timeout", "connect_timeout"),
+     ("client._queue[0]", "client._queue.popleft()", "self._read_sock.recv(1)",
+      "client._pending.append((request, async_object, xid))", "self._submit(request")),
+    (ConnectionHandler, "_submit", ("self", "request", "timeout", "xid"), ("self._write(",)),
+    (ConnectionHandler, "_write", ("self", "msg", "timeout"), ()),
+    (ConnectionHandler, "_read", ("self", "length", "timeout"), ()),
+    (ConnectionHandler, "_read_header", ("self", "timeout"), ("self._read(4, timeout)",)),
+    (ConnectionHandler, "_read_socket", ("self", "read_timeout"), ("self._read_header(",)),
+    (ConnectionHandler, "_read_response", ("self", "header", "buffer", "offset"), ()),
+    (ConnectionHandler, "_socket_error_handling", ("self",), ()),
+)
+
+
+def drift() -> List[str]:
+    """Each private method of kazoo the fast path overrides or calls that is not as it expects.
+
+    Empty on every kazoo release we test. Anything else means a release changed one:
+    :class:`~celery_zklock.zk.Session` then keeps kazoo's own request path, slower but
+    whole (an override that misreads kazoo kills its connection thread, for good).
+    """
+    found = []
+    for owner, name, params, parts in _HOOKS:
+        where = f"{owner.__name__}.{name}"
+        method = getattr(owner, name, None)
+        if not callable(method):
+            found.append(f"{where} is gone")
+            continue
+        try:
+            if tuple(inspect.signature(method).parameters) != params:
+                found.append(f"{where} takes {tuple(inspect.signature(method).parameters)}, not {params}")
+                continue
+            source = inspect.getsource(method) if parts else ""
+        except (TypeError, ValueError, OSError):
+            found.append(f"{where} cannot be inspected")
+            continue
+        found += [f"{where} no longer does {part!r}" for part in parts if part not in source]
+    if "self.handler.select([self._socket], [], [], timeout)" not in _source(ConnectionHandler):
+        found.append("ConnectionHandler no longer calls handler.select([socket], [], [], timeout)")
+    return found
+
+
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (TypeError, OSError):
+        return ""
 
 
 def run_inline(func: Callable[..., Any]) -> Callable[..., Any]:

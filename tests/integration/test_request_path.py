@@ -3,15 +3,21 @@ kazoo's thread reads every reply. Each test places the schedule it is about."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from typing import Dict, Iterator, List
 
 import pytest
+from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
 from kazoo.protocol.states import KazooState
 from kazoo.security import CREATOR_ALL_ACL, make_digest_acl
 
+from celery_zklock.recipes.lock import EXCLUSIVE, Lock
+from celery_zklock.zk import session as session_module
+from celery_zklock.zk import transport
+from celery_zklock.zk.session import kazoo_version
 from celery_zklock.zk.transport import DirectClient, PollHandler
 from harness import TcpProxy
 from tests.util import started_clients, wait_until
@@ -147,3 +153,28 @@ def test_a_reply_that_matches_no_request_costs_a_reconnect_not_the_client(client
     assert client.exists("/") is not None
     assert client._connection._connection_routine.is_alive()
     assert "ZooKeeper reply out of order" in caplog.text
+
+
+@pytest.mark.parametrize("owner, name", [(owner, name) for owner, name, _, _ in transport._HOOKS])
+def test_a_kazoo_release_that_changed_a_hook_falls_back_to_kazoos_path_and_still_locks(
+        monkeypatch, caplog, new_session, zk_root, owner, name):
+    # A simulated release: the method works as before but no longer looks as the fast path
+    # expects. Overriding it anyway could kill kazoo's connection thread for good.
+    original = getattr(owner, name)
+
+    def changed(self, *args, _in_a_later_release=None, **kwargs):
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, changed)
+    monkeypatch.setattr(session_module, "_drift", None)  # checked once per process: check again
+    with caplog.at_level(logging.WARNING, logger="celery_zklock"):
+        session = new_session()
+        new_session()
+    warnings = [r.getMessage() for r in caplog.records if "fast request path" in r.getMessage()]
+    assert len(warnings) == 1 and f"kazoo {kazoo_version()}" in warnings[0] and f"{owner.__name__}.{name}" \
+        in warnings[0], warnings
+    assert type(session.client) is KazooClient
+    lock = Lock(session, f"{zk_root}/locks/k-drift", EXCLUSIVE)
+    assert lock.acquire(timeout=10) and lock.is_held
+    lock.release()
+    assert session.is_alive() and session.client._connection._connection_routine.is_alive()
