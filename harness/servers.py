@@ -112,19 +112,31 @@ class ZooKeeperEnsemble:
 
     def __init__(self, size: int = 3, partitionable: bool = False, **server_options: Any) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="zklock-ensemble-"))
-        ports = {sid: (free_port(), free_port()) for sid in range(1, size + 1)}
-        #: (from sid, to sid) -> the quorum and election pipes of that direction.
+        sids = range(1, size + 1)
+        #: (from sid, to sid) -> the quorum and election pipes of that direction. Bound first: a
+        #: port free_port() returns is free until its server binds it, and a pipe could take it.
         self.pipes: Dict[Tuple[int, int], Tuple[Pipe, Pipe]] = {}
         if partitionable:
-            self.pipes = {(a, b): (Pipe(ports[b][0], f"{a}->{b} quorum"), Pipe(ports[b][1], f"{a}->{b} election"))
-                          for a in ports for b in ports if a != b}
+            self.pipes = {(a, b): (Pipe(0, f"{a}->{b} quorum"), Pipe(0, f"{a}->{b} election"))
+                          for a in sids for b in sids if a != b}
+        # Client, quorum and election ports, all distinct: one free_port() returned may come
+        # back from the next call.
+        taken: List[int] = []
+        while len(taken) < 3 * size:
+            port = free_port()
+            if port not in taken:
+                taken.append(port)
+        client_ports = dict(zip(sids, taken[2 * size:]))
+        ports = {sid: (taken[2 * sid - 2], taken[2 * sid - 1]) for sid in sids}
+        for (_, b), (quorum, election) in self.pipes.items():
+            quorum.target, election.target = ("127.0.0.1", ports[b][0]), ("127.0.0.1", ports[b][1])
 
         def view(sid: int) -> List[Tuple[int, int, int]]:
             return [(other, *((p.port for p in self.pipes[sid, other]) if (sid, other) in self.pipes
                               else ports[other])) for other in ports]
 
         self.servers = [ZooKeeperPeer(base_dir=self.dir / f"server{sid}", myid=sid, peers=view(sid),
-                                      **server_options) for sid in ports]
+                                      port=client_ports[sid], **server_options) for sid in ports]
 
     @property
     def hosts(self) -> str:
