@@ -9,8 +9,10 @@ history with the lock's own rule: no two holders at once.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import uuid
 from typing import Iterator, List, Optional
 
 import pytest
@@ -18,7 +20,8 @@ import pytest
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.testing import Hold, violations
 from celery_zklock.zk import Session
-from harness import ZooKeeperEnsemble
+from harness import CeleryBeat, ZooKeeperEnsemble
+from tests.integration.test_beat import check_history, dispatches
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
@@ -155,3 +158,26 @@ def test_a_partition_healed_in_time_loses_nothing_the_server_kept(ensemble, new_
     assert holder.end is None and holder.lock.is_held
     holder.lock.ensure()
     holder.finish()
+
+
+def test_a_beat_leader_on_a_follower_cut_from_the_leader_stops_before_another_beat_sends(
+        ensemble, zk_root, redis_server):
+    # The same schedule for LeaderScheduler: the cut beat must send nothing once the beat on
+    # the majority side could lead, and no run may be sent twice or skipped.
+    leader = ensemble.leader()
+    follower, other = [s for s in ensemble.servers if s is not leader]
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    env = {"ZKT_BROKER": redis_server.url, "ZKT_ROOT": zk_root, "ZKT_QUEUE": queue,
+           "ZKT_SESSION_TIMEOUT": str(TIMEOUT), "ZKT_CONNECT_TIMEOUT": "30", "PYTHONPATH": os.getcwd()}
+    with CeleryBeat("tests.apps.beat_app", name="cut", env={**env, "ZKT_HOSTS": follower.hosts}) as first:
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 2, timeout=20)
+        with CeleryBeat("tests.apps.beat_app", name="majority", env={**env, "ZKT_HOSTS": other.hosts}):
+            ensemble.cut(follower.myid, leader.myid)
+            wait_until(lambda: dispatches(redis_server.url, queue)[-1]["pid"] != first.pid, timeout=60)
+            wait_until(lambda: len([d for d in dispatches(redis_server.url, queue) if d["pid"] != first.pid]) >= 3,
+                       timeout=20)
+    history = dispatches(redis_server.url, queue)
+    check_history(history, 1.0, max_gap=60)
+    last_old = max(d["sent"] for d in history if d["pid"] == first.pid)
+    first_new = min(d["sent"] for d in history if d["pid"] != first.pid)
+    assert last_old < first_new
