@@ -155,7 +155,15 @@ def unknown_settings(conf: Mapping[str, Any]) -> List[str]:
         # Spell the known names the way this key is spelt (prefix, case) for the hint.
         prefix = name[:7] if name.lower().startswith("celery_zklock") else ""
         bare = name[len(prefix):].lower()
-        if not bare.startswith("zklock") or bare in DEFAULTS:
+        if not bare.startswith("zklock"):
+            continue
+        if bare in DEFAULTS:
+            # Known, if it is read under this spelling: Celery finds CELERY_ZKLOCK_HOSTS for
+            # zklock_hosts only under Django's CELERY namespace, and ZKLOCK_HOSTS never.
+            if name != bare and conf.get(bare) is not conf[name]:
+                found.append(f"setting {name!r} is never read under that spelling; zklock settings are "
+                             f"lowercase: {bare!r} (or {('CELERY_' + bare).upper()!r} with Django's "
+                             "namespace='CELERY')")
             continue
         spelt = {prefix + (k.upper() if name.isupper() else k): k for k in DEFAULTS}
         found.append(f"unknown setting {name!r}{did_you_mean(name, spelt)}")

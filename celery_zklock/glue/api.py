@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, Optional, TypeVar
 
 from kazoo.exceptions import KazooException
 
-from ..conf import LockMode, Settings, TaskDefaults
-from ..exceptions import ZooKeeperUnavailable
+from ..conf import LockMode, Settings, TaskDefaults, did_you_mean
+from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from ..layout import LOCK_TREES, Layout, check_key
 from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
 from ..zk import Session, session_for, timeouts
@@ -93,6 +93,11 @@ def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
                                    f"zklock_connect_timeout={timeout:g}s: {type(exc).__name__}") from None
 
 
+_LOCK_OPTIONS = ("mode", "timeout", "limit", "session", "on_state", "blocking")
+_TASK_OPTIONS = ("key", "on_contention", "on_lock_lost", "retry_countdown", "dedupe")
+_SET_BY_THE_LOCK = ("host", "pid")
+
+
 def lock(
     app: Any,
     key: str,
@@ -113,6 +118,17 @@ def lock(
     Extra keyword arguments go into the holder's node data.
     """
     # Validate everything before touching ZooKeeper (lock_path checks the key).
+    for name in holder:
+        # Holder data may be named anything, but not like an option: timout=3 would
+        # otherwise be stored as data, and the lock wait for ever.
+        if name in _TASK_OPTIONS:
+            raise ConfigurationError(f"lock(): {name!r} is an option of locked tasks (@zk_locked), not of lock()")
+        if name in _SET_BY_THE_LOCK:
+            raise ConfigurationError(f"lock(): {name!r} is set in the holder's node data by the lock itself")
+        hint = did_you_mean(name, _LOCK_OPTIONS + _TASK_OPTIONS)
+        if hint:
+            raise ConfigurationError(f"lock(): unknown option {name!r}{hint} (other keyword arguments go into "
+                                     "the holder's node data, but not one named like an option)")
     rule = rule_for(mode, limit)
     check_timeout(timeout)
     layout = layout_of(app)

@@ -247,10 +247,20 @@ def locked_tasks(app: Any) -> Dict[str, Locking]:
 
 
 def strays(app: Any) -> Dict[str, str]:
-    """Task name -> the problem, for each task whose ``zklock`` option does not lock it (Celery ignores it)."""
-    return {name: f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
-            for name, task in app.tasks.items()
-            if getattr(task, "zklock", None) is not None and getattr(locking_of(task), "form", "") != "zklock"}
+    """Task name -> the problem, for each task whose ``zklock`` option does not lock it (Celery ignores
+    it), or that has an option named like it (``zk_lock=``, ``zklocks=``), which Celery ignores too."""
+    found = {}
+    for name, task in app.tasks.items():
+        misspelt = sorted(a for a in dir(type(task)) if a.lower().startswith("zk") and a != "zklock")
+        if getattr(getattr(task, "run", None), "__zklock_bare__", False):
+            found[name] = (f"task {name}: @zk_locked needs parentheses (@zk_locked() or @zk_locked(key=...)); "
+                           "used bare, the task runs nothing")
+        elif misspelt:
+            found[name] = (f"task {name}: unknown option {misspelt[0]!r}; did you mean 'zklock'? (Celery ignores "
+                           "options it does not know, and the task would not be locked as meant)")
+        elif getattr(task, "zklock", None) is not None and getattr(locking_of(task), "form", "") != "zklock":
+            found[name] = f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
+    return found
 
 
 def problems(app: Any) -> List[str]:

@@ -56,12 +56,22 @@ def zk_locked(key: KeyOption = None, **options: Unpack[LockOptions]) -> Callable
     """
 
     def decorate(fn: F) -> F:
+        if not callable(fn):  # @zk_locked without parentheses: a task's argument came here
+            raise ConfigurationError(_BARE.format(where=f"task {decorate.__module__}.{decorate.__name__}"))
         where = f"task {getattr(fn, 'name', None) or f'{fn.__module__}.{fn.__qualname__}'}"
         if isinstance(fn, Task) or hasattr(fn, "apply_async"):
             raise ConfigurationError(f"{where}: put @zk_locked below @app.task, not above it")
         return cast(F, _locked_run(fn, Locking.check(fn, where, {"key": key, **options}, "@zk_locked")))
 
+    decorate.__zklock_bare__ = True  # type: ignore[attr-defined]  # what a task made of it is (see options.strays)
+    if callable(key):  # named as the function, should it be used bare: Celery names the task after it
+        for attr in ("__module__", "__name__", "__qualname__"):
+            setattr(decorate, attr, getattr(key, attr, getattr(decorate, attr)))
     return decorate
+
+
+#: @zk_locked used bare gives Celery our inner decorator as the task's body.
+_BARE = "{where}: @zk_locked needs parentheses (@zk_locked() or @zk_locked(key=...)); used bare, the task runs nothing"
 
 
 def _locked_run(fn: Callable[..., Any], locking: Locking) -> Callable[..., Any]:

@@ -8,8 +8,10 @@ app is finalized. Then:
    ``ZkLockedTask``, with valid options or not) or carries a ``zklock`` option, or when
    its configuration sets a ``zklock_*`` setting. Each app is looked at once, when it is
    finalized and has made its tasks (``on_after_finalize``); for an app that uses
-   celery-zklock, its problems are logged, its tasks with a stray ``zklock`` option are
-   made to refuse every call, and :func:`install` runs.
+   celery-zklock, its problems (and unknown settings) are logged, its tasks with a stray
+   ``zklock`` option are made to refuse every call, and :func:`install` runs. Every
+   finalized app, used or not, gets the ``worker_init`` check: a task with a stray
+   option defined after the look would otherwise reach a worker unchecked.
 2. Two moments come before the app can be looked at, and install at once
    (:func:`task_defined`, called as a locked task is defined):
 
@@ -48,6 +50,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from ..conf import unknown_settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
 from . import dedupe
@@ -71,7 +74,7 @@ def install() -> None:
             return
         wrap_apply_async(dedupe.publish)
         task_revoked.connect(dedupe.revoked, weak=False)
-        worker_init.connect(_validate, weak=False)
+        worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
         worker_ready.connect(_tell_about_readable_arguments, weak=False)
         worker_process_init.connect(_open_session, weak=False)
         worker_process_shutdown.connect(_close_sessions, weak=False)
@@ -99,11 +102,14 @@ def _watch(app: Any) -> None:
 
 def _look(sender: Any, **kwargs: Any) -> None:
     sender.on_after_finalize.disconnect(_look)  # once per app
+    # Whatever the app: a task with a stray zklock option may still be defined after this
+    # look (Celery makes it at once once the app is finalized), and a worker must refuse it.
+    worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
     if not uses_zklock(sender):
         return
     # Celery swallows exceptions raised here: log, and make the calls fail. The
     # worker and the beat refuse to start (_validate, beat._join).
-    for problem in problems(sender):
+    for problem in problems(sender) + unknown_settings(sender.conf):
         logger.error("celery-zklock: %s", problem)
     _refuse_stray_calls(sender)
     install()

@@ -32,11 +32,23 @@ __all__ = ["HistoryRecorder", "Hold", "ServerError", "ZooKeeperServer", "find_zo
 _WITHDRAWN = ("ChildProcess", "four_letter_word", "free_port", "tail", "wait_for")
 
 
+class WithdrawnError(ImportError):
+    """One of the rig's helpers that 0.1.0 exported: an ImportError, so that the message
+    survives ``from celery_zklock.testing import wait_for`` (Python replaces an
+    AttributeError there with a generic one)."""
+
+
+_warned = False
+
+
 def __getattr__(name: str) -> Any:
+    global _warned
     if name == "HarnessError":  # 0.1.0's name: an ``except HarnessError`` keeps working
-        warnings.warn("celery_zklock.testing.HarnessError is now ServerError", DeprecationWarning, stacklevel=2)
+        if not _warned:  # a from-import asks twice
+            _warned = True
+            warnings.warn("celery_zklock.testing.HarnessError is now ServerError", DeprecationWarning, stacklevel=2)
         return ServerError
     if name in _WITHDRAWN:
-        raise AttributeError(f"celery_zklock.testing.{name} was the project's own test rig and is no longer "
+        raise WithdrawnError(f"celery_zklock.testing.{name} was the project's own test rig and is no longer "
                              "public (see the changelog); the public kit is: " + ", ".join(__all__))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

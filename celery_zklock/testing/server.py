@@ -148,21 +148,21 @@ class ZooKeeperServer:
 
     def start(self, wait: bool = True) -> ZooKeeperServer:
         """Start (or restart) the server; with ``wait`` block until it serves."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        cfg = self.dir / "zoo.cfg"
-        cfg.write_text("".join(f"{k}={v}\n" for k, v in {**self.config(), **self.extra_config}.items()))
-        argv = self.command(cfg)
-        with open(self.log, "ab") as out:
-            self._proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
-                                          start_new_session=True)
-        if wait:
-            try:
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            cfg = self.dir / "zoo.cfg"
+            cfg.write_text("".join(f"{k}={v}\n" for k, v in {**self.config(), **self.extra_config}.items()))
+            argv = self.command(cfg)  # no Java, no jar: ServerError here, the directory made already
+            with open(self.log, "ab") as out:
+                self._proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
+                                              start_new_session=True)
+            if wait:
                 self.wait_serving()
-            except BaseException:
-                self.stop(SIGKILL)  # never leave a half-started server (or its directory) behind
-                if self._owns_dir:
-                    shutil.rmtree(self.dir, ignore_errors=True)
-                raise
+        except BaseException:
+            self.stop(SIGKILL)  # never leave a half-started server (or its directory) behind
+            if self._owns_dir:
+                shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         return self
 
     def wait_serving(self, timeout: float = 60.0) -> None:

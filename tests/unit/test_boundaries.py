@@ -207,6 +207,9 @@ def note(moment):
 INSTALLED = [True, sorted(["task_revoked", "worker_init", "worker_ready", "worker_process_init",
                            "worker_process_shutdown", "worker_shutdown"])]
 NOTHING = [False, []]
+#: Any finalized app: only the worker's start-up check, so a task with a stray zklock option
+#: defined after the app was looked at still keeps a worker from starting.
+CHECKED = [False, ["worker_init"]]
 
 #: The rule of celery_zklock.glue.worker, moment by moment: scenario -> (its code, what each moment shows).
 SCENARIOS = {
@@ -229,7 +232,7 @@ plain.finalize()
 note("an app that does not use it finalized")
 used.finalize()
 note("the app that uses it finalized")
-""", {"imported": NOTHING, "a locked task defined": NOTHING, "an app that does not use it finalized": NOTHING,
+""", {"imported": NOTHING, "a locked task defined": NOTHING, "an app that does not use it finalized": CHECKED,
       "the app that uses it finalized": INSTALLED}),
     "a dedupe task installs as it is defined: publishers need not finalize their app": ("""
 from celery_zklock import zk_locked
@@ -252,7 +255,7 @@ note("an app that does not use it finalized")
 def added(x): ...
 
 note("a locked task added to it")
-""", {"an app that does not use it finalized": NOTHING, "a locked task added to it": INSTALLED}),
+""", {"an app that does not use it finalized": CHECKED, "a locked task added to it": INSTALLED}),
 }
 
 

@@ -93,3 +93,20 @@ def test_the_key_secret_is_never_shown():
     assert s.key_secret == b"long-enough-s3cret-value" and "s3cret" not in repr(s)
     from celery_zklock.conf import describe
     assert "s3cret" not in "\n".join(describe({"zklock_key_secret": "long-enough-s3cret-value"}))
+
+
+@pytest.mark.parametrize("name", ["ZKLOCK_HOSTS", "Zklock_Hosts", "celery_zklock_hosts", "CELERY_ZKLOCK_HOSTS"])
+def test_a_setting_spelt_so_that_it_is_never_read_is_an_error(name):
+    # Celery reads zklock_hosts; without Django's CELERY namespace none of these reaches it,
+    # and the app would silently lock on the default ZooKeeper.
+    with pytest.raises(ConfigurationError, match=rf"setting '{name}' is never read under that spelling; "
+                                                 r"zklock settings are lowercase: 'zklock_hosts'"):
+        Settings.from_conf({name: "zk:2181"})
+
+
+def test_the_django_namespace_spelling_is_read():
+    from celery import Celery
+
+    app = Celery("django", set_as_current=False)
+    app.config_from_object({"CELERY_ZKLOCK_HOSTS": "zk:2181"}, namespace="CELERY")
+    assert Settings.from_conf(app.conf).hosts == "zk:2181"

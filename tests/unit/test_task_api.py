@@ -14,6 +14,7 @@ from typing import Any, List
 import pytest
 from celery import Celery
 
+import celery_zklock
 from celery_zklock import ConfigurationError, NoCurrentLock, current_lock, current_locks, zk_locked
 from celery_zklock.conf import LOCK_MODES
 from celery_zklock.glue import locking
@@ -86,6 +87,8 @@ def test_the_typed_options_are_the_options():
 TYPED = '''
 from celery import Celery
 
+import celery_zklock
+
 from celery_zklock import current_lock, current_locks, zk_locked
 
 app = Celery("typed")
@@ -142,3 +145,17 @@ def test_the_locking_is_kept_in_one_place_for_both_forms():
     app.finalize()
     assert locking_of(decorated).form == "@zk_locked" and locking_of(based).form == "zklock"
     assert locking_of(decorated).spec.parts == ("a:{x}",) and locking_of(based).spec.parts == ("b:{x}",)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"timout": 3}, "lock(): unknown option 'timout'; did you mean 'timeout'?"),
+    ({"limt": 2}, "lock(): unknown option 'limt'; did you mean 'limit'?"),
+    ({"on_contention": "skip"}, "lock(): 'on_contention' is an option of locked tasks (@zk_locked), not of lock()"),
+    ({"pid": 1}, "lock(): 'pid' is set in the holder's node data by the lock itself"),
+])
+def test_lock_refuses_holder_data_named_like_an_option(extra, message):
+    # Checked before anything reaches ZooKeeper: the app's hosts are never asked.
+    app = Celery("typo", set_as_current=False)
+    app.conf.zklock_hosts = "127.0.0.1:1"
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        celery_zklock.lock(app, "invoice:42", **extra)

@@ -1,11 +1,15 @@
 """Lock options and key building: pure functions and define-time checks, no servers."""
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 from celery import Celery
 
+import celery_zklock
 from celery_zklock import ConfigurationError, KeyBuildError, ZkLockedTask, zk_locked
 from celery_zklock.conf import TaskDefaults
 from celery_zklock.glue.options import locking_of
@@ -206,3 +210,58 @@ def test_a_template_names_a_dicts_fields_and_renders_plain_lists_as_before():
     order = {"total": 5, "id": 1}
     assert build_keys(["order:{order[id]}"], {"order": order}, [], {}, "t") == ["order:1"]
     assert build_keys(["ids:{ids}"], {"ids": [1, 2]}, [], {}, "t") == ["ids:[1, 2]"]
+
+
+STRAY_AFTER_FINALIZE = """
+import logging
+from celery import Celery, Task
+from celery.signals import worker_init
+import celery_zklock
+
+app = Celery("stray", set_as_current=False)
+
+class Registered(Task):
+    name = "stray.registered"
+
+app.register_task(Registered())  # reads app.tasks: the app is finalized here, before the task below
+
+@app.task(shared=False, zklock={"key": "report:{day}"})
+def report(day): ...
+
+@app.task(shared=False, zk_lock={"key": "report:{day}"})
+def misspelt(day): ...
+
+logging.basicConfig(level=logging.CRITICAL, format="%(message)s")
+try:
+    class Worker:  # what worker_init's sender is for this check: something with the app
+        pass
+    Worker.app = app
+    worker_init.send(sender=Worker)
+except SystemExit as exc:
+    print("refused", exc.code)
+"""
+
+
+def test_a_worker_refuses_a_stray_or_misspelt_option_on_a_task_defined_after_finalize():
+    # The app was finalized (and looked at) before these tasks existed: the worker's own
+    # start-up check must still find them.
+    result = subprocess.run([sys.executable, "-c", STRAY_AFTER_FINALIZE], capture_output=True, text=True,
+                            timeout=120, cwd=os.path.dirname(os.path.dirname(celery_zklock.__file__)))
+    assert result.stdout.strip() == "refused 1", result.stderr
+    assert "the zklock option needs base=ZkLockedTask" in result.stderr
+    assert "unknown option 'zk_lock'; did you mean 'zklock'?" in result.stderr
+
+
+def test_zk_locked_without_parentheses_is_refused_naming_the_task():
+    app = Celery("bare", set_as_current=False)
+    app.conf.zklock_hosts = "127.0.0.1:1"
+
+    @app.task(shared=False)
+    @zk_locked
+    def charge(x):
+        return x
+
+    name = f"{__name__}.charge"
+    with pytest.raises(ConfigurationError, match=rf"task {re.escape(name)}: @zk_locked needs parentheses"):
+        charge(1)
+    assert charge.name == name

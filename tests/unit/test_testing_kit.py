@@ -68,3 +68,13 @@ def test_fencing_tokens_rise_under_every_rule_that_admits_one_holder():
     assert violations(falling) == ["k: token 5 of b not above 7"]
     # Readers share: their tokens say nothing about order.
     assert violations([Hold("k", "read", 7, 0, 1, "a"), Hold("k", "read", 5, 1, 2, "b")]) == []
+
+
+def test_a_server_that_cannot_start_leaves_no_directory_behind(monkeypatch, tmp_path):
+    from celery_zklock.testing import ServerError, ZooKeeperServer
+
+    monkeypatch.setenv("ZOOKEEPER_HOME", str(tmp_path / "no-such-release"))
+    server = ZooKeeperServer()
+    with pytest.raises(ServerError, match="holds no zookeeper jar"):
+        server.start()
+    assert not server.dir.exists()
