@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 __all__ = ["Fault", "Op", "Pipe", "TcpProxy"]
 
@@ -132,6 +132,18 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 def _read_frame(sock: socket.socket) -> bytes:
     (length,) = struct.unpack(">i", _read_exactly(sock, 4))
     return struct.pack(">i", length) + _read_exactly(sock, length)
+
+
+def _dial(target: Tuple[str, int], client: socket.socket) -> Optional[socket.socket]:
+    """A blocking connection to ``target`` for an accepted ``client``; None (and ``client``
+    closed) when the target does not answer."""
+    try:
+        server = socket.create_connection(target, timeout=5)
+    except OSError:
+        client.close()
+        return None
+    server.settimeout(None)
+    return server
 
 
 class TcpProxy:
@@ -247,11 +259,8 @@ class TcpProxy:
                 client, _ = self._sock.accept()
             except OSError:
                 return
-            try:
-                server = socket.create_connection(self.target, timeout=5)
-                server.settimeout(None)
-            except OSError:
-                client.close()
+            server = _dial(self.target, client)
+            if server is None:
                 continue
             link = _Link(client, server)
             with self._lock:
@@ -389,11 +398,8 @@ class Pipe:
         if not self._wait_open():
             client.close()
             return
-        try:
-            server = socket.create_connection(self.target, timeout=5)
-            server.settimeout(None)
-        except OSError:
-            client.close()
+        server = _dial(self.target, client)
+        if server is None:
             return
         with self._lock:
             self._sockets += [client, server]
