@@ -140,6 +140,9 @@ class ZooKeeperServer:
             f"-Dznode.container.checkIntervalMs={self.container_check_ms}",
             "-Dznode.container.maxPerMinute=10000000",
             "-Dzookeeper.admin.enableServer=false",
+            # Timestamps in server.log, to line a server's view up with a test's history.
+            "-Dorg.slf4j.simpleLogger.showDateTime=true",
+            "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS",
             "-cp",
             self.classpath(),
             "org.apache.zookeeper.server.quorum.QuorumPeerMain",
