@@ -5,9 +5,11 @@ straight from the Redis broker's queue."""
 from __future__ import annotations
 
 import os
+import time
 
 from celery import Celery
 from celery.schedules import crontab
+from celery.signals import before_task_publish
 
 app = Celery("beat_app")
 app.conf.update(
@@ -30,6 +32,13 @@ app.conf.update(
 @app.task
 def tick() -> None:
     pass
+
+
+@before_task_publish.connect
+def _stamp(headers=None, **_):
+    # Who sent each message and when, for any scheduler (LeaderScheduler's own
+    # zklock_beat header says more, but only it sets one).
+    headers["zkt_sent"] = {"pid": os.getpid(), "sent": time.time()}
 
 
 def _leader_only_persistent():  # a scheduler with its own state, made leader-only

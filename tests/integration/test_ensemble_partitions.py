@@ -9,6 +9,8 @@ history with the lock's own rule: no two holders at once.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import threading
 import time
@@ -16,12 +18,13 @@ import uuid
 from typing import Iterator, List, Optional
 
 import pytest
+import redis
 
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.testing import Hold, violations
 from celery_zklock.zk import Session
-from harness import CeleryBeat, ZooKeeperEnsemble
-from tests.integration.test_beat import check_history, dispatches
+from harness import CeleryBeat, Op, TcpProxy, ZooKeeperEnsemble
+from tests.integration.test_beat import check_history
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
@@ -31,7 +34,9 @@ TIMEOUT = 4.0
 
 @pytest.fixture(scope="module")
 def ensemble() -> Iterator[ZooKeeperEnsemble]:
-    with ZooKeeperEnsemble(partitionable=True) as ens:
+    # initLimit 10 ticks (5 s, not 10): a leader elected on a stale vote (the isolated
+    # leader's, which the followers still hold) gives up waiting for followers sooner.
+    with ZooKeeperEnsemble(partitionable=True, extra_config={"initLimit": "10"}) as ens:
         ens.wait_leader()
         yield ens
 
@@ -160,24 +165,77 @@ def test_a_partition_healed_in_time_loses_nothing_the_server_kept(ensemble, new_
     holder.finish()
 
 
-def test_a_beat_leader_on_a_follower_cut_from_the_leader_stops_before_another_beat_sends(
-        ensemble, zk_root, redis_server):
-    # The same schedule for LeaderScheduler: the cut beat must send nothing once the beat on
-    # the majority side could lead, and no run may be sent twice or skipped.
+SCHEDULERS = {"LeaderScheduler": "celery_zklock.beat:LeaderScheduler",
+              "leader_only": "tests.apps.beat_app:LeaderOnlyPersistent"}
+
+
+def sends(redis_url: str, queue: str) -> List[dict]:
+    """Every message a beat sent, oldest first: who sent it and when (tests.apps.beat_app stamps them)."""
+    raw = redis.Redis.from_url(redis_url).lrange(queue, 0, -1)
+    return sorted(({**json.loads(m)["headers"]["zkt_sent"], "beat": json.loads(m)["headers"].get("zklock_beat")}
+                   for m in raw), key=lambda d: d["sent"])
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("fault", ["follower_cut", "leader_isolated", "held_reconnect_reply", "healed"])
+def test_a_beat_leader_under_an_ensemble_fault(ensemble, zk_root, redis_server, fault, scheduler):
+    # The leading beat (A) is placed where the fault hits it, a standby (B) on the
+    # majority side. After every fault but the healed one, B must lead: A sends nothing
+    # once B has sent, and LeaderScheduler sends every run once, none skipped. After the
+    # healed partition, A still leads and misses no run. (leader_only wraps a scheduler
+    # with its own state, PersistentScheduler's file here: which runs it sends is that
+    # scheduler's business; that it sends only while it leads is ours.)
     leader = ensemble.leader()
     follower, other = [s for s in ensemble.servers if s is not leader]
+    a_server = {"follower_cut": follower, "leader_isolated": leader, "held_reconnect_reply": follower,
+                "healed": follower}[fault]
+    b_server = other
     queue = f"q-{uuid.uuid4().hex[:8]}"
     env = {"ZKT_BROKER": redis_server.url, "ZKT_ROOT": zk_root, "ZKT_QUEUE": queue,
            "ZKT_SESSION_TIMEOUT": str(TIMEOUT), "ZKT_CONNECT_TIMEOUT": "30", "PYTHONPATH": os.getcwd()}
-    with CeleryBeat("tests.apps.beat_app", name="cut", env={**env, "ZKT_HOSTS": follower.hosts}) as first:
-        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 2, timeout=20)
-        with CeleryBeat("tests.apps.beat_app", name="majority", env={**env, "ZKT_HOSTS": other.hosts}):
-            ensemble.cut(follower.myid, leader.myid)
-            wait_until(lambda: dispatches(redis_server.url, queue)[-1]["pid"] != first.pid, timeout=60)
-            wait_until(lambda: len([d for d in dispatches(redis_server.url, queue) if d["pid"] != first.pid]) >= 3,
+    with contextlib.ExitStack() as stack:
+        proxy = stack.enter_context(TcpProxy(a_server.port))
+        a = stack.enter_context(CeleryBeat("tests.apps.beat_app", name="a", scheduler=SCHEDULERS[scheduler],
+                                           env={**env, "ZKT_HOSTS": proxy.hosts}))
+        wait_until(lambda: len(sends(redis_server.url, queue)) >= 2, timeout=30)
+        b = stack.enter_context(CeleryBeat("tests.apps.beat_app", name="b", scheduler=SCHEDULERS[scheduler],
+                                           env={**env, "ZKT_HOSTS": b_server.hosts}))
+        wait_until(lambda: "standby; the leader is" in b.log_text(), timeout=30)
+        if fault == "follower_cut":
+            ensemble.cut(a_server.myid, leader.myid)
+        elif fault == "leader_isolated":
+            ensemble.isolate(leader.myid)
+        elif fault == "held_reconnect_reply":
+            held = proxy.hold_reply(Op.CONNECT)
+            proxy.reset()  # kazoo reconnects to the same session at once
+            held.wait_matched()
+            time.sleep(3.2)  # the reply is late: the schedule under test
+            held.release()
+            assert held.done.wait(5)
+            proxy.mode = "blackhole"
+        else:
+            ensemble.cut(a_server.myid, leader.myid)
+            time.sleep(0.5)  # the partition's length: the schedule under test
+            ensemble.heal()
+        faulted = time.time()
+        if fault == "healed":
+            # Five more runs: all from A, none missed.
+            wait_until(lambda: len([d for d in sends(redis_server.url, queue) if d["sent"] > faulted]) >= 5,
                        timeout=20)
-    history = dispatches(redis_server.url, queue)
-    check_history(history, 1.0, max_gap=60)
-    last_old = max(d["sent"] for d in history if d["pid"] == first.pid)
-    first_new = min(d["sent"] for d in history if d["pid"] != first.pid)
-    assert last_old < first_new
+        else:
+            wait_until(lambda: len([d for d in sends(redis_server.url, queue) if d["pid"] == b.pid]) >= 3,
+                       timeout=90)
+        stopping = time.time()
+        a.stop()  # B then takes over at once: what it sends after this moment is no fault's doing
+        history = sends(redis_server.url, queue)
+    pids = [d["pid"] for d in history]
+    if fault == "healed":
+        history = [d for d in history if d["sent"] < stopping]
+        pids = [d["pid"] for d in history]
+        assert set(pids) == {a.pid}, f"the standby sent after a partition the server never saw: {pids}"
+    else:
+        last_a = max(d["sent"] for d in history if d["pid"] == a.pid)
+        first_b = min(d["sent"] for d in history if d["pid"] == b.pid)
+        assert last_a < first_b, f"A sent {last_a - first_b:.2f}s after B began"
+    if scheduler == "LeaderScheduler":
+        check_history([d["beat"] for d in history], 1.0, max_gap=90 if fault != "healed" else 1.5)
