@@ -111,7 +111,9 @@ def test_the_leader_isolated_holders_on_either_side_never_overlap(ensemble, new_
     # The isolated leader answers everything until it sees it lost its quorum (up to
     # syncLimit + 1 ticks); the followers elect a new leader, which starts every
     # session's countdown afresh. One lock is held on each side; each has a contender
-    # on the other side.
+    # on the other side. (This held on the old heartbeat too: the holder's proof runs
+    # out before the new leader can expire its session. It is here so that no change
+    # to the clock breaks it; docs/guarantees.md says why it cannot be placed tighter.)
     on = sessions(ensemble, new_session)
     leader = ensemble.leader()
     follower, other = [s for s in ensemble.servers if s is not leader]
