@@ -10,7 +10,8 @@ Example::
 Module map. Imports point one way: the faces -> ``glue/`` -> ``recipes/`` -> ``zk/`` -> kazoo,
 and every room may use conf, keys, layout and exceptions. Only ``glue/`` imports Celery (and
 signals.py, for Celery's own Signal class); importing celery_zklock hooks nothing into Celery
-until an app that uses it is finalized (the rule: glue/worker.py)::
+until an app that uses it is finalized, beyond refusing a task made with a stray zklock option
+(the rule: glue/worker.py)::
 
     task.py, beat.py, cli.py,   the public paths of old, kept as faces: each re-exports its names from glue/
     schedulers.py, api.py

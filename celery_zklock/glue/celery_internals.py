@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
-__all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "wrap_apply_async"]
+__all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "on_task_made",
+           "wrap_apply_async"]
 
 
 def current_task() -> Any:
@@ -59,3 +60,29 @@ def wrap_apply_async(hook: Callable[..., Any]) -> None:
     apply_async.__doc__ = original.__doc__
     apply_async.__zklock_wrapped__ = True  # type: ignore[attr-defined]
     Task.apply_async = apply_async  # type: ignore[method-assign]
+
+
+def on_task_made(hook: Callable[[Any], None]) -> None:
+    """Call ``hook(task)`` as each app makes a task from a function (``@app.task``, ``shared_task``),
+    before the task is returned to anyone, whether the app is finalized or not.
+
+    Celery has no signal for it: an unfinalized app's task is a lazy proxy that Celery
+    makes into a task on first use (a direct call, ``.apply()``), and that can come
+    before any app is finalized. ``Celery._task_from_fun`` is where every such task is
+    made; it is wrapped once.
+    """
+    from celery.app.base import Celery
+
+    original = Celery._task_from_fun
+    if getattr(original, "__zklock_wrapped__", False):
+        return
+
+    def _task_from_fun(self: Any, fun: Any, *args: Any, **options: Any) -> Any:
+        task = original(self, fun, *args, **options)
+        hook(task)
+        return task
+
+    _task_from_fun.__doc__ = original.__doc__
+    _task_from_fun.__zklock_wrapped__ = True  # type: ignore[attr-defined]
+    _task_from_fun.__wrapped__ = original  # type: ignore[attr-defined]
+    Celery._task_from_fun = _task_from_fun  # type: ignore[method-assign]

@@ -41,7 +41,7 @@ from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default
 from .api import rule_for
 
 __all__ = ["DEFAULT", "OPTIONS", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions",
-           "locked_tasks", "locking_of", "problems", "spec_of", "strays"]
+           "locked_tasks", "locking_of", "problems", "spec_of", "stray", "strays"]
 
 
 class FromSettings(enum.Enum):
@@ -246,21 +246,25 @@ def locked_tasks(app: Any) -> Dict[str, Locking]:
             if locking is not None}
 
 
+def stray(name: str, task: Any) -> Optional[str]:
+    """The problem, if ``task``'s ``zklock`` option does not lock it (Celery ignores it), or it has an
+    option named like it (``zk_lock=``, ``zklocks=``), which Celery ignores too; else None."""
+    misspelt = sorted(a for a in dir(type(task)) if a.lower().startswith("zk") and a != "zklock")
+    if getattr(getattr(task, "run", None), "__zklock_bare__", False):
+        return (f"task {name}: @zk_locked needs parentheses (@zk_locked() or @zk_locked(key=...)); "
+                "used bare, the task runs nothing")
+    if misspelt:
+        return (f"task {name}: unknown option {misspelt[0]!r}; did you mean 'zklock'? (Celery ignores "
+                "options it does not know, and the task would not be locked as meant)")
+    if getattr(task, "zklock", None) is not None and getattr(locking_of(task), "form", "") != "zklock":
+        return f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
+    return None
+
+
 def strays(app: Any) -> Dict[str, str]:
-    """Task name -> the problem, for each task whose ``zklock`` option does not lock it (Celery ignores
-    it), or that has an option named like it (``zk_lock=``, ``zklocks=``), which Celery ignores too."""
-    found = {}
-    for name, task in app.tasks.items():
-        misspelt = sorted(a for a in dir(type(task)) if a.lower().startswith("zk") and a != "zklock")
-        if getattr(getattr(task, "run", None), "__zklock_bare__", False):
-            found[name] = (f"task {name}: @zk_locked needs parentheses (@zk_locked() or @zk_locked(key=...)); "
-                           "used bare, the task runs nothing")
-        elif misspelt:
-            found[name] = (f"task {name}: unknown option {misspelt[0]!r}; did you mean 'zklock'? (Celery ignores "
-                           "options it does not know, and the task would not be locked as meant)")
-        elif getattr(task, "zklock", None) is not None and getattr(locking_of(task), "form", "") != "zklock":
-            found[name] = f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
-    return found
+    """Task name -> the problem, for each task of ``app`` with a stray option (see :func:`stray`)."""
+    found = {name: stray(name, task) for name, task in app.tasks.items()}
+    return {name: problem for name, problem in found.items() if problem}
 
 
 def problems(app: Any) -> List[str]:

@@ -1,8 +1,13 @@
 """Worker wiring: :func:`install` connects every hook celery-zklock has in Celery, once per process.
 
-When the hooks go in. Importing celery_zklock patches nothing and connects no signal
-receiver: it only asks Celery (``connect_on_app_finalize``) to show it each app as the
-app is finalized. Then:
+When the hooks go in. Importing celery_zklock connects no signal receiver. It asks
+Celery (``connect_on_app_finalize``) to show it each app as the app is finalized, and
+it looks at each task Celery makes from a function as it is made. Then:
+
+0. A task made with a stray ``zklock`` option (on a base that is not ZkLockedTask, or
+   misspelt, or a bare ``@zk_locked``) refuses every call from that moment: called
+   directly or with ``.apply()`` before any app is finalized, it would otherwise run
+   unlocked. Nothing else about any task changes.
 
 1. An app *uses* celery-zklock when one of its tasks is locked (``@zk_locked`` or
    ``ZkLockedTask``, with valid options or not) or carries a ``zklock`` option, or when
@@ -55,8 +60,8 @@ from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
 from . import dedupe
 from .api import claim_scheme, layout_of, settings_of, task_defaults
-from .celery_internals import connect_on_app_finalize, current_app, finalized_apps, wrap_apply_async
-from .options import LockSpec, locked_tasks, problems, strays
+from .celery_internals import connect_on_app_finalize, current_app, finalized_apps, on_task_made, wrap_apply_async
+from .options import LockSpec, locked_tasks, problems, stray, strays
 
 __all__ = ["install", "task_defined", "uses_zklock"]
 
@@ -116,16 +121,33 @@ def _look(sender: Any, **kwargs: Any) -> None:
 
 
 def _refuse_stray_calls(app: Any) -> None:
-    """Make every call of a task with a stray ``zklock`` option raise, instead of running unlocked."""
+    """Make every call of a task with a stray ``zklock`` option raise, instead of running unlocked.
+
+    A task made from a function is refused as it is made (rule 0); this catches the
+    rest, a class-based task registered with a stray attribute.
+    """
     for name, problem in strays(app).items():
-        task = app.tasks[name]
-        if "run" in vars(task):
-            continue  # refused already
+        _refuse(app.tasks[name], problem)
 
-        def refuse(*args: Any, _message: str = f"{problem}; not run unlocked", **kwargs: Any) -> Any:
-            raise ConfigurationError(_message)
 
-        task.run = refuse  # Celery's tracer and Task.__call__ both call the instance's run
+def _refuse_if_stray(task: Any) -> None:
+    problem = stray(task.name, task)
+    if problem:
+        _refuse(task, problem)
+
+
+on_task_made(_refuse_if_stray)  # rule 0
+
+
+def _refuse(task: Any, problem: str) -> None:
+    if getattr(vars(task).get("run"), "__zklock_refused__", False):
+        return
+
+    def refuse(*args: Any, _message: str = f"{problem}; not run unlocked", **kwargs: Any) -> Any:
+        raise ConfigurationError(_message)
+
+    refuse.__zklock_refused__ = True  # type: ignore[attr-defined]
+    task.run = refuse  # Celery's tracer and Task.__call__ both call the instance's run
 
 
 def _validate(sender: Any = None, **kwargs: Any) -> None:

@@ -77,3 +77,19 @@ def test_celery_state_functions():
     assert celery_internals.current_app() is not None
 
 
+def test_celery_makes_every_task_from_a_function_in_task_from_fun():
+    import inspect
+
+    from celery import Celery
+
+    made = Celery._task_from_fun
+    assert getattr(made, "__zklock_wrapped__", False), "importing celery_zklock wraps Celery._task_from_fun"
+    assert list(inspect.signature(made.__wrapped__).parameters)[:2] == ["self", "fun"], \
+        "Celery changed Celery._task_from_fun"
+    app = Celery("made", set_as_current=False)
+
+    @app.task(shared=False)
+    def plain() -> str:
+        return "ran"
+
+    assert plain() == "ran" and not app.finalized  # made by the wrapped method on first use, left alone

@@ -150,6 +150,26 @@ def test_zklock_option_without_the_base_class_is_reported(caplog):
         _validate(sender=worker)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"zklock": {"key": "x"}}, "the zklock option needs base=ZkLockedTask"),
+    ({"zk_lock": {"key": "x"}}, "unknown option 'zk_lock'; did you mean 'zklock'"),
+])
+def test_a_stray_option_refuses_calls_from_the_moment_the_task_is_made(options, message):
+    # No app is finalized here: a direct call and apply() make the lazy task and run it
+    # at once, before any finalize-time look could refuse it.
+    app = Celery("stray-early", set_as_current=False)
+
+    @app.task(shared=False, **options)
+    def early(x):
+        return "ran unlocked"
+
+    with pytest.raises(ConfigurationError, match=message):
+        early(1)
+    with pytest.raises(ConfigurationError, match=message):
+        early.apply((1,)).get()
+    assert not app.finalized
+
+
 def test_decorator_above_app_task_is_refused():
     app = Celery("order", set_as_current=False)
     with pytest.raises(ConfigurationError, match="below @app.task"):
