@@ -23,13 +23,13 @@ import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
 from celery.exceptions import Retry
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import KazooException, NoNodeError
 from kombu.utils.uuid import uuid
 
 from .. import signals
 from ..exceptions import AlreadyQueued, ZooKeeperUnavailable
 from ..recipes.marker import claim, release
-from ..zk import session_for, timeouts
+from ..zk import Session, session_for, timeouts
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
 from .options import LockSpec, spec_of
@@ -76,8 +76,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     try:
         session = session_for(settings)
         claim_scheme(session, layout, settings.connect_timeout)
-        session.nodes.ensure_path(layout.queued_tree, settings.connect_timeout)
-        existing, _ = claim(session, path, data, settings.connect_timeout)
+        existing = _claim(session, layout.queued_tree, path, data, settings.connect_timeout)
     except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
         if spec.dedupe_on_unavailable == "publish":
             logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
@@ -99,6 +98,18 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     except BaseException:
         release(session, path, task_id, settings.connect_timeout)  # never sent: nothing will run it
         raise
+
+
+def _claim(session: Session, tree: str, path: str, data: Dict[str, Any], timeout: float) -> Optional[Dict[str, Any]]:
+    """:func:`claim` in ``tree``, made again if it was deleted (by hand, or with the root) since
+    this session made it: a lasting NoNode here would fail every publish while ZooKeeper is fine."""
+    session.nodes.ensure_path(tree, timeout)
+    try:
+        return claim(session, path, data, timeout)[0]
+    except NoNodeError:
+        session.nodes.path_gone(tree)
+        session.nodes.ensure_path(tree, timeout)
+        return claim(session, path, data, timeout)[0]
 
 
 def _seconds_until(expires: Any, app: Any) -> Optional[float]:

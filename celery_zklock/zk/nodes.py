@@ -185,7 +185,13 @@ class Nodes:
         deleted. Create it, and its parents, next time."""
         with self._lock:
             self._containers.pop(path, None)
-            self._ensured.pop(posixpath.dirname(path), None)
+        self.path_gone(posixpath.dirname(path))
+
+    def path_gone(self, path: str) -> None:
+        """A persistent ``path`` :meth:`ensure_path` made was not there (deleted by hand, or
+        with its tree): create it again next time, not only in the next session."""
+        with self._lock:
+            self._ensured.pop(path, None)
             self.recreated += 1
 
     def create_contender(self, prefix: str, data: bytes) -> Any:

@@ -142,6 +142,14 @@ def test_a_revoked_copy_frees_its_key_when_a_worker_meets_it_not_when_it_expires
     assert dedupe_app.debounced.delay("r", 1).id != queued.id
 
 
+def test_a_deleted_marker_tree_is_made_again_not_reported_as_zookeeper_unavailable(env):
+    first = dedupe_app.debounced.delay("gone", 1)
+    kazoo_client(env).delete(f"{env['ZKT_ROOT']}/queued", recursive=True)  # an operator's clean-up
+    second = dedupe_app.debounced.delay("gone", 1)  # the session made the tree before: its cache is stale
+    assert second.id != first.id and marker_of(env, "gone") != []
+    assert dedupe_app.debounced.delay("gone", 1).id == second.id
+
+
 def test_a_failed_send_deletes_its_marker(env):
     app = Celery("failsend", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)  # nothing there
     app.conf.update(zklock_hosts=env["ZKT_HOSTS"], zklock_root=env["ZKT_ROOT"])
