@@ -253,15 +253,19 @@ class LeaderScheduler(_Leadership):
         super().apply_entry(entry, producer=producer)
 
     def _record(self, lead: Leadership, entry: ScheduleEntry) -> bool:
-        """Record the run in one transaction that also checks our election node; True if it committed."""
-        assert self.election is not None
+        """Record the run in one transaction that also checks our election node; True if it committed.
+
+        Every attempt is fenced by that check, so trying again is safe for as long as it
+        takes: a connection blip must not drop a run while leadership holds.
+        """
+        assert self.election is not None and self.layout is not None
         session = self.election.session
         client = session.client
         run = {"last_run_at": entry.last_run_at.timestamp(), "total_run_count": entry.total_run_count,
                "token": lead.token}
         data = json.dumps(run).encode()
         path = self._entry_path(entry.name)
-        for _ in range(2):
+        for _ in range(5):
             try:
                 tx = client.transaction()
                 tx.check(lead.node_path, -1)  # -1: any version; fails if our election node is gone
@@ -272,33 +276,47 @@ class LeaderScheduler(_Leadership):
                 results = tx.commit()
             except ConnectionLoss:
                 # The transaction may have committed before the connection broke: read it back.
-                return self._committed(path, run, session)
-            except Exception as exc:  # connection trouble: leadership unproven
+                committed = self._committed(path, run, session)
+                if committed is None:
+                    return False
+                if committed:
+                    return True
+                continue  # it never reached the server: record it again, fenced as before
+            except Exception as exc:  # the session expired, or no answer in time: leadership unproven
                 logger.warning("beat: could not record %s (%s)", entry.name, exc)
                 return False
             if not any(isinstance(r, Exception) for r in results):
                 return True
             if isinstance(results[1], NodeExistsError):
                 continue  # created meanwhile by a former leader: set it instead
+            if isinstance(results[1], NoNodeError):
+                # The entries node was deleted (by hand, or with its tree) while we lead.
+                entries = self.layout.entries(self.beat_name)
+                session.nodes.path_gone(entries)
+                session.nodes.ensure_path(entries, session.timeout)
+                continue
             logger.warning("beat: record of %s refused: %s", entry.name, results)
             return False
         return False
 
-    def _committed(self, path: str, run: Dict[str, Any], session: Session) -> bool:
-        """After a lost reply: True if the entry holds exactly this run, under this leadership."""
+    def _committed(self, path: str, run: Dict[str, Any], session: Session) -> Optional[bool]:
+        """After a lost reply: whether the entry holds exactly this run, under this leadership
+        (None: the connection did not come back within the session timeout)."""
         deadline = time.monotonic() + session.timeout
         while not session.client.connected:
             if time.monotonic() > deadline:
                 logger.warning("beat: could not learn whether run %s of %s was recorded; not sent",
                                run["total_run_count"], path)
-                return False
+                return None
             time.sleep(0.05)
         try:
             stored = node_object(session.client.get(path)[0])
+        except NoNodeError:
+            stored = {}
         except KazooException:
-            return False
+            return None
         committed = all(stored.get(k) == v for k, v in run.items())
         logger.warning("beat: the reply to the record of %s was lost; it %s", path,
-                       "committed: sending" if committed else "did not commit: not sent")
+                       "committed: sending" if committed else "did not commit: recording it again")
         return committed
 

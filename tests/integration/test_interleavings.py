@@ -138,10 +138,13 @@ class RecordingScheduler(LeaderScheduler):
     """LeaderScheduler that records what it would publish instead of publishing it."""
 
     sent: List[tuple] = []
+    #: When each was sent (monotonic).
+    times: List[float] = []
 
     def apply_async(self, entry, producer=None, advance=True, **kwargs):
         header = entry.options["headers"]["zklock_beat"]
         self.sent.append((entry.name, header["run"], header["token"]))
+        self.times.append(time.monotonic())
 
 
 @pytest.fixture
@@ -150,6 +153,7 @@ def beat_app(zk_server, zk_root):
     app.conf.update(zklock_hosts=zk_server.hosts, zklock_root=zk_root, zklock_session_timeout=4,
                     broker_url="memory://", beat_schedule={"often": {"task": "noop", "schedule": 0.05}})
     RecordingScheduler.sent = []
+    RecordingScheduler.times = []
     return app
 
 
@@ -362,6 +366,42 @@ def test_one_shared_lock_object_lets_exactly_one_thread_in(new_session, zk_root)
             shared.release()
     finally:
         sys.setswitchinterval(previous)
+
+
+def test_a_run_whose_record_never_reached_the_server_is_recorded_again_and_sent_in_its_slot(beat_app, proxy):
+    # A blip as the run falls due: the record's request is lost with the connection, and
+    # leadership survives it. The run must still go out in its slot, not one interval late.
+    beat_app.conf.update(zklock_hosts=proxy.hosts, beat_schedule={"often": {"task": "noop", "schedule": 1.0}})
+    scheduler = RecordingScheduler(app=beat_app)
+    try:
+        tick_until_sent(scheduler, 1)
+        held = proxy.hold_request(Op.MULTI)  # the next record's request goes no further...
+
+        def blip() -> None:
+            held.wait_matched(5)
+            proxy.reset()  # ...and dies with its connection: kazoo reconnects to the same session at once
+
+        blipper = threading.Thread(target=blip)
+        blipper.start()
+        tick_until_sent(scheduler, 3)
+        blipper.join(5)
+        assert held.matched.is_set()
+    finally:
+        scheduler.close()
+    gaps = [b - a for a, b in zip(RecordingScheduler.times, RecordingScheduler.times[1:])]
+    assert max(gaps) < 1.6, f"a run missed its slot: gaps {[round(g, 2) for g in gaps]} on a 1 s schedule"
+
+
+def test_a_deleted_entries_node_is_made_again_by_the_leader(beat_app, kazoo, zk_root):
+    scheduler = RecordingScheduler(app=beat_app)
+    try:
+        tick_until_sent(scheduler, 1)
+        kazoo.delete(scheduler.layout.entries(scheduler.beat_name), recursive=True)  # an operator's clean-up
+        tick_until_sent(scheduler, 4)
+    finally:
+        scheduler.close()
+    runs = [run for _, run, _ in RecordingScheduler.sent]
+    assert runs == list(range(1, len(runs) + 1))
 
 
 def test_a_run_whose_record_committed_but_whose_reply_was_lost_is_still_sent(beat_app, proxy):
