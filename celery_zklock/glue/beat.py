@@ -122,9 +122,10 @@ class _Leadership(Scheduler):
             self._leading_token = token
         interval = super().tick(*args, **kwargs)
         now = time.time()
-        if self._tick_by - now < TICK_PROMISE / 2:
-            # Promise the next tick well ahead, so a healthy leader writes every few seconds
-            # and `celery zklock status` can tell a leader whose dispatch is stuck.
+        # Promise the next tick well ahead, so a healthy leader writes every few seconds
+        # and `celery zklock status` can tell a leader whose dispatch is stuck; and never
+        # sooner than beat will really tick again, which is after sleeping ``interval``.
+        if self._tick_by - now < TICK_PROMISE / 2 or self._tick_by < now + float(interval):
             self._tick_by = now + max(float(interval), TICK_PROMISE)
             self._publish(tick_by=round(self._tick_by, 3))
         return interval

@@ -392,6 +392,29 @@ def test_a_run_whose_record_never_reached_the_server_is_recorded_again_and_sent_
     assert max(gaps) < 1.6, f"a run missed its slot: gaps {[round(g, 2) for g in gaps]} on a 1 s schedule"
 
 
+def test_the_leaders_promised_tick_covers_the_sleep_beat_really_takes(beat_app, kazoo, monkeypatch):
+    # Celery's tick returns how long beat sleeps next: 3 s, then (a run sent) 20 s. A leader
+    # that promised to tick again by 10 s from the first tick is asleep, not stuck, at 12 s.
+    from celery.beat import Scheduler
+
+    from celery_zklock.glue.cli import _stalled
+
+    sleeps = iter([3.0, 20.0])
+    monkeypatch.setattr(Scheduler, "tick", lambda self, *args, **kwargs: next(sleeps))
+    scheduler = RecordingScheduler(app=beat_app)
+    try:
+        assert scheduler.election.wait_leader(10)
+        start = time.time()
+        assert scheduler.tick() == 3.0
+        assert scheduler.tick() == 20.0  # as beat would call it 3 s later: it then sleeps 20 s
+        node = scheduler.election.node_path
+        wait_until(lambda: "tick_by" in json.loads(kazoo.get(node)[0]), timeout=5)
+        wait_until(lambda: json.loads(kazoo.get(node)[0])["tick_by"] >= start + 20, timeout=5)
+        assert _stalled(json.loads(kazoo.get(node)[0]), start + 3 + 12) == ""
+    finally:
+        scheduler.close()
+
+
 def test_a_deleted_entries_node_is_made_again_by_the_leader(beat_app, kazoo, zk_root):
     scheduler = RecordingScheduler(app=beat_app)
     try:
