@@ -116,7 +116,9 @@ def _seconds_until(expires: Any, app: Any) -> Optional[float]:
     if expires is None:
         return None
     if isinstance(expires, datetime.datetime):
-        return (expires - (app.now() if expires.tzinfo else datetime.datetime.now())).total_seconds()
+        if expires.tzinfo is None:  # naive: Celery's workers read it as UTC, whatever the local zone
+            expires = expires.replace(tzinfo=datetime.timezone.utc)
+        return (expires - app.now()).total_seconds()
     return float(expires)
 
 

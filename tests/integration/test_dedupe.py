@@ -3,6 +3,7 @@ histories checked, and every way a copy's message can be lost leaves the key usa
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -148,6 +149,27 @@ def test_a_deleted_marker_tree_is_made_again_not_reported_as_zookeeper_unavailab
     second = dedupe_app.debounced.delay("gone", 1)  # the session made the tree before: its cache is stale
     assert second.id != first.id and marker_of(env, "gone") != []
     assert dedupe_app.debounced.delay("gone", 1).id == second.id
+
+
+@pytest.fixture
+def tokyo(monkeypatch) -> Iterator[None]:
+    """The process's local time zone is Asia/Tokyo (UTC+9) for the test."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_a_naive_expires_is_read_as_utc_as_celery_reads_it(env, tokyo):
+    # Celery's workers read a naive expires (or eta) as UTC: a marker reading it as local
+    # time was born expired 9 hours ago here, and dedupe was off.
+    expires = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None) + datetime.timedelta(seconds=60)
+    first = dedupe_app.debounced.apply_async(("naive", 1), expires=expires)
+    assert dedupe_app.debounced.apply_async(("naive", 1), expires=expires).id == first.id
+    [marker] = marker_of(env, "naive")
+    data = json.loads(kazoo_client(env).get(f"{env['ZKT_ROOT']}/queued/{marker}")[0])
+    assert 2 < data["expires"] - time.time() <= 3  # zklock_dedupe_ttl here, not 0
 
 
 def test_a_failed_send_deletes_its_marker(env):
