@@ -3,6 +3,7 @@
 ::
 
     <zklock_root>                                                     its data: the key-name scheme
+    <zklock_root>/members/<scheme>-<session id>                       each live session's scheme (ephemeral)
     <zklock_root>/locks/<encoded key>/<uuid>__lock__|__rlock__<seq>   read/write and exclusive locks
     <zklock_root>/semaphores/<encoded key>/<uuid>__sem__<seq>         counting semaphores
     <zklock_root>/queued/<encoded key>                                enqueue-time dedupe markers
@@ -32,10 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple, Union
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["LOCK_TREES", "MAX_NAME", "Layout", "check_key", "decode_key", "encode_key", "hashed_name", "node_object"]
+__all__ = ["LOCK_TREES", "MAX_NAME", "MEMBERS", "Layout", "check_key", "decode_key", "encode_key", "hashed_name",
+           "node_object"]
 
 #: The two trees lock keys live in: semaphores apart, so a semaphore and a lock on one key never meet.
 LOCK_TREES: Tuple[str, str] = ("locks", "semaphores")
+
+#: Where each live session that uses a root stands for the key-name scheme it uses.
+MEMBERS = "members"
 
 #: Longest encoded name kept whole; longer ones keep a readable prefix plus a hash.
 MAX_NAME = 200

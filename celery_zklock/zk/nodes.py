@@ -19,11 +19,11 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NodeExistsError, NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoAuthError, NodeExistsError, NoNodeError
 from kazoo.security import ACL, Permissions
 
 from ..exceptions import ConfigurationError
-from ..layout import node_object
+from ..layout import MEMBERS, node_object
 from .deadlines import deadline, reply
 from .transport import create_container_async, create_node_async
 
@@ -58,39 +58,59 @@ class Nodes:
 
     # -- the key-name scheme ---------------------------------------------------------------
     def claim_scheme(self, scheme: str, trees: Tuple[str, ...], timeout: Optional[float] = None) -> None:
-        """Record ``scheme`` (how lock keys are named) in the root's data, or check it is the one there.
+        """Record ``scheme`` (how lock keys are named) in the root's data, or check it is the one
+        there, and stand for it for as long as this session lives. Once per session.
 
         Two schemes on one root split locks: a readable name and a hashed one, or two
         hashed ones under different secrets, never meet, so their holders would not
-        exclude each other. A different recorded scheme is replaced only while no lock
-        under ``trees`` has a contender; otherwise ConfigurationError. Once per session.
+        exclude each other. So every session that uses the root keeps an ephemeral
+        member node under ``<root>/members`` naming its scheme, and a different recorded
+        scheme is replaced only while no session of it is alive (nor, for processes of
+        versions before members, has a contender under ``trees``): an idle worker of the
+        old scheme counts. Otherwise ConfigurationError, which a process whose session
+        was replaced also gets if the root changed scheme meanwhile: it stops taking locks.
+
+        The claim is atomic: the member is created in one transaction with a
+        version-checked write of the root, so of two claims that read the same root,
+        one fails and reads again.
         """
         if self._ensured.get(f"scheme:{scheme}"):
             return
         client = self._require()
         until = deadline(timeout)
-        self.ensure_path(self.root, timeout)
-        for _ in range(3):
+        members = f"{self.root}/{MEMBERS}"
+        self.ensure_path(members, timeout)
+        tag = _scheme_tag(scheme)
+        member = f"{members}/{tag}-{client.client_id[0]:016x}"
+        data = json.dumps({"key_names": scheme}).encode()
+        for _ in range(5):
             raw, stat = reply(client.get_async(self.root), until)
             recorded = _scheme_of(raw)
-            if recorded == scheme:
-                break
-            if recorded is not None:
-                busy = self._contended(trees, until)
+            if recorded is not None and recorded != scheme:
+                others = sorted(m for m in reply(client.get_children_async(members), until)
+                                if not m.startswith(tag + "-"))
+                busy = (f"a process of it is alive (ZooKeeper session 0x{others[0].rsplit('-', 1)[-1]})"
+                        if others else self._contended(trees, until))
                 if busy:
                     kind, ours = recorded.split(":")[0], scheme.split(":")[0]
                     raise ConfigurationError(
                         f"zklock_key_names: {self.root} is in use with {kind} key names"
                         + (" under another zklock_key_secret" if kind == ours else "")
-                        + f" and lock {busy} has live contenders; this process names keys as {ours}, so their "
-                        "locks would not exclude each other. Stop every worker of the old setting, then start "
-                        "the new ones")
+                        + f" and {busy}; this process names keys as {ours}, so their locks would not exclude "
+                        "each other. Stop every worker and publisher of the old setting, then start the new ones")
+            tx = client.transaction()
+            tx.set_data(self.root, data, version=stat.version)  # any claim in between makes this fail
+            tx.create(member, ephemeral=True)
             try:
-                reply(client.set_async(self.root, json.dumps({"key_names": scheme}).encode(), version=stat.version),
-                      until)
+                results = reply(tx.commit_async(), until)
+            except ConnectionLoss:
+                continue  # it may have committed: read again (our member then exists)
+            if not any(isinstance(r, Exception) for r in results):
                 break
-            except BadVersionError:
-                continue  # someone else wrote it meanwhile: read it again
+            if isinstance(results[1], NodeExistsError) and recorded == scheme:
+                break  # ours already, from a commit whose reply was lost
+        else:
+            raise ConfigurationError(f"zklock_key_names: could not claim {self.root}: it kept changing")
         self._ensured[f"scheme:{scheme}"] = True
 
     def _contended(self, trees: Tuple[str, ...], until: Optional[float]) -> Optional[str]:
@@ -249,6 +269,15 @@ def refused(path: str) -> ConfigurationError:
 def _all_levels(path: str) -> List[str]:
     parts = path.strip("/").split("/")
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _scheme_tag(scheme: str) -> str:
+    """A member node's name prefix for ``scheme`` (``readable``, or ``hashed`` + the fingerprint).
+
+    >>> _scheme_tag("readable"), _scheme_tag("hashed:0123456789abcdef")
+    ('readable', 'hashed.0123456789abcdef')
+    """
+    return scheme.replace(":", ".")
 
 
 def _scheme_of(raw: bytes) -> Optional[str]:

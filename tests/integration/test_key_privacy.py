@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import uuid
 from typing import Dict, Iterator, List
 
@@ -18,9 +19,12 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 
 import celery_zklock
+from celery_zklock.api import claim_scheme
+from celery_zklock.exceptions import ConfigurationError
+from celery_zklock.layout import Layout
 from celery_zklock.testing import violations
 from celery_zklock.testing.server import SLF4J_SIMPLE_JAR, find_zookeeper_jar
-from harness import CeleryWorker
+from harness import CeleryWorker, Op, TcpProxy
 from tests.apps import worker_app
 from tests.util import events, holds, send, wait_until
 
@@ -102,13 +106,56 @@ def test_switching_key_names_with_live_holders_is_refused_in_one_line(env, worke
         log = refused.log_text()
     finally:
         refused.close()
-    assert (f"zklock_key_names: {zk_root} is in use with readable key names and lock {zk_root}/locks/k-k:live "
-            "has live contenders; this process names keys as hashed") in log
+    assert (f"zklock_key_names: {zk_root} is in use with readable key names and a process of it is alive "
+            "(ZooKeeper session 0x") in log and "; this process names keys as hashed" in log
     assert "Traceback" not in log
     readable.close()  # SIGKILL: its session goes, and its lock with it
     wait_until(lambda: not kazoo.get_children(f"{zk_root}/locks/k-k:live"), timeout=30)
     workers("w3", ZKT_KEY_SECRET=SECRET)  # drained: the switch is taken
     assert json.loads(kazoo.get(zk_root)[0])["key_names"].startswith("hashed:")
+
+
+def test_an_idle_process_of_the_old_key_names_keeps_the_new_ones_out_for_its_whole_life(new_session, zk_root):
+    # A rolling switch: the old worker holds no lock at this instant, and was invisible.
+    old, new = Layout(zk_root), Layout(zk_root, SECRET.encode())
+    idle = new_session()
+    claim_scheme(idle, old, 10)
+    with pytest.raises(ConfigurationError, match=r"in use with readable key names and a process of it is alive"):
+        claim_scheme(new_session(), new, 10)
+    idle.close()  # its session ends: now the switch is safe
+    switched = new_session()
+    claim_scheme(switched, new, 10)
+    # The old scheme's next session (a restarted process, or one whose session expired) is refused.
+    with pytest.raises(ConfigurationError, match=r"in use with hashed key names"):
+        claim_scheme(new_session(), old, 10)
+
+
+def test_two_first_claims_read_at_once_only_one_scheme_wins(new_session, zk_server, zk_root, kazoo):
+    # Both read the root before either writes: the reply to one claim's read is held back
+    # until the other has claimed.
+    old, new = Layout(zk_root), Layout(zk_root, SECRET.encode())
+    with TcpProxy(zk_server.port) as proxy:
+        late = new_session(hosts=proxy.hosts)
+        new_session().nodes.ensure_path(f"{zk_root}/members", 10)  # so the late claim's first read is the root's
+        held = proxy.hold_reply(Op.GET_DATA)
+        outcome: List[object] = []
+        claimer = threading.Thread(target=lambda: outcome.append(_claim(late, old)))
+        claimer.start()
+        held.wait_matched()
+        early = new_session()
+        claim_scheme(early, new, 10)
+        held.release()
+        claimer.join(15)
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigurationError), outcome
+    assert json.loads(kazoo.get(zk_root)[0])["key_names"] == new.scheme
+
+
+def _claim(session, layout) -> object:
+    try:
+        claim_scheme(session, layout, 10)
+        return "claimed"
+    except ConfigurationError as exc:
+        return exc
 
 
 @pytest.mark.parametrize("hashed", [False, True])
