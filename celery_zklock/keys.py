@@ -152,15 +152,21 @@ def _render(value: Any) -> str:
 
 
 def build_keys(parts: Sequence[KeyPart], arguments: Mapping[str, Any], call_args: Sequence[Any],
-               call_kwargs: Mapping[str, Any], where: str) -> List[str]:
-    """Render each key part for one call; raise :class:`KeyBuildError` naming the template and argument."""
+               call_kwargs: Mapping[str, Any], where: str, private: bool = False) -> List[str]:
+    """Render each key part for one call; raise :class:`KeyBuildError` naming the template and argument.
+
+    With ``private`` (hashed key names: the arguments must reach no log), the error names
+    the exception's type but not its text, which may quote an argument, and does not
+    chain it, as a traceback would print it.
+    """
     keys = []
     for part in parts:
         if callable(part):
             try:
                 value = part(*call_args, **call_kwargs)
             except Exception as exc:
-                raise KeyBuildError(f"{where}: key callable {_name(part)} raised {type(exc).__name__}: {exc}") from exc
+                error = KeyBuildError(f"{where}: key callable {_name(part)} raised {_what(exc, private)}")
+                raise error from (None if private else exc)
             if not isinstance(value, str):
                 raise KeyBuildError(f"{where}: key callable {_name(part)} returned {type(value).__name__}, not str")
             keys.append(value)
@@ -168,9 +174,17 @@ def build_keys(parts: Sequence[KeyPart], arguments: Mapping[str, Any], call_args
         try:
             keys.append(_StableFormatter(where, part).vformat(part, (), arguments))
         except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
-            raise KeyBuildError(f"{where}: cannot build key {part!r} from the task's arguments: "
-                            f"{type(exc).__name__}: {exc}") from exc
+            error = KeyBuildError(f"{where}: cannot build key {part!r} from the task's arguments: "
+                                  f"{_what(exc, private)}")
+            raise error from (None if private else exc)
     return keys
+
+
+def _what(exc: Exception, private: bool) -> str:
+    """An exception for an error message: its type, and its text unless ``private``."""
+    if private:
+        return f"{type(exc).__name__} (its text is left out: it may quote an argument, and key names are hashed)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 #: What a rendering that names a memory address looks like (objects, functions, methods).

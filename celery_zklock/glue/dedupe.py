@@ -59,9 +59,9 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     app = task.app
     where = f"task {task.name}"
     args, kwargs = tuple(args or ()), dict(kwargs or {})
-    keys = spec.keys(task.name, task.run, args, kwargs, False)
-    key = keys[0] if len(keys) == 1 else "\n".join(sorted(set(keys)))
     settings, layout = settings_of(app), layout_of(app)
+    keys = spec.keys(task.name, task.run, args, kwargs, False, layout.secret is not None)
+    key = keys[0] if len(keys) == 1 else "\n".join(sorted(set(keys)))
     ttl = spec.marker_ttl(task_defaults(app))
     expires = _seconds_until(options.get("expires"), app)
     if expires is not None:

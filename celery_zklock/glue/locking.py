@@ -23,7 +23,7 @@ from ..exceptions import LockNotAcquired, NoCurrentLock, ZooKeeperUnavailable
 from ..layout import node_object
 from ..recipes import Lock, LockState
 from ..zk import deadline, remaining, session_for
-from .api import lock, lock_path, settings_of, task_defaults
+from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .options import LockSpec
@@ -105,7 +105,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     where = f"task {task.name}"
     defaults = task_defaults(app)
     policy, timeout = spec.contention(defaults), spec.wait_timeout(defaults)
-    keys = spec.keys(task.name, fn, args, kwargs, bound)
+    keys = spec.keys(task.name, fn, args, kwargs, bound, layout_of(app).secret is not None)
     # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
     ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
     settings = settings_of(app)

@@ -150,15 +150,16 @@ class LockSpec:
         return defaults.dedupe_ttl if self.dedupe_ttl is DEFAULT else float(self.dedupe_ttl)
 
     def keys(self, task_name: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
-             bound: bool) -> List[str]:
-        """The keys of one call: the ``key`` option rendered, or the task name plus every argument."""
+             bound: bool, private: bool = False) -> List[str]:
+        """The keys of one call: the ``key`` option rendered, or the task name plus every argument.
+        ``private``: key names are hashed, and no error may quote an argument."""
         where = f"task {task_name}"
         try:
             arguments = bind_arguments(fn, args, kwargs, skip_first=bound)
         except TypeError as exc:
             raise TypeError(f"{where}: {exc}") from None
         if self.parts:
-            return build_keys(self.parts, arguments, args[1:] if bound else args, kwargs, where)
+            return build_keys(self.parts, arguments, args[1:] if bound else args, kwargs, where, private)
         return [default_key(task_name, arguments)]
 
 

@@ -69,6 +69,22 @@ def test_keys_that_cannot_be_built_name_template_and_argument():
         build_keys([lambda x: 5], {}, [1], {}, "task t")
 
 
+def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceback_or_log(caplog):
+    app = Celery("private-keys", set_as_current=False)
+    app.conf.update(zklock_hosts="127.0.0.1:1", zklock_key_names="hashed", zklock_key_secret="s" * 32)
+
+    @app.task(shared=False)
+    @zk_locked(key=lambda email: f"user:{int(email)}")
+    def by_id(email):
+        pass
+
+    result = by_id.apply(("alice@example.com",))
+    assert isinstance(result.result, KeyBuildError)
+    assert "raised ValueError (its text is left out" in str(result.result)
+    for text in (str(result.result), result.traceback, caplog.text):
+        assert "alice" not in text
+
+
 @pytest.mark.parametrize("options, message", [
     ({"mode": "shared"}, "mode must be one of"),
     ({"on_contention": "block"}, "on_contention must be one of"),
