@@ -6,7 +6,7 @@
     <zklock_root>/members/<scheme>-<session id>                       each live session's scheme (ephemeral)
     <zklock_root>/locks/<encoded key>/<uuid>__lock__|__rlock__<seq>   read/write and exclusive locks
     <zklock_root>/semaphores/<encoded key>/<uuid>__sem__<seq>         counting semaphores
-    <zklock_root>/queued/<encoded key>                                enqueue-time dedupe markers
+    <zklock_root>/queued/<encoded task name and key>                  enqueue-time dedupe markers
     <zklock_root>/beat/<encoded beat name>/election/<uuid>__lock__<seq>
     <zklock_root>/beat/<encoded beat name>/entries/<encoded entry name>
 
@@ -142,9 +142,16 @@ class Layout:
     def queued_tree(self) -> str:
         return f"{self.root}/queued"
 
-    def queued(self, key: str) -> str:
-        """The dedupe marker of a key: one node, while a copy is queued (or running)."""
-        return f"{self.queued_tree}/{self.name(key)}"
+    def queued(self, task: str, key: str) -> str:
+        """The dedupe marker of a task's key: one node, while a copy is queued (or running).
+
+        The task's name is part of it: two tasks whose keys render alike are not
+        duplicates of each other. (A newline joins them: no task name holds one.)
+
+            >>> Layout("/r").queued("app.sync", "acct:7")
+            '/r/queued/k-app.sync%0Aacct:7'
+        """
+        return f"{self.queued_tree}/{self.name(task + chr(10) + key)}"
 
     def lock_tree(self, semaphore: bool = False) -> str:
         return f"{self.root}/{LOCK_TREES[1] if semaphore else LOCK_TREES[0]}"

@@ -72,7 +72,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     now = time.time()
     data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
             **({"key": key} if layout.secret is None else {})}
-    path = layout.queued(key)
+    path = layout.queued(task.name, key)
     try:
         session = session_for(settings)
         claim_scheme(session, layout, settings.connect_timeout)

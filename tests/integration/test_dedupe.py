@@ -93,7 +93,9 @@ def test_eight_publishers_two_workers_history(mode, task, env, workers, redis_se
 
 
 def marker_of(env, key: str) -> List[str]:
-    return [c for c in children(kazoo_client(env), f"{env['ZKT_ROOT']}/queued") if c == f"k-k:{key}"]
+    """The markers of ``k:<key>``, of any task (readable names: the marker's data names its key)."""
+    client, tree = kazoo_client(env), f"{env['ZKT_ROOT']}/queued"
+    return [c for c in children(client, tree) if json.loads(client.get(f"{tree}/{c}")[0]).get("key") == f"k:{key}"]
 
 
 _clients: Dict[str, object] = {}
@@ -170,6 +172,14 @@ def test_a_naive_expires_is_read_as_utc_as_celery_reads_it(env, tokyo):
     [marker] = marker_of(env, "naive")
     data = json.loads(kazoo_client(env).get(f"{env['ZKT_ROOT']}/queued/{marker}")[0])
     assert 2 < data["expires"] - time.time() <= 3  # zklock_dedupe_ttl here, not 0
+
+
+def test_two_tasks_whose_keys_render_alike_are_not_duplicates_of_each_other(env):
+    # debounced and singleton both lock "k:{key}": one's queued copy must not swallow the other's work.
+    first = dedupe_app.debounced.delay("shared", 1)
+    other = dedupe_app.singleton.delay("shared", 1)
+    assert other.id != first.id and len(marker_of(env, "shared")) == 2
+    assert dedupe_app.singleton.delay("shared", 1).id == other.id  # its own duplicate still is one
 
 
 def test_a_failed_send_deletes_its_marker(env):
