@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
@@ -28,7 +29,7 @@ from kombu.utils.uuid import uuid
 
 from .. import signals
 from ..exceptions import AlreadyQueued, ZooKeeperUnavailable
-from ..recipes.marker import claim, release
+from ..recipes.marker import claim, reap, release
 from ..zk import Session, session_for, timeouts
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
@@ -91,6 +92,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                                 f"{str(spec.dedupe).replace('_', ' ')} (task id {existing['task_id']})",
                                 existing["task_id"])
         return None if spec.on_duplicate == "none" else task.AsyncResult(existing["task_id"])
+    _reap_now_and_then(session, layout.queued_tree, settings.connect_timeout)
     signals.task_marked.send(sender=task, key=layout.label(key), task_id=task_id, path=path)
     options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
     try:
@@ -98,6 +100,33 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     except BaseException:
         release(session, path, task_id, settings.connect_timeout)  # never sent: nothing will run it
         raise
+
+
+#: Seconds between two sweeps of expired markers by one process (see :func:`_reap_now_and_then`).
+REAP_EVERY = 60.0
+_reaping = threading.Lock()
+_last_reap = [-REAP_EVERY]
+
+
+def _reap_now_and_then(session: Session, tree: str, timeout: float) -> None:
+    """Sweep expired markers out of ``tree``, in the background, at most every REAP_EVERY seconds
+    per process: the tree stays bounded by the live keys, and no publish waits for the sweep."""
+    now = time.monotonic()
+    if now - _last_reap[0] < REAP_EVERY or not _reaping.acquire(blocking=False):
+        return
+    _last_reap[0] = now
+
+    def sweep() -> None:
+        try:
+            gone = reap(session, tree, timeout)
+            if gone:
+                logger.debug("dedupe: %d expired markers deleted from %s", gone, tree)
+        except Exception as exc:  # the next sweep tries again
+            logger.debug("dedupe: could not sweep expired markers from %s: %s", tree, exc)
+        finally:
+            _reaping.release()
+
+    threading.Thread(target=sweep, name="celery-zklock-reaper", daemon=True).start()
 
 
 def _claim(session: Session, tree: str, path: str, data: Dict[str, Any], timeout: float) -> Optional[Dict[str, Any]]:

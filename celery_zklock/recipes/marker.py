@@ -27,7 +27,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 from ..layout import node_object
 from ..zk import Session, deadline, reply
 
-__all__ = ["claim", "live", "read_marker", "release"]
+__all__ = ["claim", "live", "read_marker", "reap", "release"]
 
 
 def read_marker(raw: bytes) -> Optional[Dict[str, Any]]:
@@ -97,3 +97,36 @@ def release(session: Session, path: str, task_id: str, timeout: Optional[float] 
         return True
     except (BadVersionError, NoNodeError):
         return False  # taken over or deleted since we read it: not ours any more
+
+
+def reap(session: Session, tree: str, timeout: Optional[float] = None) -> int:
+    """Delete every marker under ``tree`` that no longer stands for a copy (expired, or junk);
+    the number deleted. Version-checked: a marker taken over meanwhile stays.
+
+    A key published once and never again would otherwise keep its marker for ever: the
+    tree would grow without bound, and under readable names keep each key's arguments.
+    """
+    client = session.client
+    until = deadline(timeout)
+    try:
+        names = reply(client.get_children_async(tree), until)
+    except NoNodeError:
+        return 0
+    now = time.time()
+    reads = [(f"{tree}/{name}", client.get_async(f"{tree}/{name}")) for name in names]
+    deletes = []
+    for path, result in reads:
+        try:
+            raw, stat = reply(result, until)
+        except NoNodeError:
+            continue  # its copy started meanwhile
+        if not live(read_marker(raw), now):
+            deletes.append(client.delete_async(path, version=stat.version))
+    gone = 0
+    for result in deletes:
+        try:
+            reply(result, until)
+            gone += 1
+        except (BadVersionError, NoNodeError):
+            pass  # taken over by a new copy, or released, since we read it
+    return gone

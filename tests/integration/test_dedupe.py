@@ -17,6 +17,7 @@ from typing import Dict, Iterator, List
 import pytest
 import redis
 from celery import Celery
+from kazoo.exceptions import NoNodeError
 from kombu.exceptions import OperationalError
 
 from celery_zklock import ZooKeeperUnavailable, zk_locked
@@ -95,7 +96,14 @@ def test_eight_publishers_two_workers_history(mode, task, env, workers, redis_se
 def marker_of(env, key: str) -> List[str]:
     """The markers of ``k:<key>``, of any task (readable names: the marker's data names its key)."""
     client, tree = kazoo_client(env), f"{env['ZKT_ROOT']}/queued"
-    return [c for c in children(client, tree) if json.loads(client.get(f"{tree}/{c}")[0]).get("key") == f"k:{key}"]
+    found = []
+    for name in children(client, tree):
+        try:
+            if json.loads(client.get(f"{tree}/{name}")[0]).get("key") == f"k:{key}":
+                found.append(name)
+        except NoNodeError:
+            pass  # released or swept since the listing
+    return found
 
 
 _clients: Dict[str, object] = {}
@@ -180,6 +188,18 @@ def test_two_tasks_whose_keys_render_alike_are_not_duplicates_of_each_other(env)
     other = dedupe_app.singleton.delay("shared", 1)
     assert other.id != first.id and len(marker_of(env, "shared")) == 2
     assert dedupe_app.singleton.delay("shared", 1).id == other.id  # its own duplicate still is one
+
+
+def test_expired_markers_are_swept_so_the_tree_stays_bounded_by_the_live_keys(env, monkeypatch):
+    from celery_zklock.glue import dedupe
+
+    monkeypatch.setattr(dedupe, "REAP_EVERY", 0.0)  # sweep on every publish, not once a minute
+    for i in range(30):
+        dedupe_app.debounced.delay(f"once-{i}", 1)  # no worker: each marker outlives its message's life
+    time.sleep(3.2)  # zklock_dedupe_ttl=3 here: the schedule under test, every marker expired
+    dedupe_app.debounced.delay("live", 1)
+    tree = f"{env['ZKT_ROOT']}/queued"
+    wait_until(lambda: children(kazoo_client(env), tree) == marker_of(env, "live"), timeout=10)
 
 
 def test_a_failed_send_deletes_its_marker(env):
