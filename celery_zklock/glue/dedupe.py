@@ -21,13 +21,14 @@ import datetime
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from celery.exceptions import Retry
 from kazoo.exceptions import KazooException, NoNodeError
 from kombu.utils.uuid import uuid
 
 from .. import signals
+from ..conf import Settings
 from ..exceptions import AlreadyQueued, ZooKeeperUnavailable
 from ..recipes.marker import claim, reap, release
 from ..zk import Session, session_for, timeouts
@@ -175,20 +176,74 @@ def _marker_of(request: Any) -> Optional[str]:
     return marker if isinstance(marker, str) else None
 
 
-def _release_marker(task: Any, path: str, task_id: Optional[str] = None) -> None:
-    """Give back the marker of copy ``task_id`` (the running one by default). A failure is
-    only logged: the task must not fail for it, and the marker expires by itself."""
+def _release_marker(task: Any, path: str, task_id: Optional[str] = None, wait: bool = True) -> None:
+    """Give back the marker of copy ``task_id`` (the running one by default).
+
+    Tried once here when ``wait`` (a pool process, about to run or having run the copy),
+    then in the background until it is done: a marker left behind would answer every
+    publish with a copy that already ran, for the rest of its life. The task never fails
+    for it, and the consumer (``wait=False``) never waits for ZooKeeper.
+    """
     task_id = task_id or task.request.id
     settings = settings_of(task.app)
-    try:
-        release(session_for(settings), path, task_id, settings.connect_timeout)
-    except Exception as exc:
-        logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); it expires by itself",
-                       task.name, task_id, path, exc)
+    if wait:
+        try:
+            release(session_for(settings), path, task_id, settings.connect_timeout)
+            return
+        except Exception as exc:
+            logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); trying again in the "
+                           "background", task.name, task_id, path, exc)
+    _releases.add(settings, path, task_id)
+
+
+class _Releases:
+    """Marker releases still to do, retried by one background thread per process until done."""
+
+    def __init__(self) -> None:
+        self._pending: Dict[Tuple[str, str], Settings] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, settings: Settings, path: str, task_id: str) -> None:
+        with self._lock:
+            self._pending[(path, task_id)] = settings
+            if self._thread is None or not self._thread.is_alive():  # none yet, or not in this forked child
+                self._thread = threading.Thread(target=self._run, name="celery-zklock-releases", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while True:
+            with self._lock:
+                pending = list(self._pending.items())
+            if not pending:
+                self._wake.wait()  # add() wakes us
+                self._wake.clear()
+                backoff = 0.5
+                continue
+            for (path, task_id), settings in pending:
+                try:
+                    release(session_for(settings), path, task_id, settings.connect_timeout)
+                except Exception as exc:  # still unreachable: the next round
+                    logger.debug("dedupe marker %s of %s still to remove (%s)", path, task_id, exc)
+                    continue
+                with self._lock:
+                    self._pending.pop((path, task_id), None)
+            with self._lock:
+                left = bool(self._pending)
+            if left:
+                self._wake.wait(backoff)
+                self._wake.clear()
+                backoff = min(backoff * 2, 30.0)
+
+
+_releases = _Releases()
 
 
 def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     """A ``task_revoked`` receiver: a revoked (or expired) copy never runs, so its marker goes now."""
     marker = _marker_of(request) if request is not None and _dedupe_spec(sender) is not None else None
     if marker is not None:
-        _release_marker(sender, marker, request.id)
+        _release_marker(sender, marker, request.id, wait=False)  # the consumer calls this: never wait

@@ -3,6 +3,7 @@ histories checked, and every way a copy's message can be lost leaves the key usa
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -10,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 import uuid
 from typing import Dict, Iterator, List
 
@@ -21,7 +24,7 @@ from kazoo.exceptions import NoNodeError
 from kombu.exceptions import OperationalError
 
 from celery_zklock import ZooKeeperUnavailable, zk_locked
-from harness import CeleryWorker, free_port
+from harness import CeleryWorker, Op, TcpProxy, free_port
 from harness.dedupe import dedupe_violations
 from tests.apps import dedupe_app
 from tests.util import children, wait_until
@@ -200,6 +203,52 @@ def test_expired_markers_are_swept_so_the_tree_stays_bounded_by_the_live_keys(en
     dedupe_app.debounced.delay("live", 1)
     tree = f"{env['ZKT_ROOT']}/queued"
     wait_until(lambda: children(kazoo_client(env), tree) == marker_of(env, "live"), timeout=10)
+
+
+@contextlib.contextmanager
+def conf(**settings: object) -> Iterator[None]:
+    """The dedupe app's settings changed for a while (its cached zklock settings dropped each way)."""
+    before = {name: dedupe_app.app.conf[name] for name in settings}
+    dedupe_app.app.conf.update(settings)
+    dedupe_app.app.__dict__.pop("_zklock_settings", None)
+    try:
+        yield
+    finally:
+        dedupe_app.app.conf.update(before)
+        dedupe_app.app.__dict__.pop("_zklock_settings", None)
+
+
+def test_a_marker_release_that_fails_is_tried_again_until_done(env, zk_server):
+    # One blip as the copy starts: its marker's delete dies with the connection. Left there, it
+    # would answer every publish with this finished copy's id for the rest of its life.
+    with TcpProxy(zk_server.port) as proxy, conf(zklock_hosts=proxy.hosts, task_always_eager=True):
+        held = proxy.hold_request(Op.DELETE)  # eager: the copy is published and runs here
+
+        def blip() -> None:
+            held.wait_matched()
+            proxy.reset()  # the held delete never reaches the server; kazoo reconnects at once
+
+        blipper = threading.Thread(target=blip)
+        blipper.start()
+        first = dedupe_app.debounced.delay("blip", 1)
+        blipper.join(10)
+        assert held.matched.is_set()
+        wait_until(lambda: marker_of(env, "blip") == [], timeout=15)
+        assert dedupe_app.debounced.delay("blip", 1).id != first.id
+
+
+def test_a_revoked_copys_marker_never_holds_up_the_consumer(env):
+    # task_revoked runs in the worker's consumer: with ZooKeeper unreachable, giving the
+    # marker back must not stall it for zklock_connect_timeout (5 s here) per message.
+    from celery_zklock.glue import dedupe
+
+    request = types.SimpleNamespace(id="revoked-1", zklock_marker=f"{env['ZKT_ROOT']}/queued/k-x")
+    with conf(zklock_hosts=f"127.0.0.1:{free_port()}"):  # nothing there
+        started = time.monotonic()
+        dedupe.revoked(sender=dedupe_app.debounced, request=request)
+        assert time.monotonic() - started < 1.0
+    with dedupe._releases._lock:
+        dedupe._releases._pending.clear()  # nothing to retry against a server that never was
 
 
 def test_a_failed_send_deletes_its_marker(env):
