@@ -250,6 +250,9 @@ def locked_tasks(app: Any) -> Dict[str, Locking]:
 def stray(name: str, task: Any) -> Optional[str]:
     """The problem, if ``task``'s ``zklock`` option does not lock it (Celery ignores it), or it has an
     option named like it (``zk_lock=``, ``zklocks=``), which Celery ignores too; else None."""
+    refused = getattr(getattr(task, "run", None), "__zklock_refused__", None)
+    if isinstance(refused, str):
+        return refused  # found as the task was made, and its run replaced by the refusal
     misspelt = sorted(a for a in dir(type(task)) if a.lower().startswith("zk") and a != "zklock")
     if getattr(getattr(task, "run", None), "__zklock_bare__", False):
         return (f"task {name}: @zk_locked needs parentheses (@zk_locked() or @zk_locked(key=...)); "

@@ -140,13 +140,13 @@ on_task_made(_refuse_if_stray)  # rule 0
 
 
 def _refuse(task: Any, problem: str) -> None:
-    if getattr(vars(task).get("run"), "__zklock_refused__", False):
+    if getattr(vars(task).get("run"), "__zklock_refused__", None):
         return
 
     def refuse(*args: Any, _message: str = f"{problem}; not run unlocked", **kwargs: Any) -> Any:
         raise ConfigurationError(_message)
 
-    refuse.__zklock_refused__ = True  # type: ignore[attr-defined]
+    refuse.__zklock_refused__ = problem  # type: ignore[attr-defined]  # options.stray() still reports it
     task.run = refuse  # Celery's tracer and Task.__call__ both call the instance's run
 
 

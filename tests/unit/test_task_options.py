@@ -289,6 +289,8 @@ def test_a_worker_refuses_a_stray_or_misspelt_option_on_a_task_defined_after_fin
 
 
 def test_zk_locked_without_parentheses_is_refused_naming_the_task():
+    from celery_zklock.task import problems
+
     app = Celery("bare", set_as_current=False)
     app.conf.zklock_hosts = "127.0.0.1:1"
 
@@ -301,3 +303,8 @@ def test_zk_locked_without_parentheses_is_refused_naming_the_task():
     with pytest.raises(ConfigurationError, match=rf"task {re.escape(name)}: @zk_locked needs parentheses"):
         charge(1)
     assert charge.name == name
+    # Refused as it was made, and still reported where every problem is: at finalize, by a
+    # worker's start-up check and by `celery zklock check`.
+    app.finalize()
+    assert problems(app) == [f"task {name}: @zk_locked needs parentheses (@zk_locked() or @zk_locked(key=...)); "
+                             "used bare, the task runs nothing"]
