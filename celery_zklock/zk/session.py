@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import copy
 import importlib.metadata
 import logging
 import os
@@ -387,12 +388,17 @@ def _watchdog_loop(ref: weakref.ref[Session]) -> None:
 # -- one session per process ------------------------------------------------------
 _sessions: Dict[Tuple[int, Settings], Session] = {}
 _sessions_lock = threading.Lock()
+_starting: Dict[Tuple[int, Settings], _Start] = {}
 #: The locks above (and the log filter's) are real ones if threading was patched after this import.
 _green_at_import = green.library()
 
 
 def session_for(settings: Settings) -> Session:
     """Return this process's started session for ``settings``, starting it on first use.
+
+    One start at a time per settings, and callers that come while it runs share its
+    outcome: with ZooKeeper unreachable, four threads of a pool fail together within
+    ``zklock_connect_timeout``, not one after another (at 1x, 2x, 3x and 4x the timeout).
 
     A child forked after the parent connected never sees the parent's session:
     sessions are keyed by pid, and the fork hook forgets inherited ones.
@@ -403,11 +409,40 @@ def session_for(settings: Settings) -> Session:
         return session
     with _sessions_lock:
         session = _sessions.get(key)
-        if session is None or not session.started:
-            _check_patched_in_order()
-            session = Session(settings).start()
-            _sessions[key] = session
-        return session
+        if session is not None and session.started:
+            return session
+        attempt = _starting.get(key)
+        mine = attempt is None
+        if attempt is None:
+            attempt = _starting[key] = _Start()
+    if not mine:
+        attempt.done.wait()
+        if attempt.error is not None:
+            raise copy.copy(attempt.error)  # its own instance: each raiser gets its own traceback
+        assert attempt.session is not None
+        return attempt.session
+    try:
+        _check_patched_in_order()
+        attempt.session = Session(settings).start()
+        with _sessions_lock:
+            _sessions[key] = attempt.session
+        return attempt.session
+    except BaseException as exc:
+        attempt.error = exc
+        raise
+    finally:
+        with _sessions_lock:
+            _starting.pop(key, None)
+        attempt.done.set()
+
+
+class _Start:
+    """One start of a session under way, and its outcome, for whoever waits on it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.session: Optional[Session] = None
+        self.error: Optional[BaseException] = None
 
 
 def _check_patched_in_order() -> None:
@@ -433,6 +468,7 @@ def _forget_inherited() -> None:
     global _sessions_lock
     _sessions_lock = threading.Lock()
     _sessions.clear()
+    _starting.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -96,3 +96,36 @@ def test_start_returns_knowing_the_granted_timeout_while_the_auth_reply_is_late(
             assert session.timeout == pytest.approx(60.0)
         finally:
             held.release()
+
+
+def test_threads_that_need_a_session_zookeeper_cannot_give_fail_together_not_in_turn():
+    # A threads pool during an outage: four locked tasks ask for the process's session at
+    # once. Each must fail within zklock_connect_timeout (2 s here), not the last at 4x it.
+    import threading
+    import time
+
+    from celery_zklock.conf import Settings
+    from celery_zklock.exceptions import ZooKeeperUnavailable
+    from celery_zklock.zk import session_for
+    from harness import free_port
+
+    settings = Settings(hosts=f"127.0.0.1:{free_port()}", connect_timeout=2)  # nothing listens there
+    outcomes: list = []
+    start = threading.Barrier(4)
+
+    def need() -> None:
+        start.wait()
+        began = time.monotonic()
+        try:
+            session_for(settings)
+            outcomes.append("started")
+        except ZooKeeperUnavailable:
+            outcomes.append(time.monotonic() - began)
+
+    threads = [threading.Thread(target=need) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(outcomes) == 4 and "started" not in outcomes
+    assert max(outcomes) < 3.5, f"failed after {sorted(round(o, 1) for o in outcomes)} s"
