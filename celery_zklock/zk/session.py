@@ -324,11 +324,13 @@ class _QuietReconnects(logging.Filter):
     rest go to DEBUG on our own logger, so nothing is lost.
     """
 
-    #: kazoo's messages for one failed attempt (its own format strings).
+    #: kazoo's messages for one failed attempt (its own format strings); "Connecting to" is
+    #: its INFO line for each attempt.
     NOISY = frozenset({"Connection dropped: %s", "Connection time-out: %s", "Transition to CONNECTING",
-                       "Cannot resolve %s: %s"})
+                       "Cannot resolve %s: %s", "Connecting to %s(%s):%s, use_ssl: %r"})
+    CONNECTED = "Zookeeper connection established, state: %s"
     #: kazoo's messages for a state change: the next failed attempt is news again.
-    CHANGES = frozenset({"Zookeeper connection established, state: %s", "Zookeeper session closed, state: %s"})
+    CHANGES = frozenset({CONNECTED, "Zookeeper session closed, state: %s"})
     SUMMARY_EVERY = 60.0
 
     def __init__(self) -> None:
@@ -345,12 +347,14 @@ class _QuietReconnects(logging.Filter):
         now = time.monotonic()
         with self._lock:
             if record.msg in self.CHANGES:
-                if self.hidden:
+                if self.hidden and record.msg == self.CONNECTED:
                     logger.warning("ZooKeeper reachable again after %d more failed connection attempts",
                                    self.hidden)
+                elif self.hidden:  # a start given up, or a close: not reachable at all
+                    logger.info("%d more failed connection attempts before the session closed", self.hidden)
                 self._reset(now)
                 return True
-            if record.msg not in self.NOISY or record.levelno < logging.WARNING:
+            if record.msg not in self.NOISY:
                 return True
             if not self.told:
                 self.told = True

@@ -27,3 +27,23 @@ def test_kazoo_reconnect_noise_is_one_line_per_state_change_and_a_summary_per_mi
     assert log("Zookeeper connection established, state: %s", "CONNECTED")
     assert log("Connection dropped: %s", "again")  # a new outage is news again
     assert log("Some other kazoo warning")  # anything else passes untouched
+
+
+def test_a_session_closed_during_an_outage_is_not_called_reachable_again(caplog, monkeypatch):
+    import logging
+
+    from celery_zklock.zk import session
+
+    quiet = session._QuietReconnects()
+
+    def log(msg, *args, level=logging.WARNING):
+        return quiet.filter(logging.makeLogRecord({"msg": msg, "args": args, "levelno": level}))
+
+    caplog.set_level(logging.DEBUG, logger="celery_zklock")
+    assert log("Connection dropped: %s", "refused")
+    for _ in range(5):
+        assert not log("Connecting to %s(%s):%s, use_ssl: %r", "h", "127.0.0.1", 1, False, level=logging.INFO)
+        assert not log("Connection dropped: %s", "refused")
+    assert log("Zookeeper session closed, state: %s", "CLOSED")  # a start given up: still unreachable
+    assert "reachable again" not in caplog.text
+    assert "10 more failed connection attempts before the session closed" in caplog.text
