@@ -94,12 +94,17 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                "clamps it to its `minSessionTimeout`..`maxSessionTimeout`; the shorter one wins."),
     "zklock_connect_timeout": ("seconds", "How long the first connect may take before `ZooKeeperUnavailable`: "
                                "locked tasks, a dedupe publish and beat give up after it rather than hang."),
-    "zklock_server_tick_time": ("seconds or None", "The ensemble's `tickTime`. A follower hands its clients' "
-                                "heartbeats to the leader once per tick, so a holder counts a heartbeat as proof "
-                                "of life only a tick after its answer came (see the guarantees page). Unset: "
-                                "half the session timeout, the longest tick a server with ZooKeeper's default "
-                                "`minSessionTimeout` allows. Set it to the real tick to count lost locks later, "
-                                "never to less."),
+    "zklock_server_tick_time": ("seconds or None", "The ensemble's `tickTime`, in seconds (zoo.cfg gives it "
+                                "in milliseconds: `tickTime=2000` is `2`; ZooKeeper's default is 2 s). A "
+                                "follower hands its clients' heartbeats to the leader once per tick, so a holder "
+                                "counts a heartbeat as proof of life only once one sent a tick later is answered "
+                                "too (see the guarantees page). Unset, the clock assumes half the session "
+                                "timeout, the longest tick a server with ZooKeeper's default `minSessionTimeout` "
+                                "allows: safe, but a lock then counts as lost about 0.4 x the session timeout "
+                                "after the link goes dark (0.8 x with the real tick set). Set it to the largest "
+                                "`tickTime` of the ensemble's servers, never to less, which would count a lock "
+                                "held after the server could have expired it; `celery zklock check` compares "
+                                "it with each server's."),
     "zklock_auth": ("str", "Digest credential `user:password`. Never printed or logged (kazoo's own DEBUG log "
                     "of it is redacted)."),
     "zklock_acl": ("str", "ACL of every node created: `open` (anyone may change them, ZooKeeper's default), "
@@ -176,6 +181,16 @@ _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(:(\d{1,5}))?$")
 def _positive_seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+def _tick(value: Any) -> Optional[float]:
+    # None (unset) or a positive number: one message for every wrong value, 0 too.
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"zklock_server_tick_time must be None or a positive number of seconds, "
+                                 f"not {value!r}")
     return float(value)
 
 
@@ -269,11 +284,14 @@ class Settings:
         if self.server_tick_time is not None:
             _positive_seconds("zklock_server_tick_time", self.server_tick_time)
             if self.server_tick_time > self.session_timeout / 2:
+                hint = (f" (it is in seconds: zoo.cfg's tickTime={self.server_tick_time:g} is "
+                        f"{self.server_tick_time / 1000:g})" if self.server_tick_time >= 100 else
+                        "; raise zklock_session_timeout")
                 raise ConfigurationError(
                     f"zklock_server_tick_time={self.server_tick_time:g} is more than half of "
                     f"zklock_session_timeout={self.session_timeout:g}: a heartbeat proves the session only a "
                     "tick after its answer, too late to keep it; ZooKeeper itself grants no session shorter "
-                    "than two ticks by default. Raise zklock_session_timeout")
+                    f"than two ticks by default{hint}")
         choice("zklock_acl", self.acl, ACL_POLICIES)
         if self.acl != "open" and self.auth is None:
             raise ConfigurationError(f"zklock_acl={self.acl!r} needs zklock_auth: ZooKeeper ties it to a credential")
@@ -323,7 +341,7 @@ class Settings:
             root=_znode_path("zklock_root", get("zklock_root")),
             session_timeout=_positive_seconds("zklock_session_timeout", get("zklock_session_timeout")),
             connect_timeout=_positive_seconds("zklock_connect_timeout", get("zklock_connect_timeout")),
-            server_tick_time=optional_seconds("zklock_server_tick_time", get("zklock_server_tick_time")),
+            server_tick_time=_tick(get("zklock_server_tick_time")),
             auth=_auth(conf.get("zklock_auth")),
             acl=get("zklock_acl"),
             key_names=get("zklock_key_names"),

@@ -332,13 +332,23 @@ def check(ctx: click.Context) -> None:
         _check_failed([str(exc)], app.conf)
     failures = problems(app)
     limits: Dict[str, Optional[int]] = {}
+    ticks: List[float] = []  # each server's tickTime, in seconds
     if not settings.use_ssl:  # four-letter words are not served on ZooKeeper's TLS port
         for host, port in addresses(settings.hosts):
             try:
                 four_letter_word(host, port, "srvr")
-                limits = limits or server_limits(four_letter_word(host, port, "conf"))
+                conf = server_limits(four_letter_word(host, port, "conf"))
             except ZkLockError as exc:
                 failures.append(f"zklock_hosts: {exc}")
+                continue
+            limits = limits or conf
+            if conf["tickTime"]:
+                ticks.append(conf["tickTime"] / 1000)
+    tick = settings.server_tick_time
+    if ticks and tick is not None and tick < max(ticks):
+        failures.append(f"zklock_server_tick_time={tick:g} is less than the servers' tickTime ({max(ticks):g}s): a "
+                        "lock would count as held after the server could have expired its session; set "
+                        f"zklock_server_tick_time={max(ticks):g}")
     if failures:
         _check_failed(failures, app.conf)  # before connecting: kazoo would retry for zklock_connect_timeout
     try:
@@ -356,7 +366,7 @@ def check(ctx: click.Context) -> None:
     finally:
         session.close()
     if granted is not None and granted != settings.session_timeout:
-        bounds = ", ".join(f"{k}={v} ms" for k, v in limits.items() if v is not None)
+        bounds = ", ".join(f"{k}={v} ms" for k, v in limits.items() if v is not None and k != "tickTime")
         failures.append(
             f"zklock_session_timeout={settings.session_timeout:g}s but the server grants {granted:g}s"
             + (f" (its {bounds})" if bounds else "") + ": locks would count as lost on the server's clock, "
@@ -364,12 +374,17 @@ def check(ctx: click.Context) -> None:
     if failures:
         _check_failed(failures, app.conf)
     click.echo(f"settings ok: zklock_hosts={settings.hosts} zklock_root={settings.root} "
-               f"zklock_session_timeout={settings.session_timeout:g}s (granted as asked) zklock_acl={settings.acl} "
+               f"zklock_session_timeout={settings.session_timeout:g}s (granted as asked) "
+               f"zklock_server_tick_time={'unset' if tick is None else f'{tick:g}s'} zklock_acl={settings.acl} "
                f"tls={'on' if settings.use_ssl else 'off'} "
                f"auth={'digest user ' + settings.auth[0] if settings.auth else 'none'}")
     click.echo(f"connected to {server['server']}: ZooKeeper {server['version'] or '? (srvr not whitelisted)'}, "
                f"mode {server['mode'] or '?'}, round trip {server['rtt_ms']:.2f} ms (median of 5)")
     click.echo(f"{settings.root}: {'exists' if root is not None else 'not created yet (the first lock creates it)'}")
+    if tick is None and ticks:
+        click.echo(f"note: zklock_server_tick_time is unset, so the lost-lock clock assumes a tick of half the "
+                   f"session timeout ({settings.session_timeout / 2:g}s); the servers tick every {max(ticks):g}s: "
+                   f"set zklock_server_tick_time={max(ticks):g} and a lock counts as lost later, as safely")
 
 
 def _check_failed(failures: List[str], conf: Any) -> NoReturn:

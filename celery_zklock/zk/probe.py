@@ -77,12 +77,13 @@ def four_letter_word(host: str, port: int, word: str, timeout: float = 3.0) -> s
 
 
 def server_limits(conf_reply: str) -> Dict[str, Optional[int]]:
-    """``minSessionTimeout`` and ``maxSessionTimeout`` (ms) from a ``conf`` reply (None: not shown).
+    """``minSessionTimeout``, ``maxSessionTimeout`` and ``tickTime`` (ms) from a ``conf`` reply
+    (None: not shown).
 
     >>> server_limits("tickTime=2000\\nminSessionTimeout=4000\\nmaxSessionTimeout=60000\\n")
-    {'minSessionTimeout': 4000, 'maxSessionTimeout': 60000}
+    {'minSessionTimeout': 4000, 'maxSessionTimeout': 60000, 'tickTime': 2000}
     """
-    found: Dict[str, Optional[int]] = {"minSessionTimeout": None, "maxSessionTimeout": None}
+    found: Dict[str, Optional[int]] = {"minSessionTimeout": None, "maxSessionTimeout": None, "tickTime": None}
     for line in conf_reply.splitlines():
         name, _, value = line.partition("=")
         if name.strip() in found and value.strip().isdigit():

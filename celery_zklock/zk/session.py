@@ -263,12 +263,12 @@ class Session:
         self.nodes.retry_deletes()
         now = time.monotonic()
         with self._lock:
-            silent = now - self.clock.last_answer
+            unproven = now - self.clock.last_answer
             lost = self.clock.tick(now)
             interval = self.clock.heartbeat_interval(now)
         if lost:
-            logger.warning("ZooKeeper session silent for %.1fs (session timeout %gs): its locks count as lost",
-                           silent, self.timeout)
+            logger.warning("ZooKeeper session unproven: the newest request known to have reached the leader was "
+                           "sent %.1fs ago (session timeout %gs): its locks count as lost", unproven, self.timeout)
             self._after(True)
         return interval
 

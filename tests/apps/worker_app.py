@@ -24,6 +24,7 @@ app.conf.update(
     zklock_root=os.environ.get("ZKT_ROOT", "/zklock-tests"),
     zklock_session_timeout=float(os.environ.get("ZKT_SESSION_TIMEOUT", "4")),
     zklock_connect_timeout=float(os.environ.get("ZKT_CONNECT_TIMEOUT", "5")),
+    zklock_server_tick_time=float(os.environ["ZKT_SERVER_TICK"]) if os.environ.get("ZKT_SERVER_TICK") else None,
     zklock_auth=os.environ.get("ZKT_AUTH"),
     zklock_acl=os.environ.get("ZKT_ACL", "open"),
     zklock_key_names="hashed" if os.environ.get("ZKT_KEY_SECRET") else "readable",

@@ -108,12 +108,17 @@ def test_check_reports_the_server(cli_env):
     out = cli(cli_env, "check")
     assert out.returncode == 0, out.stderr
     assert re.search(r"ZooKeeper 3\.\d+\.\d+, mode standalone", out.stdout) and "round trip" in out.stdout
+    # The tick is unset here: check says what the server's is (the harness ticks every 0.5 s).
+    assert "the servers tick every 0.5s: set zklock_server_tick_time=0.5" in out.stdout
+    ticked = cli({**cli_env, "ZKT_SERVER_TICK": "0.5"}, "check")
+    assert ticked.returncode == 0 and "zklock_server_tick_time=0.5s" in ticked.stdout and "note:" not in ticked.stdout
 
 
 @pytest.mark.parametrize("overrides, message", [
     ({"ZKT_SESSION_TIMEOUT": "-1"}, "zklock_session_timeout must be a positive number"),
     ({"ZKT_HOSTS": "127.0.0.1:0bad"}, "zklock_hosts has a bad host"),
     ({"ZKT_HOSTS": f"127.0.0.1:{free_port()}"}, "cannot be reached: Connection refused"),
+    ({"ZKT_SERVER_TICK": "0.1"}, "zklock_server_tick_time=0.1 is less than the servers' tickTime (0.5s)"),
 ])
 def test_check_fails_with_one_clear_line(cli_env, overrides, message):
     out = cli({**cli_env, **overrides}, "check")

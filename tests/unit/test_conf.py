@@ -30,6 +30,12 @@ def test_the_server_tick_is_at_most_half_the_session_timeout():
     with pytest.raises(ConfigurationError, match="zklock_server_tick_time=3 is more than half of "
                                                  "zklock_session_timeout=4"):
         Settings.from_conf({"zklock_server_tick_time": 3, "zklock_session_timeout": 4})
+    for wrong in (0, -1, "2", True):  # one message, whatever the wrong value
+        with pytest.raises(ConfigurationError, match=r"^zklock_server_tick_time must be None or a positive number "
+                                                     r"of seconds, not "):
+            Settings.from_conf({"zklock_server_tick_time": wrong})
+    with pytest.raises(ConfigurationError, match=r"it is in seconds: zoo.cfg's tickTime=2000 is 2\)$"):
+        Settings.from_conf({"zklock_server_tick_time": 2000})
 
 
 def test_password_is_never_shown():
