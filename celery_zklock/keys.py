@@ -173,6 +173,8 @@ def build_keys(parts: Sequence[KeyPart], arguments: Mapping[str, Any], call_args
             continue
         try:
             keys.append(_StableFormatter(where, part).vformat(part, (), arguments))
+        except KeyBuildError:
+            raise  # the formatter's own, which names the template already
         except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
             error = KeyBuildError(f"{where}: cannot build key {part!r} from the task's arguments: "
                                   f"{_what(exc, private)}")
@@ -223,8 +225,12 @@ class _StableFormatter(string.Formatter):
 
 
 def _unordered(value: Any, depth: int = 0) -> Optional[str]:
-    """The name of a dict or set in ``value`` (itself, or inside a list or tuple), else None."""
-    if isinstance(value, dict):
+    """The name of a mapping or set in ``value`` (itself, or inside a list or tuple), else None.
+
+    >>> import types; _unordered(types.MappingProxyType({"id": 1})), _unordered([1, {2}]), _unordered("s")
+    ('dict', 'set', None)
+    """
+    if isinstance(value, Mapping):  # dict, and any mapping that renders in its own order
         return "dict"
     if isinstance(value, (set, frozenset)):
         return "set"
