@@ -30,7 +30,7 @@ from kombu.utils.uuid import uuid
 from .. import signals
 from ..conf import Settings
 from ..exceptions import AlreadyQueued, ZooKeeperUnavailable
-from ..recipes.marker import claim, reap, release
+from ..recipes.marker import claim, reap, release, requeue, start_running
 from ..zk import Session, session_for, timeouts
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
@@ -154,20 +154,51 @@ def _seconds_until(expires: Any, app: Any) -> Optional[float]:
 
 @contextlib.contextmanager
 def marker_kept(task: Any, spec: LockSpec) -> Iterator[None]:
-    """Around a dedupe copy's run: its marker goes as it starts (``queued``) or when it is done
-    (``queued_or_running``), but not when it retries: the same copy runs again."""
+    """Around a dedupe copy's run: its marker goes as it starts (``queued``), or stands for it
+    for as long as this worker's session lives while it runs and goes when it is done
+    (``queued_or_running``); when it retries it is queued again: the same copy runs again."""
     marker = _marker_of(task.request) if spec.dedupe is not None else None
-    if marker is not None and spec.dedupe == "queued":
-        _release_marker(task, marker)  # started: the next publish queues a new copy
+    if marker is not None:
+        if spec.dedupe == "queued":
+            _release_marker(task, marker)  # started: the next publish queues a new copy
+        else:
+            _start_running(task, marker)
     finished = True
     try:
         yield
-    except Retry:
+    except Retry as exc:
         finished = False
+        if marker is not None and spec.dedupe == "queued_or_running":
+            _requeue(task, spec, marker, exc)
         raise
     finally:
         if marker is not None and spec.dedupe == "queued_or_running" and finished:
             _release_marker(task, marker)
+
+
+def _start_running(task: Any, path: str) -> None:
+    settings = settings_of(task.app)
+    # With acks_late a dead worker's message comes back: the queued life must go on.
+    may_return = bool(getattr(task.request, "acks_late", None) or task.acks_late)
+    try:
+        if not start_running(session_for(settings), path, task.request.id, may_return, settings.connect_timeout):
+            logger.warning("task %s[%s]: its dedupe marker %s no longer names it (its life ran out before the "
+                           "copy started, and another copy took it over): both may run", task.name,
+                           task.request.id, path)
+    except Exception as exc:  # the copy runs all the same; its marker lives out its queued life
+        logger.warning("task %s[%s]: could not mark its dedupe marker %s running (%s); it stands for the copy "
+                       "until it expires", task.name, task.request.id, path, exc)
+
+
+def _requeue(task: Any, spec: LockSpec, path: str, retry: Retry) -> None:
+    app = task.app
+    settings = settings_of(app)
+    ttl = spec.marker_ttl(task_defaults(app)) + max(0.0, _seconds_until(getattr(retry, "when", None), app) or 0.0)
+    try:
+        requeue(session_for(settings), path, task.request.id, time.time() + ttl, settings.connect_timeout)
+    except Exception as exc:  # its running child goes with this session; the key may be free meanwhile
+        logger.warning("task %s[%s]: could not queue its dedupe marker %s again for the retry (%s)",
+                       task.name, task.request.id, path, exc)
 
 
 def _marker_of(request: Any) -> Optional[str]:

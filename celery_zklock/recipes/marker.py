@@ -1,11 +1,15 @@
 """One marker per key: "a copy of this work is queued (or running)", for enqueue-time dedupe.
 
-The marker is one persistent node per key, holding the copy's task id and expiry. A
-publisher creates it; the create is atomic, so two publishers never both get it. A
-publisher that finds an expired marker takes it over with a versioned ``set``, never a
-delete and create, so the node's version only grows while it lives. The worker running
-a copy deletes the marker only if it still names that copy, with the version it read:
-a late worker can never delete a newer copy's marker (no ABA).
+The marker is one persistent node per key, holding the copy's task id and expiry: while
+the copy is queued its message sits in the broker with no session behind it, so a lost
+message can only be presumed after a lifetime. A publisher creates it; the create is
+atomic, so two publishers never both get it. A publisher that finds an expired marker
+takes it over with a versioned ``set``. While the copy runs (``queued_or_running``), the
+running worker keeps an ephemeral child, ``running``, under it (:func:`start_running`):
+a marker with that child stands for its copy whatever its expiry, for exactly as long as
+the worker's session lives, with no lifetime guess. The worker running a copy deletes
+the marker only if it still names that copy, with the version it read: a late worker
+can never delete a newer copy's marker (no ABA).
 
 Example::
 
@@ -22,12 +26,12 @@ import json
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotEmptyError
 
 from ..layout import node_object
 from ..zk import Session, deadline, reply
 
-__all__ = ["claim", "live", "read_marker", "reap", "release"]
+__all__ = ["RUNNING", "claim", "live", "read_marker", "reap", "release", "requeue", "start_running"]
 
 
 def read_marker(raw: bytes) -> Optional[Dict[str, Any]]:
@@ -52,6 +56,10 @@ def live(marker: Optional[Dict[str, Any]], now: float) -> bool:
     return marker is not None and marker["expires"] > now
 
 
+#: The ephemeral child of a marker whose copy is running.
+RUNNING = "running"
+
+
 def claim(session: Session, path: str, data: Dict[str, Any],
           timeout: Optional[float] = None) -> Tuple[Optional[Dict[str, Any]], int]:
     """Make ``path`` our marker, holding ``data``. Returns (None, our version) when it is ours,
@@ -70,8 +78,8 @@ def claim(session: Session, path: str, data: Dict[str, Any],
         except NoNodeError:
             continue  # its copy started meanwhile: create again
         marker = read_marker(current)
-        if live(marker, time.time()):
-            return marker, -1
+        if marker is not None and (stat.numChildren or live(marker, time.time())):
+            return marker, -1  # queued, or running (its worker's session keeps a child under it)
         try:
             # Its copy's message is presumed lost: take the node over, version-checked.
             reply(client.set_async(path, raw, version=stat.version), until)
@@ -81,8 +89,41 @@ def claim(session: Session, path: str, data: Dict[str, Any],
     raise RuntimeError(f"marker {path} kept changing under us")  # five races in a row: not expected
 
 
-def release(session: Session, path: str, task_id: str, timeout: Optional[float] = None) -> bool:
-    """Delete the marker at ``path`` if it still names ``task_id``; True if deleted."""
+def start_running(session: Session, path: str, task_id: str, message_may_return: bool,
+                  timeout: Optional[float] = None) -> bool:
+    """Copy ``task_id`` starts to run: put an ephemeral ``running`` child under its marker, so
+    the marker stands for it exactly as long as ``session`` lives. Unless its message may come
+    back to the queue (``acks_late``), the marker's queued life ends here too: if the worker
+    dies, the key is free when its session ends. True if done; False if the marker no longer
+    names this copy (its life ran out before the copy started, and another copy took it over).
+    """
+    client = session.client
+    until = deadline(timeout)
+    for _ in range(5):
+        try:
+            current, stat = reply(client.get_async(path), until)
+        except NoNodeError:
+            return False
+        marker = read_marker(current)
+        if marker is None or marker["task_id"] != task_id:
+            return False
+        tx = client.transaction()
+        if message_may_return:
+            tx.check(path, stat.version)
+        else:
+            tx.set_data(path, json.dumps({**marker, "expires": 0.0}).encode(), version=stat.version)
+        tx.create(f"{path}/{RUNNING}", task_id.encode(), ephemeral=True)
+        results = reply(tx.commit_async(), until)
+        if not any(isinstance(r, Exception) for r in results):
+            return True
+        if isinstance(results[1], NodeExistsError):
+            return True  # ours, from a commit whose reply was lost
+    return False
+
+
+def requeue(session: Session, path: str, task_id: str, expires: float, timeout: Optional[float] = None) -> bool:
+    """Copy ``task_id`` goes back to the queue (a retry): its marker loses the ``running``
+    child and lives until ``expires`` (wall clock), as its message has no session behind it."""
     client = session.client
     until = deadline(timeout)
     try:
@@ -91,12 +132,39 @@ def release(session: Session, path: str, task_id: str, timeout: Optional[float] 
         return False
     marker = read_marker(current)
     if marker is None or marker["task_id"] != task_id:
-        return False  # a newer copy's marker: not ours to delete
-    try:
-        reply(client.delete_async(path, version=stat.version), until)
-        return True
-    except (BadVersionError, NoNodeError):
-        return False  # taken over or deleted since we read it: not ours any more
+        return False
+    tx = client.transaction()
+    if stat.numChildren:
+        tx.delete(f"{path}/{RUNNING}")
+    tx.set_data(path, json.dumps({**marker, "expires": expires}).encode(), version=stat.version)
+    results = reply(tx.commit_async(), until)
+    return not any(isinstance(r, Exception) for r in results)
+
+
+def release(session: Session, path: str, task_id: str, timeout: Optional[float] = None) -> bool:
+    """Delete the marker at ``path`` (and its ``running`` child) if it still names ``task_id``;
+    True if deleted."""
+    client = session.client
+    until = deadline(timeout)
+    for _ in range(3):
+        try:
+            current, stat = reply(client.get_async(path), until)
+        except NoNodeError:
+            return False
+        marker = read_marker(current)
+        if marker is None or marker["task_id"] != task_id:
+            return False  # a newer copy's marker: not ours to delete
+        tx = client.transaction()
+        if stat.numChildren:
+            tx.delete(f"{path}/{RUNNING}")
+        tx.delete(path, version=stat.version)
+        results = reply(tx.commit_async(), until)
+        if not any(isinstance(r, Exception) for r in results):
+            return True
+        if not (stat.numChildren and isinstance(results[0], NoNodeError)):
+            return False  # taken over or deleted since we read it: not ours any more
+        # Its running child went with its session since we read it: read again.
+    return False
 
 
 def reap(session: Session, tree: str, timeout: Optional[float] = None) -> int:
@@ -120,13 +188,13 @@ def reap(session: Session, tree: str, timeout: Optional[float] = None) -> int:
             raw, stat = reply(result, until)
         except NoNodeError:
             continue  # its copy started meanwhile
-        if not live(read_marker(raw), now):
+        if not stat.numChildren and not live(read_marker(raw), now):  # a running copy's marker stays
             deletes.append(client.delete_async(path, version=stat.version))
     gone = 0
     for result in deletes:
         try:
             reply(result, until)
             gone += 1
-        except (BadVersionError, NoNodeError):
-            pass  # taken over by a new copy, or released, since we read it
+        except (BadVersionError, NoNodeError, NotEmptyError):
+            pass  # taken over by a new copy, released, or started running, since we read it
     return gone

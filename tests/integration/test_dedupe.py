@@ -222,7 +222,8 @@ def test_a_marker_release_that_fails_is_tried_again_until_done(env, zk_server):
     # One blip as the copy starts: its marker's delete dies with the connection. Left there, it
     # would answer every publish with this finished copy's id for the rest of its life.
     with TcpProxy(zk_server.port) as proxy, conf(zklock_hosts=proxy.hosts, task_always_eager=True):
-        held = proxy.hold_request(Op.DELETE)  # eager: the copy is published and runs here
+        dedupe_app.debounced.delay("warm", 1)  # the session's first publish claims the key-name scheme
+        held = proxy.hold_request(Op.MULTI)  # eager: the copy is published and runs here; its release
 
         def blip() -> None:
             held.wait_matched()
@@ -249,6 +250,21 @@ def test_a_revoked_copys_marker_never_holds_up_the_consumer(env):
         assert time.monotonic() - started < 1.0
     with dedupe._releases._lock:
         dedupe._releases._pending.clear()  # nothing to retry against a server that never was
+
+
+def test_a_running_copy_keeps_its_key_for_as_long_as_it_runs_not_for_a_lifetime(env, workers, redis_server):
+    # queued_or_running: the copy runs 5 s, past its marker's 3 s life (zklock_dedupe_ttl=3 for
+    # this publisher). While it runs, its marker stands for it as long as the worker's session.
+    workers("w1", concurrency=2)
+    first = dedupe_app.singleton.delay("long", 5000)
+    published = time.monotonic()
+    wait_until(lambda: any(e["event"] == "start" and e["task_id"] == first.id
+                           for e in history(redis_server.url)[1]), timeout=30)
+    time.sleep(max(0.0, published + 3.5 - time.monotonic()))  # past the marker's life: the schedule under test
+    assert dedupe_app.singleton.delay("long", 5000).id == first.id  # still running: a duplicate
+    first.get(timeout=30)
+    wait_until(lambda: marker_of(env, "long") == [], timeout=10)
+    assert dedupe_app.singleton.delay("long", 1).id != first.id  # done: a new copy
 
 
 def test_a_failed_send_deletes_its_marker(env):
