@@ -267,6 +267,21 @@ def test_a_running_copy_keeps_its_key_for_as_long_as_it_runs_not_for_a_lifetime(
     assert dedupe_app.singleton.delay("long", 1).id != first.id  # done: a new copy
 
 
+def test_a_pool_process_killed_mid_body_frees_its_key_when_its_session_ends(env, workers, redis_server):
+    # The worker reports WorkerLostError; the message is gone (no acks_late). The marker must
+    # not outlive the dead process's session (4 s here) by its 600 s life.
+    workers("w1", concurrency=1)
+    with conf(zklock_dedupe_ttl=600):
+        dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
+        first = dedupe_app.singleton.delay("killed-child", 20000)
+        wait_until(lambda: any(e["event"] == "start" and e["task_id"] == first.id
+                               for e in history(redis_server.url)[1]), timeout=30)
+        [child] = {e["pid"] for e in history(redis_server.url)[1] if e["task_id"] == first.id}
+        os.kill(child, signal.SIGKILL)
+        wait_until(lambda: dedupe_app.singleton.delay("killed-child", 1).id != first.id, timeout=15)
+    dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
+
+
 def test_a_failed_send_deletes_its_marker(env):
     app = Celery("failsend", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)  # nothing there
     app.conf.update(zklock_hosts=env["ZKT_HOSTS"], zklock_root=env["ZKT_ROOT"])
