@@ -165,7 +165,27 @@ def leader_only(scheduler_cls: S) -> S:
     return cast(S, type(f"LeaderOnly{scheduler_cls.__name__}", (_Leadership, scheduler_cls), {
         "__module__": scheduler_cls.__module__,
         "__doc__": f"{scheduler_cls.__name__} that dispatches only while it leads the beat election.",
+        "on_leadership": _read_again_then_lead,
     }))
+
+
+def _read_again_then_lead(self: Any) -> None:
+    """A leader_only scheduler becomes leader: read its shared state again first.
+
+    It read the schedule when the beat started (or last led); another leader has run
+    entries since, and a schedule read then would send them again. Celery rebuilds its
+    heap from ``schedule`` when the heap is None. django-celery-beat's DatabaseScheduler
+    re-reads the database only on its first read, on a change it is told of, or every
+    5 minutes: ask for a first read again, and drop what it has not written yet (its
+    runs from an earlier leadership, older than the database's).
+    """
+    if hasattr(self, "_initial_read"):
+        self._initial_read = True
+        dirty = getattr(self, "_dirty", None)
+        if isinstance(dirty, set):
+            dirty.clear()
+    self._heap = None
+    _Leadership.on_leadership(self)
 
 
 class LeaderScheduler(_Leadership):

@@ -14,4 +14,4 @@ from celery.signals import before_task_publish
 @before_task_publish.connect(weak=False)
 def _stamp(headers: Any = None, **kwargs: Any) -> None:
     if headers is not None:
-        headers["sent_by"] = {"pid": os.getpid(), "sent": time.time()}
+        headers["sent_by"] = {"pid": os.getpid(), "sent": time.time(), "task": headers.get("task")}

@@ -70,3 +70,35 @@ def test_one_beat_dispatches_and_a_killed_leader_hands_over_within_the_session_t
     finally:
         for beat in beats:
             beat.close()
+
+
+def test_a_new_django_leader_dispatches_from_the_current_schedule_not_the_one_it_read_at_start(
+        redis_server, zk_server, zk_root, tmp_path):
+    # Both beats read the schedule at start. The leader runs a 20 s entry and hands over
+    # cleanly (SIGTERM): the new leader must not send it again before it is due.
+    app, scheduler = SCHEDULERS["django-celery-beat"]
+    queue = f"tp-{uuid.uuid4().hex[:8]}"
+    env: Dict[str, str] = {**os.environ, "ZKT_BROKER": redis_server.url, "ZKT_HOSTS": zk_server.hosts,
+                           "ZKT_ROOT": zk_root, "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": str(TIMEOUT),
+                           "ZKT_DJANGO_DB": str(tmp_path / "db.sqlite3"), "ZKT_SLOW_ENTRY": "1",
+                           "PYTHONPATH": os.getcwd()}
+    subprocess.run([sys.executable, "-c", "import tests.apps.django_project.celery; from django.core.management "
+                    "import call_command; call_command('migrate', verbosity=0)"], env=env, check=True, timeout=120)
+    slow = "tests.apps.django_project.celery.slow_tick"
+    beats = [CeleryBeat(app, name=f"django-{i}", scheduler=scheduler, env=env) for i in range(2)]
+    try:
+        for beat in beats:
+            beat.start(wait=False)
+        wait_until(lambda: any(d["task"] == slow for d in sent(redis_server.url, queue)), timeout=60)
+        [first] = [d for d in sent(redis_server.url, queue) if d["task"] == slow]
+        leader = next(b for b in beats if b.pid == first["pid"])
+        standby = next(b for b in beats if b is not leader)
+        leader.signal(signal.SIGTERM)  # a clean handover, as in a rolling restart
+        wait_until(lambda: any(d["pid"] == standby.pid for d in sent(redis_server.url, queue)), timeout=30)
+        wait_until(lambda: len([d for d in sent(redis_server.url, queue) if d["task"] == slow]) >= 2, timeout=40)
+        runs = [d for d in sent(redis_server.url, queue) if d["task"] == slow]
+        gap = runs[1]["sent"] - runs[0]["sent"]
+        assert runs[1]["pid"] == standby.pid and gap >= 19.0, f"the 20 s entry ran again {gap:.1f}s after its last run"
+    finally:
+        for beat in beats:
+            beat.close()

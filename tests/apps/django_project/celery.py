@@ -17,3 +17,8 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 @app.task
 def tick() -> None:
     pass
+
+
+@app.task
+def slow_tick() -> None:
+    pass

@@ -15,7 +15,9 @@ CELERY_BROKER_URL = os.environ.get("ZKT_BROKER", "memory://")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("ZKT_QUEUE", "celery")
 CELERY_BEAT_MAX_LOOP_INTERVAL = 1
-CELERY_BEAT_SCHEDULE = {"every-second": {"task": "tests.apps.django_project.celery.tick", "schedule": 1.0}}
+CELERY_BEAT_SCHEDULE = {"every-second": {"task": "tests.apps.django_project.celery.tick", "schedule": 1.0},
+                        **({"every-20s": {"task": "tests.apps.django_project.celery.slow_tick", "schedule": 20.0}}
+                           if os.environ.get("ZKT_SLOW_ENTRY") else {})}
 CELERY_ZKLOCK_HOSTS = os.environ.get("ZKT_HOSTS", "127.0.0.1:1")
 CELERY_ZKLOCK_ROOT = os.environ.get("ZKT_ROOT", "/zklock-tests")
 CELERY_ZKLOCK_SESSION_TIMEOUT = float(os.environ.get("ZKT_SESSION_TIMEOUT", "4"))
