@@ -6,10 +6,11 @@ Each function leans on something Celery does not promise to keep;
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, List
 
 __all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "on_task_made",
-           "wrap_apply_async"]
+           "wrap_apply_async", "wrap_send_task"]
 
 
 def current_task() -> Any:
@@ -40,6 +41,10 @@ def finalized_apps() -> List[Any]:
     return [app for app in list(_get_active_apps()) if app.finalized]
 
 
+#: How deep this thread is in a wrapped ``Task.apply_async`` (its ``send_task`` is that publish's own).
+_publishing = threading.local()
+
+
 def wrap_apply_async(hook: Callable[..., Any]) -> None:
     """Route every ``Task.apply_async`` through ``hook(task, original, args, kwargs, options)``.
 
@@ -55,11 +60,36 @@ def wrap_apply_async(hook: Callable[..., Any]) -> None:
         return
 
     def apply_async(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        return hook(self, original, args, kwargs, options)
+        depth = getattr(_publishing, "depth", 0)
+        _publishing.depth = depth + 1
+        try:
+            return hook(self, original, args, kwargs, options)
+        finally:
+            _publishing.depth = depth
 
     apply_async.__doc__ = original.__doc__
     apply_async.__zklock_wrapped__ = True  # type: ignore[attr-defined]
     Task.apply_async = apply_async  # type: ignore[method-assign]
+
+
+def wrap_send_task(hook: Callable[..., Any]) -> None:
+    """Route every ``Celery.send_task`` that is not a wrapped ``apply_async``'s own through
+    ``hook(app, original, name, args, kwargs, options)``: a task sent by name (``celery call``,
+    Flower) goes through the same publish as one sent by ``delay()``."""
+    from celery.app.base import Celery
+
+    original = Celery.send_task
+    if getattr(original, "__zklock_wrapped__", False):
+        return
+
+    def send_task(self: Any, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if getattr(_publishing, "depth", 0):
+            return original(self, name, args, kwargs, **options)
+        return hook(self, original, name, args, kwargs, options)
+
+    send_task.__doc__ = original.__doc__
+    send_task.__zklock_wrapped__ = True  # type: ignore[attr-defined]
+    Celery.send_task = send_task  # type: ignore[method-assign]
 
 
 def on_task_made(hook: Callable[[Any], None]) -> None:

@@ -36,7 +36,7 @@ from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
 from .options import LockSpec, spec_of
 
-__all__ = ["MARKER_HEADER", "marker_kept", "publish", "revoked"]
+__all__ = ["MARKER_HEADER", "marker_kept", "publish", "revoked", "send_by_name"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -140,6 +140,19 @@ def _claim(session: Session, tree: str, path: str, data: Dict[str, Any], timeout
         session.nodes.path_gone(tree)
         session.nodes.ensure_path(tree, timeout)
         return claim(session, path, data, timeout)[0]
+
+
+def send_by_name(app: Any, original: Callable[..., Any], name: str, args: Any, kwargs: Any,
+                 options: Dict[str, Any]) -> Any:
+    """``Celery.send_task``: a dedupe task this app has registered is published as ``delay()`` would
+    publish it, marker and all; any other name is sent as it is (its dedupe, if any, is unknown here)."""
+    try:
+        task = app.tasks.get(name)
+    except RuntimeError:  # autofinalize off and not finalized: nothing registered to go by
+        task = None
+    if task is None or _dedupe_spec(task) is None:
+        return original(app, name, args, kwargs, **options)
+    return task.apply_async(args, kwargs, **options)
 
 
 def _seconds_until(expires: Any, app: Any) -> Optional[float]:

@@ -26,10 +26,11 @@ it looks at each task Celery makes from a function as it is made. Then:
      to that app after the look (a worker's ``--include`` modules, a test's task).
 
 3. :func:`install` is idempotent. It routes ``Task.apply_async`` through the dedupe
-   publish, and connects ``task_revoked`` (a revoked copy's marker), ``worker_init``
-   (refuse a worker whose locked tasks or settings are wrong), ``worker_ready`` (say
-   which keys ZooKeeper shows in clear), ``worker_process_init`` (open the session
-   in the background, before the first task) and ``worker_process_shutdown``/``worker_shutdown`` (close
+   publish (and ``Celery.send_task``, for a dedupe task sent by name), and connects
+   ``task_revoked`` (a revoked copy's marker), ``worker_init`` (refuse a worker whose
+   locked tasks or settings are wrong), ``worker_ready`` (say which keys ZooKeeper
+   shows in clear), ``worker_process_init`` (open the session in the background,
+   before the first task) and ``worker_process_shutdown``/``worker_shutdown`` (close
    the sessions, so their locks go at once). Each receiver checks the app it hears
    about: an app that does not use celery-zklock pays one lookup per publish.
 
@@ -60,7 +61,14 @@ from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
 from . import dedupe
 from .api import claim_scheme, layout_of, settings_of, task_defaults
-from .celery_internals import connect_on_app_finalize, current_app, finalized_apps, on_task_made, wrap_apply_async
+from .celery_internals import (
+    connect_on_app_finalize,
+    current_app,
+    finalized_apps,
+    on_task_made,
+    wrap_apply_async,
+    wrap_send_task,
+)
 from .options import LockSpec, locked_tasks, problems, stray, strays
 
 __all__ = ["install", "task_defined", "uses_zklock"]
@@ -78,6 +86,7 @@ def install() -> None:
         if _installed:
             return
         wrap_apply_async(dedupe.publish)
+        wrap_send_task(dedupe.send_by_name)
         task_revoked.connect(dedupe.revoked, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
         worker_ready.connect(_tell_about_readable_arguments, weak=False)

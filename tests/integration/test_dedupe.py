@@ -282,6 +282,18 @@ def test_a_pool_process_killed_mid_body_frees_its_key_when_its_session_ends(env,
     dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
 
 
+def test_a_dedupe_task_sent_by_name_is_deduplicated_as_delay_would(env):
+    # send_task is what `celery call` and Flower use: where the publishing app has the task
+    # registered, its dedupe applies.
+    name = "tests.apps.dedupe_app.debounced"
+    first = dedupe_app.app.send_task(name, args=("byname", 1))
+    assert dedupe_app.app.send_task(name, args=("byname", 1)).id == first.id
+    assert dedupe_app.debounced.delay("byname", 1).id == first.id
+    assert len(marker_of(env, "byname")) == 1
+    assert redis.Redis.from_url(env["ZKT_BROKER"]).llen(env["ZKT_QUEUE"]) == 1
+    assert dedupe_app.app.send_task("tests.apps.dedupe_app.unknown_here", args=(1,)).id  # sent as it is
+
+
 def test_a_failed_send_deletes_its_marker(env):
     app = Celery("failsend", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)  # nothing there
     app.conf.update(zklock_hosts=env["ZKT_HOSTS"], zklock_root=env["ZKT_ROOT"])
