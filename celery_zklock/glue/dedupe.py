@@ -86,6 +86,13 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
         raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
                                    f"({type(exc).__name__}: {exc}); dedupe_on_unavailable='publish' publishes "
                                    "anyway") from None
+    if existing is not None and _in_a_canvas(options):
+        # Answering with the queued copy would drop what this copy carries: a chain's tail, a
+        # chord's body, a group's count, a link. Nothing is dropped silently: publish it.
+        logger.warning("%s: published although a copy with key %r is %s (task id %s): a copy inside a canvas "
+                       "(chain, chord, group, link) is never deduplicated, or its canvas would never complete",
+                       where, layout.label(key), str(spec.dedupe).replace("_", " "), existing["task_id"])
+        return original(task, args, kwargs, task_id=task_id, **options)
     if existing is not None:
         signals.task_deduplicated.send(sender=task, key=layout.label(key), task_id=existing["task_id"])
         if spec.on_duplicate == "raise":
@@ -140,6 +147,19 @@ def _claim(session: Session, tree: str, path: str, data: Dict[str, Any], timeout
         session.nodes.path_gone(tree)
         session.nodes.ensure_path(tree, timeout)
         return claim(session, path, data, timeout)[0]
+
+
+#: Options by which a copy carries more work than itself.
+_CANVAS_OPTIONS = ("chain", "chord", "group_id", "link", "link_error")
+
+
+def _in_a_canvas(options: Dict[str, Any]) -> bool:
+    """Whether a publish carries a canvas: work that depends on this very copy running.
+
+    >>> _in_a_canvas({"countdown": 5}), _in_a_canvas({"link": ["sig"]}), _in_a_canvas({"chain": None})
+    (False, True, False)
+    """
+    return any(options.get(name) for name in _CANVAS_OPTIONS)
 
 
 def send_by_name(app: Any, original: Callable[..., Any], name: str, args: Any, kwargs: Any,

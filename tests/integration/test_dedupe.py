@@ -294,6 +294,20 @@ def test_a_dedupe_task_sent_by_name_is_deduplicated_as_delay_would(env):
     assert dedupe_app.app.send_task("tests.apps.dedupe_app.unknown_here", args=(1,)).id  # sent as it is
 
 
+def test_a_duplicate_inside_a_canvas_is_published_so_its_canvas_completes(env, workers, redis_server, caplog):
+    # A group of two copies of one key, and a chain whose head duplicates a queued copy:
+    # answering with the queued copy would leave the group at 1 of 2 and drop the chain's tail.
+    from celery import chain, group
+
+    workers("w1", concurrency=2)
+    both = group(dedupe_app.debounced.s("cv", 50), dedupe_app.debounced.s("cv", 50)).apply_async()
+    assert both.get(timeout=30) == [None, None]
+    dedupe_app.debounced.delay("head", 1000)
+    tail = chain(dedupe_app.debounced.si("head", 1), dedupe_app.singleton.si("tail", 1)).apply_async()
+    assert tail.get(timeout=30) is None  # the tail ran
+    assert "a copy inside a canvas (chain, chord, group, link) is never deduplicated" in caplog.text
+
+
 def test_a_failed_send_deletes_its_marker(env):
     app = Celery("failsend", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)  # nothing there
     app.conf.update(zklock_hosts=env["ZKT_HOSTS"], zklock_root=env["ZKT_ROOT"])
