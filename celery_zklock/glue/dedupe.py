@@ -186,27 +186,41 @@ def _seconds_until(expires: Any, app: Any) -> Optional[float]:
 
 
 @contextlib.contextmanager
-def marker_kept(task: Any, spec: LockSpec) -> Iterator[None]:
-    """Around a dedupe copy's run: its marker goes as it starts (``queued``), or stands for it
-    for as long as this worker's session lives while it runs and goes when it is done
-    (``queued_or_running``); when it retries it is queued again: the same copy runs again."""
+def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
+    """Around a dedupe copy's run; yields ``started``, to call as its body starts.
+
+    ``queued``: the marker goes as the body starts, after the copy's locks are held: a
+    copy that retries for a held lock has not started, is queued again under the same
+    task id, and keeps it (so publishes meanwhile still find it). A copy that ends
+    without its body running (skipped, refused) gives it back as it ends.
+    ``queued_or_running``: the marker stands for the copy for as long as this worker's
+    session lives while it runs, and goes when it is done; when it retries it is queued
+    again. Either way a retry is the same copy and keeps its marker.
+    """
     marker = _marker_of(task.request) if spec.dedupe is not None else None
-    if marker is not None:
-        if spec.dedupe == "queued":
-            _release_marker(task, marker)  # started: the next publish queues a new copy
-        else:
-            _start_running(task, marker)
+    released = [False]
+
+    def started() -> None:
+        if marker is not None and spec.dedupe == "queued" and not released[0]:
+            released[0] = True
+            _release_marker(task, marker)  # the next publish queues a new copy
+
+    if marker is not None and spec.dedupe == "queued_or_running":
+        _start_running(task, marker)
     finished = True
     try:
-        yield
+        yield started
     except Retry as exc:
         finished = False
         if marker is not None and spec.dedupe == "queued_or_running":
             _requeue(task, spec, marker, exc)
         raise
     finally:
-        if marker is not None and spec.dedupe == "queued_or_running" and finished:
-            _release_marker(task, marker)
+        if marker is not None and finished:
+            if spec.dedupe == "queued_or_running":
+                _release_marker(task, marker)
+            else:
+                started()  # ended without its body running: the key is free all the same
 
 
 def _start_running(task: Any, path: str) -> None:

@@ -87,8 +87,11 @@ def _locked_run(fn: Callable[..., Any], locking: Locking) -> Callable[..., Any]:
         if task is None:
             raise ConfigurationError(f"{spec.where}: a locked task's body runs only as a Celery task")
         bound = bool(args) and args[0] is task  # bind=True, or a ZkLockedTask's run method
-        body = functools.partial(fn, *args, **kwargs)
-        with marker_kept(task, spec):
+        with marker_kept(task, spec) as started:
+            def body() -> Any:
+                started()  # its locks are held: a queued copy's marker goes now
+                return fn(*args, **kwargs)
+
             return run_locked(task, spec, fn, args, kwargs, bound, body) if spec.lock else body()
 
     return locking.attach(run)

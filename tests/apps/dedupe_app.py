@@ -77,3 +77,9 @@ def retried(self, key: str) -> None:
     body(key, 10)
     if self.request.retries == 0:
         raise self.retry(countdown=1)  # the same copy runs again: it keeps its marker
+
+
+@app.task(bind=True, max_retries=None)
+@zk_locked(key="k:{key}", dedupe="queued", on_contention="retry", retry_countdown=0.3)
+def contended(self, key: str, ms: float) -> None:
+    body(key, ms)

@@ -308,6 +308,24 @@ def test_a_duplicate_inside_a_canvas_is_published_so_its_canvas_completes(env, w
     assert "a copy inside a canvas (chain, chord, group, link) is never deduplicated" in caplog.text
 
 
+def test_a_queued_copy_retrying_for_a_held_lock_keeps_its_marker_so_copies_never_pile_up(env, workers,
+                                                                                       redis_server):
+    # dedupe="queued", on_contention="retry": a copy that meets a held lock has not started;
+    # it is queued again under its own id, and publishes meanwhile must find it.
+    import celery_zklock
+
+    workers("w1", concurrency=2)
+    with celery_zklock.lock(dedupe_app.app, "k:busy"):
+        first = dedupe_app.contended.delay("busy", 1)
+        wait_until(lambda: len([e for e in history(redis_server.url)[1]
+                                if e["event"] == "pre" and e["task_id"] == first.id]) >= 2, timeout=30)  # retried
+        assert {dedupe_app.contended.delay("busy", 1).id for _ in range(6)} == {first.id}
+    first.get(timeout=30)
+    starts = [e for e in history(redis_server.url)[1] if e["event"] == "start" and e["key"] == "busy"]
+    assert [e["task_id"] for e in starts] == [first.id]  # one copy ran, once
+    wait_until(lambda: marker_of(env, "busy") == [], timeout=10)
+
+
 def test_a_failed_send_deletes_its_marker(env):
     app = Celery("failsend", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)  # nothing there
     app.conf.update(zklock_hosts=env["ZKT_HOSTS"], zklock_root=env["ZKT_ROOT"])
