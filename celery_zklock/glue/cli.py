@@ -21,7 +21,7 @@ import time
 from typing import Any, Dict, List, NoReturn, Optional
 
 import click
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import BadVersionError, NoNodeError
 
 from ..conf import Settings, beat_name, describe
 from ..exceptions import ZkLockError
@@ -124,7 +124,7 @@ def queued(session: Session, root: str) -> List[Dict[str, Any]]:
     now = time.time()
     base = Layout(root).queued_tree
     rows = []
-    for name, (raw, _) in sorted(_read(session, base, _children(session, base)).items()):
+    for name, (raw, stat) in sorted(_read(session, base, _children(session, base)).items()):
         marker = read_marker(raw) or {}
         expires = marker.get("expires")
         enqueued = marker.get("enqueued")
@@ -132,7 +132,7 @@ def queued(session: Session, root: str) -> List[Dict[str, Any]]:
                      "task": marker.get("task"), "task_id": marker.get("task_id"),
                      "age": round(now - enqueued, 3) if isinstance(enqueued, (int, float)) else None,
                      "expires_in": round(expires - now, 3) if isinstance(expires, (int, float)) else None,
-                     "path": f"{base}/{name}"})
+                     "running": bool(stat.numChildren), "version": stat.version, "path": f"{base}/{name}"})
     return rows
 
 
@@ -319,6 +319,39 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
             _age(r["expires_in"]) if r["expires_in"] is not None else "?")
         click.echo(f"  {_cell(r['key'], 32)} {_cell(r['task'] or '-', 28)} {str(r['task_id'] or '-'):<36} "
                    f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
+
+
+@zklock.command(name="clear-queued")
+@click.option("--task", "task_name", required=True, help="The task whose markers to clear (its registered name).")
+@click.option("--key", default=None, help="Only this key's marker (the key as the task renders it, like 'user:42').")
+@click.pass_context
+def clear_queued(ctx: click.Context, task_name: str, key: Optional[str]) -> None:
+    """Delete stale dedupe markers: after `celery purge`, or when a copy's message is known lost.
+
+    A marker whose copy is running (its worker's session holds it) is left alone: it goes
+    when the copy ends. Each delete is version-checked, so a marker a publisher took over
+    meanwhile stays.
+    """
+    settings, session, app = _connect(ctx)
+    try:
+        layout = layout_of(app)
+        path = layout.queued(task_name, key) if key is not None else None
+        rows = [r for r in queued(session, settings.root)
+                if r["task"] == task_name and (path is None or r["path"] == path)]
+        cleared, running = 0, 0
+        for r in rows:
+            if r["running"]:
+                running += 1
+                continue
+            try:
+                session.client.delete(r["path"], version=r["version"])
+                cleared += 1
+            except (NoNodeError, BadVersionError):
+                pass  # released or taken over since we read it: not stale
+    finally:
+        session.close()
+    click.echo(f"cleared {cleared} marker(s) of {task_name}" + (f" with key {key!r}" if key is not None else "")
+               + (f"; {running} left: their copies are running" if running else ""))
 
 
 @zklock.command()

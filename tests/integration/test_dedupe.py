@@ -326,6 +326,20 @@ def test_a_queued_copy_retrying_for_a_held_lock_keeps_its_marker_so_copies_never
     wait_until(lambda: marker_of(env, "busy") == [], timeout=10)
 
 
+def test_an_operator_clears_a_stale_marker_after_a_purge(env):
+    first = dedupe_app.debounced.delay("purged", 1)
+    dedupe_app.debounced.delay("kept", 1)
+    dedupe_app.app.control.purge()
+    assert dedupe_app.debounced.delay("purged", 1).id == first.id  # the marker outlives the purge
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.dedupe_app", "zklock", "clear-queued",
+                          "--task", "tests.apps.dedupe_app.debounced", "--key", "k:purged"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "cleared 1 marker(s) of tests.apps.dedupe_app.debounced with key 'k:purged'" in out.stdout
+    assert dedupe_app.debounced.delay("purged", 1).id != first.id
+    assert marker_of(env, "kept") != []  # another key's marker stays
+
+
 def test_a_failed_send_deletes_its_marker(env):
     app = Celery("failsend", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)  # nothing there
     app.conf.update(zklock_hosts=env["ZKT_HOSTS"], zklock_root=env["ZKT_ROOT"])
