@@ -97,7 +97,9 @@ class Nodes:
                         f"zklock_key_names: {self.root} is in use with {kind} key names"
                         + (" under another zklock_key_secret" if kind == ours else "")
                         + f" and {busy}; this process names keys as {ours}, so their locks would not exclude "
-                        "each other. Stop every worker and publisher of the old setting, then start the new ones")
+                        "each other. If that is another project sharing this ZooKeeper, give each its own "
+                        "zklock_root; if it is this app's old setting, stop every worker and publisher of it, "
+                        "then start the new ones")
             tx = client.transaction()
             tx.set_data(self.root, data, version=stat.version)  # any claim in between makes this fail
             tx.create(member, ephemeral=True)
