@@ -79,6 +79,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_default_on_contention": "wait",
     "zklock_default_timeout": 60.0,
     "zklock_dedupe_ttl": 3600.0,
+    "zklock_dedupe_publish_timeout": 2.0,
     "zklock_beat_name": None,
 }
 
@@ -126,6 +127,10 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                      "`skip`, `retry` or `raise`."),
     "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
                                "`None` waits forever."),
+    "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "
+                                      "ZooKeeper, a session and its marker, before `dedupe_on_unavailable` "
+                                      "applies. After a failed attempt, publishes apply it at once for a few "
+                                      "seconds rather than try again."),
     "zklock_dedupe_ttl": ("seconds", "Life of a dedupe marker whose message was lost (a call's `expires` "
                           "shortens it; `countdown` and `eta` add their delay)."),
     "zklock_beat_name": ("str", "Name of the beat election: beats with the same name elect one leader. "
@@ -401,6 +406,7 @@ class TaskDefaults:
     on_contention: ContentionPolicy = DEFAULTS["zklock_default_on_contention"]
     timeout: Optional[float] = DEFAULTS["zklock_default_timeout"]
     dedupe_ttl: float = DEFAULTS["zklock_dedupe_ttl"]
+    dedupe_publish_timeout: float = DEFAULTS["zklock_dedupe_publish_timeout"]
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> TaskDefaults:
@@ -412,6 +418,9 @@ class TaskDefaults:
             timeout=optional_seconds("zklock_default_timeout", timeout),
             dedupe_ttl=_positive_seconds("zklock_dedupe_ttl",
                                          conf.get("zklock_dedupe_ttl", DEFAULTS["zklock_dedupe_ttl"])),
+            dedupe_publish_timeout=_positive_seconds(
+                "zklock_dedupe_publish_timeout",
+                conf.get("zklock_dedupe_publish_timeout", DEFAULTS["zklock_dedupe_publish_timeout"])),
         )
 
 

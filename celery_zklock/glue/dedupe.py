@@ -64,7 +64,8 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     settings, layout = settings_of(app), layout_of(app)
     keys = spec.keys(task.name, task.run, args, kwargs, False, layout.secret is not None)
     key = keys[0] if len(keys) == 1 else "\n".join(sorted(set(keys)))
-    ttl = spec.marker_ttl(task_defaults(app))
+    defaults = task_defaults(app)
+    ttl = spec.marker_ttl(defaults)
     expires = _seconds_until(options.get("expires"), app)
     if expires is not None:
         ttl = max(0.0, min(ttl, expires))  # the message is dropped after that anyway
@@ -75,10 +76,13 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
             **({"key": key} if layout.secret is None else {})}
     path = layout.queued(task.name, key)
+    wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
     try:
-        session = session_for(settings)
-        claim_scheme(session, layout, settings.connect_timeout)
-        existing = _claim(session, layout.queued_tree, path, data, settings.connect_timeout)
+        session = session_for(settings, wait)
+        if not session.client.connected:
+            raise ZooKeeperUnavailable("the session is reconnecting")
+        claim_scheme(session, layout, wait)
+        existing = _claim(session, layout.queued_tree, path, data, wait)
     except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
         if spec.dedupe_on_unavailable == "publish":
             logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)

@@ -347,10 +347,13 @@ class _QuietReconnects(logging.Filter):
         now = time.monotonic()
         with self._lock:
             if record.msg in self.CHANGES:
-                if self.hidden and record.msg == self.CONNECTED:
+                # Reachable: connected, or told by a server that the session expired. A session
+                # closed on our side (a start given up, a close) proves nothing.
+                reached = record.msg == self.CONNECTED or "EXPIRED" in str(record.args)
+                if self.hidden and reached:
                     logger.warning("ZooKeeper reachable again after %d more failed connection attempts",
                                    self.hidden)
-                elif self.hidden:  # a start given up, or a close: not reachable at all
+                elif self.hidden:
                     logger.info("%d more failed connection attempts before the session closed", self.hidden)
                 self._reset(now)
                 return True
@@ -393,16 +396,20 @@ def _watchdog_loop(ref: weakref.ref[Session]) -> None:
 _sessions: Dict[Tuple[int, Settings], Session] = {}
 _sessions_lock = threading.Lock()
 _starting: Dict[Tuple[int, Settings], _Start] = {}
+_failed: Dict[Tuple[int, Settings], Tuple[float, BaseException]] = {}
 #: The locks above (and the log filter's) are real ones if threading was patched after this import.
 _green_at_import = green.library()
 
 
-def session_for(settings: Settings) -> Session:
+def session_for(settings: Settings, wait: Optional[float] = None) -> Session:
     """Return this process's started session for ``settings``, starting it on first use.
 
     One start at a time per settings, and callers that come while it runs share its
     outcome: with ZooKeeper unreachable, four threads of a pool fail together within
-    ``zklock_connect_timeout``, not one after another (at 1x, 2x, 3x and 4x the timeout).
+    ``zklock_connect_timeout``, not one after another. After a start failed, callers get
+    its error at once for a few seconds (:data:`QUIET_AFTER_FAILURE`) instead of waiting
+    for a new attempt each. With ``wait``, the caller waits at most that long (a start
+    goes on in the background) and gets :class:`ZooKeeperUnavailable` after it.
 
     A child forked after the parent connected never sees the parent's session:
     sessions are keyed by pid, and the fork hook forgets inherited ones.
@@ -415,29 +422,58 @@ def session_for(settings: Settings) -> Session:
         session = _sessions.get(key)
         if session is not None and session.started:
             return session
+        failed = _failed.get(key)
+        if failed is not None and time.monotonic() - failed[0] < min(QUIET_AFTER_FAILURE, settings.connect_timeout):
+            raise copy.copy(failed[1])  # its own instance: each raiser gets its own traceback
         attempt = _starting.get(key)
         mine = attempt is None
         if attempt is None:
             attempt = _starting[key] = _Start()
-    if not mine:
-        attempt.done.wait()
-        if attempt.error is not None:
-            raise copy.copy(attempt.error)  # its own instance: each raiser gets its own traceback
-        assert attempt.session is not None
-        return attempt.session
+    if mine:
+        if wait is None:
+            return _start(key, settings, attempt)
+        threading.Thread(target=_start_quietly, args=(key, settings, attempt), name="celery-zklock-start",
+                         daemon=True).start()
+    # A caller that may wait only so long does not wait again on a start that already kept
+    # one such caller waiting in vain: it fails at once (the start goes on meanwhile).
+    if not attempt.done.wait(0 if wait is not None and attempt.overdue else wait):
+        attempt.overdue = True
+        raise ZooKeeperUnavailable(f"no ZooKeeper session within {wait:g}s (zklock_hosts={settings.hosts!r}); "
+                                   "still trying in the background")
+    if attempt.error is not None:
+        raise copy.copy(attempt.error)
+    assert attempt.session is not None
+    return attempt.session
+
+
+#: Seconds after a failed start during which callers get its error at once (at most the connect timeout).
+QUIET_AFTER_FAILURE = 5.0
+
+
+def _start(key: Tuple[int, Settings], settings: Settings, attempt: _Start) -> Session:
     try:
         _check_patched_in_order()
         attempt.session = Session(settings).start()
         with _sessions_lock:
             _sessions[key] = attempt.session
+            _failed.pop(key, None)
         return attempt.session
     except BaseException as exc:
         attempt.error = exc
+        with _sessions_lock:
+            _failed[key] = (time.monotonic(), exc)
         raise
     finally:
         with _sessions_lock:
             _starting.pop(key, None)
         attempt.done.set()
+
+
+def _start_quietly(key: Tuple[int, Settings], settings: Settings, attempt: _Start) -> None:
+    try:
+        _start(key, settings, attempt)
+    except BaseException:  # noqa: S110 -- kept in attempt.error, for whoever waits on it
+        pass
 
 
 class _Start:
@@ -447,6 +483,8 @@ class _Start:
         self.done = threading.Event()
         self.session: Optional[Session] = None
         self.error: Optional[BaseException] = None
+        #: A caller with a bound gave up waiting on it.
+        self.overdue = False
 
 
 def _check_patched_in_order() -> None:
@@ -462,6 +500,7 @@ def close_sessions() -> None:
     with _sessions_lock:
         mine = [s for (pid, _), s in _sessions.items() if pid == os.getpid()]
         _sessions.clear()
+        _failed.clear()
     for session in mine:
         session.close()
 
@@ -473,6 +512,7 @@ def _forget_inherited() -> None:
     _sessions_lock = threading.Lock()
     _sessions.clear()
     _starting.clear()
+    _failed.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -47,3 +47,20 @@ def test_a_session_closed_during_an_outage_is_not_called_reachable_again(caplog,
     assert log("Zookeeper session closed, state: %s", "CLOSED")  # a start given up: still unreachable
     assert "reachable again" not in caplog.text
     assert "10 more failed connection attempts before the session closed" in caplog.text
+
+
+def test_a_session_a_server_said_expired_is_reachable_again(caplog):
+    import logging
+
+    from celery_zklock.zk import session
+
+    quiet = session._QuietReconnects()
+
+    def log(msg, *args, level=logging.WARNING):
+        return quiet.filter(logging.makeLogRecord({"msg": msg, "args": args, "levelno": level}))
+
+    caplog.set_level(logging.DEBUG, logger="celery_zklock")
+    assert log("Connection dropped: %s", "timed out")
+    assert not log("Connection time-out: %s", "timed out")
+    assert log("Zookeeper session closed, state: %s", "EXPIRED_SESSION")  # the server answered: it is back
+    assert "ZooKeeper reachable again after 1 more failed connection attempts" in caplog.text
