@@ -42,6 +42,7 @@ from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from . import green
 from .clock import Liveness, LivenessClock
 from .nodes import Nodes
+from .probe import addresses, four_letter_word, server_limits
 from .transport import DirectClient, PollHandler, drift, on_connect_reply
 
 __all__ = ["Session", "SessionListener", "acl_for", "close_sessions", "session_for"]
@@ -138,6 +139,10 @@ class Session:
                 f"could not reach ZooKeeper at zklock_hosts={s.hosts!r} within "
                 f"zklock_connect_timeout={s.connect_timeout:g}s"
             ) from None
+        if kazoo_drifted():
+            granted = _granted_by_servers(s)
+            if granted is not None and granted != s.session_timeout:
+                self._on_connect_reply(self._connect_sent, granted)
         self._watchdog = threading.Thread(target=_watchdog_loop, args=(weakref.ref(self),), daemon=True,
                                           name="celery-zklock-session")
         self._watchdog.start()
@@ -200,9 +205,7 @@ class Session:
         # Before kazoo says CONNECTED (and so before start() returns): the clock
         # knows the granted timeout, and what the connect proves, from the first moment.
         if timeout < self.settings.session_timeout:
-            logger.warning("ZooKeeper granted a %gs session, shorter than zklock_session_timeout=%gs: "
-                           "locks count as lost after the shorter one (raise the server's maxSessionTimeout)",
-                           timeout, self.settings.session_timeout)
+            _warn_shorter(timeout, self.settings.session_timeout)
         with self._lock:
             self.clock.negotiated_timeout = timeout
             self._connect_sent = sent
@@ -271,6 +274,37 @@ class Session:
                            "sent %.1fs ago (session timeout %gs): its locks count as lost", unproven, self.timeout)
             self._after(True)
         return interval
+
+
+def _warn_shorter(granted: float, asked: float) -> None:
+    logger.warning("ZooKeeper granted a %gs session, shorter than zklock_session_timeout=%gs: locks count as lost "
+                   "after the shorter one (raise the server's maxSessionTimeout)", granted, asked)
+
+
+def _granted_by_servers(settings: Settings) -> Optional[float]:
+    """The shortest session timeout any server of ``settings.hosts`` would grant for ours, in
+    seconds, from their ``conf`` (None: no server told).
+
+    Only on kazoo's own request path, after a drift: no connect reply reaches us there, and
+    a clock left on a longer timeout than the server's lets a partitioned holder overlap
+    the next one. Each server clamps the asked timeout to its min and max.
+    """
+    asked = settings.session_timeout * 1000
+    grants = []
+    if not settings.use_ssl:  # four-letter words are not served on the TLS port
+        for host, port in addresses(settings.hosts):
+            try:
+                limits = server_limits(four_letter_word(host, port, "conf", timeout=1.0))
+            except ZooKeeperUnavailable:
+                continue
+            if limits["maxSessionTimeout"] is not None:
+                grants.append(max(min(asked, limits["maxSessionTimeout"]), limits["minSessionTimeout"] or 0))
+    if grants:
+        return min(grants) / 1000
+    logger.warning("celery-zklock cannot learn the session timeout ZooKeeper grants (kazoo %s reports none on its "
+                   "own path, and no server answered 'conf'): the lost-lock clock assumes zklock_session_timeout, "
+                   "so keep it within every server's maxSessionTimeout", kazoo_version())
+    return None
 
 
 _drift: Optional[List[str]] = None

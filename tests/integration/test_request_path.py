@@ -178,3 +178,22 @@ def test_a_kazoo_release_that_changed_a_hook_falls_back_to_kazoos_path_and_still
     assert lock.acquire(timeout=10) and lock.is_held
     lock.release()
     assert session.is_alive() and session.client._connection._connection_routine.is_alive()
+
+
+def test_on_kazoos_own_path_the_clock_runs_on_the_timeout_the_server_granted(monkeypatch, caplog, zk_root):
+    # A server that grants 2 s where 4 s were asked: on the fallback path no connect reply
+    # reaches us, and a clock left on 4 s let a partitioned holder overlap the next one.
+    from celery_zklock.conf import Settings
+    from celery_zklock.testing import ZooKeeperServer
+    from celery_zklock.zk import Session
+
+    monkeypatch.setattr(session_module, "_drift", ["a simulated release"])
+    with ZooKeeperServer(extra_config={"maxSessionTimeout": "2000"}) as zk:
+        with caplog.at_level(logging.WARNING, logger="celery_zklock"):
+            session = Session(Settings(hosts=zk.hosts, root=zk_root, session_timeout=4)).start()
+        try:
+            assert type(session.client) is KazooClient
+            assert session.clock.negotiated_timeout == 2.0
+            assert "ZooKeeper granted a 2s session, shorter than zklock_session_timeout=4s" in caplog.text
+        finally:
+            session.close()
