@@ -101,8 +101,11 @@ class _Link:
         self.ops: dict = {}  # xid -> opcode of requests sent and not answered
         self.cut_at_xid: Optional[int] = None  # cut the connection once this reply arrives
         self.cut_fault: Optional[Fault] = None
+        #: Closed on purpose (a cut, a reset, the proxy's close), not by either end.
+        self.closed = threading.Event()
 
     def close(self) -> None:
+        self.closed.set()
         for s in (self.client, self.server):
             try:
                 # A pump thread blocked in recv on the socket keeps it open past close(): only
@@ -319,6 +322,12 @@ class TcpProxy:
         except (OSError, EOFError, struct.error):
             pass
         finally:
+            # An end of stream does not cross a partition either: while the proxy is a
+            # blackhole, the other end keeps its connection (a server that expired the
+            # session and closed must not tell a cut-off client so) until the partition
+            # ends or the link is closed on purpose.
+            while self._mode == "blackhole" and not (link.closed.is_set() or self._closed.is_set()):
+                link.closed.wait(0.05)
             for s in (src, dst):
                 try:
                     s.shutdown(socket.SHUT_RDWR)

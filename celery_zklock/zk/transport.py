@@ -40,7 +40,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionDropped
+from kazoo.exceptions import ConnectionDropped, ConnectionLoss
 from kazoo.handlers.threading import SequentialThreadingHandler
 from kazoo.protocol.connection import AUTH_XID, CLOSE_RESPONSE, ConnectionHandler
 from kazoo.protocol.serialization import Auth, Close, Connect, Create2, int_struct
@@ -379,6 +379,17 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
             self._read_sock.recv(1)
 
     def _read_response(self, header: Any, buffer: bytes, offset: int) -> Any:
+        pending = self.client._pending
+        if pending and pending[0][2] != header.xid:
+            # A reply that answers no request in flight: the stream lost a frame. kazoo would
+            # fail the oldest request with a bare RuntimeError, which its caller cannot tell
+            # from a bug; it is a connection loss, as for everything else in flight.
+            request, async_object, xid = pending.popleft()
+            async_object.set_exception(ConnectionLoss(f"reply out of order: expected xid {xid}, "
+                                                      f"received {header.xid}"))
+            self.logger.error("ZooKeeper reply out of order, re-connecting: expected xid %r, received %r",
+                              xid, header.xid)
+            raise ConnectionDropped(f"reply out of order: expected xid {xid}, received {header.xid}")
         try:
             return super()._read_response(header, buffer, offset)
         except RuntimeError as exc:

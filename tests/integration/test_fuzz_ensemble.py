@@ -114,17 +114,26 @@ def _fault(kind: str, rng: random.Random, ensemble: ZooKeeperEnsemble,
         victim.proxy.reset()  # kazoo reconnects to the same session at once
         late = rng.uniform(0.2, 1.5)
 
+        over = threading.Event()
+
         def then_dark() -> None:
-            held.wait_matched()
-            time.sleep(late)  # the reply's lateness: part of the drawn schedule
+            # The server may not serve for a while (an election under way): then no reply
+            # comes to hold before the fault ends, and the link never goes dark.
+            while not held.matched.wait(0.05):
+                if over.is_set():
+                    return
+            if over.wait(late):  # the reply's lateness: part of the drawn schedule
+                return
             held.release()
             held.done.wait(5)
-            victim.proxy.mode = "blackhole"
+            if not over.is_set():
+                victim.proxy.mode = "blackhole"
 
         worker = threading.Thread(target=then_dark, daemon=True)
         worker.start()
 
         def end() -> None:
+            over.set()
             held.release()
             worker.join(10)
             victim.proxy.mode = "pass"
