@@ -10,6 +10,7 @@ history checks users need are public, in :mod:`celery_zklock.testing`.
 - :mod:`.servers`: :class:`ZooKeeperPeer` (ensemble wiring, a TLS port, CPU pinning),
   :class:`ZooKeeperEnsemble`, :class:`RedisServer`;
 - :mod:`.proxy`: :class:`TcpProxy`, which knows ZooKeeper's framing, and the faults it places;
+  :class:`Pipe`, a link between two servers that a test cuts;
 - :mod:`.celery_procs`: real ``celery worker`` and ``celery beat`` subprocesses;
 - :mod:`.dedupe`: the history check of enqueue-time dedupe.
 """
@@ -18,8 +19,8 @@ from celery_zklock.testing.server import free_port
 
 from .celery_procs import CeleryBeat, CeleryWorker
 from .process import ChildProcess, HarnessError, wait_for
-from .proxy import Fault, Op, TcpProxy
+from .proxy import Fault, Op, Pipe, TcpProxy
 from .servers import RedisServer, ZooKeeperEnsemble, ZooKeeperPeer
 
-__all__ = ["CeleryBeat", "CeleryWorker", "ChildProcess", "Fault", "HarnessError", "Op", "RedisServer", "TcpProxy",
-           "ZooKeeperEnsemble", "ZooKeeperPeer", "free_port", "wait_for"]
+__all__ = ["CeleryBeat", "CeleryWorker", "ChildProcess", "Fault", "HarnessError", "Op", "Pipe", "RedisServer",
+           "TcpProxy", "ZooKeeperEnsemble", "ZooKeeperPeer", "free_port", "wait_for"]

@@ -137,6 +137,26 @@ def _read_frame(sock: socket.socket) -> bytes:
     return struct.pack(">i", length) + _read_exactly(sock, length)
 
 
+#: The first long of a ZooKeeper election connection's first message, in the protocol
+#: versions that carry the sender's election address (3.5 and later).
+_ELECTION_PROTOCOLS = {-65536, -65535}
+
+
+def _election_hello(client: socket.socket, reply_address: str) -> bytes:
+    """Read the first message of an election connection from ``client`` and return it
+    naming ``reply_address`` as the sender's election address (QuorumCnxManager's
+    InitialMessage: protocol version, sid, then a length-prefixed "host:port" list).
+    Another first message is returned as read."""
+    head = _read_exactly(client, 16)
+    version, _sid = struct.unpack(">qq", head)
+    if version not in _ELECTION_PROTOCOLS:
+        return head
+    length = struct.unpack(">i", _read_exactly(client, 4))[0]
+    _read_exactly(client, length)
+    address = reply_address.encode()
+    return head + struct.pack(">i", len(address)) + address
+
+
 def _dial(target: Tuple[str, int], client: socket.socket) -> Optional[socket.socket]:
     """A blocking connection to ``target`` for an accepted ``client``; None (and ``client``
     closed) when the target does not answer."""
@@ -362,11 +382,22 @@ class Pipe:
     holds new connections before they reach the target, as a partitioned network
     does (TCP keeps retrying; nothing is reset): the peers notice only through their
     own timeouts. :meth:`heal` lets everything held go on, in order.
+
+    An election pipe also needs ``reply_address``. A server's first message on an
+    election connection names its own election address, and ZooKeeper drops a
+    connection from a lower sid and dials that address back, around any pipe: a
+    cut would then stop the quorum links but not the votes, and the majority would
+    keep electing the isolated leader (it has the newest zxid) and wait initLimit
+    for it, again and again. The pipe names ``reply_address`` instead, the pipe of
+    the other direction.
     """
 
-    def __init__(self, target_port: int, name: str = "") -> None:
+    DIAL_FOR = 3.0
+
+    def __init__(self, target_port: int, name: str = "", reply_address: Optional[str] = None) -> None:
         self.target = ("127.0.0.1", target_port)
         self.name = name
+        self.reply_address = reply_address
         self._open = threading.Event()
         self._open.set()
         self._closed = threading.Event()
@@ -404,16 +435,59 @@ class Pipe:
             threading.Thread(target=self._connect, args=(client,), daemon=True).start()
 
     def _connect(self, client: socket.socket) -> None:
-        if not self._wait_open():
-            client.close()
-            return
-        server = _dial(self.target, client)
+        hello = b""
+        if self.reply_address is not None:
+            try:
+                hello = _election_hello(client, self.reply_address)
+            except (OSError, EOFError):
+                client.close()
+                return
+        server = self._dial(client)
         if server is None:
             return
         with self._lock:
             self._sockets += [client, server]
+        try:
+            server.sendall(hello)
+        except OSError:
+            pass
         for src, dst in ((client, server), (server, client)):
             threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def dialed_ports(self) -> List[int]:
+        """The local ports of the connections this pipe made to its target."""
+        with self._lock:
+            sockets = self._sockets[1::2]
+        ports = []
+        for s in sockets:
+            try:
+                ports.append(s.getsockname()[1])
+            except OSError:
+                pass
+        return ports
+
+    def _dial(self, client: socket.socket) -> Optional[socket.socket]:
+        """The target, once the pipe is open; None (``client`` closed) if it never answers.
+
+        The peer's connect already succeeded (the pipe accepted it), so a refusal must not
+        become a reset of a connection it is using: a follower reset while it registers
+        with a leader starting up gives up that leader and waits out a whole initLimit,
+        where a refused connect is simply tried again. So a refusal is tried again here,
+        for up to ``DIAL_FOR`` seconds, as ZooKeeper's own connect would be.
+        """
+        until = time.monotonic() + self.DIAL_FOR
+        while self._wait_open():
+            try:
+                server = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                if time.monotonic() > until:
+                    break
+                time.sleep(0.05)
+                continue
+            server.settimeout(None)
+            return server
+        client.close()
+        return None
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:

@@ -128,8 +128,9 @@ class ZooKeeperEnsemble:
                 taken.append(port)
         client_ports = dict(zip(sids, taken[2 * size:]))
         ports = {sid: (taken[2 * sid - 2], taken[2 * sid - 1]) for sid in sids}
-        for (_, b), (quorum, election) in self.pipes.items():
+        for (a, b), (quorum, election) in self.pipes.items():
             quorum.target, election.target = ("127.0.0.1", ports[b][0]), ("127.0.0.1", ports[b][1])
+            election.reply_address = f"127.0.0.1:{self.pipes[b, a][1].port}"
 
         def view(sid: int) -> List[Tuple[int, int, int]]:
             return [(other, *((p.port for p in self.pipes[sid, other]) if (sid, other) in self.pipes
@@ -189,6 +190,14 @@ class ZooKeeperEnsemble:
         if not self.pipes:
             raise HarnessError("this ensemble was not started with partitionable=True")
         return self.pipes[pair]
+
+    def links_around_pipes(self) -> List[Tuple[int, int]]:
+        """Established connections (source port, target port) to a server's own quorum or
+        election port that no pipe made: each one is a link a cut would not stop."""
+        own = {port for server in self.servers for sid, quorum, election in server.peers or ()
+               if sid == server.myid for port in (quorum, election)}
+        dialed = {port for pipes in self.pipes.values() for pipe in pipes for port in pipe.dialed_ports()}
+        return [(src, dst) for src, dst in established_tcp() if dst in own and src not in dialed]
 
     def log_tail(self) -> str:
         return "\n".join(f"--- server {s.myid} ---\n{s.log_tail(15)}" for s in self.servers)
@@ -270,3 +279,20 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def established_tcp() -> List[Tuple[int, int]]:
+    """(local port, remote port) of every established TCP connection on this host
+    (from /proc: loopback only matters here, and no tool need be installed)."""
+    links = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "01":  # ESTABLISHED
+                links.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)))
+    return links

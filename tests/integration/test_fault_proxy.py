@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
 
-from harness import Op, TcpProxy
+from harness import Op, Pipe, TcpProxy, free_port
 
 
 @pytest.fixture
@@ -81,3 +82,28 @@ def test_watch_events_can_be_held_and_dropped(proxy, client, kazoo, zk_root):
     assert not fired.is_set()  # the event sits in the proxy
     held.release()
     assert fired.wait(10)
+
+
+def test_a_pipe_tries_a_target_that_is_not_listening_yet_again_and_does_not_reset_the_peer():
+    # A leader opens its quorum port just after it is elected; a follower that connects
+    # first must be kept waiting, not reset (it would give that leader up for initLimit).
+    port = free_port()
+    pipe = Pipe(port, "test")
+    try:
+        peer = socket.create_connection(("127.0.0.1", pipe.port), timeout=5)
+        peer.sendall(b"hello")
+        time.sleep(0.3)  # the target is not listening yet: the schedule under test
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", port))
+            listener.listen(1)
+            listener.settimeout(10)
+            target, _ = listener.accept()
+            with target:
+                target.settimeout(10)
+                assert target.recv(5) == b"hello"
+                target.sendall(b"back")
+                assert peer.recv(4) == b"back"
+        peer.close()
+    finally:
+        pipe.close()
