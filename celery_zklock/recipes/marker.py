@@ -146,7 +146,7 @@ def release(session: Session, path: str, task_id: str, timeout: Optional[float] 
     True if deleted."""
     client = session.client
     until = deadline(timeout)
-    for _ in range(3):
+    for _ in range(5):
         try:
             current, stat = reply(client.get_async(path), until)
         except NoNodeError:
@@ -161,9 +161,9 @@ def release(session: Session, path: str, task_id: str, timeout: Optional[float] 
         results = reply(tx.commit_async(), until)
         if not any(isinstance(r, Exception) for r in results):
             return True
-        if not (stat.numChildren and isinstance(results[0], NoNodeError)):
-            return False  # taken over or deleted since we read it: not ours any more
-        # Its running child went with its session since we read it: read again.
+        # It changed since we read it: its running child went with its session, its copy
+        # was queued again for a retry, or a newer copy took it over. Only a read tells
+        # which (giving up on a retry's requeue left a marker no message would ever run).
     return False
 
 

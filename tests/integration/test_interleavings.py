@@ -439,3 +439,27 @@ def test_a_run_whose_record_committed_but_whose_reply_was_lost_is_still_sent(bea
         scheduler.close()
     runs = [run for _, run, _ in RecordingScheduler.sent]
     assert runs == list(range(1, len(runs) + 1)), f"a recorded run was never sent: {runs}"
+
+
+def test_a_marker_release_racing_a_retrys_requeue_still_deletes_the_marker(zk_server, new_session, zk_root):
+    # The dedupe fuzzer's seed 130: a running copy was revoked, its retry's message was
+    # discarded by the worker (whose release of the marker went to the background), while
+    # the pool process queued the marker again for that retry. The release's delete lost
+    # the version race and gave up as if a newer copy had taken the marker over: the
+    # marker named a copy no message would ever run, for its whole life.
+    from celery_zklock.recipes.marker import claim, release, requeue
+    path = f"{zk_root}/marker-race"
+    worker = new_session(hosts=zk_server.hosts)
+    worker.client.ensure_path(zk_root)
+    with TcpProxy(zk_server.port) as proxy:
+        main = new_session(hosts=proxy.hosts)
+        assert claim(worker, path, {"task_id": "copy", "expires": time.time() + 60}) == (None, 0)
+        held = proxy.hold_request(Op.MULTI)  # the release has read the marker; its delete waits
+        done: List[bool] = []
+        releasing = threading.Thread(target=lambda: done.append(release(main, path, "copy", 10)))
+        releasing.start()
+        held.wait_matched()
+        assert requeue(worker, path, "copy", time.time() + 60)  # the retry's marker, version bumped
+        held.release()
+        releasing.join(10)
+    assert done == [True] and worker.client.exists(path) is None
