@@ -77,13 +77,20 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             **({"key": key} if layout.secret is None else {})}
     path = layout.queued(task.name, key)
     wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
+    claiming = False
     try:
         session = session_for(settings, wait)
         if not session.client.connected:
             raise ZooKeeperUnavailable("the session is reconnecting")
         claim_scheme(session, layout, wait)
+        claiming = True
         existing = _claim(session, layout.queued_tree, path, data, wait)
     except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
+        if claiming:
+            # The create may have reached the server though its reply never reached us: a
+            # marker naming this copy, with no message behind it, would hold the key for its
+            # whole lifetime. It goes in the background (only if it names this very copy).
+            _releases.add(settings, path, task_id)
         if spec.dedupe_on_unavailable == "publish":
             logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
             return original(task, args, kwargs, task_id=task_id, **options)
@@ -110,7 +117,9 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     try:
         return original(task, args, kwargs, task_id=task_id, **options)
     except BaseException:
-        release(session, path, task_id, settings.connect_timeout)  # never sent: nothing will run it
+        # Never sent: nothing will run it. In the background, so that a ZooKeeper that fails
+        # too can neither hide the broker's error nor hold the caller.
+        _releases.add(settings, path, task_id)
         raise
 
 

@@ -238,6 +238,43 @@ def test_a_marker_release_that_fails_is_tried_again_until_done(env, zk_server):
         assert dedupe_app.debounced.delay("blip", 1).id != first.id
 
 
+def test_a_publish_that_failed_after_its_marker_was_made_leaves_no_marker(env, zk_server):
+    # The dedupe fuzzer's seed 4: the marker's create reaches the server and the connection
+    # dies with its reply. The caller is told the publish failed, no message is sent, and a
+    # marker naming the unsent copy would answer every publish of the key for its lifetime.
+    with TcpProxy(zk_server.port) as proxy, conf(zklock_hosts=proxy.hosts):
+        dedupe_app.debounced.delay("warm", 1)  # the session's first publish claims the key-name scheme
+        proxy.cut_after(Op.CREATE)
+        with pytest.raises(ZooKeeperUnavailable):
+            dedupe_app.debounced.delay("lost-reply", 1)
+        wait_until(lambda: marker_of(env, "lost-reply") == [], timeout=15)
+        again = dedupe_app.debounced.delay("lost-reply", 1)
+        assert marker_of(env, "lost-reply") != [] and again.id
+
+
+def test_a_failed_send_whose_marker_release_fails_too_raises_the_brokers_error(env, zk_server):
+    # The marker's release goes to the background: a ZooKeeper that is dark as well can
+    # neither replace the broker's error nor hold the caller for its timeouts.
+    app = Celery("failsend2", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)  # nothing there
+    with TcpProxy(zk_server.port) as proxy:
+        app.conf.update(zklock_hosts=proxy.hosts, zklock_root=env["ZKT_ROOT"])
+
+        @app.task(shared=False)
+        @zk_locked(key="k:{key}", dedupe="queued", lock=False)
+        def fails(key):
+            pass
+
+        def dark_once_sent(*args, **kwargs):
+            proxy.mode = "blackhole"
+            raise OperationalError("the broker is down")
+
+        app.amqp.send_task_message = dark_once_sent
+        with pytest.raises(OperationalError, match="the broker is down"):
+            fails.apply_async(("g",), retry=False)
+        proxy.mode = "pass"
+        wait_until(lambda: marker_of(env, "g") == [], timeout=30)
+
+
 def test_a_revoked_copys_marker_never_holds_up_the_consumer(env):
     # task_revoked runs in the worker's consumer: with ZooKeeper unreachable, giving the
     # marker back must not stall it for zklock_connect_timeout (5 s here) per message.
