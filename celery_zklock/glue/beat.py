@@ -177,13 +177,18 @@ def _read_again_then_lead(self: Any) -> None:
     heap from ``schedule`` when the heap is None. django-celery-beat's DatabaseScheduler
     re-reads the database only on its first read, on a change it is told of, or every
     5 minutes: ask for a first read again, and drop what it has not written yet (its
-    runs from an earlier leadership, older than the database's).
+    runs from an earlier leadership, older than the database's). Its ``_heap_invalidated``
+    goes too: a change it saw while standing by set it, and no tick cleared it; left set,
+    the second tick would rebuild the heap from the entries read now, whose last run
+    predates the one the first tick sent, and send that run again.
     """
     if hasattr(self, "_initial_read"):
         self._initial_read = True
         dirty = getattr(self, "_dirty", None)
         if isinstance(dirty, set):
             dirty.clear()
+    if getattr(self, "_heap_invalidated", False):
+        self._heap_invalidated = False  # the heap is rebuilt from the fresh read below
     self._heap = None
     _Leadership.on_leadership(self)
 

@@ -67,6 +67,12 @@ def test_one_beat_dispatches_and_a_killed_leader_hands_over_within_the_session_t
         # One dispatcher at a time: the old leader's messages all come before the new one's.
         pids = [d["pid"] for d in history]
         assert pids == sorted(pids, key=lambda p: p == standby.pid), pids
+        # And no run sent twice as the new leader takes over (the beat fuzzer found
+        # django-celery-beat's new leader sending its first run twice, 15 ms apart).
+        wait_until(lambda: len([d for d in sent(redis_server.url, queue) if d["pid"] == standby.pid]) >= 3,
+                   timeout=10)
+        ticks = [d["sent"] for d in sent(redis_server.url, queue) if d["task"].endswith(".tick")]
+        assert min(b - a for a, b in zip(ticks, ticks[1:])) > 0.5, ticks
     finally:
         for beat in beats:
             beat.close()
