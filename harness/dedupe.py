@@ -1,22 +1,33 @@
 """The history check of enqueue-time dedupe, for our tests and the comparison benchmark.
 
 A publish is ``{key, t0, t1, marked, asked, got}`` (monotonic times: the call, its return,
-its marker's creation if known); a run event is ``{event: pre|start|end, time, task_id}``.
-Every bound is taken on the safe side, so a violation found is a real one.
+its marker's creation if known; ``got`` None when the publish raised); a run event is
+``{event: pre|start|end|revoked|killed|failed, time, task_id}``: ``revoked`` when a worker
+met the copy revoked (its marker goes then), ``killed`` when the test SIGKILLed the process
+running it, ``failed`` when the copy raised (it runs no more). Every bound is taken on the
+safe side, so a violation found is a real one.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterable, List
 
 __all__ = ["dedupe_violations"]
 
 
-def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]], mode: str) -> List[str]:
+def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]], mode: str, *,
+                      starts_per_copy: int = 1, unpromised: Iterable[str] = (),
+                      ghosts_until: float = float("-inf")) -> List[str]:
     """What broke the ``queued`` or ``queued_or_running`` promise, one line each ([] when none).
 
-    - every copy published as new ran exactly once, and nothing else ran;
+    - every copy published as new ran exactly once (``starts_per_copy`` bodies: a retried
+      copy runs again), or fewer if it was revoked before one of them, killed or failed; nothing else ran,
+      except the ``unpromised`` copies (sent in a canvas, never deduplicated);
+    - every deduplicated publish returned the id of a copy that ran, or was revoked. Not
+      promised: until ``ghosts_until``, the id of a copy whose publisher was killed
+      between its marker and its send (no publish returned it; its marker blocks the key
+      for its lifetime);
     - ``queued`` only: every publish is followed by a start of its key at or after its call
       (``queued_or_running`` drops a publish made while a copy runs: that is its meaning);
     - at no moment are two copies of one key queued (``queued``: from the marker, or the
@@ -30,6 +41,8 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
     ['y (a) was published as a new copy but ran 0 times', "key 'a': copies x and y queued at once"]
     """
     problems: List[str] = []
+    unpromised = set(unpromised)
+    runs = [r for r in runs if r["task_id"] not in unpromised]
     first: Dict[str, Dict[str, float]] = collections.defaultdict(dict)
     starts: collections.Counter[str] = collections.Counter()
     for r in runs:
@@ -37,22 +50,41 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
         starts[r["task_id"]] += r["event"] == "start"
     new = [p for p in publishes if p["got"] == p["asked"]]
     for p in new:
-        if starts[p["asked"]] != 1:
-            problems.append(f"{p['asked']} ({p['key']}) was published as a new copy but ran {starts[p['asked']]} times")
+        times, ran = first[p["asked"]], starts[p["asked"]]
+        over = any(e in times for e in ("revoked", "failed"))  # before a body: a retry's, say
+        if ran != starts_per_copy and not ("killed" in times and 0 < ran < starts_per_copy) \
+                and not (over and ran < starts_per_copy):
+            problems.append(f"{p['asked']} ({p['key']}) was published as a new copy but ran {ran} times")
     for stray in sorted(set(starts) - {p["asked"] for p in new}):
         problems.append(f"{stray} ran but no publish returned it as a new copy")
+    new_ids = {p["asked"] for p in new}
+    for p in publishes:
+        got = p["got"]
+        if got is None or got == p["asked"] or starts[got] or "revoked" in first.get(got, {}):
+            continue
+        if got not in new_ids and p["t0"] < ghosts_until:
+            continue
+        problems.append(f"publish at {p['t0']:.3f} of key {p['key']!r} returned {got}, which never ran")
     started = collections.defaultdict(list)
     for task_id, times in first.items():
         if "start" in times:
             started[next((p["key"] for p in new if p["asked"] == task_id), None)].append(times["start"])
     for p in publishes if mode == "queued" else []:
+        if p["got"] is None or "revoked" in first.get(p["got"], {}) or p["got"] not in new_ids:
+            continue  # raised: the caller knows; revoked: the user's doing; a ghost: said above
         if not any(t >= p["t0"] for t in started[p["key"]]):
             problems.append(f"publish at {p['t0']:.3f} of key {p['key']!r} was followed by no start")
     last = "pre" if mode == "queued" else "end"
     by_key = collections.defaultdict(list)
     for p in new:
         begin = p["marked"] if p.get("marked") is not None else p["t1"]
-        by_key[p["key"]].append((begin, first[p["asked"]].get(last, float("inf")), p["asked"]))
+        # A copy's span ends at its marker's going, or earlier (the safe side): its last
+        # event, its revoke as a worker met it, or the kill of the process running it.
+        times = first[p["asked"]]
+        # A failed copy's marker goes before its failure is told: its span ends no later than its run began.
+        ends = (last, "revoked", "killed") + (("pre",) if "failed" in times else ())
+        end = min((times[e] for e in ends if e in times), default=float("inf"))
+        by_key[p["key"]].append((begin, end, p["asked"]))
     for key, spans in by_key.items():
         spans.sort()
         latest_end, latest = float("-inf"), ""

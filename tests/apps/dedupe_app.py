@@ -2,19 +2,20 @@
 
 Each body records, in Redis: ``pre`` (task_prerun, before the marker goes), ``start``
 (in the body, after a ``queued`` marker went) and ``end`` (in the body, before a
-``queued_or_running`` marker goes). The checks use whichever bound is sound for them.
+``queued_or_running`` marker goes), and ``failed`` when a copy raised. The checks use whichever bound is sound for them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
 import redis
 from celery import Celery, current_task
-from celery.signals import task_prerun
+from celery.signals import task_failure, task_prerun, task_revoked
 
 from celery_zklock import zk_locked
 
@@ -53,9 +54,31 @@ def _pre(sender: Any = None, task_id: str = "", args: Any = (), kwargs: Any = No
         note("pre", task_id=task_id, key=(kwargs or {}).get("key", args[0] if args else None))
 
 
+@task_revoked.connect
+def _revoked(sender: Any = None, request: Any = None, **extra: Any) -> None:
+    # In the worker's main process, when it meets a revoked copy (the moment its marker goes).
+    if request is not None:
+        note("revoked", task_id=request.id)
+
+
+@task_failure.connect
+def _failed(sender: Any = None, task_id: str = "", exception: Any = None, **extra: Any) -> None:
+    # A copy that raised is over (a retried copy whose retry could not prove its session,
+    # say): it runs no more bodies, and its marker goes as it ends.
+    if sender is not None and sender.name.startswith("tests.apps.dedupe_app."):
+        note("failed", task_id=task_id, error=repr(exception))
+
+
 def body(key: str, ms: float) -> None:
     note("start", key=key)
-    time.sleep(ms / 1000)
+    until = time.monotonic() + ms / 1000
+    while time.monotonic() < until:
+        # The fuzzer's "child killed" fault names a running copy; it dies mid-body, as a
+        # pool process SIGKILLed by the OOM killer would, and says so first.
+        if _redis.exists(f"dedupe:kill:{current_task.request.id}"):
+            note("killed", key=key)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(min(0.01, max(0.0, until - time.monotonic())))
     note("end", key=key)
 
 

@@ -6,7 +6,8 @@ comparison benchmark's app, with celery-once and celery-singleton tasks).
 Sends N ``.delay()`` calls of TASK over 20 keys, each with a fresh task id, and records
 per call: the time it was made, when its marker was created (if one was), the id it
 asked for and the id it got back. ``ZKT_DIE_AFTER_MARKER=1`` makes it SIGKILL itself
-between creating its first marker and sending the message.
+between creating its first marker and sending the message; ``ZKT_KEY`` names the one key
+it sends.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main(name: str, count: int, seed: int) -> None:
     rng = random.Random(seed)
     history = redis.Redis.from_url(dedupe_app.app.conf.broker_url)
     for _ in range(count):
-        key = f"key{rng.randrange(20)}"
+        key = os.environ.get("ZKT_KEY") or f"key{rng.randrange(20)}"
         asked = str(uuid.uuid4())
         t0 = time.monotonic()
         got = task.apply_async((key, rng.uniform(5, 50)), task_id=asked)

@@ -1,0 +1,274 @@
+"""The fuzzer's dedupe rounds: in-process publishers and a real prefork worker, faults drawn
+from a recorded seed, each round's history checked by :func:`harness.dedupe.dedupe_violations`.
+
+    ZKLOCK_FUZZ_DEDUPE_ROUNDS=1000 pytest tests/integration/test_fuzz_dedupe.py   # a long run
+    ZKLOCK_FUZZ_SEED=1234 ZKLOCK_FUZZ_DEDUPE_ROUNDS=1 pytest ...                 # replay one round
+
+A round draws a mode (``queued``, ``queued_or_running``, or ``queued_or_running`` with a lock
+and a retry), two keys, two publishing threads, and up to three faults, each at a drawn
+moment: the publishers' or the worker's ZooKeeper link reset or dark for a while, the reply
+to a publisher's create (or multi, or delete) lost or held back, a pool process SIGKILLed
+mid-body, a copy revoked, a publisher process SIGKILLed between its marker and its send, a
+group of two copies of one key. Once the work settles the round checks that no two copies
+of a key were queued (or queued or running) at once, that every publish started a copy
+that ran or returned the id of one that ran, that every group completed, and that no
+marker is left in ZooKeeper (but a killed publisher's, whose lifetime is not over).
+
+The worker and the publishers reach ZooKeeper through their own proxies; the worker's
+marker lifetime is 4 s (``ZKT_DEDUPE_TTL``), the sessions' timeout 4 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Dict, Iterator, List, Set
+
+import pytest
+import redis
+from celery import group
+from kazoo.client import KazooClient
+
+from celery_zklock import ZooKeeperUnavailable, signals
+from celery_zklock.glue.api import settings_of
+from celery_zklock.recipes.marker import read_marker
+from celery_zklock.zk import session_for
+from harness import CeleryWorker, Op, TcpProxy
+from harness.dedupe import dedupe_violations
+from tests.apps import dedupe_app
+from tests.util import children, wait_until
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_DEDUPE_ROUNDS", "8"))
+FIRST_SEED = int(os.environ.get("ZKLOCK_FUZZ_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
+TTL = 4.0
+MODES = {"queued": ("debounced", 1), "queued_or_running": ("singleton", 1), "retried": ("retried", 2)}
+FAULTS = ("publisher_reset", "worker_reset", "publisher_dark", "worker_dark", "reply_lost", "reply_held",
+          "child_killed", "revoked", "publisher_killed", "group")
+
+
+class Rig:
+    """The module's servers, proxies, worker and ZooKeeper view."""
+
+    def __init__(self, redis_server, zk_server) -> None:
+        self.root = f"/fuzz-dedupe-{uuid.uuid4().hex[:8]}"
+        self.queue = f"fd-{uuid.uuid4().hex[:8]}"
+        self.redis_url = redis_server.url
+        self.redis = redis.Redis.from_url(redis_server.url)
+        self.publisher_proxy = TcpProxy(zk_server.port).start()
+        self.worker_proxy = TcpProxy(zk_server.port).start()
+        self.env = {**os.environ, "ZKT_BROKER": redis_server.url, "ZKT_HOSTS": self.worker_proxy.hosts,
+                    "ZKT_ROOT": self.root, "ZKT_QUEUE": self.queue, "PYTHONPATH": os.getcwd(),
+                    "ZKT_DEDUPE_TTL": str(TTL)}
+        self.worker = CeleryWorker("tests.apps.dedupe_app", name="fuzz", concurrency=3, env=self.env,
+                                   extra_args=["-Q", self.queue]).start()
+        self.kazoo = KazooClient(zk_server.hosts)
+        self.kazoo.start()
+        dedupe_app.app.conf.update(broker_url=redis_server.url, result_backend=redis_server.url,
+                                   zklock_hosts=self.publisher_proxy.hosts, zklock_root=self.root,
+                                   task_default_queue=self.queue, zklock_dedupe_ttl=TTL)
+        for cached in ("_zklock_settings", "_zklock_task_defaults"):
+            dedupe_app.app.__dict__.pop(cached, None)
+
+    def markers(self) -> Dict[str, Dict[str, Any]]:
+        tree, found = f"{self.root}/queued", {}
+        for name in children(self.kazoo, tree):
+            try:
+                found[name] = read_marker(self.kazoo.get(f"{tree}/{name}")[0]) or {}
+            except Exception:  # noqa: BLE001 - released since the listing
+                pass
+        return found
+
+    def close(self) -> None:
+        self.worker.close()
+        self.publisher_proxy.close()
+        self.worker_proxy.close()
+        self.kazoo.stop()
+        self.kazoo.close()
+
+
+@pytest.fixture(scope="module")
+def rig(redis_server, zk_server) -> Iterator[Rig]:
+    rig = Rig(redis_server, zk_server)
+    yield rig
+    rig.close()
+
+
+marked: Dict[str, float] = {}
+
+
+@signals.task_marked.connect
+def _marked(sender: Any = None, task_id: str = "", **kwargs: Any) -> None:
+    marked[task_id] = time.monotonic()
+
+
+class Round:
+    def __init__(self, rig: Rig, seed: int) -> None:
+        self.rig, self.seed, self.rng = rig, seed, random.Random(seed)
+        self.mode_name = self.rng.choice(sorted(MODES))
+        self.task = getattr(dedupe_app, MODES[self.mode_name][0])
+        self.mode = "queued" if self.mode_name == "queued" else "queued_or_running"
+        self.keys = [f"s{seed}-{i}" for i in range(2)]
+        self.faults = sorted((self.rng.uniform(0.0, 1.5), self.rng.choice(FAULTS), self.rng.uniform(0.3, 2.5))
+                             for _ in range(self.rng.randrange(4)))
+        self.publishes: List[Dict[str, Any]] = []
+        self.unpromised: Set[str] = set()
+        self.groups: List[Any] = []
+        self.ghosts_until = float("-inf")
+        self.lock = threading.Lock()
+
+    def args(self, rng: random.Random, key: str) -> tuple:
+        return (key,) if self.mode_name == "retried" else (key, rng.uniform(20, 300))
+
+    def publisher(self, n: int) -> None:
+        rng = random.Random(self.seed * 100 + n)
+        for _ in range(6):
+            time.sleep(rng.uniform(0, 0.3))
+            key = rng.choice(self.keys)
+            asked, t0 = str(uuid.uuid4()), time.monotonic()
+            try:
+                got = self.task.apply_async(self.args(rng, key), task_id=asked).id
+            except Exception:  # noqa: BLE001 - the caller was told: nothing promised
+                got = None
+            with self.lock:
+                self.publishes.append({"key": key, "t0": t0, "t1": time.monotonic(), "marked": marked.pop(asked, None),
+                                       "asked": asked, "got": got})
+
+    def fault(self, name: str, length: float) -> None:
+        rig = self.rig
+        if name in ("publisher_reset", "worker_reset"):
+            (rig.publisher_proxy if name == "publisher_reset" else rig.worker_proxy).reset()
+        elif name in ("publisher_dark", "worker_dark"):
+            proxy = rig.publisher_proxy if name == "publisher_dark" else rig.worker_proxy
+            proxy.mode = "blackhole"
+            time.sleep(length)
+            proxy.mode = "pass"
+        elif name == "reply_lost":
+            rig.publisher_proxy.cut_after(self.rng.choice((Op.CREATE, Op.MULTI, Op.DELETE, Op.SET_DATA)))
+        elif name == "reply_held":
+            rig.publisher_proxy.delay_reply(self.rng.choice((Op.CREATE, Op.MULTI, Op.GET_DATA)), length)
+        elif name == "child_killed":
+            self.kill_a_running_child()
+        elif name == "revoked":
+            with self.lock:
+                fresh = [p["asked"] for p in self.publishes if p["got"] == p["asked"]]
+            if fresh:
+                dedupe_app.app.control.revoke(self.rng.choice(fresh))
+        elif name == "publisher_killed" and self.mode_name != "retried":  # its publisher sends (key, ms)
+            name = self.task.name.rsplit(".")[-1]
+            dying = subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", name, "1", "0"],
+                                     env={**rig.env, "ZKT_DIE_AFTER_MARKER": "1", "ZKT_KEY": self.keys[0]})
+            dying.wait(60)
+            self.ghosts_until = time.monotonic() + TTL  # its marker's lifetime began before it died
+        elif name == "group":
+            args = self.args(self.rng, self.keys[1])
+            result = group(self.task.s(*args), self.task.s(*args)).apply_async()
+            self.unpromised.update(r.id for r in result.results)
+            self.groups.append(result)
+
+    def kill_a_running_child(self) -> None:
+        running = {}
+        for r in self.history():
+            if r.get("key") in self.keys and r["event"] in ("start", "end"):
+                running[r["task_id"]] = r["event"] == "start"
+        victims = [task_id for task_id, runs in running.items() if runs]
+        if victims:
+            self.rig.redis.set(f"dedupe:kill:{self.rng.choice(victims)}", 1, ex=120)
+
+    def run(self) -> List[str]:
+        # Each round starts from a healthy publisher: after a fault, its breaker keeps it off
+        # ZooKeeper for a while (by design), and every publish of the next round would fail.
+        wait_until(self.publisher_healthy, timeout=30)
+        threads = [threading.Thread(target=self.publisher, args=(n,)) for n in range(2)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        faulting = []
+        for at, name, length in self.faults:
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            f = threading.Thread(target=self.fault, args=(name, length))
+            f.start()
+            faulting.append(f)
+        for t in threads + faulting:
+            t.join(120)
+        self.rig.publisher_proxy.disarm()
+        return self.settle_and_check()
+
+    @staticmethod
+    def publisher_healthy() -> bool:
+        try:
+            return session_for(settings_of(dedupe_app.app), 1.0).client.connected
+        except ZooKeeperUnavailable:
+            return False
+
+    def history(self) -> List[Dict[str, Any]]:
+        """This round's run events (a late event of an earlier round's copy is not)."""
+        ours = {p["asked"] for p in self.publishes} | self.unpromised
+        return [r for r in map(json.loads, self.rig.redis.lrange("dedupe:runs", 0, -1))
+                if r["task_id"] in ours or r.get("key") in self.keys]
+
+    def settled(self) -> bool:
+        """Every new copy ran all its bodies (a retried copy two), or was killed, revoked or failed."""
+        ends: Dict[str, int] = {}
+        over = set()
+        for r in self.history():
+            ends[r["task_id"]] = ends.get(r["task_id"], 0) + (r["event"] == "end")
+            if r["event"] in ("revoked", "killed", "failed"):
+                over.add(r["task_id"])
+        fresh = {p["asked"] for p in self.publishes if p["got"] == p["asked"]}
+        return all(ends.get(t, 0) >= MODES[self.mode_name][1] or t in over for t in fresh) \
+            and all(g.ready() for g in self.groups)
+
+    def settle_and_check(self) -> List[str]:
+        problems = []
+        try:
+            wait_until(self.settled, timeout=60)
+        except AssertionError:
+            problems.append("the work did not settle within 60 s")
+        for g in self.groups:
+            if not g.ready():
+                problems.append(f"group {g.id} did not complete")
+        try:
+            wait_until(lambda: not self.live_markers(), timeout=30)
+        except AssertionError:
+            problems.append(f"markers left once the work settled: {self.live_markers()}")
+        if os.environ.get("ZKLOCK_FUZZ_VERBOSE"):
+            runs = self.history()
+            print(f"seed {self.seed} {self.mode_name} {[f[1] for f in self.faults]}: {len(self.publishes)} publishes, "
+                  f"{sum(p['got'] == p['asked'] for p in self.publishes)} new, "
+                  f"{sum(p['got'] is None for p in self.publishes)} failed, "
+                  f"{sum(r['event'] == 'start' for r in runs)} starts, "
+                  f"{sorted({r['event'] for r in runs})}")
+        problems += dedupe_violations(self.publishes, self.history(), self.mode,
+                                      starts_per_copy=MODES[self.mode_name][1], unpromised=self.unpromised,
+                                      ghosts_until=self.ghosts_until)
+        return problems
+
+    def live_markers(self) -> Dict[str, Dict[str, Any]]:
+        # A killed publisher's marker stands until its lifetime ends; the reaper removes it later.
+        ours = {p["asked"] for p in self.publishes}
+        return {name: m for name, m in self.rig.markers().items()
+                if not (m and m["task_id"] not in ours and m["expires"] < time.time())}
+
+
+def test_dedupe_rounds(rig):
+    failures: Dict[int, List[str]] = {}
+    for seed in range(FIRST_SEED, FIRST_SEED + ROUNDS):
+        r = Round(rig, seed)
+        problems = r.run()
+        if problems:
+            failures[seed] = [f"mode {r.mode_name}, faults {r.faults}"] + problems
+            if os.environ.get("ZKLOCK_FUZZ_DUMP"):  # the round's whole history, to read
+                with open(os.environ["ZKLOCK_FUZZ_DUMP"], "w") as f:
+                    json.dump({"publishes": r.publishes, "runs": r.history(), "problems": problems,
+                               "worker": rig.worker.log_text()[-40000:]}, f, indent=1)
+            break
+    print(f"fuzz dedupe: {ROUNDS if not failures else len(failures)} rounds from seed {FIRST_SEED}")
+    assert not failures, f"replay with ZKLOCK_FUZZ_SEED={min(failures)} ZKLOCK_FUZZ_DEDUPE_ROUNDS=1: {failures}"
