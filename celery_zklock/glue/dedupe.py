@@ -1,7 +1,7 @@
 """Enqueue-time dedupe: a marker per key, created as a copy is published and given back as it
 starts (``queued``) or ends (``queued_or_running``), or when it is revoked.
 
-:func:`publish` and :func:`revoked` are hooks; :func:`~celery_zklock.glue.worker.install`
+:func:`publish`, :func:`revoked` and :func:`lost` are hooks; :func:`~celery_zklock.glue.worker.install`
 connects them. :func:`marker_kept` is the running copy's side.
 
 Example::
@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.exceptions import Retry
 from kazoo.exceptions import KazooException, NoNodeError
 from kombu.utils.uuid import uuid
@@ -36,7 +37,7 @@ from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
 from .options import LockSpec, spec_of
 
-__all__ = ["MARKER_HEADER", "marker_kept", "publish", "revoked", "send_by_name"]
+__all__ = ["MARKER_HEADER", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -62,8 +63,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     where = f"task {task.name}"
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     settings, layout = settings_of(app), layout_of(app)
-    keys = spec.keys(task.name, task.run, args, kwargs, False, layout.secret is not None)
-    key = keys[0] if len(keys) == 1 else "\n".join(sorted(set(keys)))
+    key = _marker_key(task, spec, args, kwargs)
     defaults = task_defaults(app)
     ttl = spec.marker_ttl(defaults)
     expires = _seconds_until(options.get("expires"), app)
@@ -164,6 +164,12 @@ def _claim(session: Session, tree: str, path: str, data: Dict[str, Any], timeout
 
 #: Options by which a copy carries more work than itself.
 _CANVAS_OPTIONS = ("chain", "chord", "group_id", "link", "link_error")
+
+
+def _marker_key(task: Any, spec: LockSpec, args: Any, kwargs: Any) -> str:
+    keys = spec.keys(task.name, task.run, tuple(args or ()), dict(kwargs or {}), False,
+                     layout_of(task.app).secret is not None)
+    return keys[0] if len(keys) == 1 else "\n".join(sorted(set(keys)))
 
 
 def _in_a_canvas(options: Dict[str, Any]) -> bool:
@@ -331,6 +337,30 @@ class _Releases:
 
 
 _releases = _Releases()
+
+
+def lost(sender: Any = None, task_id: str = "", exception: Any = None, args: Any = (), kwargs: Any = None,
+         **extra: Any) -> None:
+    """A ``task_failure`` receiver for the failures only a worker's main process reports: the
+    pool process died under the copy (``WorkerLostError``: SIGKILL, the OOM killer) or was
+    killed past its hard time limit. That copy gave nothing back, and with ``acks_late`` its
+    marker keeps its queued life (for a message that comes back); Celery sends this only for
+    a message that does not come back, so the marker goes now, in the background.
+    """
+    if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
+        return  # a pool process's own failure: its copy gave its marker back as it ended
+    spec = _dedupe_spec(sender)
+    if spec is None:
+        return
+    if isinstance(exception, TimeLimitExceeded) and sender.acks_late and getattr(sender, "acks_on_timeout", 1) is False:
+        return  # requeued past its hard time limit (Celery with task_acks_on_timeout), and told all the same
+    try:
+        path = layout_of(sender.app).queued(sender.name, _marker_key(sender, spec, args, kwargs))
+    except Exception as exc:  # its key no longer builds (it did at publish): the marker lives out its life
+        logger.warning("task %s[%s]: its pool process died and its dedupe marker could not be named (%s); it "
+                       "stands for the copy until it expires", sender.name, task_id, type(exc).__name__)
+        return
+    _release_marker(sender, path, task_id, wait=False)  # the consumer calls this: never wait
 
 
 def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:

@@ -27,7 +27,8 @@ it looks at each task Celery makes from a function as it is made. Then:
 
 3. :func:`install` is idempotent. It routes ``Task.apply_async`` through the dedupe
    publish (and ``Celery.send_task``, for a dedupe task sent by name), and connects
-   ``task_revoked`` (a revoked copy's marker), ``worker_init`` (refuse a worker whose
+   ``task_revoked`` (a revoked copy's marker), ``task_failure`` (the marker of a copy
+   whose pool process died), ``worker_init`` (refuse a worker whose
    locked tasks or settings are wrong), ``worker_ready`` (say which keys ZooKeeper
    shows in clear), ``worker_process_init`` (open the session in the background,
    before the first task) and ``worker_process_shutdown``/``worker_shutdown`` (close
@@ -48,6 +49,7 @@ import threading
 from typing import Any, List, Optional
 
 from celery.signals import (
+    task_failure,
     task_revoked,
     worker_init,
     worker_process_init,
@@ -88,6 +90,7 @@ def install() -> None:
         wrap_apply_async(dedupe.publish)
         wrap_send_task(dedupe.send_by_name)
         task_revoked.connect(dedupe.revoked, weak=False)
+        task_failure.connect(dedupe.lost, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
         worker_ready.connect(_tell_about_readable_arguments, weak=False)
         worker_process_init.connect(_open_session, weak=False)

@@ -29,7 +29,8 @@ app.conf.update(
     zklock_connect_timeout=5,
     zklock_dedupe_ttl=float(os.environ.get("ZKT_DEDUPE_TTL", "3600")),
     task_acks_late=bool(os.environ.get("ZKT_ACKS_LATE")),
-    task_reject_on_worker_lost=bool(os.environ.get("ZKT_ACKS_LATE")),
+    # ZKT_ACK_LOST: acks_late alone, so a pool process's death acks its message (Celery's default).
+    task_reject_on_worker_lost=bool(os.environ.get("ZKT_ACKS_LATE")) and not os.environ.get("ZKT_ACK_LOST"),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),

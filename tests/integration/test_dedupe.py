@@ -319,6 +319,40 @@ def test_a_pool_process_killed_mid_body_frees_its_key_when_its_session_ends(env,
     dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
 
 
+@pytest.mark.parametrize("death", ["killed", "hard_time_limit"])
+def test_an_acks_late_copy_whose_pool_process_died_frees_its_key_as_the_worker_acks_it(death, env, workers,
+                                                                                        redis_server, zk_server):
+    # acks_late keeps a running copy's queued life, for a message that comes back. Without
+    # task_reject_on_worker_lost (Celery's default), or past a hard time limit, the worker's
+    # main process acks it instead: nothing will run it again, so the marker must go then,
+    # not 600 s later. SIGKILL stands for the OOM killer. Past a hard time limit billiard
+    # TERMs the process and KILLs it 0.1 s later: the body's own release, slowed here by a
+    # dark link to ZooKeeper, never gets there.
+    proxy = TcpProxy(zk_server.port).start()
+    try:
+        workers("w1", concurrency=1, ZKT_ACKS_LATE="1", ZKT_ACK_LOST="1", ZKT_HOSTS=proxy.hosts)
+        with conf(zklock_dedupe_ttl=600):
+            dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
+            first = dedupe_app.singleton.apply_async(("died", 20000),
+                                                     time_limit=3 if death == "hard_time_limit" else None)
+            wait_until(lambda: any(e["event"] == "start" and e["task_id"] == first.id
+                                   for e in history(redis_server.url)[1]), timeout=30)
+            if death == "killed":
+                [child] = {e["pid"] for e in history(redis_server.url)[1] if e["task_id"] == first.id}
+                os.kill(child, signal.SIGKILL)
+            else:
+                proxy.mode = "blackhole"
+            with pytest.raises(Exception) as failed:
+                first.get(timeout=30)
+            assert type(failed.value).__name__ == ("WorkerLostError" if death == "killed" else "TimeLimitExceeded")
+            proxy.mode = "pass"
+            wait_until(lambda: marker_of(env, "died") == [], timeout=15)
+            assert dedupe_app.singleton.delay("died", 1).id != first.id
+    finally:
+        proxy.close()
+        dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
+
+
 def test_a_dedupe_task_sent_by_name_is_deduplicated_as_delay_would(env):
     # send_task is what `celery call` and Flower use: where the publishing app has the task
     # registered, its dedupe applies.
