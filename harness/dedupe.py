@@ -42,10 +42,9 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
     """
     problems: List[str] = []
     unpromised = set(unpromised)
-    runs = [r for r in runs if r["task_id"] not in unpromised]
     first: Dict[str, Dict[str, float]] = collections.defaultdict(dict)
     starts: collections.Counter[str] = collections.Counter()
-    for r in runs:
+    for r in runs:  # an unpromised copy counts only as one a deduplicated publish may return
         first[r["task_id"]].setdefault(r["event"], r["time"])
         starts[r["task_id"]] += r["event"] == "start"
     new = [p for p in publishes if p["got"] == p["asked"]]
@@ -55,14 +54,14 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
         if ran != starts_per_copy and not ("killed" in times and 0 < ran < starts_per_copy) \
                 and not (over and ran < starts_per_copy):
             problems.append(f"{p['asked']} ({p['key']}) was published as a new copy but ran {ran} times")
-    for stray in sorted(set(starts) - {p["asked"] for p in new}):
+    for stray in sorted(set(starts) - {p["asked"] for p in new} - unpromised):
         problems.append(f"{stray} ran but no publish returned it as a new copy")
     new_ids = {p["asked"] for p in new}
     for p in publishes:
         got = p["got"]
         if got is None or got == p["asked"] or starts[got] or "revoked" in first.get(got, {}):
             continue
-        if got not in new_ids and p["t0"] < ghosts_until:
+        if got not in new_ids | unpromised and p["t0"] < ghosts_until:
             continue
         problems.append(f"publish at {p['t0']:.3f} of key {p['key']!r} returned {got}, which never ran")
     started = collections.defaultdict(list)
