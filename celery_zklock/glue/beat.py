@@ -162,35 +162,39 @@ def leader_only(scheduler_cls: S) -> S:
     """
     if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
         raise TypeError(f"leader_only() needs a celery.beat.Scheduler subclass, not {scheduler_cls!r}")
-    return cast(S, type(f"LeaderOnly{scheduler_cls.__name__}", (_Leadership, scheduler_cls), {
+    return cast(S, type(f"LeaderOnly{scheduler_cls.__name__}", (_LeaderOnly, scheduler_cls), {
         "__module__": scheduler_cls.__module__,
         "__doc__": f"{scheduler_cls.__name__} that dispatches only while it leads the beat election.",
-        "on_leadership": _read_again_then_lead,
     }))
 
 
-def _read_again_then_lead(self: Any) -> None:
-    """A leader_only scheduler becomes leader: read its shared state again first.
+class _LeaderOnly(_Leadership):
+    """What :func:`leader_only` adds to a third-party scheduler: a fresh read at each leadership."""
 
-    It read the schedule when the beat started (or last led); another leader has run
-    entries since, and a schedule read then would send them again. Celery rebuilds its
-    heap from ``schedule`` when the heap is None. django-celery-beat's DatabaseScheduler
-    re-reads the database only on its first read, on a change it is told of, or every
-    5 minutes: ask for a first read again, and drop what it has not written yet (its
-    runs from an earlier leadership, older than the database's). Its ``_heap_invalidated``
-    goes too: a change it saw while standing by set it, and no tick cleared it; left set,
-    the second tick would rebuild the heap from the entries read now, whose last run
-    predates the one the first tick sent, and send that run again.
-    """
-    if hasattr(self, "_initial_read"):
-        self._initial_read = True
-        dirty = getattr(self, "_dirty", None)
-        if isinstance(dirty, set):
-            dirty.clear()
-    if getattr(self, "_heap_invalidated", False):
-        self._heap_invalidated = False  # the heap is rebuilt from the fresh read below
-    self._heap = None
-    _Leadership.on_leadership(self)
+    def on_leadership(self) -> None:
+        """Read the shared state again, then lead.
+
+        It read the schedule when the beat started (or last led); another leader has run
+        entries since, and a schedule read then would send them again. Celery rebuilds its
+        heap from ``schedule`` when the heap is None. django-celery-beat's DatabaseScheduler
+        re-reads the database only on its first read, on a change it is told of, or every
+        5 minutes: ask for a first read again, and drop what it has not written yet (its
+        runs from an earlier leadership, older than the database's). The changes it saw
+        before go too (its last change time, its heap-invalidated flag): the first read
+        has them. Left, a change made while it stood by (another beat writes its entries
+        as it starts) was seen again by the next read of the same tick, and the heap built
+        twice: its first run went out twice, 10 ms apart (the beat fuzzer). A change made
+        between those two reads of one tick waits for the next change, or 5 minutes.
+        """
+        if hasattr(self, "_initial_read"):
+            self._initial_read = True
+            self._last_timestamp = None
+            self._heap_invalidated = False
+            dirty = getattr(self, "_dirty", None)
+            if isinstance(dirty, set):
+                dirty.clear()
+        self._heap = None
+        super().on_leadership()
 
 
 class LeaderScheduler(_Leadership):

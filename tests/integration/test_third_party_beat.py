@@ -56,6 +56,13 @@ def test_one_beat_dispatches_and_a_killed_leader_hands_over_within_the_session_t
         standby = next(b for b in beats if b is not leader)
         # (Not its "standby" log line: a standby that queued before the leader's node existed
         # has no leader to name, and says nothing. The dispatches are the evidence.)
+        # A third beat starts, and writes its entries to django-celery-beat's database as every
+        # beat does at start: the standby, next in line, must not read that change as a reason
+        # to build its heap twice as it takes over (it sent its first run twice, 10 ms apart).
+        late = CeleryBeat(app, name=f"{kind}-late", scheduler=scheduler, env=env)
+        beats.append(late)
+        late.start(wait=False)
+        wait_until(lambda: "standby; the leader is" in late.log_text(), timeout=30)
 
         leader.signal(signal.SIGKILL)
         killed = time.time()
@@ -64,7 +71,8 @@ def test_one_beat_dispatches_and_a_killed_leader_hands_over_within_the_session_t
         history = sent(redis_server.url, queue)
         first = min(d["sent"] for d in history if d["pid"] == standby.pid)
         assert first - killed <= TIMEOUT + 2, f"handover took {first - killed:.1f}s"
-        # One dispatcher at a time: the old leader's messages all come before the new one's.
+        # One dispatcher at a time: the old leader's messages all come before the new one's
+        # (the late beat queued behind the standby, and never leads here).
         pids = [d["pid"] for d in history]
         assert pids == sorted(pids, key=lambda p: p == standby.pid), pids
         # And no run sent twice as the new leader takes over (the beat fuzzer found
