@@ -77,49 +77,57 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             **({"key": key} if layout.secret is None else {})}
     path = layout.queued(task.name, key)
     wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
-    claiming = False
+    claiming = False  # a marker naming this copy may exist, and no message carries it yet
     try:
-        session = session_for(settings, wait)
-        if not session.client.connected:
-            raise ZooKeeperUnavailable("the session is reconnecting")
-        claim_scheme(session, layout, wait)
-        claiming = True
-        existing = _claim(session, layout.queued_tree, path, data, wait)
-    except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
-        if claiming:
-            # The create may have reached the server though its reply never reached us: a
-            # marker naming this copy, with no message behind it, would hold the key for its
-            # whole lifetime. It goes in the background (only if it names this very copy).
-            _releases.add(settings, path, task_id)
-        if spec.dedupe_on_unavailable == "publish":
-            logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
+        try:
+            session = session_for(settings, wait)
+            if not session.client.connected:
+                raise ZooKeeperUnavailable("the session is reconnecting")
+            claim_scheme(session, layout, wait)
+            claiming = True
+            existing = _claim(session, layout.queued_tree, path, data, wait)
+        except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
+            if claiming:
+                # The create may have reached the server though its reply never reached us: a
+                # marker naming this copy, with no message behind it, would hold the key for its
+                # whole lifetime. It goes in the background (only if it names this very copy).
+                claiming = False
+                _releases.add(settings, path, task_id)
+            if spec.dedupe_on_unavailable == "publish":
+                logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
+                return original(task, args, kwargs, task_id=task_id, **options)
+            raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
+                                       f"({type(exc).__name__}: {exc}); dedupe_on_unavailable='publish' "
+                                       "publishes anyway") from None
+        claiming = existing is None
+        if existing is not None and _in_a_canvas(options):
+            # Answering with the queued copy would drop what this copy carries: a chain's tail,
+            # a chord's body, a group's count, a link. Nothing is dropped silently: publish it.
+            logger.warning("%s: published although a copy with key %r is %s (task id %s): a copy inside a "
+                           "canvas (chain, chord, group, link) is never deduplicated, or its canvas would never "
+                           "complete", where, layout.label(key), str(spec.dedupe).replace("_", " "),
+                           existing["task_id"])
             return original(task, args, kwargs, task_id=task_id, **options)
-        raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
-                                   f"({type(exc).__name__}: {exc}); dedupe_on_unavailable='publish' publishes "
-                                   "anyway") from None
-    if existing is not None and _in_a_canvas(options):
-        # Answering with the queued copy would drop what this copy carries: a chain's tail, a
-        # chord's body, a group's count, a link. Nothing is dropped silently: publish it.
-        logger.warning("%s: published although a copy with key %r is %s (task id %s): a copy inside a canvas "
-                       "(chain, chord, group, link) is never deduplicated, or its canvas would never complete",
-                       where, layout.label(key), str(spec.dedupe).replace("_", " "), existing["task_id"])
-        return original(task, args, kwargs, task_id=task_id, **options)
-    if existing is not None:
-        signals.task_deduplicated.send(sender=task, key=layout.label(key), task_id=existing["task_id"])
-        if spec.on_duplicate == "raise":
-            raise AlreadyQueued(f"{where}: not published: a copy with key {layout.label(key)!r} is "
-                                f"{str(spec.dedupe).replace('_', ' ')} (task id {existing['task_id']})",
-                                existing["task_id"])
-        return None if spec.on_duplicate == "none" else task.AsyncResult(existing["task_id"])
-    _reap_now_and_then(session, layout.queued_tree, settings.connect_timeout)
-    signals.task_marked.send(sender=task, key=layout.label(key), task_id=task_id, path=path)
-    options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
-    try:
+        if existing is not None:
+            signals.task_deduplicated.send(sender=task, key=layout.label(key), task_id=existing["task_id"])
+            if spec.on_duplicate == "raise":
+                raise AlreadyQueued(f"{where}: not published: a copy with key {layout.label(key)!r} is "
+                                    f"{str(spec.dedupe).replace('_', ' ')} (task id {existing['task_id']})",
+                                    existing["task_id"])
+            return None if spec.on_duplicate == "none" else task.AsyncResult(existing["task_id"])
+        _reap_now_and_then(session, layout.queued_tree, settings.connect_timeout)
+        signals.task_marked.send(sender=task, key=layout.label(key), task_id=task_id, path=path)
+        options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
         return original(task, args, kwargs, task_id=task_id, **options)
     except BaseException:
-        # Never sent: nothing will run it. In the background, so that a ZooKeeper that fails
-        # too can neither hide the broker's error nor hold the caller.
-        _releases.add(settings, path, task_id)
+        if claiming:
+            # Not sent (a failed send, a receiver that raised, a soft time limit landing
+            # anywhere from the create on): nothing will run it and give the marker back. In
+            # the background, so that a ZooKeeper that fails too can neither hide the error
+            # nor hold the caller. An exception after the broker took the message frees the
+            # key early: one more copy may be queued, where keeping the marker would answer
+            # every publish with a copy that may never run.
+            _releases.add(settings, path, task_id)
         raise
 
 

@@ -13,7 +13,9 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 import celery_zklock
-from celery_zklock import current_locks, zk_locked
+from celery_zklock import ZooKeeperUnavailable, current_locks, zk_locked
+from celery_zklock.glue.api import settings_of
+from celery_zklock.zk import session_for
 from tests.util import children, wait_until
 
 PACKAGE = str(Path(celery_zklock.__file__).parent)
@@ -122,3 +124,46 @@ def test_no_line_of_acquire_release_or_the_glue_leaks_a_node(celery_app, kazoo, 
                 for c in children(kazoo, f"{base}/{k}"):
                     kazoo.delete(f"{base}/{k}/{c}")
     assert leaks == [], f"an exception at these lines left a node behind: {leaks}"
+
+
+@pytest.mark.slow
+def test_no_line_of_a_dedupe_publish_or_its_run_leaks_a_marker(celery_app, kazoo, zk_root):
+    # A soft time limit in a task that publishes lands anywhere in the publish, and one in
+    # the copy itself anywhere in its run. Eager mode runs both in this thread: the publish
+    # (its marker made), then the copy (running, then given back). A marker left with no
+    # copy to give it back would answer every publish of the key for its whole life.
+    celery_app.conf.update(zklock_root=zk_root, task_always_eager=True)
+
+    @celery_app.task
+    @zk_locked(key="k:{n}", dedupe="queued_or_running", lock=False)
+    def deduped(n):
+        pass
+
+    celery_app.finalize()
+    deduped.delay(0).get()  # warm: the session exists, the paths are made, the scheme claimed
+    with Injector() as recording:
+        deduped.delay(1).get()
+    points = sorted(set(recording.seen), key=recording.seen.index)
+    assert len(points) > 30, "the window was not traced"
+    tree = f"{zk_root}/queued"
+    leaks = []
+    for i, point in enumerate(points, start=2):
+        # A line of the session's own plumbing may give its connection up: each point from a
+        # connected session, and a publish refused meanwhile was told to its caller.
+        wait_until(lambda: session_for(settings_of(celery_app)).client.connected, timeout=10)
+        with Injector(point) as injector:
+            try:
+                deduped.delay(i).get()
+            except (Injected, ZooKeeperUnavailable):
+                pass
+        if not injector.fired:
+            continue  # this run took another path
+        try:
+            wait_until(lambda: children(kazoo, tree) == [], timeout=3)  # a release may go to the background
+        except AssertionError:
+            leaks.append(f"{Path(point[0]).name}:{point[1]} (run {point[2]})")
+            for name in children(kazoo, tree):  # clean up so the next point is judged alone
+                for c in children(kazoo, f"{tree}/{name}"):
+                    kazoo.delete(f"{tree}/{name}/{c}")
+                kazoo.delete(f"{tree}/{name}")
+    assert leaks == [], f"an exception at these lines left a marker behind: {leaks}"
