@@ -22,9 +22,11 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
     """What broke the ``queued`` or ``queued_or_running`` promise, one line each ([] when none).
 
     - every copy published as new ran exactly once (``starts_per_copy`` bodies: a retried
-      copy runs again), or fewer if it was revoked before one of them, killed or failed; nothing else ran,
-      except the ``unpromised`` copies (sent in a canvas, never deduplicated);
-    - every deduplicated publish returned the id of a copy that ran, or was revoked. Not
+      copy runs again), or fewer if it was revoked before one of them, killed or failed;
+      nothing else ran, except the ``unpromised`` copies (sent in a canvas, never
+      deduplicated);
+    - every deduplicated publish returned the id of a copy that ran, was revoked, or
+      failed (its result tells the caller so: a lock in doubt, say). Not
       promised: until ``ghosts_until``, the id of a copy whose publisher was killed
       between its marker and its send (no publish returned it; its marker blocks the key
       for its lifetime);
@@ -50,16 +52,15 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
     new = [p for p in publishes if p["got"] == p["asked"]]
     for p in new:
         times, ran = first[p["asked"]], starts[p["asked"]]
-        over = any(e in times for e in ("revoked", "failed"))  # before a body: a retry's, say
         if ran != starts_per_copy and not ("killed" in times and 0 < ran < starts_per_copy) \
-                and not (over and ran < starts_per_copy):
+                and not (_over(times) and ran < starts_per_copy):  # before a body: a retry's, say
             problems.append(f"{p['asked']} ({p['key']}) was published as a new copy but ran {ran} times")
     for stray in sorted(set(starts) - {p["asked"] for p in new} - unpromised):
         problems.append(f"{stray} ran but no publish returned it as a new copy")
     new_ids = {p["asked"] for p in new}
     for p in publishes:
         got = p["got"]
-        if got is None or got == p["asked"] or starts[got] or "revoked" in first.get(got, {}):
+        if got is None or got == p["asked"] or starts[got] or _over(first.get(got, {})):
             continue
         if got not in new_ids | unpromised and p["t0"] < ghosts_until:
             continue
@@ -69,8 +70,8 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
         if "start" in times:
             started[next((p["key"] for p in new if p["asked"] == task_id), None)].append(times["start"])
     for p in publishes if mode == "queued" else []:
-        if p["got"] is None or "revoked" in first.get(p["got"], {}) or p["got"] not in new_ids:
-            continue  # raised: the caller knows; revoked: the user's doing; a ghost: said above
+        if p["got"] is None or _over(first.get(p["got"], {})) or p["got"] not in new_ids:
+            continue  # raised, or the copy it got failed: its caller is told; revoked: the user's doing; a ghost
         if not any(t >= p["t0"] for t in started[p["key"]]):
             problems.append(f"publish at {p['t0']:.3f} of key {p['key']!r} was followed by no start")
     last = "pre" if mode == "queued" else "end"
@@ -93,3 +94,8 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
             if end > latest_end:
                 latest_end, latest = end, task_id
     return problems
+
+
+def _over(times: Dict[str, float]) -> bool:
+    """The copy ended without running all its bodies, and its result or its revoke says so."""
+    return "revoked" in times or "failed" in times
