@@ -72,9 +72,6 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     else:
         ttl += max(0.0, _seconds_until(options.get("eta"), app) or float(options.get("countdown") or 0))
     task_id = options.pop("task_id", None) or uuid()
-    now = time.time()
-    data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
-            **({"key": key} if layout.secret is None else {})}
     path = layout.queued(task.name, key)
     wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
     claiming = False  # a marker naming this copy may exist, and no message carries it yet
@@ -84,6 +81,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             if not session.client.connected:
                 raise ZooKeeperUnavailable("the session is reconnecting")
             claim_scheme(session, layout, wait)
+            # The queued life counts from here: a session that was slow to start (a loaded
+            # server, a first publish) must not leave the marker born with its life half spent.
+            now = time.time()
+            data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
+                    **({"key": key} if layout.secret is None else {})}
             claiming = True
             existing = _claim(session, layout.queued_tree, path, data, wait)
         except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
