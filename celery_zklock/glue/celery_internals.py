@@ -6,7 +6,6 @@ Each function leans on something Celery does not promise to keep;
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, List
 
 __all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "on_task_made",
@@ -41,10 +40,6 @@ def finalized_apps() -> List[Any]:
     return [app for app in list(_get_active_apps()) if app.finalized]
 
 
-#: How deep this thread is in a wrapped ``Task.apply_async`` (its ``send_task`` is that publish's own).
-_publishing = threading.local()
-
-
 def wrap_apply_async(hook: Callable[..., Any]) -> None:
     """Route every ``Task.apply_async`` through ``hook(task, original, args, kwargs, options)``.
 
@@ -60,12 +55,7 @@ def wrap_apply_async(hook: Callable[..., Any]) -> None:
         return
 
     def apply_async(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        depth = getattr(_publishing, "depth", 0)
-        _publishing.depth = depth + 1
-        try:
-            return hook(self, original, args, kwargs, options)
-        finally:
-            _publishing.depth = depth
+        return hook(self, original, args, kwargs, options)
 
     apply_async.__doc__ = original.__doc__
     apply_async.__zklock_wrapped__ = True  # type: ignore[attr-defined]
@@ -83,7 +73,11 @@ def wrap_send_task(hook: Callable[..., Any]) -> None:
         return
 
     def send_task(self: Any, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        if getattr(_publishing, "depth", 0):
+        # Task.apply_async sends through send_task and names itself as task_type (Celery
+        # 5.3 to 5.7): that publish went through the hook already. No per-thread count of
+        # publishes under way: one left raised by an exception raised into it (a soft time
+        # limit) turned dedupe by name off for that thread.
+        if options.get("task_type") is not None:
             return original(self, name, args, kwargs, **options)
         return hook(self, original, name, args, kwargs, options)
 

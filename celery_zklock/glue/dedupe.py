@@ -143,11 +143,16 @@ def _reap_now_and_then(session: Session, tree: str, timeout: float) -> None:
     """Sweep expired markers out of ``tree``, in the background, at most every REAP_EVERY seconds
     per process: the tree stays bounded by the live keys, and no publish waits for the sweep."""
     now = time.monotonic()
-    if now - _last_reap[0] < REAP_EVERY or not _reaping.acquire(blocking=False):
+    if now - _last_reap[0] < REAP_EVERY:
         return
     _last_reap[0] = now
 
     def sweep() -> None:
+        # The lock is taken here, not by the publisher: an exception raised into the
+        # publisher (a soft time limit) between taking it and starting this thread would
+        # have left it taken, and this process would never sweep again.
+        if not _reaping.acquire(blocking=False):
+            return  # the last sweep is still going
         try:
             gone = reap(session, tree, timeout)
             if gone:

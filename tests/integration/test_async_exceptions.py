@@ -167,3 +167,9 @@ def test_no_line_of_a_dedupe_publish_or_its_run_leaks_a_marker(celery_app, kazoo
                     kazoo.delete(f"{tree}/{name}/{c}")
                 kazoo.delete(f"{tree}/{name}")
     assert leaks == [], f"an exception at these lines left a marker behind: {leaks}"
+    # Nor did one leave this thread without dedupe: a copy sent by name still finds the
+    # first (a per-thread count of publishes under way once stayed raised, and every later
+    # send_task of the thread skipped its dedupe).
+    celery_app.conf.task_always_eager = False
+    first = celery_app.send_task(deduped.name, args=("by-name",))
+    assert celery_app.send_task(deduped.name, args=("by-name",)).id == first.id

@@ -141,7 +141,7 @@ class Round:
                 self.publishes.append({"key": key, "t0": t0, "t1": time.monotonic(), "marked": marked.pop(asked, None),
                                        "asked": asked, "got": got})
 
-    def fault(self, name: str, length: float) -> None:
+    def fault(self, name: str, length: float, rng: random.Random) -> None:
         rig = self.rig
         if name in ("publisher_reset", "worker_reset"):
             (rig.publisher_proxy if name == "publisher_reset" else rig.worker_proxy).reset()
@@ -151,16 +151,16 @@ class Round:
             time.sleep(length)
             proxy.mode = "pass"
         elif name == "reply_lost":
-            rig.publisher_proxy.cut_after(self.rng.choice((Op.CREATE, Op.MULTI, Op.DELETE, Op.SET_DATA)))
+            rig.publisher_proxy.cut_after(rng.choice((Op.CREATE, Op.MULTI, Op.DELETE, Op.SET_DATA)))
         elif name == "reply_held":
-            rig.publisher_proxy.delay_reply(self.rng.choice((Op.CREATE, Op.MULTI, Op.GET_DATA)), length)
+            rig.publisher_proxy.delay_reply(rng.choice((Op.CREATE, Op.MULTI, Op.GET_DATA)), length)
         elif name == "child_killed":
-            self.kill_a_running_child()
+            self.kill_a_running_child(rng)
         elif name == "revoked":
             with self.lock:
                 fresh = [p["asked"] for p in self.publishes if p["got"] == p["asked"]]
             if fresh:
-                dedupe_app.app.control.revoke(self.rng.choice(fresh))
+                dedupe_app.app.control.revoke(rng.choice(fresh))
         elif name == "publisher_killed" and self.mode_name != "retried":  # its publisher sends (key, ms)
             name = self.task.name.rsplit(".")[-1]
             dying = subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", name, "1", "0"],
@@ -168,7 +168,7 @@ class Round:
             dying.wait(60)
             self.ghosts_until = time.monotonic() + TTL  # its marker's lifetime began before it died
         elif name == "group":
-            args = self.args(self.rng, self.keys[1])
+            args = self.args(rng, self.keys[1])
             members = [self.task.s(*args).set(task_id=str(uuid.uuid4())) for _ in range(2)]
             self.unpromised.update(m.id for m in members)  # named first: a member may go out before the other fails
             try:
@@ -176,14 +176,14 @@ class Round:
             except ZooKeeperUnavailable:
                 pass  # the caller was told (a held reply, say); a member sent before it still runs
 
-    def kill_a_running_child(self) -> None:
+    def kill_a_running_child(self, rng: random.Random) -> None:
         running = {}
         for r in self.history():
             if r.get("key") in self.keys and r["event"] in ("start", "end"):
                 running[r["task_id"]] = r["event"] == "start"
         victims = [task_id for task_id, runs in running.items() if runs]
         if victims:
-            self.rig.redis.set(f"dedupe:kill:{self.rng.choice(victims)}", 1, ex=120)
+            self.rig.redis.set(f"dedupe:kill:{rng.choice(victims)}", 1, ex=120)
 
     def run(self) -> List[str]:
         # Each round starts from a healthy publisher: after a fault, its breaker keeps it off
@@ -194,9 +194,11 @@ class Round:
         for t in threads:
             t.start()
         faulting = []
-        for at, name, length in self.faults:
+        for n, (at, name, length) in enumerate(self.faults):
             time.sleep(max(0.0, start + at - time.monotonic()))
-            f = threading.Thread(target=self.fault, args=(name, length))
+            # Each fault thread draws from its own generator: threads sharing one would draw
+            # in whatever order they ran, and a replay would not meet the same faults.
+            f = threading.Thread(target=self.fault, args=(name, length, random.Random(self.seed * 100 + 50 + n)))
             f.start()
             faulting.append(f)
         for t in threads + faulting:

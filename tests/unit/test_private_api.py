@@ -93,3 +93,23 @@ def test_celery_makes_every_task_from_a_function_in_task_from_fun():
         return "ran"
 
     assert plain() == "ran" and not app.finalized  # made by the wrapped method on first use, left alone
+
+
+def test_task_apply_async_names_itself_as_task_type_when_it_sends():
+    # The send_task hook tells a wrapped apply_async's own send (already through the dedupe
+    # publish) from a send by name by that option alone.
+    from celery import Celery
+
+    app = Celery("sends", set_as_current=False, broker="memory://")
+    sent = []
+
+    def send_task(name, args=None, kwargs=None, **options):
+        sent.append(options)
+
+    @app.task(shared=False)
+    def plain() -> None:
+        pass
+
+    app.send_task = send_task  # type: ignore[method-assign]
+    plain.apply_async()
+    assert [o.get("task_type") for o in sent] == [plain], "Celery no longer passes task_type=self to send_task"
