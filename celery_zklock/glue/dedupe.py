@@ -367,8 +367,11 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, args: Any
     spec = _dedupe_spec(sender)
     if spec is None:
         return
-    if isinstance(exception, TimeLimitExceeded) and sender.acks_late and getattr(sender, "acks_on_timeout", 1) is False:
-        return  # requeued past its hard time limit (Celery with task_acks_on_timeout), and told all the same
+    # Celery with task_acks_on_timeout requeues an acks_late message past its hard time limit
+    # and tells the failure all the same: that copy comes back, and gives its marker back then.
+    requeued = sender.acks_late and getattr(sender, "acks_on_timeout", None) is False
+    if isinstance(exception, TimeLimitExceeded) and requeued:
+        return
     try:
         path = layout_of(sender.app).queued(sender.name, _marker_key(sender, spec, args, kwargs))
     except Exception as exc:  # its key no longer builds (it did at publish): the marker lives out its life
