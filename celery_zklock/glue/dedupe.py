@@ -223,7 +223,8 @@ def _seconds_until(expires: Any, app: Any) -> Optional[float]:
 def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
     """Around a dedupe copy's run; yields ``started``, to call as its body starts.
 
-    ``queued``: the marker goes as the body starts, after the copy's locks are held: a
+    ``queued``: the marker goes as the body starts, after the copy's locks are held (if it
+    cannot, the copy fails with ZooKeeperUnavailable and its body never starts): a
     copy that retries for a held lock has not started, is queued again under the same
     task id, and keeps it (so publishes meanwhile still find it). A copy that ends
     without its body running (skipped, refused) gives it back as it ends.
@@ -234,10 +235,24 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
     marker = _marker_of(task.request) if spec.dedupe is not None else None
     released = [False]
 
+    def release_once() -> Optional[Exception]:
+        if marker is None or spec.dedupe != "queued" or released[0]:
+            return None
+        released[0] = True
+        return _release_marker(task, marker)  # the next publish queues a new copy
+
     def started() -> None:
-        if marker is not None and spec.dedupe == "queued" and not released[0]:
-            released[0] = True
-            _release_marker(task, marker)  # the next publish queues a new copy
+        failed = release_once()
+        if failed is not None:
+            # The marker stands until the background release gets through: a publish
+            # meanwhile is answered with this copy. Had its body begun, that publish's work
+            # would be missed; failing, the copy tells every publish it answered so.
+            settings = settings_of(task.app)
+            raise ZooKeeperUnavailable(
+                f"task {task.name}: its dedupe marker {marker} could not be removed as its body was to start "
+                f"(ZooKeeper at zklock_hosts={settings.hosts!r}: {type(failed).__name__}: {failed}), so the task "
+                "did not run: a publish meanwhile would have been answered with a copy already running. The "
+                "marker goes in the background once ZooKeeper answers")
 
     if marker is not None and spec.dedupe == "queued_or_running":
         _start_running(task, marker)
@@ -254,7 +269,7 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
             if spec.dedupe == "queued_or_running":
                 _release_marker(task, marker)
             else:
-                started()  # ended without its body running: the key is free all the same
+                release_once()  # ended without its body running: the key is free all the same
 
 
 def _start_running(task: Any, path: str) -> None:
@@ -288,24 +303,29 @@ def _marker_of(request: Any) -> Optional[str]:
     return marker if isinstance(marker, str) else None
 
 
-def _release_marker(task: Any, path: str, task_id: Optional[str] = None, wait: bool = True) -> None:
-    """Give back the marker of copy ``task_id`` (the running one by default).
+def _release_marker(task: Any, path: str, task_id: Optional[str] = None,
+                    wait: bool = True) -> Optional[Exception]:
+    """Give back the marker of copy ``task_id`` (the running one by default); what made the
+    first try fail, if it did, or None.
 
     Tried once here when ``wait`` (a pool process, about to run or having run the copy),
     then in the background until it is done: a marker left behind would answer every
-    publish with a copy that already ran, for the rest of its life. The task never fails
-    for it, and the consumer (``wait=False``) never waits for ZooKeeper.
+    publish with a copy that already ran, for the rest of its life. The consumer
+    (``wait=False``) never waits for ZooKeeper.
     """
     task_id = task_id or task.request.id
     settings = settings_of(task.app)
     if wait:
         try:
             release(session_for(settings), path, task_id, settings.connect_timeout)
-            return
+            return None
         except Exception as exc:
             logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); trying again in the "
                            "background", task.name, task_id, path, exc)
+            _releases.add(settings, path, task_id)
+            return exc
     _releases.add(settings, path, task_id)
+    return None
 
 
 class _Releases:

@@ -238,6 +238,38 @@ def test_a_marker_release_that_fails_is_tried_again_until_done(env, zk_server):
         assert dedupe_app.debounced.delay("blip", 1).id != first.id
 
 
+def test_a_queued_copy_whose_marker_cannot_go_as_its_body_starts_does_not_run(env, workers, redis_server,
+                                                                             zk_server):
+    # The dedupe fuzzer's seed 725: the worker is cut off from ZooKeeper just as a queued
+    # copy's body is to start, so its marker's delete never gets through. Had the body run,
+    # every publish until the background release got through would have been answered with
+    # a copy already running: its work missed, silently. The copy fails instead, and says
+    # so to every publish it answered; the marker goes once the worker reaches ZooKeeper.
+    proxy = TcpProxy(zk_server.port).start()
+    try:
+        workers("w1", concurrency=1, ZKT_HOSTS=proxy.hosts)
+        with conf(zklock_dedupe_ttl=600):
+            dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
+            held = proxy.hold_request(Op.MULTI)  # the worker's first: the marker's delete at body start
+            first = dedupe_app.debounced.delay("cut", 1)
+            held.wait_matched(timeout=30)
+            proxy.mode = "blackhole"  # the held delete never reaches the server
+            with pytest.raises(ZooKeeperUnavailable, match="did not run"):
+                first.get(timeout=30)
+            meanwhile = dedupe_app.debounced.delay("cut", 1)  # the marker stands: answered with the failed copy
+            proxy.mode = "pass"
+            wait_until(lambda: marker_of(env, "cut") == [], timeout=30)
+            after = dedupe_app.debounced.delay("cut", 1)
+            after.get(timeout=30)
+        runs = history(redis_server.url)[1]
+        assert [e["event"] for e in runs if e["task_id"] == first.id] == ["pre", "failed"]  # its body never began
+        assert meanwhile.id == first.id and after.id != first.id
+        assert [e["event"] for e in runs if e["task_id"] == after.id] == ["pre", "start", "end"]
+    finally:
+        proxy.close()
+        dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
+
+
 def test_a_publish_that_failed_after_its_marker_was_made_leaves_no_marker(env, zk_server):
     # The dedupe fuzzer's seed 4: the marker's create reaches the server and the connection
     # dies with its reply. The caller is told the publish failed, no message is sent, and a
