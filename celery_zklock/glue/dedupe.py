@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Retry
 from kazoo.exceptions import KazooException, NoNodeError
 from kombu.utils.uuid import uuid
@@ -95,6 +96,8 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                 # whole lifetime. It goes in the background (only if it names this very copy).
                 claiming = False
                 _releases.add(settings, path, task_id)
+                if spec.dedupe_on_unavailable != "publish":
+                    _tell_never_sent(task, task_id, where, exc)
             if spec.dedupe_on_unavailable == "publish":
                 logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
                 return original(task, args, kwargs, task_id=task_id, **options)
@@ -131,6 +134,27 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             # every publish with a copy that may never run.
             _releases.add(settings, path, task_id)
         raise
+
+
+def _tell_never_sent(task: Any, task_id: str, where: str, exc: BaseException) -> None:
+    """Store a failure as the result of copy ``task_id``, which will never be sent.
+
+    Until its background release gets through, a marker naming it may stand, and a
+    publish meanwhile, by any process, is answered with its id: that caller's result
+    then says the work was not done, where it would otherwise wait for a copy that never
+    runs. Without a result backend nobody can wait on it, and there is nothing to tell.
+    """
+    backend = task.backend
+    if isinstance(backend, DisabledBackend):
+        return
+    try:
+        backend.mark_as_failure(task_id, ZooKeeperUnavailable(
+            f"{where}: this copy was never sent, and did not run: its publish failed on ZooKeeper "
+            f"({type(exc).__name__}: {exc}) after its dedupe marker's create was sent, and until that marker "
+            "went a publish of its key was answered with it"))
+    except Exception as failed:  # the caller's own error matters more
+        logger.warning("%s: could not store the never-sent copy %s's failure (%s): a publish answered with it "
+                       "until its dedupe marker goes waits for nothing", where, task_id, failed)
 
 
 #: Seconds between two sweeps of expired markers by one process (see :func:`_reap_now_and_then`).

@@ -60,6 +60,23 @@ def live(marker: Optional[Dict[str, Any]], now: float) -> bool:
 RUNNING = "running"
 
 
+def _read_after_sync(session: Session, path: str, until: Optional[float]) -> Tuple[bytes, Any]:
+    """The marker at ``path``, read no older than the leader's state when we ask.
+
+    The worker runs a copy because its message came through the broker, not through
+    ZooKeeper: its server may not have seen the publisher's create yet (a follower
+    behind, or cut from the leader), and a plain read would find no marker, call it
+    gone, and leave it standing after the copy ran. A ``sync`` goes through the leader,
+    and the read behind it on this connection waits for it; pipelined, it costs no
+    round trip. A server that cannot reach the leader answers neither.
+    """
+    client = session.client
+    synced = client.sync_async("/")
+    read = client.get_async(path)
+    reply(synced, until)
+    return reply(read, until)
+
+
 def claim(session: Session, path: str, data: Dict[str, Any],
           timeout: Optional[float] = None) -> Tuple[Optional[Dict[str, Any]], int]:
     """Make ``path`` our marker, holding ``data``. Returns (None, our version) when it is ours,
@@ -99,9 +116,10 @@ def start_running(session: Session, path: str, task_id: str, message_may_return:
     """
     client = session.client
     until = deadline(timeout)
-    for _ in range(5):
+    for attempt in range(5):
         try:
-            current, stat = reply(client.get_async(path), until)
+            current, stat = (_read_after_sync(session, path, until) if attempt == 0
+                             else reply(client.get_async(path), until))
         except NoNodeError:
             return False
         marker = read_marker(current)
@@ -127,7 +145,7 @@ def requeue(session: Session, path: str, task_id: str, expires: float, timeout: 
     client = session.client
     until = deadline(timeout)
     try:
-        current, stat = reply(client.get_async(path), until)
+        current, stat = _read_after_sync(session, path, until)
     except NoNodeError:
         return False
     marker = read_marker(current)
@@ -146,9 +164,10 @@ def release(session: Session, path: str, task_id: str, timeout: Optional[float] 
     True if deleted."""
     client = session.client
     until = deadline(timeout)
-    for _ in range(5):
+    for attempt in range(5):
         try:
-            current, stat = reply(client.get_async(path), until)
+            current, stat = (_read_after_sync(session, path, until) if attempt == 0
+                             else reply(client.get_async(path), until))
         except NoNodeError:
             return False
         marker = read_marker(current)

@@ -284,6 +284,30 @@ def test_a_publish_that_failed_after_its_marker_was_made_leaves_no_marker(env, z
         assert marker_of(env, "lost-reply") != [] and again.id
 
 
+def test_a_publish_answered_with_a_copy_that_was_never_sent_is_told_so(env, zk_server, redis_server):
+    # The dedupe fuzzer's seed 2063: the reply to a marker's create is held past the
+    # publish's timeout. The create went through, the publish raised, and nothing was sent;
+    # until the background release gets through, the marker answers every publish of the
+    # key, from any process, with that unsent copy's id. Its result says it never ran.
+    with TcpProxy(zk_server.port) as proxy, conf(zklock_hosts=proxy.hosts, zklock_dedupe_ttl=600):
+        dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
+        dedupe_app.debounced.delay("warm", 1)  # the session's first publish claims the key-name scheme
+        held = proxy.hold_reply(Op.CREATE)
+        with pytest.raises(ZooKeeperUnavailable):
+            dedupe_app.debounced.delay("ghost", 1)
+        proxy.mode = "blackhole"  # this process stays cut off: its background release waits
+        other = publish(env, "debounced", 1, 0, ZKT_KEY="ghost")  # another process, straight to the server
+        assert other.wait(60) == 0
+        [answered] = history(redis_server.url)[0]
+        assert answered["got"] != answered["asked"]  # deduplicated onto the unsent copy
+        with pytest.raises(ZooKeeperUnavailable, match="never sent"):
+            dedupe_app.app.AsyncResult(answered["got"]).get(timeout=10)
+        proxy.mode = "pass"
+        held.release()
+        wait_until(lambda: marker_of(env, "ghost") == [], timeout=60)
+    dedupe_app.app.__dict__.pop("_zklock_task_defaults", None)
+
+
 def test_a_failed_send_whose_marker_release_fails_too_raises_the_brokers_error(env, zk_server):
     # The marker's release goes to the background: a ZooKeeper that is dark as well can
     # neither replace the broker's error nor hold the caller for its timeouts.

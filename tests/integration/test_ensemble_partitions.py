@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import threading
 import time
 import uuid
@@ -24,7 +25,9 @@ from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.testing import Hold, violations
 from celery_zklock.zk import Session
 from harness import CeleryBeat, Op, TcpProxy, ZooKeeperEnsemble
+from tests.apps import dedupe_app
 from tests.integration.test_beat import check_history
+from tests.integration.test_fuzz_dedupe import MODES, Rig, Round
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
@@ -255,3 +258,65 @@ def test_a_beat_leader_under_an_ensemble_fault(ensemble, zk_root, redis_server, 
         assert last_a < first_b, f"A sent {last_a - first_b:.2f}s after B began"
     if scheduler == "LeaderScheduler":
         check_history([d["beat"] for d in history], 1.0, max_gap=90 if fault != "healed" else 1.5)
+
+
+class EnsembleRound(Round):
+    """A dedupe fuzzer's round in one mode, with one of the ensemble's own faults in its midst."""
+
+    PUBLISHES, PACE = 24, 0.5  # about 6 s of publishing: before, through and after the fault
+
+    def __init__(self, rig: Rig, seed: int, mode: str, fault: str, ensemble: ZooKeeperEnsemble, hit) -> None:
+        super().__init__(rig, seed)
+        self.mode_name = self.mode = mode
+        self.task = getattr(dedupe_app, MODES[mode][0])
+        self.faults = [(1.5, fault, 3.0)]
+        self.ensemble, self.hit = ensemble, hit
+
+    def fault(self, name: str, length: float, rng) -> None:
+        ensemble, hit = self.ensemble, self.hit
+        if name in ("follower_cut", "leader_isolated"):
+            if name == "follower_cut":
+                ensemble.cut(hit.myid, ensemble.leader().myid)
+            else:
+                ensemble.isolate(hit.myid)
+            time.sleep(length)
+            ensemble.heal()
+        else:  # killed_server: the worker's; quorum_loss: the worker's and the leader
+            down = [hit] + ([ensemble.leader()] if name == "quorum_loss" else [])
+            for server in down:
+                server.stop(signal.SIGKILL)
+            time.sleep(length)
+            for server in down:
+                server.start(wait=False)
+            for server in down:
+                server.wait_serving()
+
+
+ENSEMBLE_FAULTS = ["follower_cut", "leader_isolated", "killed_server", "quorum_loss"]
+
+
+@pytest.mark.parametrize("fault", ENSEMBLE_FAULTS)
+def test_dedupe_under_an_ensemble_fault(ensemble, redis_server, fault):
+    # The worker talks to the server the fault hits (a follower, or the leader when it is
+    # the one isolated), the publishers to one on the majority side; a round of each mode
+    # publishes through the fault, and its history is checked as the fuzzer checks it.
+    # Every decision a marker takes is a write the leader orders, read back at least as
+    # new: a server that is cut, isolated or down answers none, and a copy whose marker
+    # cannot go as it starts fails, saying so.
+    leader = ensemble.leader()
+    follower, majority = [s for s in ensemble.servers if s is not leader]
+    hit = leader if fault == "leader_isolated" else follower
+    rig = Rig(redis_server, majority, worker_server=hit)
+    try:
+        for n, mode in enumerate(("queued", "queued_or_running")):
+            ensemble.wait_leader(60)
+            r = EnsembleRound(rig, 9000 + 10 * ENSEMBLE_FAULTS.index(fault) + n, mode, fault, ensemble, hit)
+            problems = r.run()
+            if problems and os.environ.get("ZKLOCK_FUZZ_DUMP"):
+                with open(os.environ["ZKLOCK_FUZZ_DUMP"], "w") as f:
+                    json.dump({"publishes": r.publishes, "runs": r.history(), "problems": problems,
+                               "worker": rig.worker.log_text()[-60000:]}, f, indent=1)
+            assert problems == [], f"{mode} under {fault}: {problems}"
+    finally:
+        rig.close()
+        dedupe_app.app.__dict__.pop("_zklock_settings", None)

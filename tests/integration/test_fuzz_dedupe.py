@@ -55,15 +55,16 @@ FAULTS = ("publisher_reset", "worker_reset", "publisher_dark", "worker_dark", "r
 
 
 class Rig:
-    """The module's servers, proxies, worker and ZooKeeper view."""
+    """The module's servers, proxies, worker and ZooKeeper view: the worker reaches
+    ``worker_server`` (``zk_server`` by default), the publishers and the view ``zk_server``."""
 
-    def __init__(self, redis_server, zk_server) -> None:
+    def __init__(self, redis_server, zk_server, worker_server=None) -> None:
         self.root = f"/fuzz-dedupe-{uuid.uuid4().hex[:8]}"
         self.queue = f"fd-{uuid.uuid4().hex[:8]}"
         self.redis_url = redis_server.url
         self.redis = redis.Redis.from_url(redis_server.url)
         self.publisher_proxy = TcpProxy(zk_server.port).start()
-        self.worker_proxy = TcpProxy(zk_server.port).start()
+        self.worker_proxy = TcpProxy((worker_server or zk_server).port).start()
         self.env = {**os.environ, "ZKT_BROKER": redis_server.url, "ZKT_HOSTS": self.worker_proxy.hosts,
                     "ZKT_ROOT": self.root, "ZKT_QUEUE": self.queue, "PYTHONPATH": os.getcwd(),
                     "ZKT_DEDUPE_TTL": str(TTL)}
@@ -110,6 +111,9 @@ def _marked(sender: Any = None, task_id: str = "", **kwargs: Any) -> None:
 
 
 class Round:
+    #: Each of the two publishing threads makes this many publishes, a drawn 0 to PACE s apart.
+    PUBLISHES, PACE = 6, 0.3
+
     def __init__(self, rig: Rig, seed: int) -> None:
         self.rig, self.seed, self.rng = rig, seed, random.Random(seed)
         self.mode_name = self.rng.choice(sorted(MODES))
@@ -129,8 +133,8 @@ class Round:
 
     def publisher(self, n: int) -> None:
         rng = random.Random(self.seed * 100 + n)
-        for _ in range(6):
-            time.sleep(rng.uniform(0, 0.3))
+        for _ in range(self.PUBLISHES):
+            time.sleep(rng.uniform(0, self.PACE))
             key = rng.choice(self.keys)
             asked, t0 = str(uuid.uuid4()), time.monotonic()
             try:
@@ -251,10 +255,19 @@ class Round:
                   f"{sum(p['got'] is None for p in self.publishes)} failed, "
                   f"{sum(r['event'] == 'start' for r in runs)} starts, "
                   f"{sorted({r['event'] for r in runs})}")
-        problems += dedupe_violations(self.publishes, self.history(), self.mode,
+        problems += dedupe_violations(self.publishes, self.history() + self.never_sent(), self.mode,
                                       starts_per_copy=MODES[self.mode_name][1], unpromised=self.unpromised,
                                       ghosts_until=self.ghosts_until)
         return problems
+
+    def never_sent(self) -> List[Dict[str, Any]]:
+        """A ``failed`` event for each copy a publish returned that no worker met and whose
+        result says it failed: one whose own publish failed after its marker's create, so
+        its caller is told (the checker's rule for a copy that failed)."""
+        met = {r["task_id"] for r in self.history()}
+        return [{"event": "failed", "time": time.monotonic(), "task_id": got}
+                for got in {p["got"] for p in self.publishes if p["got"] is not None} - met
+                if dedupe_app.app.AsyncResult(got).state == "FAILURE"]
 
     def live_markers(self) -> Dict[str, Dict[str, Any]]:
         # A killed publisher's marker stands until its lifetime ends; the reaper removes it later.
