@@ -218,3 +218,27 @@ def test_leader_only_makes_another_scheduler_dispatch_from_one_beat(env, queue, 
         for b in started:
             b.stop(timeout=10)
             b.close()
+
+
+
+def test_a_leader_whose_zookeeper_is_gone_sends_nothing_then_resumes_without_a_restart(beats, zk_server, queue,
+                                                                                       redis_server):
+    # Every server unreachable for twice the session timeout, with no standby to take over
+    # (a beat that cannot reach ZooKeeper at start exits instead: test_bad_input). The
+    # leader stops within the session timeout, stays up, and leads again once its server
+    # answers: no run sent twice, and the run numbers go on with none skipped.
+    with TcpProxy(zk_server.port) as proxy:
+        beat = beats("b1", ZKT_HOSTS=proxy.hosts)
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 2, timeout=20)
+        proxy.mode = "blackhole"
+        cut = time.time()
+        time.sleep(2 * TIMEOUT)  # the outage's length: the schedule under test
+        proxy.mode = "pass"
+        back = time.time()
+        wait_until(lambda: len([d for d in dispatches(redis_server.url, queue) if d["sent"] > back]) >= 3,
+                   timeout=30)
+        assert beat.proc.poll() is None
+        history = dispatches(redis_server.url, queue)
+        during = [d["sent"] - cut for d in history if cut + TIMEOUT * 0.9 < d["sent"] < back]
+        assert during == [], f"sent {during} s after its ZooKeeper went dark"
+        check_history(history, 1.0, max_gap=3 * TIMEOUT + 5)

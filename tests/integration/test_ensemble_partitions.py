@@ -196,7 +196,8 @@ def sends(redis_url: str, queue: str) -> List[dict]:
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-@pytest.mark.parametrize("fault", ["follower_cut", "leader_isolated", "held_reconnect_reply", "healed"])
+@pytest.mark.parametrize("fault", ["follower_cut", "leader_isolated", "held_reconnect_reply", "healed",
+                                   "killed_server"])
 def test_a_beat_leader_under_an_ensemble_fault(ensemble, zk_root, redis_server, fault, scheduler):
     # The leading beat (A) is placed where the fault hits it, a standby (B) on the
     # majority side. After every fault but the healed one, B must lead: A sends nothing
@@ -207,7 +208,7 @@ def test_a_beat_leader_under_an_ensemble_fault(ensemble, zk_root, redis_server, 
     leader = ensemble.leader()
     follower, other = [s for s in ensemble.servers if s is not leader]
     a_server = {"follower_cut": follower, "leader_isolated": leader, "held_reconnect_reply": follower,
-                "healed": follower}[fault]
+                "healed": follower, "killed_server": follower}[fault]
     b_server = other
     queue = f"q-{uuid.uuid4().hex[:8]}"
     env = {"ZKT_BROKER": redis_server.url, "ZKT_ROOT": zk_root, "ZKT_QUEUE": queue,
@@ -224,6 +225,10 @@ def test_a_beat_leader_under_an_ensemble_fault(ensemble, zk_root, redis_server, 
             ensemble.cut(a_server.myid, leader.myid)
         elif fault == "leader_isolated":
             ensemble.isolate(leader.myid)
+        elif fault == "killed_server":
+            a_server.stop(signal.SIGKILL)  # A's only server: it cannot move, and B's side keeps a quorum
+            stack.callback(a_server.wait_serving)
+            stack.callback(a_server.start, wait=False)
         elif fault == "held_reconnect_reply":
             held = proxy.hold_reply(Op.CONNECT)
             proxy.reset()  # kazoo reconnects to the same session at once
