@@ -60,21 +60,29 @@ def live(marker: Optional[Dict[str, Any]], now: float) -> bool:
 RUNNING = "running"
 
 
-def _read_after_sync(session: Session, path: str, until: Optional[float]) -> Tuple[bytes, Any]:
-    """The marker at ``path``, read no older than the leader's state when we ask.
+def _ours(session: Session, path: str, task_id: str, until: Optional[float],
+          sync: bool) -> Optional[Tuple[Dict[str, Any], Any]]:
+    """The marker at ``path`` and its stat, if it names copy ``task_id``; else None.
 
-    The worker runs a copy because its message came through the broker, not through
-    ZooKeeper: its server may not have seen the publisher's create yet (a follower
-    behind, or cut from the leader), and a plain read would find no marker, call it
-    gone, and leave it standing after the copy ran. A ``sync`` goes through the leader,
-    and the read behind it on this connection waits for it; pipelined, it costs no
-    round trip. A server that cannot reach the leader answers neither.
+    ``sync`` for the first read of a worker's step: the worker runs a copy because its
+    message came through the broker, not through ZooKeeper, so its server may not have
+    seen the publisher's create yet (a follower behind, or cut from the leader), and a
+    plain read would find no marker, call it gone, and leave it standing after the copy
+    ran. A ``sync`` goes through the leader, and the read behind it on this connection
+    waits for it; pipelined, it costs no round trip. A server that cannot reach the
+    leader answers neither. A read after our own write needs none.
     """
     client = session.client
-    synced = client.sync_async("/")
+    synced = client.sync_async("/") if sync else None
     read = client.get_async(path)
-    reply(synced, until)
-    return reply(read, until)
+    try:
+        if synced is not None:
+            reply(synced, until)
+        raw, stat = reply(read, until)
+    except NoNodeError:
+        return None
+    marker = read_marker(raw)
+    return (marker, stat) if marker is not None and marker["task_id"] == task_id else None
 
 
 def claim(session: Session, path: str, data: Dict[str, Any],
@@ -117,14 +125,10 @@ def start_running(session: Session, path: str, task_id: str, message_may_return:
     client = session.client
     until = deadline(timeout)
     for attempt in range(5):
-        try:
-            current, stat = (_read_after_sync(session, path, until) if attempt == 0
-                             else reply(client.get_async(path), until))
-        except NoNodeError:
+        found = _ours(session, path, task_id, until, sync=attempt == 0)
+        if found is None:
             return False
-        marker = read_marker(current)
-        if marker is None or marker["task_id"] != task_id:
-            return False
+        marker, stat = found
         tx = client.transaction()
         if message_may_return:
             tx.check(path, stat.version)
@@ -144,13 +148,10 @@ def requeue(session: Session, path: str, task_id: str, expires: float, timeout: 
     child and lives until ``expires`` (wall clock), as its message has no session behind it."""
     client = session.client
     until = deadline(timeout)
-    try:
-        current, stat = _read_after_sync(session, path, until)
-    except NoNodeError:
+    found = _ours(session, path, task_id, until, sync=True)
+    if found is None:
         return False
-    marker = read_marker(current)
-    if marker is None or marker["task_id"] != task_id:
-        return False
+    marker, stat = found
     tx = client.transaction()
     if stat.numChildren:
         tx.delete(f"{path}/{RUNNING}")
@@ -165,14 +166,10 @@ def release(session: Session, path: str, task_id: str, timeout: Optional[float] 
     client = session.client
     until = deadline(timeout)
     for attempt in range(5):
-        try:
-            current, stat = (_read_after_sync(session, path, until) if attempt == 0
-                             else reply(client.get_async(path), until))
-        except NoNodeError:
-            return False
-        marker = read_marker(current)
-        if marker is None or marker["task_id"] != task_id:
-            return False  # a newer copy's marker: not ours to delete
+        found = _ours(session, path, task_id, until, sync=attempt == 0)
+        if found is None:
+            return False  # gone, or a newer copy's marker: not ours to delete
+        stat = found[1]
         tx = client.transaction()
         if stat.numChildren:
             tx.delete(f"{path}/{RUNNING}")
