@@ -183,7 +183,7 @@ def unknown_settings(conf: Mapping[str, Any]) -> List[str]:
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(:(\d{1,5}))?$")
 
 
-def _positive_seconds(name: str, value: Any) -> float:
+def positive_seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}")
     return float(value)
@@ -284,10 +284,10 @@ class Settings:
     def __post_init__(self) -> None:
         _hosts(self.hosts)
         _znode_path("zklock_root", self.root)
-        _positive_seconds("zklock_session_timeout", self.session_timeout)
-        _positive_seconds("zklock_connect_timeout", self.connect_timeout)
+        positive_seconds("zklock_session_timeout", self.session_timeout)
+        positive_seconds("zklock_connect_timeout", self.connect_timeout)
         if self.server_tick_time is not None:
-            _positive_seconds("zklock_server_tick_time", self.server_tick_time)
+            positive_seconds("zklock_server_tick_time", self.server_tick_time)
             if self.server_tick_time > self.session_timeout / 2:
                 hint = (f" (it is in seconds: zoo.cfg's tickTime={self.server_tick_time:g} is "
                         f"{self.server_tick_time / 1000:g})" if self.server_tick_time >= 100 else
@@ -344,8 +344,8 @@ class Settings:
         return cls(
             hosts=_hosts(get("zklock_hosts")),
             root=_znode_path("zklock_root", get("zklock_root")),
-            session_timeout=_positive_seconds("zklock_session_timeout", get("zklock_session_timeout")),
-            connect_timeout=_positive_seconds("zklock_connect_timeout", get("zklock_connect_timeout")),
+            session_timeout=positive_seconds("zklock_session_timeout", get("zklock_session_timeout")),
+            connect_timeout=positive_seconds("zklock_connect_timeout", get("zklock_connect_timeout")),
             server_tick_time=_tick(get("zklock_server_tick_time")),
             auth=_auth(conf.get("zklock_auth")),
             acl=get("zklock_acl"),
@@ -413,12 +413,12 @@ class TaskDefaults:
         timeout = conf.get("zklock_default_timeout", DEFAULTS["zklock_default_timeout"])
         return cls(
             on_contention=choice("zklock_default_on_contention",
-                                 conf.get("zklock_default_on_contention") or DEFAULTS["zklock_default_on_contention"],
+                                 conf.get("zklock_default_on_contention", DEFAULTS["zklock_default_on_contention"]),
                                  CONTENTION_POLICIES),
             timeout=optional_seconds("zklock_default_timeout", timeout),
-            dedupe_ttl=_positive_seconds("zklock_dedupe_ttl",
+            dedupe_ttl=positive_seconds("zklock_dedupe_ttl",
                                          conf.get("zklock_dedupe_ttl", DEFAULTS["zklock_dedupe_ttl"])),
-            dedupe_publish_timeout=_positive_seconds(
+            dedupe_publish_timeout=positive_seconds(
                 "zklock_dedupe_publish_timeout",
                 conf.get("zklock_dedupe_publish_timeout", DEFAULTS["zklock_dedupe_publish_timeout"])),
         )

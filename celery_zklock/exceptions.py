@@ -56,3 +56,13 @@ class LockLost(ZkLockError):
 class NoCurrentLock(ZkLockError, LookupError):
     """``current_lock()`` has no one lock to return: it was called outside a locked task's body,
     or in a task that holds several (``current_locks()`` returns them all)."""
+
+
+def explain(exc: BaseException) -> str:
+    """``exc`` for a message: its type, and its text when it has one (kazoo's timeouts have none).
+
+    >>> explain(TimeoutError()), explain(ValueError("bad"))
+    ('TimeoutError', 'ValueError: bad')
+    """
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

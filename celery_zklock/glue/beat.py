@@ -162,6 +162,9 @@ def leader_only(scheduler_cls: S) -> S:
     """
     if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
         raise TypeError(f"leader_only() needs a celery.beat.Scheduler subclass, not {scheduler_cls!r}")
+    if issubclass(scheduler_cls, _Leadership):
+        raise TypeError(f"leader_only({scheduler_cls.__name__}): it takes part in the beat election already; "
+                        "use it as it is")
     return cast(S, type(f"LeaderOnly{scheduler_cls.__name__}", (_LeaderOnly, scheduler_cls), {
         "__module__": scheduler_cls.__module__,
         "__doc__": f"{scheduler_cls.__name__} that dispatches only while it leads the beat election.",

@@ -21,9 +21,9 @@ import time
 from typing import Any, Dict, List, NoReturn, Optional
 
 import click
-from kazoo.exceptions import BadVersionError, NoNodeError
+from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 
-from ..conf import Settings, beat_name, describe
+from ..conf import Settings, beat_name, describe, did_you_mean
 from ..exceptions import ZkLockError
 from ..layout import LOCK_TREES, Layout, decode_key, hashed_name, node_object
 from ..recipes.marker import read_marker
@@ -128,11 +128,14 @@ def queued(session: Session, root: str) -> List[Dict[str, Any]]:
         marker = read_marker(raw) or {}
         expires = marker.get("expires")
         enqueued = marker.get("enqueued")
+        running = bool(stat.numChildren)  # its worker's session holds it: no expiry applies
+        if running and not marker.get("expires"):
+            expires = None  # 0: its queued life ended as it started (see start_running)
         rows.append({"key": marker.get("key") if isinstance(marker.get("key"), str) else decode_key(name) or name,
                      "task": marker.get("task"), "task_id": marker.get("task_id"),
                      "age": round(now - enqueued, 3) if isinstance(enqueued, (int, float)) else None,
                      "expires_in": round(expires - now, 3) if isinstance(expires, (int, float)) else None,
-                     "running": bool(stat.numChildren), "version": stat.version, "path": f"{base}/{name}"})
+                     "running": running, "version": stat.version, "path": f"{base}/{name}"})
     return rows
 
 
@@ -237,7 +240,20 @@ def _stalled(leader: Dict[str, Any], now: float) -> str:
     return ""
 
 
-@click.group(name="zklock")
+class _Commands(click.Group):
+    """Our commands, with ZooKeeper's refusal of a read said in one line, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except NoAuthError:
+            settings = settings_of(ctx.obj.app)
+            raise click.ClickException(
+                f"ZooKeeper refused to let this client read under zklock_root={settings.root!r} (NoAuth): its ACL "
+                "names a credential; set zklock_auth to one it grants (as the workers do)") from None
+
+
+@click.group(name="zklock", cls=_Commands)
 def zklock() -> None:
     """celery-zklock: lock holders, the beat leader, and a setup check."""
     # kazoo logs each failed connect attempt; our one line says what failed.
@@ -315,8 +331,8 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
         return
     click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}")
     for r in rows:
-        expires = "expired" if r["expires_in"] is not None and r["expires_in"] <= 0 else (
-            _age(r["expires_in"]) if r["expires_in"] is not None else "?")
+        expires = "running" if r["running"] else "expired" if r["expires_in"] is not None and r["expires_in"] <= 0 \
+            else _age(r["expires_in"]) if r["expires_in"] is not None else "?"
         click.echo(f"  {_cell(r['key'], 32)} {_cell(r['task'] or '-', 28)} {str(r['task_id'] or '-'):<36} "
                    f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
 
@@ -334,6 +350,9 @@ def clear_queued(ctx: click.Context, task_name: str, key: Optional[str]) -> None
     """
     settings, session, app = _connect(ctx)
     try:
+        if task_name not in app.tasks:
+            raise click.UsageError(f"--task {task_name!r}: no such task in this app"
+                                   f"{did_you_mean(task_name, app.tasks)}")
         layout = layout_of(app)
         path = layout.queued(task_name, key) if key is not None else None
         rows = [r for r in queued(session, settings.root)

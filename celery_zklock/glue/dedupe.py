@@ -31,12 +31,12 @@ from kombu.utils.uuid import uuid
 
 from .. import signals
 from ..conf import Settings
-from ..exceptions import AlreadyQueued, ZooKeeperUnavailable
+from ..exceptions import AlreadyQueued, ConfigurationError, ZooKeeperUnavailable, explain
 from ..recipes.marker import claim, reap, release, requeue, start_running
 from ..zk import Session, session_for, timeouts
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
-from .options import LockSpec, spec_of
+from .options import LockSpec, locking_of
 
 __all__ = ["MARKER_HEADER", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
 
@@ -47,8 +47,14 @@ MARKER_HEADER = "zklock_marker"
 
 
 def _dedupe_spec(task: Any) -> Optional[LockSpec]:
-    spec = spec_of(task)
-    return spec if spec is not None and spec.dedupe is not None else None
+    locking = locking_of(task)
+    if locking is None:
+        return None
+    if locking.spec is None:
+        # Wrong lock options: published, it would go out without the dedupe it may have
+        # asked for, as a copy that can only fail.
+        raise ConfigurationError(locking.problem)
+    return locking.spec if locking.spec.dedupe is not None else None
 
 
 def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any]) -> Any:
@@ -99,11 +105,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                 if spec.dedupe_on_unavailable != "publish":
                     _tell_never_sent(task, task_id, where, exc)
             if spec.dedupe_on_unavailable == "publish":
-                logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, exc)
+                logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
                 return original(task, args, kwargs, task_id=task_id, **options)
             raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
-                                       f"({type(exc).__name__}: {exc}); dedupe_on_unavailable='publish' "
-                                       "publishes anyway") from None
+                                       f"({explain(exc)}); set dedupe_on_unavailable='publish' "
+                                       "to publish anyway, without dedupe") from None
         claiming = existing is None
         if existing is not None and _in_a_canvas(options):
             # Answering with the queued copy would drop what this copy carries: a chain's tail,
@@ -150,11 +156,11 @@ def _tell_never_sent(task: Any, task_id: str, where: str, exc: BaseException) ->
     try:
         backend.mark_as_failure(task_id, ZooKeeperUnavailable(
             f"{where}: this copy was never sent, and did not run: its publish failed on ZooKeeper "
-            f"({type(exc).__name__}: {exc}) after its dedupe marker's create was sent, and until that marker "
+            f"({explain(exc)}) after its dedupe marker's create was sent, and until that marker "
             "went a publish of its key was answered with it"))
     except Exception as failed:  # the caller's own error matters more
         logger.warning("%s: could not store the never-sent copy %s's failure (%s): a publish answered with it "
-                       "until its dedupe marker goes waits for nothing", where, task_id, failed)
+                       "until its dedupe marker goes waits for nothing", where, task_id, explain(failed))
 
 
 #: Seconds between two sweeps of expired markers by one process (see :func:`_reap_now_and_then`).
@@ -274,7 +280,7 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
             settings = settings_of(task.app)
             raise ZooKeeperUnavailable(
                 f"task {task.name}: its dedupe marker {marker} could not be removed as its body was to start "
-                f"(ZooKeeper at zklock_hosts={settings.hosts!r}: {type(failed).__name__}: {failed}), so the task "
+                f"(ZooKeeper at zklock_hosts={settings.hosts!r}: {explain(failed)}), so the task "
                 "did not run: a publish meanwhile would have been answered with a copy already running. The "
                 "marker goes in the background once ZooKeeper answers")
 
@@ -307,7 +313,7 @@ def _start_running(task: Any, path: str) -> None:
                            task.request.id, path)
     except Exception as exc:  # the copy runs all the same; its marker lives out its queued life
         logger.warning("task %s[%s]: could not mark its dedupe marker %s running (%s); it stands for the copy "
-                       "until it expires", task.name, task.request.id, path, exc)
+                       "until it expires", task.name, task.request.id, path, explain(exc))
 
 
 def _requeue(task: Any, spec: LockSpec, path: str, retry: Retry) -> None:
@@ -318,7 +324,7 @@ def _requeue(task: Any, spec: LockSpec, path: str, retry: Retry) -> None:
         requeue(session_for(settings), path, task.request.id, time.time() + ttl, settings.connect_timeout)
     except Exception as exc:  # its running child goes with this session; the key may be free meanwhile
         logger.warning("task %s[%s]: could not queue its dedupe marker %s again for the retry (%s)",
-                       task.name, task.request.id, path, exc)
+                       task.name, task.request.id, path, explain(exc))
 
 
 def _marker_of(request: Any) -> Optional[str]:
@@ -345,7 +351,7 @@ def _release_marker(task: Any, path: str, task_id: Optional[str] = None,
             return None
         except Exception as exc:
             logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); trying again in the "
-                           "background", task.name, task_id, path, exc)
+                           "background", task.name, task_id, path, explain(exc))
             _releases.add(settings, path, task_id)
             return exc
     _releases.add(settings, path, task_id)
@@ -383,7 +389,7 @@ class _Releases:
                 try:
                     release(session_for(settings), path, task_id, settings.connect_timeout)
                 except Exception as exc:  # still unreachable: the next round
-                    logger.debug("dedupe marker %s of %s still to remove (%s)", path, task_id, exc)
+                    logger.debug("dedupe marker %s of %s still to remove (%s)", path, task_id, explain(exc))
                     continue
                 with self._lock:
                     self._pending.pop((path, task_id), None)

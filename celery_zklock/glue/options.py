@@ -35,10 +35,11 @@ from ..conf import (
     choice,
     did_you_mean,
     optional_seconds,
+    positive_seconds,
 )
 from ..exceptions import ConfigurationError
 from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
-from .api import rule_for
+from .api import rule_for, task_defaults
 
 __all__ = ["DEFAULT", "OPTIONS", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions",
            "locked_tasks", "locking_of", "problems", "spec_of", "stray", "strays"]
@@ -172,17 +173,26 @@ def _dedupe_options(where: str, options: Mapping[str, Any], get: Callable[[str],
         raise ConfigurationError(f"{where}: lock must be True or False, not {locking!r}")
     if not locking and dedupe is None:
         raise ConfigurationError(f"{where}: lock=False without dedupe=... would do nothing; drop zk_locked instead")
+    if not locking:
+        given = [name for name in _LOCK_ONLY if get(name) != _DEFAULTS[name]]
+        if given:
+            raise ConfigurationError(f"{where}: {_names(given)} only with the lock, which lock=False turns off")
     ttl = get("dedupe_ttl")
-    if ttl is not DEFAULT and (optional_seconds(f"{where}: dedupe_ttl", ttl) or 0) <= 0:
-        raise ConfigurationError(f"{where}: dedupe_ttl must be a positive number of seconds, not {ttl!r}")
+    if ttl is not DEFAULT:
+        positive_seconds(f"{where}: dedupe_ttl", ttl)
     extra = {"on_duplicate": choice(f"{where}: on_duplicate", get("on_duplicate"), DUPLICATE_POLICIES),
              "dedupe_on_unavailable": choice(f"{where}: dedupe_on_unavailable", get("dedupe_on_unavailable"),
                                              UNAVAILABLE_POLICIES)}
     if dedupe is None:
         given = [name for name in _DEDUPE_ONLY if get(name) != _DEFAULTS[name]]
         if given:
-            raise ConfigurationError(f"{where}: {', '.join(given)} apply only with dedupe=...; set dedupe too")
+            raise ConfigurationError(f"{where}: {_names(given)} only with dedupe=...; set dedupe too")
     return {"lock": locking, "dedupe": dedupe, "dedupe_ttl": ttl, **extra}
+
+
+def _names(given: List[str]) -> str:
+    """``"timeout applies"``, ``"mode, timeout apply"``: the options a message names, and its verb."""
+    return f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'}"
 
 
 #: The lock options of ``@zk_locked`` and ``ZkLockedTask(zklock={...})``, in one place.
@@ -191,6 +201,8 @@ _DEFAULTS: Dict[str, Any] = {"key": None, **{f.name: f.default for f in dataclas
                                              if f.name in OPTIONS}}
 #: The options that mean something only with ``dedupe``.
 _DEDUPE_ONLY = ("on_duplicate", "dedupe_ttl", "dedupe_on_unavailable")
+#: The options that mean something only with the lock.
+_LOCK_ONLY = ("mode", "limit", "on_contention", "timeout", "retry_countdown", "on_lock_lost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,13 +286,22 @@ def strays(app: Any) -> Dict[str, str]:
 def problems(app: Any) -> List[str]:
     """What is wrong with an app's locked tasks, one line each.
 
-    Wrong lock options (see :class:`Locking`), and a ``zklock`` option on a task
-    that is not a ZkLockedTask, which Celery would silently ignore.
+    Wrong lock options (see :class:`Locking`), a ``zklock`` option on a task that is
+    not a ZkLockedTask, which Celery would silently ignore, and, if any task is locked,
+    wrong ``zklock_default_*`` and dedupe settings.
     """
     stray = strays(app)
     found = []
+    locked = False
     for name, task in sorted(app.tasks.items()):
-        problem = getattr(locking_of(task), "problem", "") or stray.get(name)
+        locking = locking_of(task)
+        locked = locked or locking is not None
+        problem = getattr(locking, "problem", "") or stray.get(name)
         if problem:
             found.append(problem)
+    if locked:
+        try:
+            task_defaults(app)  # zklock_dedupe_ttl and the rest: read by every locked task's call
+        except ConfigurationError as exc:
+            found.append(str(exc))
     return found

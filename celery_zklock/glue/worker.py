@@ -62,7 +62,7 @@ from ..conf import unknown_settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
 from . import dedupe
-from .api import claim_scheme, layout_of, settings_of, task_defaults
+from .api import claim_scheme, layout_of, settings_of
 from .celery_internals import (
     connect_on_app_finalize,
     current_app,
@@ -170,9 +170,7 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
     found = problems(app)
     if locked_tasks(app):
         try:
-            settings = settings_of(app)
-            task_defaults(app)
-            found += _check_scheme(app, settings)
+            found += _check_scheme(app, settings_of(app))
         except ZkLockError as exc:
             found.append(str(exc))
     if found:

@@ -271,7 +271,8 @@ class Session:
             interval = self.clock.heartbeat_interval(now)
         if lost:
             logger.warning("ZooKeeper session unproven: the newest request known to have reached the leader was "
-                           "sent %.1fs ago (session timeout %gs): its locks count as lost", unproven, self.timeout)
+                           "sent %.1fs ago (session timeout %gs): whatever it holds (locks, beat leadership) "
+                           "counts as lost", unproven, self.timeout)
             self._after(True)
         return interval
 

@@ -23,6 +23,8 @@ app.conf.update(
 )
 if MISTAKE == "setting":
     app.conf.zklock_sesion_timeout = 5
+if MISTAKE == "task_default":  # read by the tasks, not the session: the beat refused it only as a run failed
+    app.conf.zklock_dedupe_ttl = "3600"
 if MISTAKE == "django_setting":  # as Django's settings.py spells it under namespace="CELERY"
     app.conf.CELERY_ZKLOCK_HOST = "zk1:2181"
 

@@ -564,3 +564,25 @@ def test_operators_see_the_markers(env):
     text = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.dedupe_app", "zklock", "queued"], env=env,
                           capture_output=True, text=True, timeout=60).stdout
     assert "k:cli" in text and sent.id in text and "EXPIRES IN" in text
+
+
+def test_operators_see_a_running_copy_as_running_and_a_misspelt_task_is_refused(env, workers, redis_server):
+    # The new-user trial: a running queued_or_running copy was listed as "expired" (its queued
+    # life ends as it starts), with an expires_in of minus the epoch; clear-queued --task with a
+    # typo cleared "0 marker(s)" and exited 0.
+    workers("w1", concurrency=1)
+    running = dedupe_app.singleton.delay("cli-running", 20000)
+    wait_until(lambda: any(e["event"] == "start" and e["task_id"] == running.id
+                           for e in history(redis_server.url)[1]), timeout=30)
+    cli = [sys.executable, "-m", "celery", "-A", "tests.apps.dedupe_app", "zklock"]
+    out = subprocess.run(cli + ["queued", "--json"], env=env, capture_output=True, text=True, timeout=60)
+    [row] = [r for r in json.loads(out.stdout)["queued"] if r["key"] == "k:cli-running"]
+    assert row["running"] is True and row["expires_in"] is None
+    text = subprocess.run(cli + ["queued"], env=env, capture_output=True, text=True, timeout=60).stdout
+    [line] = [line for line in text.splitlines() if "k:cli-running" in line]
+    assert line.rstrip().endswith("running")
+    dedupe_app.app.control.revoke(running.id, terminate=True)
+    typo = subprocess.run(cli + ["clear-queued", "--task", "tests.apps.dedupe_app.singleto"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert typo.returncode == 2
+    assert "no such task in this app; did you mean 'tests.apps.dedupe_app.singleton'?" in typo.stderr

@@ -196,6 +196,12 @@ def test_private_acl_lets_no_one_else_list_or_read(hashed, app, zk_server, zk_ro
         [row] = locks("--key", "user:42")
         assert row["key"] == "user:42" and row["holders"][0]["task_id"] == "id-1"
         assert locks("--key", "user:43") == []
+        # Without the credential, one line that names the setting (the new-user trial: a traceback).
+        for command in ("locks", "status"):
+            out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.worker_app", "zklock", command],
+                                 env={**env, "ZKT_AUTH": "app:wrong"}, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+            assert "refused to let this client read" in out.stderr and "zklock_auth" in out.stderr
 
 
 def authed(zk_server, credential) -> KazooClient:

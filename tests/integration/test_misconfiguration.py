@@ -20,6 +20,7 @@ MISTAKES = {
     "django_setting": "unknown setting 'CELERY_ZKLOCK_HOST'; did you mean 'CELERY_ZKLOCK_HOSTS'?",
     "option": "task tests.apps.misconfigured_app.report: unknown lock option 'mdoe'; did you mean 'mode'?",
     "stray": "task tests.apps.misconfigured_app.report: the zklock option needs base=ZkLockedTask",
+    "task_default": "zklock_dedupe_ttl must be a positive number of seconds, not '3600'",
 }
 
 

@@ -159,3 +159,16 @@ def test_lock_refuses_holder_data_named_like_an_option(extra, message):
     app.conf.zklock_hosts = "127.0.0.1:1"
     with pytest.raises(ConfigurationError, match=re.escape(message)):
         celery_zklock.lock(app, "invoice:42", **extra)
+
+
+def test_leader_only_refuses_what_is_not_a_scheduler_or_leads_already():
+    from celery.beat import PersistentScheduler
+
+    from celery_zklock.beat import LeaderScheduler, leader_only
+
+    once = leader_only(PersistentScheduler)
+    for twice in (once, LeaderScheduler):  # was: a raw MRO TypeError; LeaderScheduler accepted
+        with pytest.raises(TypeError, match=rf"leader_only\({twice.__name__}\): it takes part in the beat election"):
+            leader_only(twice)
+    with pytest.raises(TypeError, match="needs a celery.beat.Scheduler subclass"):
+        leader_only(object)

@@ -97,7 +97,13 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"dedupe": "queue"}, "dedupe must be one of queued, queued_or_running"),
     ({"lock": False}, "lock=False without dedupe=... would do nothing"),
     ({"lock": "no", "dedupe": "queued"}, "lock must be True or False"),
-    ({"on_duplicate": "raise"}, "on_duplicate apply only with dedupe"),
+    ({"on_duplicate": "raise"}, "on_duplicate applies only with dedupe"),
+    ({"on_duplicate": "raise", "dedupe_ttl": 5}, "on_duplicate, dedupe_ttl apply only with dedupe"),
+    ({"dedupe": "queued", "lock": False, "timeout": 5}, "timeout applies only with the lock, which lock=False"),
+    ({"dedupe": "queued", "lock": False, "on_contention": "skip", "mode": "read"},
+     "mode, on_contention apply only with the lock"),
+    ({"dedupe": "queued", "dedupe_ttl": -1}, "dedupe_ttl must be a positive number of seconds, not -1"),
+    ({"dedupe": "queued", "dedupe_ttl": None}, "dedupe_ttl must be a positive number of seconds, not None"),
     ({"dedupe": "queued", "on_duplicate": "ignore"}, "on_duplicate must be one of return, raise, none"),
     ({"dedupe": "queued", "dedupe_ttl": 0}, "dedupe_ttl must be a positive number"),
     ({"dedupe": "queued", "dedupe_on_unavailable": "skip"}, "dedupe_on_unavailable must be one of fail, publish"),
@@ -120,7 +126,7 @@ def test_bad_decorator_options_name_task_and_option(options, message):
 def test_base_class_options_are_one_line_problems_and_every_call_raises(options, message, caplog):
     from celery_zklock.task import problems
 
-    app = Celery("opts", set_as_current=False)
+    app = Celery("opts", broker="memory://", set_as_current=False)
 
     @app.task(base=ZkLockedTask, zklock=options, shared=False)
     def read_report(day):
@@ -134,6 +140,26 @@ def test_base_class_options_are_one_line_problems_and_every_call_raises(options,
         read_report("mon")
     with pytest.raises(ConfigurationError, match=message):
         read_report.apply(("mon",)).get()  # eager too
+    # Published, it would go out as a copy that can only fail (without the dedupe it may ask for).
+    for publish in (lambda: read_report.delay("mon"), lambda: read_report.apply_async(("mon",)),
+                    lambda: app.send_task(read_report.name, ("mon",))):
+        with pytest.raises(ConfigurationError, match=message):
+            publish()
+
+
+def test_a_dedupe_task_with_a_wrong_option_is_never_published_without_its_dedupe():
+    # The new-user trial: dedupe="queue" (a typo) published every copy, deduplicating none.
+    app = Celery("badpub", broker="memory://", set_as_current=False)
+    app.conf.zklock_hosts = "127.0.0.1:1"  # nothing there, and never dialled: refused before
+
+    @app.task(shared=False)
+    @zk_locked(key="user:{user_id}", dedupe="queue", lock=False)
+    def resync(user_id):
+        pass
+
+    for publish in (lambda: resync.delay(1), lambda: app.send_task(resync.name, (1,))):
+        with pytest.raises(ConfigurationError, match="dedupe must be one of"):
+            publish()
 
 
 def test_zklock_option_without_the_base_class_is_reported(caplog):
@@ -201,6 +227,8 @@ def test_task_defaults_settings():
     assert TaskDefaults.from_conf({"zklock_default_timeout": None}).timeout is None
     with pytest.raises(ConfigurationError, match="zklock_default_on_contention"):
         TaskDefaults.from_conf({"zklock_default_on_contention": "spin"})
+    with pytest.raises(ConfigurationError, match="zklock_default_on_contention must be one of"):
+        TaskDefaults.from_conf({"zklock_default_on_contention": ""})  # was read as unset: 'wait'
     with pytest.raises(ConfigurationError, match="zklock_default_timeout"):
         TaskDefaults.from_conf({"zklock_default_timeout": "10"})
 
