@@ -80,6 +80,8 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
         ttl += max(0.0, _seconds_until(options.get("eta"), app) or float(options.get("countdown") or 0))
     task_id = options.pop("task_id", None) or uuid()
     path = layout.queued(task.name, key)
+    # Under hashed names, the marker's own name: what `celery zklock queued` lists.
+    label = key if layout.secret is None else path.rsplit("/", 1)[1]
     wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
     claiming = False  # a marker naming this copy may exist, and no message carries it yet
     try:
@@ -116,18 +118,18 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             # a chord's body, a group's count, a link. Nothing is dropped silently: publish it.
             logger.warning("%s: published although a copy with key %r is %s (task id %s): a copy inside a "
                            "canvas (chain, chord, group, link) is never deduplicated, or its canvas would never "
-                           "complete", where, layout.label(key), str(spec.dedupe).replace("_", " "),
+                           "complete", where, label, str(spec.dedupe).replace("_", " "),
                            existing["task_id"])
             return original(task, args, kwargs, task_id=task_id, **options)
         if existing is not None:
-            signals.task_deduplicated.send(sender=task, key=layout.label(key), task_id=existing["task_id"])
+            signals.task_deduplicated.send(sender=task, key=label, task_id=existing["task_id"])
             if spec.on_duplicate == "raise":
-                raise AlreadyQueued(f"{where}: not published: a copy with key {layout.label(key)!r} is "
+                raise AlreadyQueued(f"{where}: not published: a copy with key {label!r} is "
                                     f"{str(spec.dedupe).replace('_', ' ')} (task id {existing['task_id']})",
                                     existing["task_id"])
             return None if spec.on_duplicate == "none" else task.AsyncResult(existing["task_id"])
         _reap_now_and_then(session, layout.queued_tree, settings.connect_timeout)
-        signals.task_marked.send(sender=task, key=layout.label(key), task_id=task_id, path=path)
+        signals.task_marked.send(sender=task, key=label, task_id=task_id, path=path)
         options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
         return original(task, args, kwargs, task_id=task_id, **options)
     except BaseException:

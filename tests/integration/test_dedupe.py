@@ -208,12 +208,14 @@ def test_expired_markers_are_swept_so_the_tree_stays_bounded_by_the_live_keys(en
 @contextlib.contextmanager
 def conf(**settings: object) -> Iterator[None]:
     """The dedupe app's settings changed for a while (its cached zklock settings dropped each way)."""
-    before = {name: dedupe_app.app.conf[name] for name in settings}
+    before = {name: dedupe_app.app.conf[name] for name in settings if name in dedupe_app.app.conf}
     dedupe_app.app.conf.update(settings)
     dedupe_app.app.__dict__.pop("_zklock_settings", None)
     try:
         yield
     finally:
+        for name in set(settings) - set(before):
+            dedupe_app.app.conf.pop(name, None)
         dedupe_app.app.conf.update(before)
         dedupe_app.app.__dict__.pop("_zklock_settings", None)
 
@@ -586,3 +588,26 @@ def test_operators_see_a_running_copy_as_running_and_a_misspelt_task_is_refused(
                           capture_output=True, text=True, timeout=60)
     assert typo.returncode == 2
     assert "no such task in this app; did you mean 'tests.apps.dedupe_app.singleton'?" in typo.stderr
+
+
+def test_under_hashed_names_a_duplicate_names_its_marker_as_the_operators_list_shows_it(env):
+    # The new-user trial: AlreadyQueued and task_deduplicated named the key's hash, the CLI the
+    # marker's (task and key): an error could not be matched to a row.
+    from celery_zklock import AlreadyQueued
+
+    root = f"{env['ZKT_ROOT']}-hashed"
+    with conf(zklock_root=root, zklock_key_names="hashed", zklock_key_secret="tests-key-secret-0123456789"):
+        app = dedupe_app.app
+
+        @app.task(shared=False, name="tests.hashed_dup")
+        @zk_locked(key="k:{key}", dedupe="queued", lock=False, on_duplicate="raise")
+        def hashed_dup(key):
+            pass
+
+        hashed_dup.apply_async(("carol@example.com",), queue="nowhere")
+        with pytest.raises(AlreadyQueued) as dup:
+            hashed_dup.apply_async(("carol@example.com",), queue="nowhere")
+        out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.dedupe_app", "zklock", "queued",
+                              "--json"], env={**env, "ZKT_ROOT": root}, capture_output=True, text=True, timeout=60)
+        [row] = json.loads(out.stdout)["queued"]
+        assert f"key {row['key']!r}" in str(dup.value) and "carol" not in str(dup.value)
