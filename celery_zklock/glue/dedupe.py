@@ -347,6 +347,7 @@ def _release_marker(task: Any, path: str, task_id: Optional[str] = None,
     """
     task_id = task_id or task.request.id
     settings = settings_of(task.app)
+    failed: Optional[Exception] = None
     if wait:
         try:
             release(session_for(settings), path, task_id, settings.connect_timeout)
@@ -354,10 +355,9 @@ def _release_marker(task: Any, path: str, task_id: Optional[str] = None,
         except Exception as exc:
             logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); trying again in the "
                            "background", task.name, task_id, path, explain(exc))
-            _releases.add(settings, path, task_id)
-            return exc
+            failed = exc
     _releases.add(settings, path, task_id)
-    return None
+    return failed
 
 
 class _Releases:
