@@ -288,16 +288,20 @@ class LeaderScheduler(_Leadership):
         election = self.election
         if recorded is None or election is None:
             return  # reserve() did not record this run (it said why)
-        if not election.session.is_alive():
-            # The session may have expired while we recorded: another leader may be sending.
-            logger.warning("beat: leadership in doubt after recording %s; not sent (run counted)", entry.name)
-            return
-        options = dict(entry.options)
-        options["headers"] = {**options.get("headers", {}), "zklock_beat": {
-            "pid": os.getpid(), "host": socket.gethostname(), "token": recorded[0],
-            "entry": entry.name, "run": recorded[1], "sent": time.time()}}
-        entry.options = options
-        super().apply_entry(entry, producer=producer)
+        with election.dispatching() as lead:
+            # The leadership we recorded under, still ours: not only a live session (a late
+            # reply revives the session of a leader that has already stood down).
+            if lead is None or lead.token != recorded[0] or not election.session.is_alive():
+                # Another leader may be sending: this run goes unsent (its record counts it).
+                logger.warning("beat: leadership lost or in doubt after recording %s; not sent (run counted)",
+                               entry.name)
+                return
+            options = dict(entry.options)
+            options["headers"] = {**options.get("headers", {}), "zklock_beat": {
+                "pid": os.getpid(), "host": socket.gethostname(), "token": recorded[0],
+                "entry": entry.name, "run": recorded[1], "sent": time.time()}}
+            entry.options = options
+            super().apply_entry(entry, producer=producer)
 
     def _record(self, lead: Leadership, entry: ScheduleEntry) -> bool:
         """Record the run in one transaction that also checks our election node; True if it committed.
@@ -361,6 +365,11 @@ class LeaderScheduler(_Leadership):
         except NoNodeError:
             stored = {}
         except KazooException:
+            return None
+        newer = stored.get("token")
+        if isinstance(newer, int) and isinstance(run["token"], int) and newer > run["token"]:  # czxids rise
+            logger.warning("beat: the reply to the record of %s was lost, and another leadership has recorded "
+                           "since; not sent", path)
             return None
         committed = all(stored.get(k) == v for k, v in run.items())
         logger.warning("beat: the reply to the record of %s was lost; it %s", path,

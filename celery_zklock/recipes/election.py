@@ -32,10 +32,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional
 
 from kazoo.exceptions import NoNodeError
 
@@ -84,6 +85,7 @@ class Election:
         self._lock: Optional[Lock] = None
         self._changed = threading.Condition()
         self._lost = threading.Event()
+        self._dispatch = threading.Lock()  # see dispatching()
         self._thread: Optional[threading.Thread] = None
 
     # -- public -----------------------------------------------------------------
@@ -121,6 +123,19 @@ class Election:
         if lock is not self._lock or lock.node != node:
             return None
         return Leadership(token, f"{self.path}/{node}")
+
+    @contextlib.contextmanager
+    def dispatching(self) -> Iterator[Optional[Leadership]]:
+        """Our leadership (None when we do not lead), held for the block: the election gives
+        it up only after the block ends, so what the block sends under a leadership it saw
+        is sent before any standby can lead. The block must not wait on the election.
+
+        Our lock counts itself lost when the session is unproven; a late reply then proves
+        the session again, and our node is deleted with a live session, so a standby leads
+        at once, not a session timeout later: a send checked before that must be done first.
+        """
+        with self._dispatch:
+            yield self.leadership()
 
     def start(self) -> Election:
         if self.state != ElectionState.LATENT:
@@ -222,7 +237,8 @@ class Election:
             logger.info("beat election %s: leading (token %s)", self.path, lock.fencing_token)
             self._set(ElectionState.LEADER)
             self._lost.wait()
-            lock.release()
+            with self._dispatch:  # a send under way ends before our node goes and a standby leads
+                lock.release()
             if self.state != ElectionState.CLOSED:
                 logger.warning("beat election %s: leadership lost; standing by again", self.path)
                 self._set(ElectionState.STANDBY)

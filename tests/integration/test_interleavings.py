@@ -22,6 +22,8 @@ from celery_zklock.beat import LeaderScheduler
 from celery_zklock.exceptions import ConfigurationError
 from celery_zklock.layout import Layout
 from celery_zklock.recipes import Election, Lock, semaphore, sequence
+from celery_zklock.recipes.election import ElectionState
+from celery_zklock.recipes.lock import LockState
 from harness import Op, TcpProxy
 from tests.util import WaitLog, wait_until
 
@@ -463,3 +465,27 @@ def test_a_marker_release_racing_a_retrys_requeue_still_deletes_the_marker(zk_se
         held.release()
         releasing.join(10)
     assert done == [True] and worker.client.exists(path) is None
+
+
+def test_a_leader_that_counts_its_lead_lost_stands_down_only_after_a_send_it_checked(new_session, zk_root):
+    # The fault-rig trial: a record's reply lost and the reconnect's held until the leader's
+    # clock ran out. Its lock counted itself lost; the late reply then proved the session,
+    # so its node was deleted with a live session and the standby led at once, while the
+    # beat's main thread, past its check, sent a run 30 ms later (3 runs in 9). Here the
+    # lock's LOST is handed to the election as its lock would (the rig cannot stop the main
+    # thread between its check and its send); the standby must not lead before the send ends.
+    path = f"{zk_root}/election-dispatch"
+    a = Election(new_session(), path).start()
+    assert a.wait_leader(10)
+    b = Election(new_session(), path).start()
+    wait_until(lambda: len(b.candidates()) == 2, timeout=10)
+    with a.dispatching() as lead:
+        assert lead is not None
+        a._on_lock_state(a._lock, LockState.LOST)  # what the lock says when its clock runs out
+        wait_until(lambda: a.state == ElectionState.LEADER and a._lost.is_set(), timeout=5)
+        assert not b.wait_leader(1.0), "the standby led while the leader's checked send was under way"
+        sent = time.monotonic()
+    assert b.wait_leader(10)
+    assert time.monotonic() - sent < 5
+    a.close()
+    b.close()
