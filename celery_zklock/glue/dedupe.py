@@ -261,8 +261,9 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
     task id, and keeps it (so publishes meanwhile still find it). A copy that ends
     without its body running (skipped, refused) gives it back as it ends.
     ``queued_or_running``: the marker stands for the copy for as long as this worker's
-    session lives while it runs, and goes when it is done; when it retries it is queued
-    again. Either way a retry is the same copy and keeps its marker.
+    session lives while it runs (if it cannot be marked running, the copy fails with
+    ZooKeeperUnavailable and its body never starts), and goes when it is done; when it
+    retries it is queued again. Either way a retry is the same copy and keeps its marker.
     """
     marker = _marker_of(task.request) if spec.dedupe is not None else None
     released = [False]
@@ -279,15 +280,17 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
             # The marker stands until the background release gets through: a publish
             # meanwhile is answered with this copy. Had its body begun, that publish's work
             # would be missed; failing, the copy tells every publish it answered so.
-            settings = settings_of(task.app)
-            raise ZooKeeperUnavailable(
-                f"task {task.name}: its dedupe marker {marker} could not be removed as its body was to start "
-                f"(ZooKeeper at zklock_hosts={settings.hosts!r}: {explain(failed)}), so the task "
-                "did not run: a publish meanwhile would have been answered with a copy already running. The "
-                "marker goes in the background once ZooKeeper answers")
+            raise _not_run(task, f"its dedupe marker {marker} could not be removed", failed,
+                           "answered with a copy already running")
 
     if marker is not None and spec.dedupe == "queued_or_running":
-        _start_running(task, marker)
+        failed = _start_running(task, marker)
+        if failed is not None:
+            # Without its running child, the marker would stand for the copy only for its
+            # queued life: a body longer than that would share its key with a new copy.
+            _release_marker(task, marker, wait=False)
+            raise _not_run(task, f"its dedupe marker {marker} could not be marked running", failed,
+                           "queued beside it once the marker's queued life ran out")
     finished = True
     try:
         yield started
@@ -304,7 +307,17 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
                 release_once()  # ended without its body running: the key is free all the same
 
 
-def _start_running(task: Any, path: str) -> None:
+def _not_run(task: Any, what: str, failed: Exception, publish_meanwhile: str) -> ZooKeeperUnavailable:
+    """The error of a dedupe copy that does not run because ZooKeeper did not answer as it started."""
+    settings = settings_of(task.app)
+    return ZooKeeperUnavailable(
+        f"task {task.name}: {what} as its body was to start (ZooKeeper at zklock_hosts={settings.hosts!r}: "
+        f"{explain(failed)}), so the task did not run: a publish meanwhile would have been {publish_meanwhile}. "
+        "The marker goes in the background once ZooKeeper answers")
+
+
+def _start_running(task: Any, path: str) -> Optional[Exception]:
+    """Mark the copy running under its marker; what made it fail, or None."""
     settings = settings_of(task.app)
     # With acks_late a dead worker's message comes back: the queued life must go on.
     may_return = bool(getattr(task.request, "acks_late", None) or task.acks_late)
@@ -313,9 +326,11 @@ def _start_running(task: Any, path: str) -> None:
             logger.warning("task %s[%s]: its dedupe marker %s no longer names it (its life ran out before the "
                            "copy started, and another copy took it over): both may run", task.name,
                            task.request.id, path)
-    except Exception as exc:  # the copy runs all the same; its marker lives out its queued life
-        logger.warning("task %s[%s]: could not mark its dedupe marker %s running (%s); it stands for the copy "
-                       "until it expires", task.name, task.request.id, path, explain(exc))
+    except Exception as exc:
+        logger.warning("task %s[%s]: could not mark its dedupe marker %s running (%s)", task.name,
+                       task.request.id, path, explain(exc))
+        return exc
+    return None
 
 
 def _requeue(task: Any, spec: LockSpec, path: str, retry: Retry) -> None:

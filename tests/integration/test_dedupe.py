@@ -286,6 +286,26 @@ def test_a_publish_that_failed_after_its_marker_was_made_leaves_no_marker(env, z
         assert marker_of(env, "lost-reply") != [] and again.id
 
 
+def test_a_running_copy_that_cannot_mark_itself_running_does_not_run(env, workers, redis_server, zk_server):
+    # The fault-rig trial: a blip as a queued_or_running copy starts kills its running
+    # child's create. The body ran on the marker's queued life alone, and a publish once
+    # that ran out queued a second copy beside it (5 runs in 5). It fails instead, saying so.
+    proxy = TcpProxy(zk_server.port).start()
+    try:
+        workers("w1", concurrency=1, ZKT_HOSTS=proxy.hosts)
+        held = proxy.hold_request(Op.MULTI)  # the worker's first: the running child, as the copy starts
+        first = dedupe_app.singleton.delay("blip", 6000)
+        held.wait_matched(timeout=30)
+        proxy.reset()  # the held request never reaches the server; kazoo reconnects at once
+        with pytest.raises(ZooKeeperUnavailable, match="could not be marked running .*did not run"):
+            first.get(timeout=30)
+        wait_until(lambda: marker_of(env, "blip") == [], timeout=30)
+        assert [e["event"] for e in history(redis_server.url)[1] if e["task_id"] == first.id] == ["pre", "failed"]
+        assert dedupe_app.singleton.delay("blip", 1).id != first.id
+    finally:
+        proxy.close()
+
+
 def test_a_publish_answered_with_a_copy_that_was_never_sent_is_told_so(env, zk_server, redis_server):
     # The dedupe fuzzer's seed 2063: the reply to a marker's create is held past the
     # publish's timeout. The create went through, the publish raised, and nothing was sent;
