@@ -33,7 +33,8 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
     - ``queued`` only: every publish is followed by a start of its key at or after its call
       (``queued_or_running`` drops a publish made while a copy runs: that is its meaning);
     - at no moment are two copies of one key queued (``queued``: from the marker, or the
-      publish's return, to the copy's task_prerun) or queued or running
+      publish's return, to the task_prerun of the run whose body started, past any
+      retries for a lock before it) or queued or running
       (``queued_or_running``: to the end of its body).
 
     >>> pubs = [{"key": "a", "t0": 0, "t1": 1, "marked": 0.5, "asked": "x", "got": "x"},
@@ -45,10 +46,13 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
     problems: List[str] = []
     unpromised = set(unpromised)
     first: Dict[str, Dict[str, float]] = collections.defaultdict(dict)
+    pres: Dict[str, List[float]] = collections.defaultdict(list)
     starts: collections.Counter[str] = collections.Counter()
     for r in runs:  # an unpromised copy counts only as one a deduplicated publish may return
         first[r["task_id"]].setdefault(r["event"], r["time"])
         starts[r["task_id"]] += r["event"] == "start"
+        if r["event"] == "pre":
+            pres[r["task_id"]].append(r["time"])
     new = [p for p in publishes if p["got"] == p["asked"]]
     for p in new:
         times, ran = first[p["asked"]], starts[p["asked"]]
@@ -80,7 +84,12 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
         begin = p["marked"] if p.get("marked") is not None else p["t1"]
         # A copy's span ends at its marker's going, or earlier (the safe side): its last
         # event, its revoke as a worker met it, or the kill of the process running it.
-        times = first[p["asked"]]
+        times = dict(first[p["asked"]])
+        # A copy that retried for a lock before its body ran was queued all along: its
+        # queued span ends at the task_prerun of the run whose body started (or its last).
+        began = [t for t in pres[p["asked"]] if "start" not in times or t <= times["start"]]
+        if began:
+            times["pre"] = max(began)
         # A failed copy's marker goes before its failure is told: its span ends no later than its run began.
         ends = (last, "revoked", "killed") + (("pre",) if "failed" in times else ())
         end = min((times[e] for e in ends if e in times), default=float("inf"))

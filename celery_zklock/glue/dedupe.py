@@ -296,7 +296,9 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
         yield started
     except Retry as exc:
         finished = False
-        if marker is not None and spec.dedupe == "queued_or_running":
+        if marker is not None and (spec.dedupe == "queued_or_running" or not released[0]):
+            # Queued again: its marker lives a queued life again from now (a copy retrying
+            # for a held lock past its first life would otherwise let a second copy queue).
             _requeue(task, spec, marker, exc)
         raise
     finally:

@@ -475,6 +475,24 @@ def test_a_queued_copy_retrying_for_a_held_lock_keeps_its_marker_so_copies_never
     wait_until(lambda: marker_of(env, "busy") == [], timeout=10)
 
 
+def test_a_queued_copy_retrying_for_a_held_lock_past_its_marker_life_keeps_its_key(env, workers, redis_server):
+    # The fault-rig trial: the retries never renewed the marker's queued life (3 s for this
+    # publisher), so a publish once it ran out queued a second copy while the first was
+    # still retrying, and both ran (3 in 3). Each retry starts the queued life again.
+    import celery_zklock
+
+    workers("w1", concurrency=2)
+    with celery_zklock.lock(dedupe_app.app, "k:busy-long"):
+        first = dedupe_app.contended.delay("busy-long", 1)
+        wait_until(lambda: sum(e["event"] == "pre" and e["task_id"] == first.id
+                               for e in history(redis_server.url)[1]) >= 2, timeout=30)  # it retries
+        time.sleep(3.5)  # past the marker's first life, the lock still held: the schedule under test
+        second = dedupe_app.contended.delay("busy-long", 1)
+    first.get(timeout=30)
+    assert second.id == first.id, "a second copy was queued while the first was still queued"
+    assert [e["task_id"] for e in history(redis_server.url)[1] if e["event"] == "start"] == [first.id]
+
+
 def test_an_operator_clears_a_stale_marker_after_a_purge(env):
     first = dedupe_app.debounced.delay("purged", 1)
     dedupe_app.debounced.delay("kept", 1)
