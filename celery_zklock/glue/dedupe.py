@@ -16,12 +16,14 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
+import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.backends.base import DisabledBackend
@@ -31,7 +33,7 @@ from kombu.utils.uuid import uuid
 
 from .. import signals
 from ..conf import Settings
-from ..exceptions import AlreadyQueued, ConfigurationError, ZooKeeperUnavailable, explain
+from ..exceptions import AlreadyQueued, ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..recipes.marker import claim, reap, release, requeue, start_running
 from ..zk import Session, session_for, timeouts
 from .api import claim_scheme, layout_of, settings_of, task_defaults
@@ -103,9 +105,9 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                 # marker naming this copy, with no message behind it, would hold the key for its
                 # whole lifetime. It goes in the background (only if it names this very copy).
                 claiming = False
-                _releases.add(settings, path, task_id)
-                if spec.dedupe_on_unavailable != "publish":
-                    _tell_never_sent(task, task_id, where, exc)
+                _releases.add(settings, path, task_id,
+                              None if spec.dedupe_on_unavailable == "publish"
+                              else _never_sent(task, task_id, exc, ZooKeeperUnavailable))
             if spec.dedupe_on_unavailable == "publish":
                 logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
                 return original(task, args, kwargs, task_id=task_id, **options)
@@ -140,29 +142,36 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             # nor hold the caller. An exception after the broker took the message frees the
             # key early: one more copy may be queued, where keeping the marker would answer
             # every publish with a copy that may never run.
-            _releases.add(settings, path, task_id)
+            _releases.add(settings, path, task_id, _never_sent(task, task_id, sys.exc_info()[1]))
         raise
 
 
-def _tell_never_sent(task: Any, task_id: str, where: str, exc: BaseException) -> None:
-    """Store a failure as the result of copy ``task_id``, which will never be sent.
+def _never_sent(task: Any, task_id: str, exc: Optional[BaseException],
+                kind: Type[ZkLockError] = ZkLockError) -> Callable[[], None]:
+    """What stores a failure as the result of copy ``task_id``, whose publish failed.
 
     Until its background release gets through, a marker naming it may stand, and a
     publish meanwhile, by any process, is answered with its id: that caller's result
     then says the work was not done, where it would otherwise wait for a copy that never
-    runs. Without a result backend nobody can wait on it, and there is nothing to tell.
+    runs. In the background: the result backend may be the broker that just failed.
+    Without a result backend nobody can wait on it, and there is nothing to tell.
     """
-    backend = task.backend
-    if isinstance(backend, DisabledBackend):
-        return
-    try:
-        backend.mark_as_failure(task_id, ZooKeeperUnavailable(
-            f"{where}: this copy was never sent, and did not run: its publish failed on ZooKeeper "
-            f"({explain(exc)}) after its dedupe marker's create was sent, and until that marker "
-            "went a publish of its key was answered with it"))
-    except Exception as failed:  # the caller's own error matters more
-        logger.warning("%s: could not store the never-sent copy %s's failure (%s): a publish answered with it "
-                       "until its dedupe marker goes waits for nothing", where, task_id, explain(failed))
+    where = f"task {task.name}"
+
+    def tell() -> None:
+        backend = task.backend
+        if isinstance(backend, DisabledBackend):
+            return
+        try:
+            backend.mark_as_failure(task_id, kind(
+                f"{where}: this copy was never sent, and did not run: its publish failed "
+                f"({explain(exc) if exc is not None else 'interrupted'}) after its dedupe marker's create was "
+                "sent, and until that marker went a publish of its key was answered with it"))
+        except Exception as failed:
+            logger.warning("%s: could not store the never-sent copy %s's failure (%s): a publish answered with "
+                           "it until its dedupe marker went waits for nothing", where, task_id, explain(failed))
+
+    return tell
 
 
 #: Seconds between two sweeps of expired markers by one process (see :func:`_reap_now_and_then`).
@@ -378,46 +387,79 @@ def _release_marker(task: Any, path: str, task_id: Optional[str] = None,
 
 
 class _Releases:
-    """Marker releases still to do, retried by one background thread per process until done."""
+    """Marker releases still to do, retried by one background thread per process until done,
+    and tried once more as the process exits (a script that published and ends)."""
+
+    #: Seconds the process's exit may wait for the releases still to do.
+    AT_EXIT = 3.0
 
     def __init__(self) -> None:
         self._pending: Dict[Tuple[str, str], Settings] = {}
+        self._tells: Dict[Tuple[str, str], Callable[[], None]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._at_exit = False
 
-    def add(self, settings: Settings, path: str, task_id: str) -> None:
+    def add(self, settings: Settings, path: str, task_id: str, tell: Optional[Callable[[], None]] = None) -> None:
+        """Release the marker at ``path`` if it names ``task_id``; ``tell`` first, once (see
+        :func:`_never_sent`)."""
         with self._lock:
             self._pending[(path, task_id)] = settings
+            if tell is not None:
+                self._tells[(path, task_id)] = tell
             if self._thread is None or not self._thread.is_alive():  # none yet, or not in this forked child
                 self._thread = threading.Thread(target=self._run, name="celery-zklock-releases", daemon=True)
                 self._thread.start()
+            if not self._at_exit:
+                self._at_exit = True
+                atexit.register(self._flush)  # after the sessions' own close: it runs before it
         self._wake.set()
+
+    def _once(self, until: Optional[float] = None) -> bool:
+        """One try at each release still to do (each tell first); True if none is left."""
+        with self._lock:
+            pending = list(self._pending.items())
+        for (path, task_id), settings in pending:
+            with self._lock:
+                tell = self._tells.pop((path, task_id), None)
+            if tell is not None:
+                tell()
+            timeout = settings.connect_timeout if until is None else until - time.monotonic()
+            if timeout <= 0:
+                break
+            try:
+                release(session_for(settings, timeout), path, task_id, timeout)
+            except Exception as exc:  # still unreachable: the next round
+                logger.debug("dedupe marker %s of %s still to remove (%s)", path, task_id, explain(exc))
+                continue
+            with self._lock:
+                self._pending.pop((path, task_id), None)
+        with self._lock:
+            return not self._pending
 
     def _run(self) -> None:
         backoff = 0.5
         while True:
             with self._lock:
-                pending = list(self._pending.items())
-            if not pending:
+                idle = not self._pending
+            if idle:
                 self._wake.wait()  # add() wakes us
                 self._wake.clear()
                 backoff = 0.5
                 continue
-            for (path, task_id), settings in pending:
-                try:
-                    release(session_for(settings), path, task_id, settings.connect_timeout)
-                except Exception as exc:  # still unreachable: the next round
-                    logger.debug("dedupe marker %s of %s still to remove (%s)", path, task_id, explain(exc))
-                    continue
-                with self._lock:
-                    self._pending.pop((path, task_id), None)
-            with self._lock:
-                left = bool(self._pending)
-            if left:
+            if not self._once():
                 self._wake.wait(backoff)
                 self._wake.clear()
                 backoff = min(backoff * 2, 30.0)
+
+    def _flush(self) -> None:
+        with self._lock:
+            if not self._pending:
+                return
+        if not self._once(time.monotonic() + self.AT_EXIT):
+            logger.warning("dedupe: %d marker(s) of copies this process never sent or ran are left at exit; "
+                           "each blocks its key until it expires", len(self._pending))
 
 
 _releases = _Releases()

@@ -353,6 +353,58 @@ def test_a_failed_send_whose_marker_release_fails_too_raises_the_brokers_error(e
         wait_until(lambda: marker_of(env, "g") == [], timeout=30)
 
 
+def test_a_publish_answered_with_a_copy_whose_send_failed_is_told_so(env, redis_server, monkeypatch):
+    # The fault-rig trial: while a publisher's send fails (kombu retries it for seconds),
+    # its marker answers another process's publish with a copy never sent (4 in 4).
+    from celery_zklock import ZkLockError
+
+    real = dedupe_app.app.amqp.send_task_message
+
+    def failing_send(*args, **kwargs):
+        other = publish(env, "debounced", 1, 0, ZKT_KEY="unsent")  # meanwhile, another process
+        assert other.wait(60) == 0
+        raise OperationalError("the broker is down")
+
+    monkeypatch.setattr(dedupe_app.app.amqp, "send_task_message", failing_send)
+    with pytest.raises(OperationalError, match="the broker is down"):
+        dedupe_app.debounced.apply_async(("unsent", 1), retry=False)
+    monkeypatch.setattr(dedupe_app.app.amqp, "send_task_message", real)
+    [answered] = history(redis_server.url)[0]
+    assert answered["got"] != answered["asked"]  # deduplicated onto the unsent copy
+    with pytest.raises(ZkLockError, match="never sent.*OperationalError: the broker is down"):
+        dedupe_app.app.AsyncResult(answered["got"]).get(timeout=10)
+    wait_until(lambda: marker_of(env, "unsent") == [], timeout=30)
+
+
+def test_a_script_that_exits_after_a_failed_send_leaves_no_marker(env, zk_server):
+    # The fault-rig trial: a script is told its send failed and exits; its marker's release
+    # was left to a daemon thread the exit killed (3 runs in 13; every run here, where the
+    # server answers the release's read 0.3 s late). The exit waits for it, up to 3 s.
+    script = f"""
+from celery import Celery
+from kombu.exceptions import OperationalError
+from celery_zklock import zk_locked
+app = Celery("exiting", broker="redis://127.0.0.1:{free_port()}/0", set_as_current=False)
+app.conf.update(zklock_hosts="HOSTS", zklock_root={env["ZKT_ROOT"]!r})
+
+@app.task(shared=False)
+@zk_locked(key="k:{{key}}", dedupe="queued", lock=False)
+def job(key):
+    pass
+
+try:
+    job.apply_async(("exiting",), retry=False)
+except OperationalError:
+    print("told")
+"""
+    with TcpProxy(zk_server.port) as proxy:
+        proxy.delay_reply(Op.GET_DATA, 0.3, count=10)  # among them the release's read, after the exception
+        out = subprocess.run([sys.executable, "-c", script.replace("HOSTS", proxy.hosts)], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "told", out.stderr
+    assert marker_of(env, "exiting") == []
+
+
 def test_a_revoked_copys_marker_never_holds_up_the_consumer(env):
     # task_revoked runs in the worker's consumer: with ZooKeeper unreachable, giving the
     # marker back must not stall it for zklock_connect_timeout (5 s here) per message.
