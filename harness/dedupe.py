@@ -59,7 +59,7 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
         if ran != starts_per_copy and not ("killed" in times and 0 < ran < starts_per_copy) \
                 and not (_over(times) and ran < starts_per_copy):  # before a body: a retry's, say
             problems.append(f"{p['asked']} ({p['key']}) was published as a new copy but ran {ran} times")
-    for stray in sorted(set(starts) - {p["asked"] for p in new} - unpromised):
+    for stray in sorted({t for t, n in starts.items() if n} - {p["asked"] for p in new} - unpromised):
         problems.append(f"{stray} ran but no publish returned it as a new copy")
     new_ids = {p["asked"] for p in new}
     for p in publishes:

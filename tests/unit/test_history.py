@@ -34,3 +34,15 @@ def test_the_dedupe_check_keeps_a_copy_queued_through_its_retries_for_a_lock():
         {"event": e, "time": t + 8, "task_id": "y"} for e, t in (("pre", 2), ("start", 2), ("end", 3))]
     publishes[1].update(t0=8.5, t1=8.6, marked=8.55)
     assert dedupe_violations(publishes, runs_in_turn, "queued") == []
+
+
+def test_the_dedupe_check_takes_a_copy_that_failed_unstarted_for_no_stray_run():
+    # The dedupe fuzzer's seed 3596: a copy never sent, whose result says so ("failed"),
+    # was reported as a copy that "ran but no publish returned it as a new copy".
+    from harness.dedupe import dedupe_violations
+
+    publishes = [{"key": "k", "t0": 0, "t1": 1, "marked": None, "asked": "x", "got": None},
+                 {"key": "k", "t0": 2, "t1": 3, "marked": None, "asked": "y", "got": "x"}]
+    assert dedupe_violations(publishes, [{"event": "failed", "time": 4, "task_id": "x"}], "queued_or_running") == []
+    assert dedupe_violations(publishes, [], "queued_or_running") == [
+        "publish at 2.000 of key 'k' returned x, which never ran"]
