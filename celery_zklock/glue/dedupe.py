@@ -20,7 +20,6 @@ import atexit
 import contextlib
 import datetime
 import logging
-import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type
@@ -134,7 +133,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
         signals.task_marked.send(sender=task, key=label, task_id=task_id, path=path)
         options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
         return original(task, args, kwargs, task_id=task_id, **options)
-    except BaseException:
+    except BaseException as failure:
         if claiming:
             # Not sent (a failed send, a receiver that raised, a soft time limit landing
             # anywhere from the create on): nothing will run it and give the marker back. In
@@ -142,11 +141,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             # nor hold the caller. An exception after the broker took the message frees the
             # key early: one more copy may be queued, where keeping the marker would answer
             # every publish with a copy that may never run.
-            _releases.add(settings, path, task_id, _never_sent(task, task_id, sys.exc_info()[1]))
+            _releases.add(settings, path, task_id, _never_sent(task, task_id, failure))
         raise
 
 
-def _never_sent(task: Any, task_id: str, exc: Optional[BaseException],
+def _never_sent(task: Any, task_id: str, exc: BaseException,
                 kind: Type[ZkLockError] = ZkLockError) -> Callable[[], None]:
     """What stores a failure as the result of copy ``task_id``, whose publish failed.
 
@@ -165,7 +164,7 @@ def _never_sent(task: Any, task_id: str, exc: Optional[BaseException],
         try:
             backend.mark_as_failure(task_id, kind(
                 f"{where}: this copy was never sent, and did not run: its publish failed "
-                f"({explain(exc) if exc is not None else 'interrupted'}) after its dedupe marker's create was "
+                f"({explain(exc)}) after its dedupe marker's create was "
                 "sent, and until that marker went a publish of its key was answered with it"))
         except Exception as failed:
             logger.warning("%s: could not store the never-sent copy %s's failure (%s): a publish answered with "
