@@ -337,3 +337,29 @@ def test_zk_locked_without_parentheses_is_refused_naming_the_task():
     app.finalize()
     assert problems(app) == [f"task {name}: @zk_locked needs parentheses (@zk_locked() or @zk_locked(key=...)); "
                              "used bare, the task runs nothing"]
+
+
+def test_a_wrong_dedupe_option_is_refused_at_publish_in_a_process_that_defines_nothing_else():
+    # The second new-user trial: with no valid dedupe task defined and no app finalized, the
+    # publish hook was never installed, and dedupe="queue" still published unchecked.
+    script = """
+from celery import Celery
+from celery_zklock import ConfigurationError, zk_locked
+app = Celery("only", broker="memory://", set_as_current=False)
+app.conf.zklock_hosts = "127.0.0.1:1"
+
+@app.task(shared=False)
+@zk_locked(key="user:{user_id}", dedupe="queue", lock=False)
+def refresh(user_id):
+    pass
+
+for publish in (lambda: refresh.delay(7), lambda: app.send_task(refresh.name, (7,))):
+    try:
+        publish()
+        print("published")
+    except ConfigurationError as exc:
+        print("refused:", exc)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["refused: task __main__.refresh: dedupe must be one of queued, "
+                                       "queued_or_running, not 'queue'"] * 2, out.stdout + out.stderr
