@@ -111,6 +111,12 @@ class Nodes:
                 break
             if isinstance(results[1], NodeExistsError) and recorded == scheme:
                 break  # ours already, from a commit whose reply was lost
+            if any(isinstance(r, NoAuthError) for r in results):
+                # Not a race: trying again would only end in "it kept changing".
+                raise ConfigurationError(
+                    f"zklock_auth: ZooKeeper refused this client a write under zklock_root={self.root!r} "
+                    "(NoAuth): its ACL names another credential; set zklock_auth to one it grants (as the "
+                    "workers do)")
         else:
             raise ConfigurationError(f"zklock_key_names: could not claim {self.root}: it kept changing")
         self._ensured[f"scheme:{scheme}"] = True

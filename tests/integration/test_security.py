@@ -162,3 +162,21 @@ def test_tls_with_an_untrusted_server_is_refused(tls, tls_server, zk_root):
                         certfile=str(tls / "client.pem"), keyfile=str(tls / "client.key"), connect_timeout=3)
     with pytest.raises(Exception, match="could not reach ZooKeeper"):
         Session(wrong_ca).start()
+
+
+@pytest.mark.parametrize("auth", [None, "bob:pw"])
+def test_a_client_the_roots_acl_refuses_is_told_so_not_that_the_root_kept_changing(secure_app, zk_server, zk_root,
+                                                                                    auth):
+    # The second new-user trial: a publish (or a lock) by a client without write access to a
+    # root another credential made said "could not claim ...: it kept changing", five tries later.
+    with lock(secure_app, "made", timeout=5):
+        pass  # the root, made under the worker's credential
+    from celery import Celery
+
+    other = Celery("bob", set_as_current=False)
+    other.conf.update(zklock_hosts=zk_server.hosts, zklock_root=zk_root, zklock_connect_timeout=5,
+                      **({"zklock_auth": auth} if auth else {}))
+    with pytest.raises(ConfigurationError, match=rf"^zklock_auth: ZooKeeper refused this client a write under "
+                                                 rf"zklock_root='{zk_root}' \(NoAuth\)"):
+        with lock(other, "theirs", timeout=5):
+            pass
