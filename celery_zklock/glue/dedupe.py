@@ -98,6 +98,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                     **({"key": key} if layout.secret is None else {})}
             claiming = True
             existing = _claim(session, layout.queued_tree, path, data, wait)
+            if existing is not None and _releases.pending(path, existing["task_id"]):
+                # A copy this process never sent: it must not answer this publish. Its
+                # marker goes now (if this fails, so does this publish), and we claim again.
+                release(session, path, existing["task_id"], wait)
+                existing = _claim(session, layout.queued_tree, path, data, wait)
         except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
             if claiming:
                 # The create may have reached the server though its reply never reached us: a
@@ -415,25 +420,32 @@ class _Releases:
                 atexit.register(self._flush)  # after the sessions' own close: it runs before it
         self._wake.set()
 
+    def pending(self, path: str, task_id: str) -> bool:
+        """Whether this process still has to release ``path`` for copy ``task_id`` (one it never
+        sent, or that has run)."""
+        with self._lock:
+            return (path, task_id) in self._pending
+
     def _once(self, until: Optional[float] = None) -> bool:
         """One try at each release still to do (each tell first); True if none is left."""
         with self._lock:
             pending = list(self._pending.items())
         for (path, task_id), settings in pending:
-            with self._lock:
-                tell = self._tells.pop((path, task_id), None)
-            if tell is not None:
-                tell()
             timeout = settings.connect_timeout if until is None else until - time.monotonic()
             if timeout <= 0:
                 break
             try:
                 release(session_for(settings, timeout), path, task_id, timeout)
+                with self._lock:
+                    self._pending.pop((path, task_id), None)
             except Exception as exc:  # still unreachable: the next round
                 logger.debug("dedupe marker %s of %s still to remove (%s)", path, task_id, explain(exc))
-                continue
+            # After the release's first try (the marker first: it answers publishes until it
+            # goes), whatever its outcome: the result backend may be slow to answer too.
             with self._lock:
-                self._pending.pop((path, task_id), None)
+                tell = self._tells.pop((path, task_id), None)
+            if tell is not None:
+                tell()
         with self._lock:
             return not self._pending
 
