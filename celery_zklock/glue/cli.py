@@ -129,8 +129,8 @@ def queued(session: Session, root: str) -> List[Dict[str, Any]]:
         expires = marker.get("expires")
         enqueued = marker.get("enqueued")
         running = bool(stat.numChildren)  # its worker's session holds it: no expiry applies
-        if running and not marker.get("expires"):
-            expires = None  # 0: its queued life ended as it started (see start_running)
+        if expires == 0:
+            expires = None  # its queued life ended as its copy started (see start_running)
         rows.append({"key": marker.get("key") if isinstance(marker.get("key"), str) else decode_key(name) or name,
                      "task": marker.get("task"), "task_id": marker.get("task_id"),
                      "age": round(now - enqueued, 3) if isinstance(enqueued, (int, float)) else None,
@@ -331,8 +331,8 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
         return
     click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}")
     for r in rows:
-        expires = "running" if r["running"] else "expired" if r["expires_in"] is not None and r["expires_in"] <= 0 \
-            else _age(r["expires_in"]) if r["expires_in"] is not None else "?"
+        expires = "running" if r["running"] else "expired" if r["expires_in"] is None or r["expires_in"] <= 0 \
+            else _age(r["expires_in"])
         click.echo(f"  {_cell(r['key'], 32)} {_cell(r['task'] or '-', 28)} {str(r['task_id'] or '-'):<36} "
                    f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
 
@@ -350,13 +350,17 @@ def clear_queued(ctx: click.Context, task_name: str, key: Optional[str]) -> None
     """
     settings, session, app = _connect(ctx)
     try:
-        if task_name not in app.tasks:
-            raise click.UsageError(f"--task {task_name!r}: no such task in this app"
-                                   f"{did_you_mean(task_name, app.tasks)}")
         layout = layout_of(app)
         path = layout.queued(task_name, key) if key is not None else None
-        rows = [r for r in queued(session, settings.root)
-                if r["task"] == task_name and (path is None or r["path"] == path)]
+        every = queued(session, settings.root)
+        # --key is the key as the task renders it, or (under hashed names) the marker's name,
+        # as `queued` lists it.
+        rows = [r for r in every if r["task"] == task_name
+                and (key is None or r["path"] == path or r["path"].rsplit("/", 1)[1] == key)]
+        if not rows and task_name not in app.tasks and not any(r["task"] == task_name for r in every):
+            # A task the app no longer has may still have markers: refused only with none.
+            raise click.UsageError(f"--task {task_name!r}: no such task in this app and no marker of it"
+                                   f"{did_you_mean(task_name, app.tasks)}")
         cleared, running = 0, 0
         for r in rows:
             if r["running"]:

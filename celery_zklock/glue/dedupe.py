@@ -469,8 +469,11 @@ class _Releases:
             if not self._pending:
                 return
         if not self._once(time.monotonic() + self.AT_EXIT):
-            logger.warning("dedupe: %d marker(s) of copies this process never sent or ran are left at exit; "
-                           "each blocks its key until it expires", len(self._pending))
+            with self._lock:
+                left = sorted(self._pending)
+            logger.warning("dedupe: markers of copies this process never sent or has run are left at exit, each "
+                           "blocking its key until it expires (or `celery zklock clear-queued` clears it): %s",
+                           ", ".join(f"{path} (task id {task_id})" for path, task_id in left))
 
 
 _releases = _Releases()
