@@ -1,7 +1,7 @@
 """Enqueue-time dedupe: a marker per key, created as a copy is published and given back as it
 starts (``queued``) or ends (``queued_or_running``), or when it is revoked.
 
-:func:`publish`, :func:`revoked` and :func:`lost` are hooks; :func:`~celery_zklock.glue.worker.install`
+:func:`publish`, :func:`revoked`, :func:`lost` and :func:`ended` are hooks; :func:`~celery_zklock.glue.worker.install`
 connects them. :func:`marker_kept` is the running copy's side.
 
 Example::
@@ -39,7 +39,7 @@ from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
 from .options import LockSpec, locking_of
 
-__all__ = ["MARKER_HEADER", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
+__all__ = ["MARKER_HEADER", "ended", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -331,6 +331,33 @@ def _not_run(task: Any, what: str, failed: Exception, publish_meanwhile: str) ->
         "The marker goes in the background once ZooKeeper answers")
 
 
+#: Set on a copy's request once :func:`marker_kept` has given its marker back (or queued it again).
+_GIVEN_BACK = "zklock_marker_given_back"
+
+
+def ended(sender: Any = None, task_id: str = "", task: Any = None, state: Optional[str] = None,
+          **kwargs: Any) -> None:
+    """``task_postrun``, in the process that ran the copy: the second net under its marker.
+
+    An exception raised into the run (a soft time limit) may land on any line of
+    :func:`marker_kept`, before its ``try`` or in its ``finally``, and skip the release:
+    the marker would then answer publishes for its whole queued life, or, with a
+    ``running`` child, for as long as this process's session lives. One such exception
+    can defeat one net, never both. A retried copy is queued again and keeps its marker.
+    """
+    if task is None or state == "RETRY" or getattr(task.request, _GIVEN_BACK, False):
+        return
+    marker = _marker_of(task.request)
+    if marker is None:
+        return
+    try:
+        spec = _dedupe_spec(task)
+    except ConfigurationError:
+        return
+    if spec is not None:
+        _release_marker(task, marker, task_id or task.request.id, wait=False)  # only if it still names the copy
+
+
 def _start_running(task: Any, path: str) -> Optional[Exception]:
     """Mark the copy running under its marker; what made it fail, or None."""
     settings = settings_of(task.app)
@@ -381,12 +408,15 @@ def _release_marker(task: Any, path: str, task_id: Optional[str] = None,
     if wait:
         try:
             release(session_for(settings), path, task_id, settings.connect_timeout)
+            setattr(task.request, _GIVEN_BACK, True)  # see ended(): its second net is not needed
             return None
         except Exception as exc:
             logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); trying again in the "
                            "background", task.name, task_id, path, explain(exc))
             failed = exc
     _releases.add(settings, path, task_id)
+    if wait:
+        setattr(task.request, _GIVEN_BACK, True)
     return failed
 
 
@@ -444,8 +474,14 @@ class _Releases:
             # goes), whatever its outcome: the result backend may be slow to answer too.
             with self._lock:
                 tell = self._tells.pop((path, task_id), None)
-            if tell is not None:
+            if tell is None:
+                continue
+            if until is None:
                 tell()
+            else:  # at exit: a result backend that is down must not hold it past `until`
+                telling = threading.Thread(target=tell, name="celery-zklock-tell", daemon=True)
+                telling.start()
+                telling.join(max(0.0, until - time.monotonic()))
         with self._lock:
             return not self._pending
 

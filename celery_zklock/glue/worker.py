@@ -28,7 +28,8 @@ it looks at each task Celery makes from a function as it is made. Then:
 3. :func:`install` is idempotent. It routes ``Task.apply_async`` through the dedupe
    publish (and ``Celery.send_task``, for a dedupe task sent by name), and connects
    ``task_revoked`` (a revoked copy's marker), ``task_failure`` (the marker of a copy
-   whose pool process died), ``worker_init`` (refuse a worker whose
+   whose pool process died), ``task_postrun`` (the marker of a copy whose own run was cut
+   short before it gave it back), ``worker_init`` (refuse a worker whose
    locked tasks or settings are wrong), ``worker_ready`` (say which keys ZooKeeper
    shows in clear), ``worker_process_init`` (open the session in the background,
    before the first task) and ``worker_process_shutdown``/``worker_shutdown`` (close
@@ -50,6 +51,7 @@ from typing import Any, List, Optional
 
 from celery.signals import (
     task_failure,
+    task_postrun,
     task_revoked,
     worker_init,
     worker_process_init,
@@ -91,6 +93,7 @@ def install() -> None:
         wrap_send_task(dedupe.send_by_name)
         task_revoked.connect(dedupe.revoked, weak=False)
         task_failure.connect(dedupe.lost, weak=False)
+        task_postrun.connect(dedupe.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
         worker_ready.connect(_tell_about_readable_arguments, weak=False)
         worker_process_init.connect(_open_session, weak=False)

@@ -4,17 +4,20 @@ left in ZooKeeper: the test injects one at each line in turn, with sys.settrace.
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Type
 
 import pytest
+from billiard.exceptions import SoftTimeLimitExceeded
 
 import celery_zklock
 from celery_zklock import ZooKeeperUnavailable, current_locks, zk_locked
 from celery_zklock.glue.api import settings_of
+from celery_zklock.glue.dedupe import MARKER_HEADER
 from celery_zklock.zk import session_for
 from tests.util import children, wait_until
 
@@ -54,8 +57,9 @@ def is_with_exit(frame) -> bool:
 class Injector:
     """Trace our package's lines in this thread; raise Injected at one chosen line event."""
 
-    def __init__(self, target: Optional[Event] = None) -> None:
+    def __init__(self, target: Optional[Event] = None, raising: Type[BaseException] = Injected) -> None:
         self.target = target
+        self.raising = raising
         self.seen: List[Event] = []
         self.fired = False
         self._counts: Dict[Tuple[str, int], int] = {}
@@ -73,7 +77,7 @@ class Injector:
             self.seen.append(point)
             if point == self.target and not self.fired:
                 self.fired = True
-                raise Injected(point)
+                raise self.raising(point)
         return self._line
 
     def __enter__(self) -> Injector:
@@ -173,3 +177,54 @@ def test_no_line_of_a_dedupe_publish_or_its_run_leaks_a_marker(celery_app, kazoo
     celery_app.conf.task_always_eager = False
     first = celery_app.send_task(deduped.name, args=("by-name",))
     assert celery_app.send_task(deduped.name, args=("by-name",)).id == first.id
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, lock", [("queued", False), ("queued", True), ("queued_or_running", False)])
+def test_no_line_of_a_copys_run_as_a_worker_runs_it_leaks_its_marker(celery_app, kazoo, zk_root, mode, lock):
+    # The second fault-rig trial: the eager test above runs the copy inside its own publish,
+    # whose cleanup hid every leak of the run's own side. Here the marker comes from a real
+    # publish to a queue no worker reads, and the copy runs as a pool process runs it (its
+    # message's marker header, Celery's tracer and its task_postrun), with billiard's soft
+    # time limit raised at each line: before, 20-odd lines left the marker for its whole
+    # queued life, or, with its running child, for the life of the process's session.
+    celery_app.conf.update(zklock_root=zk_root)
+    tree = f"{zk_root}/queued"
+
+    @celery_app.task
+    @zk_locked(key="k:{n}", dedupe=mode, lock=lock)
+    def deduped(n):
+        pass
+
+    celery_app.finalize()
+
+    def publish_and_run(n: int, injector: Optional[Injector] = None) -> None:
+        # Only the id is kept: an AsyncResult collected after the test's Redis is gone would raise.
+        task_id = deduped.apply_async(args=(n,), queue="no-worker-reads-this").id
+        [name] = children(kazoo, tree)
+        with injector or contextlib.nullcontext():
+            deduped.apply(args=(n,), task_id=task_id, headers={MARKER_HEADER: f"{tree}/{name}"})
+
+    publish_and_run(0)  # warm: the session exists, the paths are made, the scheme claimed
+    wait_until(lambda: children(kazoo, tree) == [], timeout=5)
+    with Injector() as recording:
+        publish_and_run(1)
+    points = [p for p in sorted(set(recording.seen), key=recording.seen.index) if "/glue/" in p[0]]
+    assert len(points) > 20, "the window was not traced"
+    wait_until(lambda: children(kazoo, tree) == [], timeout=5)
+    leaks = []
+    for i, point in enumerate(points, start=2):
+        wait_until(lambda: session_for(settings_of(celery_app)).client.connected, timeout=10)
+        injector = Injector(point, SoftTimeLimitExceeded)
+        publish_and_run(i, injector)  # apply() stores the exception as the copy's result
+        if not injector.fired:
+            continue  # this run took another path
+        try:
+            wait_until(lambda: children(kazoo, tree) == [], timeout=5)  # a release may go to the background
+        except AssertionError:
+            leaks.append(f"{Path(point[0]).name}:{point[1]} (run {point[2]})")
+            for name in children(kazoo, tree):  # clean up so the next point is judged alone
+                for c in children(kazoo, f"{tree}/{name}"):
+                    kazoo.delete(f"{tree}/{name}/{c}")
+                kazoo.delete(f"{tree}/{name}")
+    assert leaks == [], f"a soft time limit at these lines of the run left its marker behind: {leaks}"
