@@ -507,8 +507,9 @@ class _Releases:
         if not self._once(time.monotonic() + self.AT_EXIT):
             with self._lock:
                 left = sorted(self._pending)
-            logger.warning("dedupe: markers of copies this process never sent or has run are left at exit, each "
-                           "blocking its key until it expires (or `celery zklock clear-queued` clears it): %s",
+            logger.warning("dedupe: at exit, ZooKeeper did not confirm the release of these markers of copies this "
+                           "process never sent or has run; any still there blocks its key until it expires (or "
+                           "`celery zklock clear-queued` clears it): %s",
                            ", ".join(f"{path} (task id {task_id})" for path, task_id in left))
 
 
