@@ -34,7 +34,7 @@ from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_BEAT_ROUNDS", "8"))
+ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_BEAT_ROUNDS", "6"))
 SEED = int(os.environ.get("ZKLOCK_FUZZ_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
 TIMEOUT = 4.0
 INTERVAL = 1.0
