@@ -357,7 +357,7 @@ def clear_queued(ctx: click.Context, task_name: str, key: Optional[str]) -> None
         # as `queued` lists it.
         rows = [r for r in every if r["task"] == task_name
                 and (key is None or r["path"] == path or r["path"].rsplit("/", 1)[1] == key)]
-        if not rows and task_name not in app.tasks and not any(r["task"] == task_name for r in every):
+        if task_name not in app.tasks and not any(r["task"] == task_name for r in every):
             # A task the app no longer has may still have markers: refused only with none.
             raise click.UsageError(f"--task {task_name!r}: no such task in this app and no marker of it"
                                    f"{did_you_mean(task_name, app.tasks)}")

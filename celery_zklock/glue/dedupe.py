@@ -331,7 +331,7 @@ def _not_run(task: Any, what: str, failed: Exception, publish_meanwhile: str) ->
         "The marker goes in the background once ZooKeeper answers")
 
 
-#: Set on a copy's request once :func:`marker_kept` has given its marker back (or queued it again).
+#: Set on a copy's request once its marker was given back, or handed to the background release.
 _GIVEN_BACK = "zklock_marker_given_back"
 
 
@@ -404,19 +404,18 @@ def _release_marker(task: Any, path: str, task_id: Optional[str] = None,
     """
     task_id = task_id or task.request.id
     settings = settings_of(task.app)
+    if not wait:
+        _releases.add(settings, path, task_id)
+        return None
     failed: Optional[Exception] = None
-    if wait:
-        try:
-            release(session_for(settings), path, task_id, settings.connect_timeout)
-            setattr(task.request, _GIVEN_BACK, True)  # see ended(): its second net is not needed
-            return None
-        except Exception as exc:
-            logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); trying again in the "
-                           "background", task.name, task_id, path, explain(exc))
-            failed = exc
-    _releases.add(settings, path, task_id)
-    if wait:
-        setattr(task.request, _GIVEN_BACK, True)
+    try:
+        release(session_for(settings), path, task_id, settings.connect_timeout)
+    except Exception as exc:
+        logger.warning("task %s[%s]: could not remove its dedupe marker %s (%s); trying again in the "
+                       "background", task.name, task_id, path, explain(exc))
+        _releases.add(settings, path, task_id)
+        failed = exc
+    setattr(task.request, _GIVEN_BACK, True)  # see ended(): its second net is not needed
     return failed
 
 
@@ -436,8 +435,8 @@ class _Releases:
         self._at_exit = False
 
     def add(self, settings: Settings, path: str, task_id: str, tell: Optional[Callable[[], None]] = None) -> None:
-        """Release the marker at ``path`` if it names ``task_id``; ``tell`` first, once (see
-        :func:`_never_sent`)."""
+        """Release the marker at ``path`` if it names ``task_id``; then ``tell``, once, whether
+        or not that first try got through (see :func:`_never_sent`)."""
         with self._lock:
             self._pending[(path, task_id)] = settings
             if tell is not None:
@@ -457,7 +456,7 @@ class _Releases:
             return (path, task_id) in self._pending
 
     def _once(self, until: Optional[float] = None) -> bool:
-        """One try at each release still to do (each tell first); True if none is left."""
+        """One try at each release still to do (then its tell, if any); True if none is left."""
         with self._lock:
             pending = list(self._pending.items())
         for (path, task_id), settings in pending:

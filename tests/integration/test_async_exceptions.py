@@ -130,6 +130,20 @@ def test_no_line_of_acquire_release_or_the_glue_leaks_a_node(celery_app, kazoo, 
     assert leaks == [], f"an exception at these lines left a node behind: {leaks}"
 
 
+def marker_left(kazoo, tree: str, timeout: float) -> bool:
+    """Whether a marker is still under ``tree`` ``timeout`` s on (a release may go to the
+    background); one left is deleted, so that the next injection point is judged alone."""
+    try:
+        wait_until(lambda: children(kazoo, tree) == [], timeout=timeout)
+        return False
+    except AssertionError:
+        for name in children(kazoo, tree):
+            for c in children(kazoo, f"{tree}/{name}"):
+                kazoo.delete(f"{tree}/{name}/{c}")
+            kazoo.delete(f"{tree}/{name}")
+        return True
+
+
 @pytest.mark.slow
 def test_no_line_of_a_dedupe_publish_or_its_run_leaks_a_marker(celery_app, kazoo, zk_root):
     # A soft time limit in a task that publishes lands anywhere in the publish, and one in
@@ -162,14 +176,8 @@ def test_no_line_of_a_dedupe_publish_or_its_run_leaks_a_marker(celery_app, kazoo
                 pass
         if not injector.fired:
             continue  # this run took another path
-        try:
-            wait_until(lambda: children(kazoo, tree) == [], timeout=3)  # a release may go to the background
-        except AssertionError:
+        if marker_left(kazoo, tree, timeout=3):
             leaks.append(f"{Path(point[0]).name}:{point[1]} (run {point[2]})")
-            for name in children(kazoo, tree):  # clean up so the next point is judged alone
-                for c in children(kazoo, f"{tree}/{name}"):
-                    kazoo.delete(f"{tree}/{name}/{c}")
-                kazoo.delete(f"{tree}/{name}")
     assert leaks == [], f"an exception at these lines left a marker behind: {leaks}"
     # Nor did one leave this thread without dedupe: a copy sent by name still finds the
     # first (a per-thread count of publishes under way once stayed raised, and every later
@@ -219,12 +227,6 @@ def test_no_line_of_a_copys_run_as_a_worker_runs_it_leaks_its_marker(celery_app,
         publish_and_run(i, injector)  # apply() stores the exception as the copy's result
         if not injector.fired:
             continue  # this run took another path
-        try:
-            wait_until(lambda: children(kazoo, tree) == [], timeout=5)  # a release may go to the background
-        except AssertionError:
+        if marker_left(kazoo, tree, timeout=5):
             leaks.append(f"{Path(point[0]).name}:{point[1]} (run {point[2]})")
-            for name in children(kazoo, tree):  # clean up so the next point is judged alone
-                for c in children(kazoo, f"{tree}/{name}"):
-                    kazoo.delete(f"{tree}/{name}/{c}")
-                kazoo.delete(f"{tree}/{name}")
     assert leaks == [], f"a soft time limit at these lines of the run left its marker behind: {leaks}"
