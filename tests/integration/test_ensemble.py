@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import socket
+import threading
 import time
 
 import pytest
@@ -46,3 +48,22 @@ def test_held_lock_survives_crash_of_its_server(zk_ensemble, new_session, zk_roo
         print(f"client moved to another server in {moved:.2f}s; lock held throughout")
     finally:
         victim.start()
+
+
+def test_a_member_changing_state_has_no_mode_rather_than_an_error(monkeypatch, tmp_path):
+    # A member going from following to looking closes every client connection, a
+    # four-letter word's too: the rig's "who leads?" must read that as "not serving",
+    # as it reads a refusal (CI saw wait_leader raise on it during an isolation).
+    from harness import ZooKeeperPeer
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    closer = threading.Thread(target=lambda: listener.accept()[0].close(), daemon=True)
+    closer.start()
+    monkeypatch.setattr(ZooKeeperPeer, "running", property(lambda self: True))
+    peer = ZooKeeperPeer(port=listener.getsockname()[1], base_dir=tmp_path)
+    try:
+        assert peer.mode() == ""
+    finally:
+        closer.join(5)
+        listener.close()
+    assert not closer.is_alive(), "the probe never reached the closing listener"
