@@ -207,3 +207,25 @@ def session_facts() -> Dict[str, Any]:
     pool = getattr(gevent.get_hub(), "_threadpool", None) if gevent else None
     return {"handler": [kind.__name__ for kind in type(handler).__mro__], "os_threads": threads,
             "others": threads - 1 - (0 if pool is None else pool.size)}
+
+
+@app.task(bind=True)
+@zk_locked(key="park:{key}", on_contention="park")
+def parking(self, key: str, seconds: float, seq: int) -> int:
+    """Records its start (so a test can kill it mid-body) and its hold."""
+    note("start", key=key, seq=seq)
+    hold(seconds, key)
+    return seq
+
+
+@app.task
+@zk_locked(key="park:{key}", on_contention="park", park_limit=2)
+def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
+    hold(seconds, key)
+    return seq
+
+
+@app.task
+def unrelated(n: int) -> int:
+    note("unrelated", n=n)
+    return n

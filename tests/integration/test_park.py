@@ -1,0 +1,90 @@
+"""``on_contention="park"`` with real prefork workers, Redis and ZooKeeper: a copy that meets a
+held key waits in the key's parked queue, not in a worker slot, and runs once, in its turn."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import List
+
+import pytest
+
+from celery_zklock import skipped
+from celery_zklock.testing import violations
+from tests.apps import worker_app
+from tests.util import children, events, holds, send, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def parked_queue(zk_root: str, key: str) -> str:
+    return f"{zk_root}/parked/locks/k-park:{key}"
+
+
+def queue_left(kazoo, zk_root: str, key: str) -> List[str]:
+    return children(kazoo, parked_queue(zk_root, key)) if kazoo.exists(parked_queue(zk_root, key)) else []
+
+
+def started(redis_url: str, task_id: str) -> bool:
+    return any(e["event"] == "start" and e["task_id"] == task_id for e in events(redis_url))
+
+
+def test_parked_copies_free_the_slots_and_run_once_each_in_publish_order(workers, queue, redis_server, kazoo,
+                                                                         zk_root):
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "hot", 1.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    keyed = [first] + [send(worker_app.parking, queue, "hot", 1.0, i) for i in range(1, 10)]
+    published = {}
+    others = []
+    for n in range(20):
+        published[n] = time.monotonic()
+        others.append(send(worker_app.unrelated, queue, n))
+    assert [r.get(timeout=60) for r in others] == list(range(20))
+    assert [r.get(timeout=60) for r in keyed] == list(range(10)), "every caller gets its own copy's result"
+    history = events(redis_server.url)
+    late = {e["n"]: round(e["time"] - published[e["n"]], 2) for e in history if e["event"] == "unrelated"
+            and e["time"] - published[e["n"]] > 1.0}
+    assert late == {}, f"unrelated tasks waited behind the key: {late}"
+    bodies = [e for e in history if e["event"] == "body"]
+    assert [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])] == [r.id for r in keyed], \
+        "each keyed copy runs once, in publish order"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "hot") == [], timeout=10)
+
+
+def test_a_holder_killed_before_its_hand_off_still_hands_the_key_on(workers, queue, redis_server, kazoo, zk_root):
+    # The holder's node goes with its session; the processes watching the queue see it go
+    # and send the head. The killed copy itself is lost, as any task whose process dies
+    # mid-body is (Celery acknowledged it as it started).
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "kill", 30.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "kill", 0.2, i) for i in range(1, 5)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "kill") if n.startswith("p-")]) == 4, timeout=30)
+    victim = next(e["pid"] for e in events(redis_server.url) if e["event"] == "start" and e["task_id"] == first.id)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    assert [r.get(timeout=60) for r in rest] == [1, 2, 3, 4]
+    history = events(redis_server.url)
+    next_start = min(e["time"] for e in history if e["event"] == "start" and e["task_id"] == rest[0].id)
+    # zklock_session_timeout is 4 s here.
+    assert next_start - killed < 4 + 1.5, f"the next copy started {next_start - killed:.2f}s after the kill"
+    bodies = [e["task_id"] for e in history if e["event"] == "body"]
+    assert sorted(bodies) == sorted(r.id for r in rest)
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "kill") == [], timeout=10)
+
+
+def test_a_full_queue_refuses_a_copy_as_skip_would_and_says_why(workers, queue, redis_server, kazoo, zk_root):
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking_two_at_most, queue, "full", 3.0, 0)
+    wait_until(lambda: kazoo.exists(f"{zk_root}/locks/k-park:full") and children(kazoo, f"{zk_root}/locks/k-park:full"),
+               timeout=30)
+    rest = [send(worker_app.parking_two_at_most, queue, "full", 0.1, i) for i in range(1, 4)]
+    outcomes = [r.get(timeout=60) for r in [first, *rest]]
+    assert outcomes[:3] == [0, 1, 2]
+    refused = skipped(outcomes[3])
+    assert refused is not None and "park_limit=2" in refused["reason"], outcomes[3]
+    assert violations(holds(redis_server.url)) == []
