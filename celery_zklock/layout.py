@@ -172,6 +172,17 @@ class Layout:
         """
         return f"{self.root}/{PARKED}/{LOCK_TREES[1] if semaphore else LOCK_TREES[0]}/{self.name(key)}"
 
+    def lock_of_parked(self, parked: str) -> str:
+        """The lock a parked queue's copies wait for (the inverse of :meth:`parked`).
+
+            >>> Layout("/r").lock_of_parked("/r/parked/locks/k-acct:7")
+            '/r/locks/k-acct:7'
+        """
+        prefix = f"{self.root}/{PARKED}/"
+        if not parked.startswith(prefix):
+            raise ValueError(f"{parked!r} is not a parked queue under {self.root}")
+        return f"{self.root}/{parked[len(prefix):]}"
+
     @property
     def beats(self) -> str:
         return f"{self.root}/beat"

@@ -27,7 +27,7 @@ from ..zk import Session, deadline, remaining, session_for
 from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
-from .options import LockSpec
+from .options import PARK_HASHED, LockSpec
 from .parking import Parking
 
 __all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
@@ -182,6 +182,8 @@ def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session:
     if len(locks) != 1:
         raise ConfigurationError(f"{where}: on_contention='park' parks a copy in one key's queue, and this call "
                                  f"has {len(locks)} keys; use one key, or another policy")
+    if layout_of(task.app).secret is not None:
+        raise ConfigurationError(PARK_HASHED.format(where=where))
     if spec.dedupe is not None:
         raise ConfigurationError(f"{where}: on_contention='park' (zklock_default_on_contention) and "
                                  f"dedupe={spec.dedupe!r} do not go together yet: a parked copy's marker would go "

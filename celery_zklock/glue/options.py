@@ -42,8 +42,8 @@ from ..exceptions import ConfigurationError
 from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
 from .api import rule_for, task_defaults
 
-__all__ = ["DEFAULT", "OPTIONS", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions",
-           "locked_tasks", "locking_of", "problems", "spec_of", "stray", "strays"]
+__all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking",
+           "TaskLockOptions", "locked_tasks", "locking_of", "problems", "spec_of", "stray", "strays"]
 
 
 class FromSettings(enum.Enum):
@@ -319,7 +319,17 @@ def problems(app: Any) -> List[str]:
             found.append(problem)
     if locked:
         try:
-            task_defaults(app)  # zklock_dedupe_ttl and the rest: read by every locked task's call
+            defaults = task_defaults(app)  # zklock_dedupe_ttl and the rest: read by every locked task's call
         except ConfigurationError as exc:
             found.append(str(exc))
+        else:
+            if app.conf.get("zklock_key_names") == "hashed":
+                found += [PARK_HASHED.format(where=spec.where) for spec in
+                          (spec_of(task) for _, task in sorted(app.tasks.items()))
+                          if spec is not None and spec.lock and spec.contention(defaults) == "park"]
     return found
+
+
+#: Why a parked copy cannot be private: its message, arguments and all, is a node's data.
+PARK_HASHED = ("{where}: on_contention='park' keeps a copy's message, its arguments with it, in ZooKeeper, and "
+                "zklock_key_names='hashed' promises nothing of them gets there; use another policy")

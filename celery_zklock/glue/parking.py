@@ -17,9 +17,11 @@ no result is stored under its id, which the copy sent again fills in.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import posixpath
+import threading
 import weakref
 from typing import Any, NoReturn, Optional
 
@@ -29,11 +31,12 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 from ..conf import Settings
 from ..exceptions import ConfigurationError, ZkLockError, explain
 from ..recipes import Lock
-from ..recipes.park import MAX_PAYLOAD, ParkedQueue, QueueWatch
-from ..zk import Session, deadline
-from .api import layout_of
+from ..recipes.park import MAX_PAYLOAD, Nudge, ParkedQueue, QueueWatch
+from ..zk import Session, deadline, session_for
+from .api import layout_of, rule_for, settings_of
+from .options import spec_of
 
-__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "parked_header", "send"]
+__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "encode", "parked_header", "revoked", "send"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -87,6 +90,7 @@ class Parking:
         if self.received is not None:
             if not self.queue.receive(self.received, until):
                 self.dropped()
+            self._watch()  # it may die before its take: someone must see its claim go
         elif self.queue.parked(until):
             return self.park(until)
         return None
@@ -112,7 +116,7 @@ class Parking:
         name = self.queue.park(self.request.id, self._payload(), self.limit, until)
         if name is None:
             return f"the key's parked queue is full (park_limit={self.limit})"
-        _watch(self.queue.session, self.settings).add(self.queue, self._send)
+        self._watch()
         logger.info("%s parked: lock %r is held; the copy runs when its turn comes", self.where, self.label)
         raise Ignore()
 
@@ -125,10 +129,14 @@ class Parking:
     def released(self) -> None:
         """The key was let go (or never taken): send the queue's head if it has room now."""
         try:
-            self.queue.nudge(self._send, deadline(self.settings.connect_timeout))
+            if self.queue.nudge(self._send, deadline(self.settings.connect_timeout)) != Nudge.EMPTY:
+                self._watch()  # we may be the last one alive who knows of this queue
         except Exception as exc:  # noqa: BLE001 - the processes watching the queue send it instead
             logger.warning("%s: could not send the next parked copy of lock %r (%s); the processes watching "
                            "the key's queue will", self.where, self.label, explain(exc))
+
+    def _watch(self) -> None:
+        _watch(self.queue.session, self.settings).add(self.queue, self._send)
 
     def dropped(self) -> NoReturn:
         logger.info("%s: a second send of a parked copy that has already been taken; dropped", self.where)
@@ -141,10 +149,7 @@ class Parking:
         signature = self.task.signature_from_request(self.request)
         options = signature.options
         options["headers"] = {k: v for k, v in (options.get("headers") or {}).items() if k != PARK_HEADER}
-        content_type, encoding, body = dumps(dict(signature), serializer=self.task.serializer)
-        meta = json.dumps({"task": self.task.name, "id": self.request.id, "content_type": content_type,
-                           "content_encoding": encoding}).encode()
-        payload = meta + b"\n" + (body if isinstance(body, bytes) else body.encode(encoding))
+        payload = encode(self.task, self.request.id, signature)
         if len(payload) > MAX_PAYLOAD:
             raise ParkedMessageTooLarge(
                 f"task {self.task.name}: this copy's message is {len(payload):,} bytes, over the {MAX_PAYLOAD:,} "
@@ -153,6 +158,15 @@ class Parking:
 
     def _send(self, node: str, payload: bytes) -> None:
         send(self.task.app, node, payload)
+
+
+def encode(task: Any, task_id: str, signature: Any) -> bytes:
+    """A parked copy's node data: a JSON line (task, id, how the rest is encoded), then the
+    copy's signature serialized with the task's serializer."""
+    content_type, encoding, body = dumps(dict(signature), serializer=task.serializer)
+    meta = json.dumps({"task": task.name, "id": task_id, "content_type": content_type,
+                       "content_encoding": encoding}).encode()
+    return meta + b"\n" + (body if isinstance(body, bytes) else body.encode(encoding))
 
 
 def send(app: Any, node: str, payload: bytes) -> None:
@@ -164,3 +178,33 @@ def send(app: Any, node: str, payload: bytes) -> None:
                     accept=prepare_accept_content(app.conf.accept_content))
     signature = app.signature(message)
     signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node})
+
+
+def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """A ``task_revoked`` receiver: a parked copy sent again and revoked never runs, so it
+    leaves its queue now (in the background: Celery's consumer calls this) and the next goes.
+
+    A copy revoked while it waits in the queue leaves it as its turn comes: Celery drops it
+    then, as it drops any revoked message, and this runs.
+    """
+    header = parked_header(request) if request is not None else None
+    spec = spec_of(sender) if sender is not None else None
+    if header is None or spec is None:
+        return
+    # Off the consumer's thread: even the session may have to be opened first.
+    threading.Thread(target=_remove, args=(sender, request.id, header, spec), name="celery-zklock-revoked",
+                     daemon=True).start()
+
+
+def _remove(task: Any, task_id: str, header: str, spec: Any) -> None:
+    app = task.app
+    settings = settings_of(app)
+    path = posixpath.dirname(header)
+    try:
+        parked = ParkedQueue(session_for(settings), path, layout_of(app).lock_of_parked(path),
+                             rule_for(spec.mode, spec.limit))
+    except Exception as exc:  # noqa: BLE001 - a header that names no queue of ours, or no session
+        logger.warning("task %s[%s] was revoked, and its parked copy %s could not be taken out of its "
+                       "queue (%s)", task.name, task_id, header, explain(exc))
+        return
+    _watch(parked.session, settings).remove(parked, posixpath.basename(header), functools.partial(send, app))

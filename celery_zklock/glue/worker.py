@@ -63,7 +63,7 @@ from celery.signals import (
 from ..conf import unknown_settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
-from . import dedupe
+from . import dedupe, parking
 from .api import claim_scheme, layout_of, settings_of
 from .celery_internals import (
     connect_on_app_finalize,
@@ -92,6 +92,7 @@ def install() -> None:
         wrap_apply_async(dedupe.publish)
         wrap_send_task(dedupe.send_by_name)
         task_revoked.connect(dedupe.revoked, weak=False)
+        task_revoked.connect(parking.revoked, weak=False)
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")

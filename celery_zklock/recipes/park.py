@@ -279,6 +279,17 @@ class ParkedQueue:
             return False
         return True
 
+    def remove(self, name: str, until: Optional[float]) -> None:
+        """Take copy ``name`` out of the queue, whatever its claim (it was revoked)."""
+        client = self.session.client
+        deleted = client.delete_async(self.node_path(CLAIM + name))
+        node = client.delete_async(self.node_path(name))
+        for result in (deleted, node):
+            try:
+                reply(result, until)
+            except NoNodeError:
+                pass
+
     def decline(self, name: str, until: Optional[float]) -> None:
         """A received copy could not hold the key (a contender that never parked came first):
         it stays at the head, unclaimed, for the next nudge to send again."""
@@ -308,6 +319,8 @@ class QueueWatch:
         self._queues: Dict[str, Tuple[ParkedQueue, Send, Callable[[Any], None]]] = {}
         #: How often each queue was added: a queue a nudge found empty is dropped only if none came since.
         self._added: Dict[str, int] = {}
+        #: Revoked copies still to take out of their queues.
+        self._removals: List[Tuple[ParkedQueue, str]] = []
         #: Queues whose last nudge failed -> (when to try again, the backoff after that).
         self._backoff: Dict[str, Tuple[float, float]] = {}
         self._lock = threading.Lock()
@@ -316,16 +329,30 @@ class QueueWatch:
         session.add_listener(self)
 
     def add(self, parked: ParkedQueue, send: Send) -> None:
-        """Watch ``parked`` (again) and nudge it once now."""
+        """Watch ``parked``; a queue not watched yet is nudged once now."""
         path = parked.path
         with self._lock:
-            if path not in self._queues:
+            new = path not in self._queues
+            if new:
                 self._queues[path] = (parked, send, lambda event: self._todo.put(path))
             self._added[path] = self._added.get(path, 0) + 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="celery-zklock-parked", daemon=True)
-                self._thread.start()
-        self._todo.put(path)
+            self._start()
+        if new:
+            self._todo.put(path)
+
+    def remove(self, parked: ParkedQueue, name: str, send: Send) -> None:
+        """Take copy ``name`` out of the queue (it was revoked), in the background; then watch
+        the queue, and nudge it, as :meth:`add` does. The caller is Celery's consumer, which
+        must never wait for ZooKeeper."""
+        with self._lock:
+            self._removals.append((parked, name))
+        self.add(parked, send)
+        self._todo.put(parked.path)
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="celery-zklock-parked", daemon=True)
+            self._thread.start()
 
     def watched(self) -> List[str]:
         with self._lock:
@@ -344,6 +371,7 @@ class QueueWatch:
             path = self._todo.get()
             if path is None:
                 return
+            self._remove()
             with self._lock:
                 entry = self._queues.get(path)
                 added = self._added.get(path)
@@ -362,6 +390,16 @@ class QueueWatch:
                 self._backoff.pop(path, None)
                 if done == Nudge.EMPTY and self._added.get(path) == added:
                     del self._queues[path], self._added[path]
+
+    def _remove(self) -> None:
+        with self._lock:
+            todo, self._removals = self._removals, []
+        for parked, name in todo:
+            try:
+                parked.remove(name, deadline(self.timeout))
+            except Exception as exc:  # noqa: BLE001 - it is dropped when it is sent, as a revoked task is
+                logger.warning("parked copy %s/%s was revoked, and could not be taken out of its queue (%s); "
+                               "it is dropped when its turn comes", parked.path, name, explain(exc))
 
     def _nudge(self, parked: ParkedQueue, send: Send, fired: Callable[[Any], None]) -> Optional[Nudge]:
         client = self.session.client

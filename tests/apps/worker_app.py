@@ -13,6 +13,7 @@ from typing import Any, Dict
 
 import redis
 from celery import Celery, current_task
+from celery.signals import task_postrun
 
 from celery_zklock import LockLost, ZkLockedTask, current_lock, current_locks, zk_locked
 
@@ -211,8 +212,8 @@ def session_facts() -> Dict[str, Any]:
 
 @app.task(bind=True)
 @zk_locked(key="park:{key}", on_contention="park")
-def parking(self, key: str, seconds: float, seq: int) -> int:
-    """Records its start (so a test can kill it mid-body) and its hold."""
+def parking(self, key: str, seconds: float, seq: int, blob: str = "") -> int:
+    """Records its start (so a test can kill it mid-body) and its hold; ``blob`` weighs its message."""
     note("start", key=key, seq=seq)
     hold(seconds, key)
     return seq
@@ -223,6 +224,14 @@ def parking(self, key: str, seconds: float, seq: int) -> int:
 def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
     hold(seconds, key)
     return seq
+
+
+@task_postrun.connect
+def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: Any) -> None:
+    # Every delivery of a parking copy as it ends, with its outcome: a second send drops itself (IGNORED).
+    if sender is not None and sender.name == parking.name:
+        history().rpush("history", json.dumps({"event": "delivered", "task_id": task_id, "state": state,
+                                               "time": time.monotonic()}))
 
 
 @app.task

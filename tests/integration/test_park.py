@@ -6,12 +6,18 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from typing import List
 
 import pytest
+from celery.result import AsyncResult
 
 from celery_zklock import skipped
+from celery_zklock.glue import parking
+from celery_zklock.recipes import EXCLUSIVE
+from celery_zklock.recipes.park import ParkedQueue
 from celery_zklock.testing import violations
+from celery_zklock.zk import deadline
 from tests.apps import worker_app
 from tests.util import children, events, holds, send, wait_until
 
@@ -88,3 +94,51 @@ def test_a_full_queue_refuses_a_copy_as_skip_would_and_says_why(workers, queue, 
     refused = skipped(outcomes[3])
     assert refused is not None and "park_limit=2" in refused["reason"], outcomes[3]
     assert violations(holds(redis_server.url)) == []
+
+
+def test_a_parked_copy_sent_three_times_runs_once(workers, queue, redis_server, kazoo, zk_root, zk_server,
+                                                  new_session):
+    # Several processes may send the head (the releaser, the parker, each watcher): the take
+    # lets one run, and every other send of it drops itself, storing no result of its own.
+    workers("w1", concurrency=2)
+    session = new_session(hosts=zk_server.hosts)
+    task_id = str(uuid.uuid4())
+    signature = worker_app.parking.s("dup", 0.3, 7).set(task_id=task_id, queue=queue)
+    payload = parking.encode(worker_app.parking, task_id, signature)
+    parked = ParkedQueue(session, parked_queue(zk_root, "dup"), f"{zk_root}/locks/k-park:dup", EXCLUSIVE)
+    name = parked.park(task_id, payload, 10, deadline(5))
+    parking.send(worker_app.app, parked.node_path(name), payload)
+    assert AsyncResult(task_id, app=worker_app.app).get(timeout=30) == 7
+    # Two more sends, as late as a watcher's that raced the take: the key is free by now.
+    for _ in range(2):
+        parking.send(worker_app.app, parked.node_path(name), payload)
+    wait_until(lambda: len([e for e in events(redis_server.url) if e["event"] == "delivered"]) == 3, timeout=30)
+    assert [e["task_id"] for e in events(redis_server.url) if e["event"] == "body"] == [task_id]
+    assert AsyncResult(task_id, app=worker_app.app).get(timeout=1) == 7, "a dropped send stored a result"
+    wait_until(lambda: queue_left(kazoo, zk_root, "dup") == [], timeout=10)
+
+
+def test_a_revoked_parked_copy_leaves_the_queue_and_the_next_one_runs(workers, queue, redis_server, kazoo,
+                                                                      zk_root):
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "rev", 2.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "rev", 0.1, i) for i in range(1, 4)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "rev") if n.startswith("p-")]) == 3, timeout=30)
+    worker_app.app.control.revoke(rest[0].id)
+    assert [first.get(timeout=30), rest[1].get(timeout=30), rest[2].get(timeout=30)] == [0, 2, 3]
+    wait_until(lambda: rest[0].state == "REVOKED", timeout=10)
+    assert rest[0].id not in [e["task_id"] for e in events(redis_server.url) if e["event"] == "start"]
+    wait_until(lambda: queue_left(kazoo, zk_root, "rev") == [], timeout=10)
+
+
+def test_a_message_too_large_to_park_fails_naming_the_task_and_its_size(workers, queue, redis_server):
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "big", 2.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    big = worker_app.parking.apply_async(args=("big", 0.1, 1), kwargs={"blob": "x" * 1_200_000}, queue=queue)
+    with pytest.raises(Exception) as failed:
+        big.get(timeout=30)
+    assert "tests.apps.worker_app.parking" in str(failed.value) and "bytes" in str(failed.value)
+    assert type(failed.value).__name__ == "ParkedMessageTooLarge"
+    assert first.get(timeout=30) == 0
