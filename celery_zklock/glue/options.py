@@ -324,8 +324,8 @@ def problems(app: Any) -> List[str]:
             found.append(str(exc))
         else:
             if app.conf.get("zklock_key_names") == "hashed":
-                found += [PARK_HASHED.format(where=spec.where) for spec in
-                          (spec_of(task) for _, task in sorted(app.tasks.items()))
+                found += [PARK_HASHED.format(where=f"task {name}") for name, spec in
+                          ((name, spec_of(task)) for name, task in sorted(app.tasks.items()))
                           if spec is not None and spec.lock and spec.contention(defaults) == "park"]
     return found
 
