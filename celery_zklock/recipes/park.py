@@ -45,7 +45,7 @@ from ..exceptions import explain
 from ..zk import Liveness, Session, deadline, reply
 from .rules import Rule
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Nudge", "ParkedQueue", "QueueWatch", "parked_sequence"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Nudge", "ParkedQueue", "QueueWatch", "parked_sequence", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -93,6 +93,24 @@ def _failed(results: List[Any]) -> bool:
     return any(isinstance(r, Exception) for r in results)
 
 
+def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[str, bytes, float, bool]]:
+    """(node name, payload, parked at (epoch s), in flight) of each copy parked at ``path``, head first."""
+    client = session.client
+    try:
+        children = reply(client.get_children_async(path), until)
+    except NoNodeError:
+        return []
+    pending = [(name, client.get_async(f"{path}/{name}")) for name in _parked(children)]
+    out = []
+    for name, result in pending:
+        try:
+            data, stat = reply(result, until)
+        except NoNodeError:
+            continue  # taken while we looked
+        out.append((name, data, stat.ctime / 1000.0, CLAIM + name in children))
+    return out
+
+
 class ParkedQueue:
     """The parked copies of the key whose lock is at ``lock_path``, under ``rule``."""
 
@@ -117,23 +135,6 @@ class ParkedQueue:
             return _parked(reply(listed, until))
         except NoNodeError:
             return []
-
-    def waiting(self, until: Optional[float]) -> List[Tuple[str, bytes, float, bool]]:
-        """(node name, payload, parked at (epoch s), in flight) of each parked copy, head first."""
-        client = self.session.client
-        try:
-            children = reply(client.get_children_async(self.path), until)
-        except NoNodeError:
-            return []
-        pending = [(name, client.get_async(self.node_path(name))) for name in _parked(children)]
-        out = []
-        for name, result in pending:
-            try:
-                data, stat = reply(result, until)
-            except NoNodeError:
-                continue  # taken while we looked
-            out.append((name, data, stat.ctime / 1000.0, CLAIM + name in children))
-        return out
 
     # -- the parker ------------------------------------------------------------------------
     def park(self, task_id: str, payload: bytes, limit: int, until: Optional[float]) -> Optional[str]:

@@ -19,6 +19,7 @@ from celery_zklock.recipes.park import ParkedQueue
 from celery_zklock.testing import violations
 from celery_zklock.zk import deadline
 from tests.apps import worker_app
+from tests.integration.test_cli import cli
 from tests.util import children, events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
@@ -119,12 +120,18 @@ def test_a_parked_copy_sent_three_times_runs_once(workers, queue, redis_server, 
 
 
 def test_a_revoked_parked_copy_leaves_the_queue_and_the_next_one_runs(workers, queue, redis_server, kazoo,
-                                                                      zk_root):
+                                                                      zk_root, env):
+    # ... and `celery zklock locks --waiters` lists the parked copies in order, first.
     workers("w1", concurrency=2)
     first = send(worker_app.parking, queue, "rev", 2.0, 0)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     rest = [send(worker_app.parking, queue, "rev", 0.1, i) for i in range(1, 4)]
     wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "rev") if n.startswith("p-")]) == 3, timeout=30)
+    listed = cli({**env, "COLUMNS": "300"}, "locks", "--key", "park:rev", "--waiters")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines() if "parked #" in line]
+    assert [row[1:3] for row in rows] == [["#1", "parked"], ["#2", "parked"], ["#3", "parked"]], listed.stdout
+    assert [next(c for c in row if c in {r.id for r in rest}) for row in rows] == [r.id for r in rest]
     worker_app.app.control.revoke(rest[0].id)
     assert [first.get(timeout=30), rest[1].get(timeout=30), rest[2].get(timeout=30)] == [0, 2, 3]
     wait_until(lambda: rest[0].state == "REVOKED", timeout=10)
