@@ -18,6 +18,8 @@ import time
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from celery.exceptions import Ignore
+
 from .. import signals
 from ..conf import Settings, TaskDefaults
 from ..exceptions import ConfigurationError, LockNotAcquired, NoCurrentLock, ZooKeeperUnavailable
@@ -166,6 +168,10 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         finally:
             if stack and stack[-1] is acquired:
                 stack.pop()
+    except BaseException as exc:
+        if parking is not None and parking.abandoned(exc):
+            raise Ignore() from None
+        raise
     finally:
         took = bool(held)
         release_all(task, held)

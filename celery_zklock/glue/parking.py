@@ -23,8 +23,10 @@ import logging
 import posixpath
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, NoReturn, Optional
 
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.exceptions import Ignore
 from kombu.serialization import dumps, loads, prepare_accept_content
 
@@ -36,7 +38,8 @@ from ..zk import Session, deadline, session_for
 from .api import layout_of, rule_for, settings_of
 from .options import spec_of
 
-__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "encode", "parked_header", "revoked", "send"]
+__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "encode", "lost", "parked_header", "received",
+           "revoked", "send"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -50,8 +53,10 @@ class ParkedMessageTooLarge(ZkLockError):
 
 def parked_header(request: Any) -> Optional[str]:
     """The parked node a copy was sent again for, from its request (None: a new copy)."""
-    # A worker turns message headers into request attributes; eager apply() keeps them in .headers.
-    found = getattr(request, PARK_HEADER, None) or (getattr(request, "headers", None) or {}).get(PARK_HEADER)
+    # A worker turns message headers into request attributes; eager apply() keeps them in .headers;
+    # the consumer's Request keeps them in its request_dict.
+    found = getattr(request, PARK_HEADER, None) or (getattr(request, "headers", None) or {}).get(PARK_HEADER) \
+        or (getattr(request, "request_dict", None) or {}).get(PARK_HEADER)
     return found if isinstance(found, str) else None
 
 
@@ -79,6 +84,7 @@ class Parking:
         semaphore = lock.rule.name == "semaphore"
         self.queue = ParkedQueue(session, layout_of(task.app).parked(lock.key or "", semaphore), lock.path, lock.rule)
         header = parked_header(self.request)
+        self.taken = False
         #: Our node's name, when this copy was sent again from this key's queue.
         self.received = posixpath.basename(header) if header and posixpath.dirname(header) == self.queue.path \
             else None
@@ -124,7 +130,19 @@ class Parking:
     def holding(self, until: Optional[float]) -> bool:
         """This copy holds the key. False for a received copy whose node another send of it
         took: the caller lets go, then :meth:`dropped`."""
-        return self.received is None or self.queue.take(self.received, until)
+        self.taken = self.received is None or self.queue.take(self.received, until)
+        return self.taken
+
+    def abandoned(self, exc: BaseException) -> bool:
+        """``exc`` ends this call. True for a received copy that had not taken its node: it is
+        still parked and runs when it is sent again, so the caller raises ``Ignore`` (no result
+        is stored under its id); its claim goes in the background, so that it is sent again."""
+        if self.received is None or self.taken or isinstance(exc, Ignore):
+            return False
+        logger.warning("%s: %s before the copy could take its place; it stays parked, and is sent again",
+                       self.where, explain(exc))
+        _watch(self.queue.session, self.settings).give_up(self.queue, self.received, self._send)
+        return True
 
     def released(self) -> None:
         """The key was let go (or never taken): send the queue's head if it has room now."""
@@ -191,12 +209,52 @@ def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     spec = spec_of(sender) if sender is not None else None
     if header is None or spec is None:
         return
+    _give_up(sender, request.id, header, revoked=True)
+
+
+#: Task id -> parked node, of the copies sent again that this worker received: a pool process's
+#: death is told by task id alone. Bounded: a copy that ran needs its entry no more.
+_received: OrderedDict[str, str] = OrderedDict()
+_RECEIVED_MAX = 10_000
+
+
+def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """A ``task_received`` receiver (the consumer): remember the parked node of a copy sent again."""
+    header = parked_header(request) if request is not None else None
+    if header is not None:
+        _received[request.id] = header
+        while len(_received) > _RECEIVED_MAX:
+            _received.popitem(last=False)
+
+
+def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs: Any) -> None:
+    """A ``task_failure`` receiver for the deaths only a worker's main process reports: the pool
+    process died under a received copy (``WorkerLostError``, or its hard time limit).
+
+    After its take, the copy's node and claim are gone already and this does nothing.
+    Before it, the copy is still parked under its claim. Celery has just stored its
+    failure, and the copy is over, as any task whose process dies is: it leaves the queue
+    and the next one goes. (Should its message come back, with ``acks_late`` and
+    ``task_reject_on_worker_lost``, Celery stores no failure: only the claim goes, and the
+    copy takes its place when it is delivered again.)
+    """
+    header = _received.pop(task_id, None)
+    if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not spec_of(sender):
+        return
+    comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
+    _give_up(sender, task_id, header, revoked=not comes_back)
+
+
+def _give_up(task: Any, task_id: str, header: str, revoked: bool) -> None:
     # Off the consumer's thread: even the session may have to be opened first.
-    threading.Thread(target=_remove, args=(sender, request.id, header, spec), name="celery-zklock-revoked",
+    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked), name="celery-zklock-parked",
                      daemon=True).start()
 
 
-def _remove(task: Any, task_id: str, header: str, spec: Any) -> None:
+def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
+    spec = spec_of(task)
+    if spec is None:
+        return
     app = task.app
     settings = settings_of(app)
     path = posixpath.dirname(header)
@@ -204,7 +262,8 @@ def _remove(task: Any, task_id: str, header: str, spec: Any) -> None:
         parked = ParkedQueue(session_for(settings), path, layout_of(app).lock_of_parked(path),
                              rule_for(spec.mode, spec.limit))
     except Exception as exc:  # noqa: BLE001 - a header that names no queue of ours, or no session
-        logger.warning("task %s[%s] was revoked, and its parked copy %s could not be taken out of its "
-                       "queue (%s)", task.name, task_id, header, explain(exc))
+        logger.warning("task %s[%s]: its parked copy %s could not be %s (%s)", task.name, task_id, header,
+                       "taken out of its queue" if revoked else "sent again", explain(exc))
         return
-    _watch(parked.session, settings).remove(parked, posixpath.basename(header), functools.partial(send, app))
+    _watch(parked.session, settings).give_up(parked, posixpath.basename(header), functools.partial(send, app),
+                                            revoked)

@@ -52,6 +52,7 @@ from typing import Any, List, Optional
 from celery.signals import (
     task_failure,
     task_postrun,
+    task_received,
     task_revoked,
     worker_init,
     worker_process_init,
@@ -93,6 +94,8 @@ def install() -> None:
         wrap_send_task(dedupe.send_by_name)
         task_revoked.connect(dedupe.revoked, weak=False)
         task_revoked.connect(parking.revoked, weak=False)
+        task_received.connect(parking.received, weak=False)
+        task_failure.connect(parking.lost, weak=False)
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")

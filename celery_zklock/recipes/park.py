@@ -320,8 +320,8 @@ class QueueWatch:
         self._queues: Dict[str, Tuple[ParkedQueue, Send, Callable[[Any], None]]] = {}
         #: How often each queue was added: a queue a nudge found empty is dropped only if none came since.
         self._added: Dict[str, int] = {}
-        #: Revoked copies still to take out of their queues.
-        self._removals: List[Tuple[ParkedQueue, str]] = []
+        #: Copies given up on (see give_up), still to do.
+        self._removals: List[Tuple[ParkedQueue, str, bool]] = []
         #: Queues whose last nudge failed -> (when to try again, the backoff after that).
         self._backoff: Dict[str, Tuple[float, float]] = {}
         self._lock = threading.Lock()
@@ -341,12 +341,13 @@ class QueueWatch:
         if new:
             self._todo.put(path)
 
-    def remove(self, parked: ParkedQueue, name: str, send: Send) -> None:
-        """Take copy ``name`` out of the queue (it was revoked), in the background; then watch
-        the queue, and nudge it, as :meth:`add` does. The caller is Celery's consumer, which
-        must never wait for ZooKeeper."""
+    def give_up(self, parked: ParkedQueue, name: str, send: Send, revoked: bool = False) -> None:
+        """In the background: drop the claim on copy ``name`` (it was received and did not run),
+        or with ``revoked`` take the copy out of the queue; then watch the queue and nudge it.
+        Tried until it is done: a claim left behind would stall the queue for the session's life.
+        Celery's consumer calls this, and must never wait for ZooKeeper."""
         with self._lock:
-            self._removals.append((parked, name))
+            self._removals.append((parked, name, revoked))
         self.add(parked, send)
         self._todo.put(parked.path)
 
@@ -395,12 +396,20 @@ class QueueWatch:
     def _remove(self) -> None:
         with self._lock:
             todo, self._removals = self._removals, []
-        for parked, name in todo:
+        for parked, name, revoked in todo:
             try:
-                parked.remove(name, deadline(self.timeout))
-            except Exception as exc:  # noqa: BLE001 - it is dropped when it is sent, as a revoked task is
-                logger.warning("parked copy %s/%s was revoked, and could not be taken out of its queue (%s); "
-                               "it is dropped when its turn comes", parked.path, name, explain(exc))
+                if revoked:
+                    parked.remove(name, deadline(self.timeout))
+                else:
+                    parked.decline(name, deadline(self.timeout))
+            except Exception as exc:  # noqa: BLE001 - tried again below
+                logger.warning("parked copy %s/%s: could not %s (%s); trying again", parked.path, name,
+                               "take it out of its queue" if revoked else "give its claim back", explain(exc))
+                with self._lock:
+                    self._removals.append((parked, name, revoked))
+                timer = threading.Timer(1.0, self._todo.put, (parked.path,))
+                timer.daemon = True
+                timer.start()
 
     def _nudge(self, parked: ParkedQueue, send: Send, fired: Callable[[Any], None]) -> Optional[Nudge]:
         client = self.session.client

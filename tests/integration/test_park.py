@@ -10,6 +10,8 @@ import uuid
 from typing import List
 
 import pytest
+import redis
+from billiard.exceptions import WorkerLostError
 from celery.result import AsyncResult
 
 from celery_zklock import skipped
@@ -149,3 +151,33 @@ def test_a_message_too_large_to_park_fails_naming_the_task_and_its_size(workers,
     assert "tests.apps.worker_app.parking" in str(failed.value) and "bytes" in str(failed.value)
     assert type(failed.value).__name__ == "ParkedMessageTooLarge"
     assert first.get(timeout=30) == 0
+
+
+@pytest.mark.parametrize("flag", ["park:kill-before-send", "park:kill-after-send", "park:kill-on-receive"])
+def test_a_process_killed_at_a_hand_off_loses_and_doubles_nothing(flag, workers, queue, redis_server, kazoo,
+                                                                   zk_root):
+    # Killed before the publish, the copy was never sent: the claim goes with the sender's
+    # session and a watcher sends it. Killed after, the copy is on its way and runs: the
+    # claim it meets is moved to its own session. Each copy runs once, in order. The pool
+    # process that received it killed before its take: Celery fails that copy
+    # (WorkerLostError), as it fails any task whose process dies, so it leaves the queue
+    # and the next one goes at once.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "send", 1.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "send", 0.1, i) for i in range(1, 4)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "send") if n.startswith("p-")]) == 3, timeout=30)
+    redis.Redis.from_url(redis_server.url).set(flag, 1)
+    ran = rest[1:] if flag == "park:kill-on-receive" else rest
+    if flag == "park:kill-on-receive":
+        with pytest.raises(WorkerLostError):
+            rest[0].get(timeout=60)
+    assert [r.get(timeout=60) for r in ran] == [1, 2, 3][len(rest) - len(ran):]
+    history = events(redis_server.url)
+    [killed] = [e["time"] for e in history if e["event"] == "killed"]
+    next_start = min(e["time"] for e in history if e["event"] == "start" and e["task_id"] == ran[0].id)
+    assert next_start - killed < 4 + 1.5, f"the next copy started {next_start - killed:.2f}s after the kill"
+    bodies = [e["task_id"] for e in sorted(history, key=lambda e: e.get("start", 0)) if e["event"] == "body"]
+    assert bodies == [first.id] + [r.id for r in ran], "each copy once, in order"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "send") == [], timeout=10)
