@@ -412,8 +412,8 @@ class QueueWatch:
                 timer.start()
 
     def _nudge(self, parked: ParkedQueue, send: Send, fired: Callable[[Any], None]) -> Optional[Nudge]:
-        client = self.session.client
         try:
+            client = self.session.client
             # Watches first, then the nudge: a change between the two fires them.
             client.get_children_async(parked.lock_path, watch=fired)
             client.get_children_async(parked.path, watch=fired)
