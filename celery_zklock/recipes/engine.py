@@ -65,7 +65,7 @@ class ContenderObserver:
         """The rule says we wait, watching these nodes (also when we do not wait: not blocking)."""
 
     def woken(self) -> None:
-        """A node we watch changed."""
+        """A node we watch changed while we waited on it."""
 
     def started_over(self, why: str) -> None:
         """We start over: the connection broke, the session changed, or our node was deleted."""
@@ -97,6 +97,9 @@ class Engine:
         self._created = False
         self._cancelled = False
         self._event = threading.Event()
+        #: True while we wait on watches we set: a watch of an earlier round that fires later
+        #: (first in line, we watch every holder; the first one to leave wakes us) wakes nobody.
+        self._waiting = False
 
     def run(self, blocking: bool = True, until: Optional[float] = None) -> Optional[Held]:
         """Queue, and wait (if ``blocking``) until the rule says we hold: a :class:`Held`, or None
@@ -164,8 +167,12 @@ class Engine:
             if not blocking or self._cancelled:
                 return None
             self._event.clear()
-            if not self._watch(decision, until) and not self._event.wait(remaining(until)):
-                return None
+            self._waiting = True
+            try:
+                if not self._watch(decision, until) and not self._event.wait(remaining(until)):
+                    return None
+            finally:
+                self._waiting = False
             if self._cancelled:
                 return None
             children = reply(session.client.get_children_async(self.path), until)
@@ -286,7 +293,8 @@ class Engine:
 
     @run_inline
     def _on_watch(self, event: Any) -> None:
-        self.observer.woken()
+        if self._waiting:
+            self.observer.woken()
         self._event.set()
 
 

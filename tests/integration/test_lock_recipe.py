@@ -146,6 +146,31 @@ def test_ten_thousand_keys_leave_no_nodes_behind(new_session, zk_root, kazoo, zk
     print(f"10,000 keys locked in {took:.1f}s; tree back to {before} nodes {time.monotonic() - t1:.1f}s later")
 
 
+def test_a_watch_that_fires_after_its_contender_holds_wakes_nobody(new_session, zk_root, kazoo):
+    """First in line behind two holders, a waiter watches both; the first to leave makes it
+    hold. The other's watch fires later, and is no wake-up: counting it made the herd check
+    below fail under load (CI: 9 wake-ups for a bound of 8)."""
+    path = f"{zk_root}/semaphores/k-left"
+    rule = semaphore(2)
+    h1, h2 = Lock(new_session(), path, rule), Lock(new_session(), path, rule)
+    assert h1.acquire() and h2.acquire()
+    log = WaitLog()
+    waiter = Lock(new_session(), path, rule, observer=log)
+    got: List[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+    thread.start()
+    wait_until(lambda: len(log.blocked_by) == 2)
+    h2.release()
+    thread.join(10)
+    assert got == [True] and log.wakeups == 1
+    h1.release()
+    wait_until(lambda: len(children(kazoo, path)) == 1)
+    # ZooKeeper tells a session of a watched change before it answers that session's next request.
+    waiter.session.client.sync(path)
+    assert log.wakeups == 1
+    waiter.release()
+
+
 def test_semaphore_hands_a_freed_place_to_the_first_waiter_at_once(new_session, zk_root, kazoo):
     path = f"{zk_root}/semaphores/k-api"
     rule = semaphore(2)
