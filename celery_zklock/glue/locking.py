@@ -152,12 +152,12 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 signals.lock_contended.send(sender=task, lock=one, policy=policy)
                 return _refused(task, one, parking.contended(until))
             return _contended(task, spec, policy, timeout, one, held, until)
-        if parking is not None and not parking.holding(until):
+        for one in held:
+            one.ensure()  # one may have been lost while we waited for another: no body then
+        if parking is not None and not parking.holding(until):  # after ensure: a copy taken must run
             release_all(task, held)
             parking.released()
             parking.dropped()
-        for one in held:
-            one.ensure()  # one may have been lost while we waited for another: no body then
         acquired = list(held)
         try:
             stack.append(acquired)

@@ -28,13 +28,14 @@ from typing import Any, NoReturn, Optional
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.exceptions import Ignore
+from kazoo.exceptions import ConnectionLoss, SessionExpiredError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ..conf import Settings
-from ..exceptions import ConfigurationError, ZkLockError, explain
+from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..recipes import Lock
 from ..recipes.park import MAX_PAYLOAD, Nudge, ParkedQueue, QueueWatch
-from ..zk import Session, deadline, session_for
+from ..zk import Session, deadline, session_for, timeouts
 from .api import layout_of, rule_for, settings_of
 from .options import spec_of
 
@@ -93,6 +94,16 @@ class Parking:
     def before(self, until: Optional[float]) -> Optional[str]:
         """A received copy claims its node; a new copy that finds copies parked parks behind
         them. None, or why a full queue refused the copy."""
+        try:
+            return self._before(until)
+        except (ConnectionLoss, SessionExpiredError, *timeouts()) as exc:
+            if self.received is not None:
+                raise  # abandoned(): it stays parked
+            raise ZooKeeperUnavailable(
+                f"task {self.task.name}: ZooKeeper at zklock_hosts={self.settings.hosts!r} did not answer "
+                f"({explain(exc)}), so the copy could neither park nor run") from None
+
+    def _before(self, until: Optional[float]) -> Optional[str]:
         if self.received is not None:
             if not self.queue.receive(self.received, until):
                 self.dropped()
@@ -146,6 +157,8 @@ class Parking:
 
     def released(self) -> None:
         """The key was let go (or never taken): send the queue's head if it has room now."""
+        if self.received is not None and self.taken:
+            self.queue.done(self.received)
         try:
             if self.queue.nudge(self._send, deadline(self.settings.connect_timeout)) != Nudge.EMPTY:
                 self._watch()  # we may be the last one alive who knows of this queue

@@ -14,8 +14,10 @@ copy moves it to its own (:meth:`ParkedQueue.receive`). When either dies, the cl
 goes with its session and the next nudge sends the head again.
 
 Exactly once comes from the take (:meth:`ParkedQueue.take`): a sent copy runs only once
-it holds the key and has deleted its parked node, in that order. A copy whose node is
-gone is a second send, or a redelivery, of a copy already taken, and drops itself. So
+it holds the key and has deleted its parked node, in that order, marking its claim
+taken in the same transaction (so a take whose reply was lost knows itself). A copy
+whose node is gone, with no mark of its own, is a second send of a copy already
+taken, and drops itself. So
 a second send is harmless, and everyone who may have made room in the key or put a copy
 in the queue nudges after it: the releaser, the parker, a worker that declines a sent
 copy, and each process that watches the queue (:class:`QueueWatch`). Each writes first
@@ -37,12 +39,12 @@ import posixpath
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..exceptions import explain
-from ..zk import Liveness, Session, deadline, reply
+from ..zk import Liveness, Session, deadline, remaining, reply
 from .rules import Rule
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Nudge", "ParkedQueue", "QueueWatch", "parked_sequence", "waiting"]
@@ -93,6 +95,24 @@ def _failed(results: List[Any]) -> bool:
     return any(isinstance(r, Exception) for r in results)
 
 
+T = TypeVar("T")
+
+
+def _through_blips(session: Session, until: Optional[float], step: Callable[[], T]) -> T:
+    """``step()``, run again after each connection loss once the session is connected again,
+    until ``until`` (then the handler's timeout error). Each step is written to be run again:
+    it finds what an earlier run whose reply was lost did, and goes on from there."""
+    while True:
+        try:
+            return step()
+        except ConnectionLoss:
+            while not session.client.connected:
+                left = remaining(until)
+                if left is not None and left <= 0:
+                    raise
+                time.sleep(0.05 if left is None else min(0.05, left))
+
+
 def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[str, bytes, float, bool]]:
     """(node name, payload, parked at (epoch s), in flight) of each copy parked at ``path``, head first."""
     client = session.client
@@ -127,6 +147,9 @@ class ParkedQueue:
     def parked(self, until: Optional[float]) -> List[str]:
         """The parked copies' node names, head first. Synced: a copy that came through the
         broker must not read the queue as a server behind the leader saw it, or it jumps ahead."""
+        return _through_blips(self.session, until, lambda: self._parked_now(until))
+
+    def _parked_now(self, until: Optional[float]) -> List[str]:
         client = self.session.client
         synced = client.sync_async(self.path)
         listed = client.get_children_async(self.path)
@@ -147,6 +170,10 @@ class ParkedQueue:
         """
         if len(payload) > MAX_PAYLOAD:
             raise ValueError(f"{len(payload)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
+        # Run again after a lost reply, it finds its node by its prefix and makes no second one.
+        return _through_blips(self.session, until, lambda: self._park_now(task_id, payload, limit, until))
+
+    def _park_now(self, task_id: str, payload: bytes, limit: int, until: Optional[float]) -> Optional[str]:
         client = self.session.client
         nodes = self.session.nodes
         prefix = _prefix(task_id)
@@ -190,6 +217,9 @@ class ParkedQueue:
         ``send`` runs under our claim; if it raises, the claim goes (so that the next nudge
         tries again) and the error is raised.
         """
+        return _through_blips(self.session, until, lambda: self._nudge_now(send, until))
+
+    def _nudge_now(self, send: Send, until: Optional[float]) -> Nudge:
         client = self.session.client
         while True:
             synced = client.sync_async(self.path)
@@ -208,11 +238,15 @@ class ParkedQueue:
             if not parked:
                 return Nudge.EMPTY
             head = parked[0]
+            claim = self.node_path(CLAIM + head)
             if CLAIM + head in children:
-                return Nudge.CLAIMED
+                # Ours, if an earlier run of this nudge made it and lost the reply: send then.
+                stat = reply(client.exists_async(claim), until)
+                if stat is None or stat.ephemeralOwner != client.client_id[0]:
+                    return Nudge.CLAIMED
+                return self._send(head, claim, send, until)
             if not self.rule.has_room(contenders):
                 return Nudge.BUSY
-            claim = self.node_path(CLAIM + head)
             tx = client.transaction()
             tx.check(self.node_path(head), -1)
             tx.create(claim, b"", ephemeral=True)
@@ -226,17 +260,29 @@ class ParkedQueue:
                 if isinstance(results[1], NodeExistsError):
                     return Nudge.CLAIMED
                 continue
+            return self._send(head, claim, send, until, payload)
+
+    def _send(self, head: str, claim: str, send: Send, until: Optional[float],
+              payload: Optional[bytes] = None) -> Nudge:
+        if payload is None:
             try:
-                send(self.node_path(head), payload)
-            except BaseException:
-                self.session.nodes.delete_later(claim)
-                raise
-            return Nudge.SENT
+                payload, _ = reply(self.session.client.get_async(self.node_path(head)), until)
+            except NoNodeError:
+                return Nudge.CLAIMED  # taken meanwhile, by a send of ours that went before
+        try:
+            send(self.node_path(head), payload)
+        except BaseException:
+            self.session.nodes.delete_later(claim)
+            raise
+        return Nudge.SENT
 
     def receive(self, name: str, until: Optional[float]) -> bool:
         """A sent copy reached a worker: move its claim to this session, so that the copy is
         sent again if this worker dies before it takes it. False when its node is gone: a
         second send of a copy already taken, which must not run."""
+        return _through_blips(self.session, until, lambda: self._receive_now(name, until))
+
+    def _receive_now(self, name: str, until: Optional[float]) -> bool:
         client = self.session.client
         node, claim = self.node_path(name), self.node_path(CLAIM + name)
         for _ in range(5):
@@ -262,26 +308,56 @@ class ParkedQueue:
         raise RuntimeError(f"the claim on parked copy {node} kept changing under us")  # not expected
 
     def take(self, name: str, until: Optional[float]) -> bool:
-        """The received copy holds the key: delete its node and our claim, so that no other
-        send of it ever runs. False when the node was gone: a copy that must not run."""
+        """The received copy holds the key: delete its node, so that no other send of it ever
+        runs, and mark our claim taken. False when another send took it: one that must not run.
+
+        The mark makes it safe to run again after a lost reply: a node gone with our mark
+        in its claim was taken by us. The claim goes as the copy lets go (:meth:`done`).
+        """
+        return _through_blips(self.session, until, lambda: self._take_now(name, until))
+
+    def _taken_mark(self) -> bytes:
+        return b"taken:%x" % self.session.client.client_id[0]
+
+    def _take_now(self, name: str, until: Optional[float]) -> bool:
         client = self.session.client
         node, claim = self.node_path(name), self.node_path(CLAIM + name)
-        tx = client.transaction()
-        tx.delete(node)
-        tx.delete(claim)
-        results = reply(tx.commit_async(), until)
-        if not _failed(results):
-            return True
-        if isinstance(results[0], NoNodeError):
-            return False
-        try:  # our claim went with an older session of ours: the node alone, then
-            reply(client.delete_async(node), until)
-        except NoNodeError:
-            return False
-        return True
+        mark = self._taken_mark()
+        for _ in range(5):
+            tx = client.transaction()
+            tx.delete(node)
+            tx.set_data(claim, mark)
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                return True
+            if isinstance(results[0], NoNodeError):
+                try:
+                    return reply(client.get_async(claim), until)[0] == mark
+                except NoNodeError:
+                    return False
+            # Our claim went with an older session of ours: make it again, marked.
+            tx = client.transaction()
+            tx.delete(node)
+            tx.create(claim, mark, ephemeral=True)
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                return True
+            if isinstance(results[0], NoNodeError):
+                try:
+                    return reply(client.get_async(claim), until)[0] == mark
+                except NoNodeError:
+                    return False
+        raise RuntimeError(f"the claim on parked copy {node} kept changing under us")  # not expected
+
+    def done(self, name: str) -> None:
+        """The taken copy let go: its claim goes (not waited for; else it goes with the session)."""
+        self.session.nodes.delete_later(self.node_path(CLAIM + name))
 
     def remove(self, name: str, until: Optional[float]) -> None:
         """Take copy ``name`` out of the queue, whatever its claim (it was revoked)."""
+        _through_blips(self.session, until, lambda: self._remove_now(name, until))
+
+    def _remove_now(self, name: str, until: Optional[float]) -> None:
         client = self.session.client
         deleted = client.delete_async(self.node_path(CLAIM + name))
         node = client.delete_async(self.node_path(name))
@@ -294,6 +370,9 @@ class ParkedQueue:
     def decline(self, name: str, until: Optional[float]) -> None:
         """A received copy could not hold the key (a contender that never parked came first):
         it stays at the head, unclaimed, for the next nudge to send again."""
+        _through_blips(self.session, until, lambda: self._decline_now(name, until))
+
+    def _decline_now(self, name: str, until: Optional[float]) -> None:
         try:
             reply(self.session.client.delete_async(self.node_path(CLAIM + name)), until)
         except NoNodeError:

@@ -20,6 +20,7 @@ from celery_zklock.recipes import EXCLUSIVE
 from celery_zklock.recipes.park import ParkedQueue
 from celery_zklock.testing import violations
 from celery_zklock.zk import deadline
+from harness import TcpProxy
 from tests.apps import worker_app
 from tests.integration.test_cli import cli
 from tests.util import children, events, holds, send, wait_until
@@ -181,3 +182,22 @@ def test_a_process_killed_at_a_hand_off_loses_and_doubles_nothing(flag, workers,
     assert bodies == [first.id] + [r.id for r in ran], "each copy once, in order"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: queue_left(kazoo, zk_root, "send") == [], timeout=10)
+
+
+def test_zookeeper_blips_lose_and_double_nothing(workers, queue, redis_server, kazoo, zk_root, zk_server):
+    # The worker's link to ZooKeeper reset again and again while copies park, hand off and run:
+    # a nudge or a receive cut short is tried again (by the queue's watchers, or with the copy
+    # staying parked), never lost, and no copy runs twice.
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts)
+        keyed = [send(worker_app.parking, queue, "blip", 0.3, i) for i in range(8)]
+        wait_until(lambda: started(redis_server.url, keyed[0].id) or started(redis_server.url, keyed[1].id),
+                   timeout=30)
+        for _ in range(8):
+            time.sleep(0.4)  # a reset every 0.4 s, for 3.2 s: the worker reconnects in between
+            proxy.reset()
+        assert sorted(r.get(timeout=60) for r in keyed) == list(range(8))
+    bodies = [e["task_id"] for e in events(redis_server.url) if e["event"] == "body"]
+    assert sorted(bodies) == sorted(r.id for r in keyed), "each copy once"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "blip") == [], timeout=10)
