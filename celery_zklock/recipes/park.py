@@ -39,6 +39,7 @@ import posixpath
 import queue
 import threading
 import time
+import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
@@ -217,9 +218,11 @@ class ParkedQueue:
         ``send`` runs under our claim; if it raises, the claim goes (so that the next nudge
         tries again) and the error is raised.
         """
-        return _through_blips(self.session, until, lambda: self._nudge_now(send, until))
+        # A claim this call made, found again after a lost reply, is known by its token.
+        token = b"sent:" + uuid.uuid4().hex.encode()
+        return _through_blips(self.session, until, lambda: self._nudge_now(send, until, token))
 
-    def _nudge_now(self, send: Send, until: Optional[float]) -> Nudge:
+    def _nudge_now(self, send: Send, until: Optional[float], token: bytes) -> Nudge:
         client = self.session.client
         while True:
             synced = client.sync_async(self.path)
@@ -240,16 +243,17 @@ class ParkedQueue:
             head = parked[0]
             claim = self.node_path(CLAIM + head)
             if CLAIM + head in children:
-                # Ours, if an earlier run of this nudge made it and lost the reply: send then.
-                stat = reply(client.exists_async(claim), until)
-                if stat is None or stat.ephemeralOwner != client.client_id[0]:
-                    return Nudge.CLAIMED
-                return self._send(head, claim, send, until)
+                # Ours, if this call made it and lost the reply: send then.
+                try:
+                    mine = reply(client.get_async(claim), until)[0] == token
+                except NoNodeError:
+                    continue
+                return self._send(head, claim, send, until) if mine else Nudge.CLAIMED
             if not self.rule.has_room(contenders):
                 return Nudge.BUSY
             tx = client.transaction()
             tx.check(self.node_path(head), -1)
-            tx.create(claim, b"", ephemeral=True)
+            tx.create(claim, token, ephemeral=True)
             read = client.get_async(self.node_path(head))
             results = reply(tx.commit_async(), until)
             try:
@@ -314,15 +318,13 @@ class ParkedQueue:
         The mark makes it safe to run again after a lost reply: a node gone with our mark
         in its claim was taken by us. The claim goes as the copy lets go (:meth:`done`).
         """
-        return _through_blips(self.session, until, lambda: self._take_now(name, until))
+        # A mark of this call's own: two deliveries of one copy may run in one process.
+        mark = b"taken:" + uuid.uuid4().hex.encode()
+        return _through_blips(self.session, until, lambda: self._take_now(name, until, mark))
 
-    def _taken_mark(self) -> bytes:
-        return b"taken:%x" % self.session.client.client_id[0]
-
-    def _take_now(self, name: str, until: Optional[float]) -> bool:
+    def _take_now(self, name: str, until: Optional[float], mark: bytes) -> bool:
         client = self.session.client
         node, claim = self.node_path(name), self.node_path(CLAIM + name)
-        mark = self._taken_mark()
         for _ in range(5):
             tx = client.transaction()
             tx.delete(node)
