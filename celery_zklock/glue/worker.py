@@ -46,6 +46,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, List, Optional
 
@@ -103,7 +104,33 @@ def install() -> None:
         worker_process_init.connect(_open_session, weak=False)
         worker_process_shutdown.connect(_close_sessions, weak=False)
         worker_shutdown.connect(_close_sessions, weak=False)
+        if hasattr(os, "register_at_fork"):
+            # (In the child, logging has made the locks afresh: nothing to release there.)
+            os.register_at_fork(before=_hold_log_handlers, after_in_parent=_release_log_handlers,
+                                after_in_child=_held_handlers.clear)
         _installed = True
+
+
+_held_handlers: List[Any] = []
+
+
+def _hold_log_handlers() -> None:
+    # The worker's main process forks each pool process from its consumer's thread, while
+    # threads of ours there (a session's, a background release's) may be writing a log line.
+    # A fork in the middle of one leaves the file's buffer locked in the child for ever: its
+    # first log line hangs, and so does the session it was opening (a CI run saw a replacement
+    # pool process hang so). Logging re-makes its handlers' locks in a child, not the buffers'
+    # they guard: so a fork waits for a line being written to be done.
+    for ref in list(getattr(logging, "_handlerList", [])):
+        handler = ref() if callable(ref) else None
+        if handler is not None:
+            handler.acquire()
+            _held_handlers.append(handler)
+
+
+def _release_log_handlers() -> None:
+    while _held_handlers:
+        _held_handlers.pop().release()
 
 
 def task_defined(spec: Optional[LockSpec]) -> None:
