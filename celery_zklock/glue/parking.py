@@ -17,11 +17,11 @@ no result is stored under its id, which the copy sent again fills in.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import posixpath
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any, NoReturn, Optional
@@ -259,9 +259,16 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
 
 
 def _give_up(task: Any, task_id: str, header: str, revoked: bool) -> None:
-    # Off the consumer's thread: even the session may have to be opened first.
+    # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
+    # another thread there would share the consumer's broker transport. It only changes the
+    # queue; the pool processes watching it (the releaser that sent the copy is one) see the
+    # change and send the next copy.
     threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked), name="celery-zklock-parked",
                      daemon=True).start()
+
+
+#: How often, and how far apart at most, the main process tries to give a copy up.
+_GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
 
 
 def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
@@ -270,13 +277,24 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
         return
     app = task.app
     settings = settings_of(app)
-    path = posixpath.dirname(header)
-    try:
-        parked = ParkedQueue(session_for(settings), path, layout_of(app).lock_of_parked(path),
-                             rule_for(spec.mode, spec.limit))
-    except Exception as exc:  # noqa: BLE001 - a header that names no queue of ours, or no session
-        logger.warning("task %s[%s]: its parked copy %s could not be %s (%s)", task.name, task_id, header,
-                       "taken out of its queue" if revoked else "sent again", explain(exc))
-        return
-    _watch(parked.session, settings).give_up(parked, posixpath.basename(header), functools.partial(send, app),
-                                            revoked)
+    path, name = posixpath.dirname(header), posixpath.basename(header)
+    what = "taken out of its queue" if revoked else "given its claim back"
+    backoff, failure = 0.5, "no try"
+    for _ in range(_GIVE_UP_TRIES):
+        try:
+            parked = ParkedQueue(session_for(settings), path, layout_of(app).lock_of_parked(path),
+                                 rule_for(spec.mode, spec.limit))
+            until = deadline(settings.connect_timeout)
+            (parked.remove if revoked else parked.decline)(name, until)
+            return
+        except ValueError as exc:  # a header that names no queue of ours
+            logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", task.name, task_id, header, what,
+                           explain(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - tried again, a little later each time
+            failure = explain(exc)
+        time.sleep(backoff)
+        backoff = min(2 * backoff, _GIVE_UP_BACKOFF)
+    logger.error("task %s[%s]: its parked copy %s could not be %s in %d tries (%s); the key's queue waits "
+                 "behind it until its claim's session ends", task.name, task_id, header, what, _GIVE_UP_TRIES,
+                 failure)

@@ -401,8 +401,8 @@ class QueueWatch:
         self._queues: Dict[str, Tuple[ParkedQueue, Send, Callable[[Any], None]]] = {}
         #: How often each queue was added: a queue a nudge found empty is dropped only if none came since.
         self._added: Dict[str, int] = {}
-        #: Copies given up on (see give_up), still to do.
-        self._removals: List[Tuple[ParkedQueue, str, bool]] = []
+        #: Claims to give back (see give_up), still to do.
+        self._removals: List[Tuple[ParkedQueue, str]] = []
         #: Queues whose last nudge failed -> (when to try again, the backoff after that).
         self._backoff: Dict[str, Tuple[float, float]] = {}
         self._lock = threading.Lock()
@@ -422,13 +422,12 @@ class QueueWatch:
         if new:
             self._todo.put(path)
 
-    def give_up(self, parked: ParkedQueue, name: str, send: Send, revoked: bool = False) -> None:
-        """In the background: drop the claim on copy ``name`` (it was received and did not run),
-        or with ``revoked`` take the copy out of the queue; then watch the queue and nudge it.
-        Tried until it is done: a claim left behind would stall the queue for the session's life.
-        Celery's consumer calls this, and must never wait for ZooKeeper."""
+    def give_up(self, parked: ParkedQueue, name: str, send: Send) -> None:
+        """In the background: give back the claim on copy ``name`` (it was received and did not
+        take its place), then watch the queue and nudge it. Tried until it is done: a claim
+        left behind would stall the queue for its session's life."""
         with self._lock:
-            self._removals.append((parked, name, revoked))
+            self._removals.append((parked, name))
         self.add(parked, send)
         self._todo.put(parked.path)
 
@@ -477,17 +476,14 @@ class QueueWatch:
     def _remove(self) -> None:
         with self._lock:
             todo, self._removals = self._removals, []
-        for parked, name, revoked in todo:
+        for parked, name in todo:
             try:
-                if revoked:
-                    parked.remove(name, deadline(self.timeout))
-                else:
-                    parked.decline(name, deadline(self.timeout))
+                parked.decline(name, deadline(self.timeout))
             except Exception as exc:  # noqa: BLE001 - tried again below
-                logger.warning("parked copy %s/%s: could not %s (%s); trying again", parked.path, name,
-                               "take it out of its queue" if revoked else "give its claim back", explain(exc))
+                logger.warning("parked copy %s/%s: could not give its claim back (%s); trying again", parked.path,
+                               name, explain(exc))
                 with self._lock:
-                    self._removals.append((parked, name, revoked))
+                    self._removals.append((parked, name))
                 timer = threading.Timer(1.0, self._todo.put, (parked.path,))
                 timer.daemon = True
                 timer.start()
