@@ -30,7 +30,7 @@ _redis: dict = {}
 @after_setup_logger.connect
 def _quiet(**kwargs):
     # A log line per task (and per parked copy) would cost more than what is measured.
-    for name in (() if os.environ.get("DIAG") else ("celery.app.trace", "celery.worker.strategy", "celery_zklock")):
+    for name in ("celery.app.trace", "celery.worker.strategy", "celery_zklock"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
