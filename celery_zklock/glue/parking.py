@@ -17,6 +17,7 @@ no result is stored under its id, which the copy sent again fills in.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import posixpath
@@ -24,23 +25,25 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, NoReturn, Optional
+from typing import Any, List, NoReturn, Optional
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.exceptions import Ignore
-from kazoo.exceptions import ConnectionLoss, SessionExpiredError
+from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ..conf import Settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
+from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
 from ..recipes.park import MAX_PAYLOAD, Nudge, ParkedQueue, QueueWatch
-from ..zk import Session, deadline, session_for, timeouts
+from ..recipes.park import waiting as parked_copies
+from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import layout_of, rule_for, settings_of
 from .options import spec_of
 
 __all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "encode", "lost", "parked_header", "received",
-           "revoked", "send"]
+           "revoked", "send", "sweep"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -298,3 +301,34 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
     logger.error("task %s[%s]: its parked copy %s could not be %s in %d tries (%s); the key's queue waits "
                  "behind it until its claim's session ends", task.name, task_id, header, what, _GIVE_UP_TRIES,
                  failure)
+
+
+def sweep(app: Any, session: Session) -> None:
+    """A pool process starts: watch every parked queue of ``app``'s root that has copies, and
+    nudge each. Whoever watched a queue may be gone (every process of the only worker killed);
+    its copies would wait for ever. Each queue's rule comes from its head's task."""
+    settings = settings_of(app)
+    layout = layout_of(app)
+    until = deadline(settings.connect_timeout)
+    try:
+        queues = [f"{layout.root}/{PARKED}/{tree}/{name}" for tree in LOCK_TREES
+                  for name in _children(session, f"{layout.root}/{PARKED}/{tree}", until)]
+        for path in queues:
+            found = parked_copies(session, path, until)
+            if not found:
+                continue
+            task = app.tasks.get(node_object(found[0][1].partition(b"\n")[0]).get("task"))
+            spec = spec_of(task) if task is not None else None
+            if spec is None:
+                continue  # another app's queue, under a shared root: its own workers watch it
+            parked = ParkedQueue(session, path, layout.lock_of_parked(path), rule_for(spec.mode, spec.limit))
+            _watch(session, settings).add(parked, functools.partial(send, app))
+    except Exception as exc:  # noqa: BLE001 - the queues' own releasers and watchers still send them
+        logger.warning("celery-zklock: could not look for parked copies at start (%s)", explain(exc))
+
+
+def _children(session: Session, path: str, until: Optional[float]) -> List[str]:
+    try:
+        return list(reply(session.client.get_children_async(path), until))
+    except NoNodeError:
+        return []

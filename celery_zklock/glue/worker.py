@@ -260,14 +260,17 @@ def _open_session(**kwargs: Any) -> None:
     # one that waited here for an unreachable ZooKeeper would never run anything, unlocked
     # tasks included. A locked task that comes first waits for this start (session_for
     # holds one lock around it), bounded by zklock_connect_timeout, as it would anyway.
-    threading.Thread(target=_connect, args=(settings_of(app),), name="celery-zklock-connect", daemon=True).start()
+    threading.Thread(target=_connect, args=(app, settings_of(app)), name="celery-zklock-connect",
+                     daemon=True).start()
 
 
-def _connect(settings: Any) -> None:
+def _connect(app: Any, settings: Any) -> None:
     try:
-        session_for(settings)
+        session = session_for(settings)
     except ZooKeeperUnavailable as exc:
         logger.error("celery-zklock: %s; locked tasks will fail until ZooKeeper is reachable", exc)
+        return
+    parking.sweep(app, session)  # parked copies nobody alive watches any more (a whole worker died)
 
 
 def _close_sessions(**kwargs: Any) -> None:

@@ -201,3 +201,24 @@ def test_zookeeper_blips_lose_and_double_nothing(workers, queue, redis_server, k
     assert sorted(bodies) == sorted(r.id for r in keyed), "each copy once"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: queue_left(kazoo, zk_root, "blip") == [], timeout=10)
+
+
+def test_a_whole_worker_killed_leaves_its_parked_copies_to_the_next_worker(workers, queue, redis_server, kazoo,
+                                                                          zk_root):
+    # Every process that watched the queue died with the worker. A pool process of the next
+    # worker looks for parked copies as it starts, watches their queues, and sends each head
+    # once the dead holder's session has ended. (The copy killed mid-body is lost, as any task
+    # whose worker dies is: Celery acknowledged it as it started.)
+    w1 = workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "dead", 30.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "dead", 0.1, i) for i in range(1, 4)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "dead") if n.startswith("p-")]) == 3, timeout=30)
+    w1.crash()
+    workers("w2", concurrency=2)
+    assert [r.get(timeout=60) for r in rest] == [1, 2, 3]
+    bodies = [e["task_id"] for e in sorted(events(redis_server.url), key=lambda e: e.get("start", 0))
+              if e["event"] == "body"]
+    assert bodies == [r.id for r in rest], "each parked copy once, in order"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "dead") == [], timeout=10)
