@@ -211,7 +211,8 @@ def session_facts() -> Dict[str, Any]:
             "others": threads - 1 - (0 if pool is None else pool.size)}
 
 
-@app.task(bind=True)
+# Not shared: other tests' apps (a hashed one among them, which refuses park) would get them.
+@app.task(bind=True, shared=False)
 @zk_locked(key="park:{key}", on_contention="park")
 def parking(self, key: str, seconds: float, seq: int, blob: str = "") -> int:
     """Records its start (so a test can kill it mid-body) and its hold; ``blob`` weighs its message."""
@@ -220,7 +221,7 @@ def parking(self, key: str, seconds: float, seq: int, blob: str = "") -> int:
     return seq
 
 
-@app.task
+@app.task(shared=False)
 @zk_locked(key="park:{key}", on_contention="park", park_limit=2)
 def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
     hold(seconds, key)
