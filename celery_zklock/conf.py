@@ -22,7 +22,7 @@ __all__ = [
     "KEY_NAMES", "LOCK_LOST_POLICIES", "LOCK_MODES", "MIN_SECRET", "UNAVAILABLE_POLICIES", "AclPolicy",
     "ContentionPolicy", "DedupeMode", "DuplicatePolicy", "KeyNames", "LockLostPolicy", "LockMode", "Settings",
     "TaskDefaults", "UnavailablePolicy", "beat_name", "choice", "describe", "did_you_mean", "optional_seconds",
-    "unknown_settings",
+    "positive_int", "unknown_settings",
 ]
 
 # Each set of values is a Literal type, for type checkers, and the tuple of its values, for the
@@ -32,7 +32,7 @@ __all__ = [
 LockMode = Literal["exclusive", "write", "read"]
 LOCK_MODES: Tuple[LockMode, ...] = get_args(LockMode)
 #: What a task does when its lock is held by someone else.
-ContentionPolicy = Literal["wait", "skip", "retry", "raise"]
+ContentionPolicy = Literal["wait", "skip", "retry", "raise", "park"]
 CONTENTION_POLICIES: Tuple[ContentionPolicy, ...] = get_args(ContentionPolicy)
 #: What happens to a running body whose lock is lost.
 LockLostPolicy = Literal["interrupt", "flag"]
@@ -78,6 +78,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_verify_certs": True,
     "zklock_default_on_contention": "wait",
     "zklock_default_timeout": 60.0,
+    "zklock_default_park_limit": 1000,
     "zklock_dedupe_ttl": 3600.0,
     "zklock_dedupe_publish_timeout": 2.0,
     "zklock_beat_name": None,
@@ -124,7 +125,10 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
     "zklock_keyfile": ("path", "PEM private key of `zklock_certfile`."),
     "zklock_verify_certs": ("bool", "Verify the server's certificate against `zklock_ca` (and the system CAs)."),
     "zklock_default_on_contention": ("str", "Policy of locked tasks that do not set `on_contention`: `wait`, "
-                                     "`skip`, `retry` or `raise`."),
+                                     "`skip`, `retry`, `raise` or `park`."),
+    "zklock_default_park_limit": ("int", "How many copies a key's parked queue holds when a task does not set "
+                                  "`park_limit`; a copy past it is refused as `skip` would, with a result that "
+                                  "says why."),
     "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
                                "`None` waits forever."),
     "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "
@@ -390,6 +394,17 @@ def choice(name: str, value: Any, allowed: Tuple[_Choice, ...]) -> _Choice:
     return allowed[allowed.index(value)]
 
 
+def positive_int(name: str, value: Any) -> int:
+    """``value`` if it is a positive int, else ConfigurationError naming ``name``.
+
+    >>> positive_int("park_limit", 3)
+    3
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive int, not {value!r}")
+    return value
+
+
 def optional_seconds(name: str, value: Any) -> Optional[float]:
     """None (wait forever) or a non-negative number of seconds."""
     if value is None:
@@ -407,6 +422,7 @@ class TaskDefaults:
     timeout: Optional[float] = DEFAULTS["zklock_default_timeout"]
     dedupe_ttl: float = DEFAULTS["zklock_dedupe_ttl"]
     dedupe_publish_timeout: float = DEFAULTS["zklock_dedupe_publish_timeout"]
+    park_limit: int = DEFAULTS["zklock_default_park_limit"]
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> TaskDefaults:
@@ -421,6 +437,8 @@ class TaskDefaults:
             dedupe_publish_timeout=positive_seconds(
                 "zklock_dedupe_publish_timeout",
                 conf.get("zklock_dedupe_publish_timeout", DEFAULTS["zklock_dedupe_publish_timeout"])),
+            park_limit=positive_int("zklock_default_park_limit",
+                                    conf.get("zklock_default_park_limit", DEFAULTS["zklock_default_park_limit"])),
         )
 
 

@@ -7,6 +7,7 @@
     <zklock_root>/locks/<encoded key>/<uuid>__lock__|__rlock__<seq>   read/write and exclusive locks
     <zklock_root>/semaphores/<encoded key>/<uuid>__sem__<seq>         counting semaphores
     <zklock_root>/queued/<encoded task name and key>                  enqueue-time dedupe markers
+    <zklock_root>/parked/locks|semaphores/<encoded key>/p-<hash>-<seq>  parked copies (on_contention="park")
     <zklock_root>/beat/<encoded beat name>/election/<uuid>__lock__<seq>
     <zklock_root>/beat/<encoded beat name>/entries/<encoded entry name>
 
@@ -33,11 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple, Union
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["LOCK_TREES", "MAX_NAME", "MEMBERS", "Layout", "check_key", "decode_key", "encode_key", "hashed_name",
-           "node_object"]
+__all__ = ["LOCK_TREES", "MAX_NAME", "MEMBERS", "PARKED", "Layout", "check_key", "decode_key", "encode_key",
+           "hashed_name", "node_object"]
 
 #: The two trees lock keys live in: semaphores apart, so a semaphore and a lock on one key never meet.
 LOCK_TREES: Tuple[str, str] = ("locks", "semaphores")
+
+#: The tree of parked copies, one queue per key (``on_contention="park"``).
+PARKED = "parked"
 
 #: Where each live session that uses a root stands for the key-name scheme it uses.
 MEMBERS = "members"
@@ -159,6 +163,25 @@ class Layout:
     def lock(self, key: str, semaphore: bool = False) -> str:
         """The node a key's contenders queue under."""
         return f"{self.lock_tree(semaphore)}/{self.name(key)}"
+
+    def parked(self, key: str, semaphore: bool = False) -> str:
+        """The queue a key's parked copies wait in: ``parked/`` plus its lock's tree and name.
+
+            >>> Layout("/r").parked("acct:7")
+            '/r/parked/locks/k-acct:7'
+        """
+        return f"{self.root}/{PARKED}/{LOCK_TREES[1] if semaphore else LOCK_TREES[0]}/{self.name(key)}"
+
+    def lock_of_parked(self, parked: str) -> str:
+        """The lock a parked queue's copies wait for (the inverse of :meth:`parked`).
+
+            >>> Layout("/r").lock_of_parked("/r/parked/locks/k-acct:7")
+            '/r/locks/k-acct:7'
+        """
+        prefix = f"{self.root}/{PARKED}/"
+        if not parked.startswith(prefix):
+            raise ValueError(f"{parked!r} is not a parked queue under {self.root}")
+        return f"{self.root}/{parked[len(prefix):]}"
 
     @property
     def beats(self) -> str:

@@ -57,3 +57,5 @@ def work(seconds: float) -> None:
 def _skipped(sender: Any = None, lock: Any = None, policy: str = "", **kwargs: Any) -> None:
     if policy == "skip":
         record("skip", key=lock.key, holders=lock.holders())
+    elif policy == "park":
+        record("park", key=lock.key)

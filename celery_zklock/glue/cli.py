@@ -25,8 +25,9 @@ from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 
 from ..conf import Settings, beat_name, describe, did_you_mean
 from ..exceptions import ZkLockError
-from ..layout import LOCK_TREES, Layout, decode_key, hashed_name, node_object
+from ..layout import LOCK_TREES, PARKED, Layout, decode_key, hashed_name, node_object
 from ..recipes.marker import read_marker
+from ..recipes.park import waiting as parked_copies
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session, check_acl
 from ..zk.probe import addresses, four_letter_word, server_limits
@@ -84,12 +85,15 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
     wanted = hashed_name(secret, pattern) if secret is not None and pattern is not None else None
     for tree in LOCK_TREES:
         base = f"{root}/{tree}"
-        for name in sorted(_children(session, base)):
+        parked_base = f"{root}/{PARKED}/{tree}"
+        for name in sorted(set(_children(session, base)) | set(_children(session, parked_base))):
             if wanted is not None and name != wanted:
                 continue
             path = f"{base}/{name}"
             nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
-            if not nodes:
+            parked = [_parked(node, data, since, now, sent)
+                      for node, data, since, sent in parked_copies(session, f"{parked_base}/{name}", None)]
+            if not nodes and not parked:
                 continue
             infos = {n: node_object(data) for n, (data, _) in nodes.items()}
             key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
@@ -103,8 +107,17 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
             rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting),
                          # In queue order: the next holder first.
                          "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
+                         # Parked copies (on_contention="park"), head first: they hold no worker slot.
+                         "parked": parked,
                          "limit": rule.leases if holders and holders[0]["mode"] == "semaphore" else None})
     return rows
+
+
+def _parked(node: str, data: bytes, since: float, now: float, sent: bool) -> Dict[str, Any]:
+    """A parked copy, from its node: task and id are on its first line (the message follows)."""
+    info = node_object(data.partition(b"\n")[0])
+    return {"task": info.get("task"), "task_id": info.get("id"), "parked_for": round(max(0.0, now - since), 3),
+            "sent": sent, "node": node}
 
 
 def _contender(node: str, info: Dict[str, Any], stat: Any, now: float, age: str) -> Dict[str, Any]:
@@ -218,10 +231,15 @@ def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
         count = len(row["holders"])
         held = f"{count}/{row['limit']}" if row.get("limit") else str(count)
         for h in row["holders"] or [{}]:
-            lines.append(line(row["key"], h, held, _age(h["held_for"]) if h else "-", str(row["waiters"])))
+            lines.append(line(row["key"], h, held, _age(h["held_for"]) if h else "-",
+                              str(row["waiters"] + len(row.get("parked", [])))))
         if waiters:
             for place, w in enumerate(row.get("waiting", []), 1):
                 lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), ""))
+            for place, p in enumerate(row.get("parked", []), 1):
+                lines.append(line(f"  parked #{place}" + (" (sent)" if p["sent"] else ""),
+                                  {"mode": "parked", "task": p["task"], "task_id": p["task_id"]}, "",
+                                  _age(p["parked_for"]), ""))
     return lines
 
 
@@ -294,7 +312,8 @@ def status(ctx: click.Context) -> None:
 @zklock.command(name="locks")
 @click.option("--key", "pattern", default=None,
               help="Only keys matching this glob, e.g. 'invoice:*' (one exact key under hashed key names).")
-@click.option("--waiters", "show_waiters", is_flag=True, help="Also a row per waiter, in queue order.")
+@click.option("--waiters", "show_waiters", is_flag=True,
+              help="Also a row per waiter, then per parked copy, in queue order.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts (waiters always in it).")
 @click.pass_context
 def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool, as_json: bool) -> None:

@@ -18,15 +18,19 @@ import time
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from celery.exceptions import Ignore
+
 from .. import signals
-from ..exceptions import LockNotAcquired, NoCurrentLock, ZooKeeperUnavailable
+from ..conf import Settings, TaskDefaults
+from ..exceptions import ConfigurationError, LockNotAcquired, NoCurrentLock, ZooKeeperUnavailable
 from ..layout import node_object
 from ..recipes import Lock, LockState
-from ..zk import deadline, remaining, session_for
+from ..zk import Session, deadline, remaining, session_for
 from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
-from .options import LockSpec
+from .options import PARK_HASHED, LockSpec
+from .parking import Parking
 
 __all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
 
@@ -125,7 +129,11 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         timeout = settings.connect_timeout
     until = deadline(timeout)
     stack = _stack()
+    parking = _parking(task, spec, policy, locks, session, settings, defaults)
     try:
+        refused = parking.before(until) if parking is not None else None
+        if refused:
+            return _refused(task, locks[0], refused)
         for one in locks:
             held.append(one)
             if one.acquire(blocking=policy == "wait", timeout=remaining(until)):
@@ -140,9 +148,16 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                     f"{where}: ZooKeeper at zklock_hosts={settings.hosts!r} did not answer, so lock "
                     f"{one.label!r} ({one.mode}) was not taken and the task did not run "
                     f"(on_contention={policy!r} applies only when another contender holds the key)")
+            if parking is not None:
+                signals.lock_contended.send(sender=task, lock=one, policy=policy)
+                return _refused(task, one, parking.contended(until))
             return _contended(task, spec, policy, timeout, one, held, until)
         for one in held:
             one.ensure()  # one may have been lost while we waited for another: no body then
+        if parking is not None and not parking.holding(until):  # after ensure: a copy taken must run
+            release_all(task, held)
+            parking.released()
+            parking.dropped()
         acquired = list(held)
         try:
             stack.append(acquired)
@@ -153,8 +168,33 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         finally:
             if stack and stack[-1] is acquired:
                 stack.pop()
+    except BaseException as exc:
+        if parking is not None and parking.abandoned(exc):
+            raise Ignore() from None
+        raise
     finally:
+        took = bool(held)
         release_all(task, held)
+        if parking is not None and took:
+            parking.released()  # hand the key on to its next parked copy
+
+
+def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session: Session, settings: Settings,
+             defaults: TaskDefaults) -> Optional[Parking]:
+    """This call's part in its key's parked queue, under ``on_contention="park"``; else None."""
+    if policy != "park":
+        return None
+    where = f"task {task.name}"
+    if len(locks) != 1:
+        raise ConfigurationError(f"{where}: on_contention='park' parks a copy in one key's queue, and this call "
+                                 f"has {len(locks)} keys; use one key, or another policy")
+    if layout_of(task.app).secret is not None:
+        raise ConfigurationError(PARK_HASHED.format(where=where))
+    if spec.dedupe is not None:
+        raise ConfigurationError(f"{where}: on_contention='park' (zklock_default_on_contention) and "
+                                 f"dedupe={spec.dedupe!r} do not go together yet: a parked copy's marker would go "
+                                 "as it parks")
+    return Parking(task, locks[0], session, settings, spec.parked_limit(defaults))
 
 
 def release_all(task: Any, held: List[Lock]) -> None:
@@ -193,6 +233,13 @@ def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float],
     raise LockNotAcquired(message)
 
 
+def _refused(task: Any, lock: Lock, reason: str) -> Dict[str, Any]:
+    """A copy a full parked queue refused, as ``skip`` would refuse it, saying why."""
+    logger.info("task %s[%s] skipped: lock %r (%s) is held and %s", task.name, task.request.id, lock.label,
+                lock.mode, reason)
+    return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": [], "reason": reason}}
+
+
 #: The one key of the result a task returns when ``on_contention="skip"`` skipped it.
 SKIPPED = "zklock_skipped"
 
@@ -202,7 +249,8 @@ _WHO = ("task", "task_id", "worker", "host", "pid")
 def skipped(result: Any) -> Optional[Dict[str, Any]]:
     """What stopped a task, if ``result`` is a skipped task's result; None for any other result.
 
-    A skip returns ``{"zklock_skipped": {"key", "mode", "holders"}}`` rather than None, so a
+    A skip returns ``{"zklock_skipped": {"key", "mode", "holders"}}`` (and ``"reason"`` when a full
+    parked queue refused the copy) rather than None, so a
     caller can tell it from a body that returned None; it serializes with every Celery serializer.
 
     >>> skipped({"zklock_skipped": {"key": "sync:42", "mode": "exclusive", "holders": []}})["key"]

@@ -35,14 +35,15 @@ from ..conf import (
     choice,
     did_you_mean,
     optional_seconds,
+    positive_int,
     positive_seconds,
 )
 from ..exceptions import ConfigurationError
 from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
 from .api import rule_for, task_defaults
 
-__all__ = ["DEFAULT", "OPTIONS", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions",
-           "locked_tasks", "locking_of", "problems", "spec_of", "stray", "strays"]
+__all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking",
+           "TaskLockOptions", "locked_tasks", "locking_of", "problems", "spec_of", "stray", "strays"]
 
 
 class FromSettings(enum.Enum):
@@ -69,6 +70,7 @@ class LockOptions(TypedDict, total=False):
     on_contention: ContentionPolicy
     timeout: Optional[float]
     retry_countdown: float
+    park_limit: int
     on_lock_lost: LockLostPolicy
     lock: bool
     dedupe: Optional[DedupeMode]
@@ -97,6 +99,8 @@ class LockSpec:
     on_contention: Union[ContentionPolicy, Literal[FromSettings.DEFAULT]] = DEFAULT
     timeout: Union[float, None, Literal[FromSettings.DEFAULT]] = DEFAULT
     retry_countdown: float = 5.0
+    #: How many copies the key's parked queue holds (``on_contention="park"``).
+    park_limit: Union[int, Literal[FromSettings.DEFAULT]] = DEFAULT
     on_lock_lost: LockLostPolicy = "interrupt"
     #: Take the execution lock (False: dedupe only).
     lock: bool = True
@@ -133,10 +137,20 @@ class LockSpec:
         countdown = optional_seconds(f"{where}: retry_countdown", get("retry_countdown"))
         if countdown is None:
             raise ConfigurationError(f"{where}: retry_countdown must be a number of seconds, not None")
+        park_limit = get("park_limit")
+        if park_limit is not DEFAULT:
+            positive_int(f"{where}: park_limit", park_limit)
+            if policy not in ("park", DEFAULT):
+                raise ConfigurationError(f"{where}: park_limit applies only with on_contention='park'")
         return cls(where=where, parts=check_key_parts(options.get("key"), fn, where), mode=mode, limit=limit,
-                   on_contention=policy, timeout=timeout, retry_countdown=countdown,
+                   on_contention=policy, timeout=timeout, retry_countdown=countdown, park_limit=park_limit,
                    on_lock_lost=choice(f"{where}: on_lock_lost", get("on_lock_lost"), LOCK_LOST_POLICIES),
                    **_dedupe_options(where, options, get))
+
+    def __post_init__(self) -> None:
+        if self.on_contention == "park" and self.dedupe is not None:
+            raise ConfigurationError(f"{self.where}: on_contention='park' and dedupe={self.dedupe!r} do not go "
+                                     "together yet: a parked copy's marker would go as it parks")
 
     def contention(self, defaults: TaskDefaults) -> ContentionPolicy:
         """What this task does when its lock is held: its own policy, else the app's default."""
@@ -145,6 +159,10 @@ class LockSpec:
     def wait_timeout(self, defaults: TaskDefaults) -> Optional[float]:
         """How long ``wait`` waits (None: forever)."""
         return defaults.timeout if self.timeout is DEFAULT else self.timeout
+
+    def parked_limit(self, defaults: TaskDefaults) -> int:
+        """How many copies the key's parked queue holds."""
+        return defaults.park_limit if self.park_limit is DEFAULT else int(self.park_limit)
 
     def marker_ttl(self, defaults: TaskDefaults) -> float:
         """The life of a dedupe marker whose message is lost."""
@@ -202,7 +220,7 @@ _DEFAULTS: Dict[str, Any] = {"key": None, **{f.name: f.default for f in dataclas
 #: The options that mean something only with ``dedupe``.
 _DEDUPE_ONLY = ("on_duplicate", "dedupe_ttl", "dedupe_on_unavailable")
 #: The options that mean something only with the lock.
-_LOCK_ONLY = ("mode", "limit", "on_contention", "timeout", "retry_countdown", "on_lock_lost")
+_LOCK_ONLY = ("mode", "limit", "on_contention", "timeout", "retry_countdown", "park_limit", "on_lock_lost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +319,17 @@ def problems(app: Any) -> List[str]:
             found.append(problem)
     if locked:
         try:
-            task_defaults(app)  # zklock_dedupe_ttl and the rest: read by every locked task's call
+            defaults = task_defaults(app)  # zklock_dedupe_ttl and the rest: read by every locked task's call
         except ConfigurationError as exc:
             found.append(str(exc))
+        else:
+            if app.conf.get("zklock_key_names") == "hashed":
+                found += [PARK_HASHED.format(where=f"task {name}") for name, spec in
+                          ((name, spec_of(task)) for name, task in sorted(app.tasks.items()))
+                          if spec is not None and spec.lock and spec.contention(defaults) == "park"]
     return found
+
+
+#: Why a parked copy cannot be private: its message, arguments and all, is a node's data.
+PARK_HASHED = ("{where}: on_contention='park' keeps a copy's message, its arguments with it, in ZooKeeper, and "
+                "zklock_key_names='hashed' promises nothing of them gets there; use another policy")

@@ -53,6 +53,7 @@ from typing import Any, List, Optional
 from celery.signals import (
     task_failure,
     task_postrun,
+    task_received,
     task_revoked,
     worker_init,
     worker_process_init,
@@ -64,7 +65,7 @@ from celery.signals import (
 from ..conf import unknown_settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
-from . import dedupe
+from . import dedupe, parking
 from .api import claim_scheme, layout_of, settings_of
 from .celery_internals import (
     connect_on_app_finalize,
@@ -93,6 +94,9 @@ def install() -> None:
         wrap_apply_async(dedupe.publish)
         wrap_send_task(dedupe.send_by_name)
         task_revoked.connect(dedupe.revoked, weak=False)
+        task_revoked.connect(parking.revoked, weak=False)
+        task_received.connect(parking.received, weak=False)
+        task_failure.connect(parking.lost, weak=False)
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
@@ -256,14 +260,17 @@ def _open_session(**kwargs: Any) -> None:
     # one that waited here for an unreachable ZooKeeper would never run anything, unlocked
     # tasks included. A locked task that comes first waits for this start (session_for
     # holds one lock around it), bounded by zklock_connect_timeout, as it would anyway.
-    threading.Thread(target=_connect, args=(settings_of(app),), name="celery-zklock-connect", daemon=True).start()
+    threading.Thread(target=_connect, args=(app, settings_of(app)), name="celery-zklock-connect",
+                     daemon=True).start()
 
 
-def _connect(settings: Any) -> None:
+def _connect(app: Any, settings: Any) -> None:
     try:
-        session_for(settings)
+        session = session_for(settings)
     except ZooKeeperUnavailable as exc:
         logger.error("celery-zklock: %s; locked tasks will fail until ZooKeeper is reachable", exc)
+        return
+    parking.sweep(app, session)  # parked copies nobody alive watches any more (a whole worker died)
 
 
 def _close_sessions(**kwargs: Any) -> None:

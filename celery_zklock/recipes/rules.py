@@ -92,6 +92,15 @@ class Rule:
                 f"contender leaves, the server removes its node and the next one sets the limit"
             )
 
+    def has_room(self, children: Iterable[str]) -> bool:
+        """Whether a contender that came now would hold at once: a parked copy is sent again
+        only then (every node of a blocking kind is ahead of a newcomer).
+
+        >>> EXCLUSIVE.has_room(["a__rlock__0000000001"]), READ.has_room(["a__rlock__0000000001", "junk"])
+        (False, True)
+        """
+        return sum(1 for c in children if (parsed := contender(c)) and parsed[0] in self.blocked_by) < self.leases
+
     def decide(self, children: Iterable[str], me: str) -> Decision:
         """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch."""
         mine = contender(me)

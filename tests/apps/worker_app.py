@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any, Dict
 
 import redis
 from celery import Celery, current_task
+from celery.signals import after_task_publish, before_task_publish, task_postrun, task_prerun
 
 from celery_zklock import LockLost, ZkLockedTask, current_lock, current_locks, zk_locked
 
@@ -207,3 +209,60 @@ def session_facts() -> Dict[str, Any]:
     pool = getattr(gevent.get_hub(), "_threadpool", None) if gevent else None
     return {"handler": [kind.__name__ for kind in type(handler).__mro__], "os_threads": threads,
             "others": threads - 1 - (0 if pool is None else pool.size)}
+
+
+# Not shared: other tests' apps (a hashed one among them, which refuses park) would get them.
+@app.task(bind=True, shared=False)
+@zk_locked(key="park:{key}", on_contention="park")
+def parking(self, key: str, seconds: float, seq: int, blob: str = "") -> int:
+    """Records its start (so a test can kill it mid-body) and its hold; ``blob`` weighs its message."""
+    note("start", key=key, seq=seq)
+    hold(seconds, key)
+    return seq
+
+
+@app.task(shared=False)
+@zk_locked(key="park:{key}", on_contention="park", park_limit=2)
+def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
+    hold(seconds, key)
+    return seq
+
+
+@task_postrun.connect
+def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: Any) -> None:
+    # Every delivery of a parking copy as it ends, with its outcome: a second send drops itself (IGNORED).
+    if sender is not None and sender.name == parking.name:
+        history().rpush("history", json.dumps({"event": "delivered", "task_id": task_id, "state": state,
+                                               "time": time.monotonic()}))
+
+
+def _kill_if(flag: str, headers: Any) -> None:
+    # The fault hooks of the park tests: the process sending a parked copy again dies just
+    # before or just after its publish, once, when the test set the flag.
+    if (headers or {}).get("zklock_parked") and history().getdel(flag):
+        history().rpush("history", json.dumps({"event": "killed", "flag": flag, "pid": os.getpid(),
+                                               "time": time.monotonic()}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@before_task_publish.connect
+def _before_send(headers: Any = None, **extra: Any) -> None:
+    _kill_if("park:kill-before-send", headers)
+
+
+@after_task_publish.connect
+def _after_send(headers: Any = None, **extra: Any) -> None:
+    _kill_if("park:kill-after-send", headers)
+
+
+@task_prerun.connect
+def _on_receive(sender: Any = None, **extra: Any) -> None:
+    # The pool process that received a parked copy sent again dies before the copy claims its place.
+    if sender is not None and sender.name == parking.name:
+        _kill_if("park:kill-on-receive", {"zklock_parked": getattr(sender.request, "zklock_parked", None)})
+
+
+@app.task
+def unrelated(n: int) -> int:
+    note("unrelated", n=n)
+    return n

@@ -27,9 +27,22 @@ def env(redis_server, zk_server, zk_root, queue) -> Dict[str, str]:
             "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": "4", "PYTHONPATH": os.getcwd()}
 
 
+#: The workers of the running test: a failure's report carries each one's log.
+_live_workers: List[CeleryWorker] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for worker in _live_workers:
+            report.sections.append((f"log of worker {worker.name}", worker.log_tail(120)))
+
+
 @pytest.fixture
 def workers(env) -> Iterator:
-    started: List[CeleryWorker] = []
+    started: List[CeleryWorker] = _live_workers
 
     def start(name: str, pool: str = "prefork", concurrency: int = 2, queue: str = "", **overrides: str
               ) -> CeleryWorker:
@@ -42,3 +55,4 @@ def workers(env) -> Iterator:
     for w in started:
         w.stop(timeout=20)
         w.close()
+    started.clear()

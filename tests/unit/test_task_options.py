@@ -107,6 +107,11 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"dedupe": "queued", "on_duplicate": "ignore"}, "on_duplicate must be one of return, raise, none"),
     ({"dedupe": "queued", "dedupe_ttl": 0}, "dedupe_ttl must be a positive number"),
     ({"dedupe": "queued", "dedupe_on_unavailable": "skip"}, "dedupe_on_unavailable must be one of fail, publish"),
+    ({"on_contention": "park", "park_limit": 0}, "park_limit must be a positive int, not 0"),
+    ({"on_contention": "park", "park_limit": True}, "park_limit must be a positive int, not True"),
+    ({"on_contention": "wait", "park_limit": 5}, "park_limit applies only with on_contention='park'"),
+    ({"on_contention": "park", "dedupe": "queued"}, "on_contention='park' and dedupe='queued' do not go together"),
+    ({"dedupe": "queued", "lock": False, "park_limit": 5}, "park_limit applies only with the lock"),
 ])
 def test_bad_decorator_options_name_task_and_option(options, message):
     def fn(x):
@@ -363,3 +368,28 @@ for publish in (lambda: refresh.delay(7), lambda: app.send_task(refresh.name, (7
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines() == ["refused: task __main__.refresh: dedupe must be one of queued, "
                                        "queued_or_running, not 'queue'"] * 2, out.stdout + out.stderr
+
+
+def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
+    # A parked copy's node holds its message, arguments and all: hashed names promise none gets there.
+    from celery_zklock.task import problems
+
+    app = Celery("park", broker="memory://", set_as_current=False)
+    app.conf.update(zklock_key_names="hashed", zklock_key_secret="0123456789abcdef0123",
+                    zklock_default_on_contention="park")
+
+    @app.task(name="notify", shared=False)
+    @zk_locked(key="user:{email}")
+    def notify(email):
+        pass
+
+    app.finalize()
+    # (Other tests' shared tasks join every app as it is finalized: ours is the one named here.)
+    assert [p for p in problems(app) if p.startswith("task notify:")] == [
+        "task notify: on_contention='park' keeps a copy's message, its arguments with it, in ZooKeeper, and "
+        "zklock_key_names='hashed' promises nothing of them gets there; use another policy"]
+
+
+def test_a_bad_default_park_limit_is_refused_naming_the_setting():
+    with pytest.raises(ConfigurationError, match="zklock_default_park_limit must be a positive int, not 'ten'"):
+        TaskDefaults.from_conf({"zklock_default_park_limit": "ten"})

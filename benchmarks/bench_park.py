@@ -1,0 +1,125 @@
+"""Per-key queues against a worker's slots: keyed tasks on a few hot keys mixed with
+unrelated ones, under ``wait``, ``retry`` and ``park``, and the unrelated ones alone.
+
+One prefork worker (``-c 4``) gets 200 keyed tasks (100 ms bodies) on 4 hot keys mixed
+with 400 short unrelated tasks, published as fast as one producer can; the keyed tasks come
+key by key (50 for one key, then 50 for the next), as a burst for one customer does. For
+each policy:
+
+- the unrelated tasks' start latency (start minus publish), p50 and p99;
+- the keyed tasks' makespan (first publish to last keyed end) against the serial bound
+  (the sum of the bodies on the busiest key);
+- the hand-off gap: from one holder's end to the next body's start on the same key, p50 and p99.
+
+With ``--pin`` ZooKeeper runs on CPU 1 and everything else on CPU 0; ``--fsync`` lets the
+server sync each write, as production servers do.
+
+    python -m benchmarks.bench_park [--keyed 200] [--unrelated 400] [--keys 4] [--ms 100] [--pin] [--fsync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import redis
+
+from benchmarks import park_bench_app as tasks
+from harness import CeleryWorker, RedisServer, ZooKeeperPeer
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = {"none": None, "wait": tasks.keyed_wait, "retry": tasks.keyed_retry, "park": tasks.keyed_park}
+
+
+def percentile(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def run(policy: str, args: argparse.Namespace, r: redis.Redis) -> Dict[str, float]:
+    name = f"{policy}-{uuid.uuid4().hex[:6]}"
+    keyed = POLICIES[policy]
+    published: Dict[int, float] = {}
+    first = time.monotonic()
+    with tasks.app.producer_or_acquire() as producer:
+        unrelated = sent = 0
+        for i in range(args.keyed + args.unrelated):
+            # Keyed and unrelated interleaved evenly. The keyed tasks come key by key, as work
+            # for one customer does (forty at once): the first quarter on one key, and so on.
+            if keyed is not None and i * args.keyed // (args.keyed + args.unrelated) != \
+                    (i + 1) * args.keyed // (args.keyed + args.unrelated):
+                keyed.apply_async((name, sent * args.keys // args.keyed, args.ms), producer=producer)
+                sent += 1
+            elif keyed is None and unrelated >= args.unrelated:
+                break
+            else:
+                published[unrelated] = time.monotonic()
+                tasks.unrelated.apply_async((name, unrelated), producer=producer)
+                unrelated += 1
+    want = args.unrelated + (args.keyed if keyed is not None else 0)
+    deadline = time.monotonic() + 600
+    while r.llen(f"bench:{name}") < want:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{policy}: only {r.llen(f'bench:{name}')} of {want} tasks ran in 600 s")
+        time.sleep(0.05)
+    events = [json.loads(e) for e in r.lrange(f"bench:{name}", 0, -1)]
+    latency = [e["start"] - published[e["n"]] for e in events if e["kind"] == "unrelated"]
+    out = {"p50": percentile(latency, 0.5), "p99": percentile(latency, 0.99)}
+    bodies = [e for e in events if e["kind"] == "keyed"]
+    if bodies:
+        out["makespan"] = max(e["end"] for e in bodies) - first
+        out["bound"] = max(sum(e["end"] - e["start"] for e in bodies if e["key"] == k) for k in range(args.keys))
+        gaps = []
+        for k in range(args.keys):
+            on_key = sorted((e for e in bodies if e["key"] == k), key=lambda e: e["start"])
+            gaps += [b["start"] - a["end"] for a, b in zip(on_key, on_key[1:])]
+        out["gap50"], out["gap99"] = percentile(gaps, 0.5), percentile(gaps, 0.99)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keyed", type=int, default=200)
+    parser.add_argument("--unrelated", type=int, default=400)
+    parser.add_argument("--keys", type=int, default=4)
+    parser.add_argument("--ms", type=float, default=100.0, help="each keyed body's length")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--pin", action="store_true", help="ZooKeeper on CPU 1, everything else on CPU 0")
+    parser.add_argument("--fsync", action="store_true", help="let the server fsync each write (production-like)")
+    args = parser.parse_args()
+    if args.pin:
+        os.sched_setaffinity(0, {0})  # inherited by Redis and the worker
+    zk_server = ZooKeeperPeer(extra_config={"forceSync": "yes"} if args.fsync else {}, cpus="1" if args.pin else None,
+                              container_check_ms=60_000)
+    results: Dict[str, Dict[str, float]] = {}
+    with zk_server as zk, RedisServer() as rs:
+        env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk.hosts, "PYTHONPATH": str(ROOT)}
+        tasks.app.conf.update(broker_url=rs.url, zklock_hosts=zk.hosts)
+        r = redis.Redis.from_url(rs.url)
+        with CeleryWorker("benchmarks.park_bench_app", name="bench", concurrency=args.concurrency, env=env):
+            warm = argparse.Namespace(**{**vars(args), "keyed": 20, "unrelated": 20})
+            for policy in POLICIES:  # connections, sessions, key nodes
+                run(policy, warm, r)
+            for policy in POLICIES:
+                results[policy] = run(policy, args, r)
+    where = "on CPU 1, all else on CPU 0" if args.pin else "sharing both CPUs"
+    print(f"prefork -c {args.concurrency}: {args.keyed} keyed tasks ({args.ms:g} ms) on {args.keys} hot keys "
+          f"mixed with {args.unrelated} unrelated; Redis broker; ZooKeeper 3.8 {where}, "
+          f"forceSync={'yes' if args.fsync else 'no'}")
+    base: Optional[float] = results["none"]["p99"]
+    print(f"\n{'policy':<16}{'unrelated start p50':>21}{'p99':>11}{'p99 vs none':>13}"
+          f"{'keyed makespan':>16}{'vs bound':>10}{'hand-off p50':>14}{'p99':>11}")
+    for policy, row in results.items():
+        label = "no keyed tasks" if policy == "none" else policy
+        keyed = (f"{row['makespan']:>15.2f}s{row['makespan'] / row['bound']:>9.2f}x"
+                 f"{row['gap50'] * 1000:>12.1f}ms{row['gap99'] * 1000:>9.1f}ms") if "makespan" in row else ""
+        print(f"{label:<16}{row['p50'] * 1000:>19.1f}ms{row['p99'] * 1000:>9.1f}ms{row['p99'] / base:>12.2f}x{keyed}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Tasks for bench_park.py: one keyed body under each contention policy, and an unrelated one.
+
+Each body records its start and end (monotonic, shared by every process of the host) in Redis.
+"""
+
+import json
+import logging
+import os
+import time
+
+import redis
+from celery import Celery
+from celery.signals import after_setup_logger
+
+from celery_zklock import zk_locked
+
+app = Celery("park_bench_app")
+app.conf.update(
+    broker_url=os.environ.get("BENCH_BROKER", "memory://"),
+    result_backend=os.environ.get("BENCH_BROKER", "cache+memory://"),
+    zklock_hosts=os.environ.get("BENCH_ZK", "127.0.0.1:1"),
+    zklock_root="/bench-park",
+    task_ignore_result=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+)
+_redis: dict = {}
+
+
+@after_setup_logger.connect
+def _quiet(**kwargs):
+    # A log line per task (and per parked copy) would cost more than what is measured.
+    for name in ("celery.app.trace", "celery.worker.strategy", "celery_zklock"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _note(run: str, **fields) -> None:
+    r = _redis.get(os.getpid())
+    if r is None:
+        r = _redis[os.getpid()] = redis.Redis.from_url(app.conf.broker_url)
+    r.rpush(f"bench:{run}", json.dumps(fields))
+
+
+def _body(run: str, key: int, ms: float) -> None:
+    start = time.monotonic()
+    time.sleep(ms / 1000)
+    _note(run, kind="keyed", key=key, start=start, end=time.monotonic())
+
+
+@app.task
+@zk_locked(key="hot:{run}:{key}", on_contention="wait", timeout=None)
+def keyed_wait(run: str, key: int, ms: float) -> None:
+    _body(run, key, ms)
+
+
+@app.task(bind=True, max_retries=None)
+@zk_locked(key="hot:{run}:{key}", on_contention="retry", retry_countdown=0.05)
+def keyed_retry(self, run: str, key: int, ms: float) -> None:
+    _body(run, key, ms)
+
+
+@app.task
+@zk_locked(key="hot:{run}:{key}", on_contention="park", park_limit=10_000)
+def keyed_park(run: str, key: int, ms: float) -> None:
+    _body(run, key, ms)
+
+
+@app.task
+def unrelated(run: str, n: int) -> None:
+    _note(run, kind="unrelated", n=n, start=time.monotonic())

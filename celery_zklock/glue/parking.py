@@ -1,0 +1,334 @@
+"""``on_contention="park"``: a copy that meets a held key leaves its message in the key's
+parked queue (:mod:`..recipes.park`) and frees its worker's slot; when the key is let go,
+the queue's head is published again, with its own task id, and runs.
+
+A call's part, in the order :func:`.locking.run_locked` asks::
+
+    parking = Parking(task, lock, session, settings, limit)
+    parking.before(until)      # a received copy claims its node (or drops: a second send);
+                               # a new copy parks behind a queue that is not empty
+    parking.contended(until)   # could not hold at once: park (received: stay at the head)
+    parking.holding(until)     # holds: a received copy takes its node (False: a second send)
+    parking.released()         # let go: send the head on
+
+A copy that parks, or drops, raises Celery's ``Ignore``: its message is acknowledged and
+no result is stored under its id, which the copy sent again fills in.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import posixpath
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import Any, List, NoReturn, Optional
+
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.exceptions import Ignore
+from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
+from kombu.serialization import dumps, loads, prepare_accept_content
+
+from ..conf import Settings
+from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
+from ..layout import LOCK_TREES, PARKED, node_object
+from ..recipes import Lock
+from ..recipes.park import MAX_PAYLOAD, Nudge, ParkedQueue, QueueWatch
+from ..recipes.park import waiting as parked_copies
+from ..zk import Session, deadline, reply, session_for, timeouts
+from .api import layout_of, rule_for, settings_of
+from .options import spec_of
+
+__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "encode", "lost", "parked_header", "received",
+           "revoked", "send", "sweep"]
+
+logger = logging.getLogger("celery_zklock")
+
+#: The header of a parked copy sent again: its node's path in its key's parked queue.
+PARK_HEADER = "zklock_parked"
+
+
+class ParkedMessageTooLarge(ZkLockError):
+    """A copy to park is larger than a ZooKeeper node may hold; the message names the task and the size."""
+
+
+def parked_header(request: Any) -> Optional[str]:
+    """The parked node a copy was sent again for, from its request (None: a new copy)."""
+    # A worker turns message headers into request attributes; eager apply() keeps them in .headers;
+    # the consumer's Request keeps them in its request_dict.
+    found = getattr(request, PARK_HEADER, None) or (getattr(request, "headers", None) or {}).get(PARK_HEADER) \
+        or (getattr(request, "request_dict", None) or {}).get(PARK_HEADER)
+    return found if isinstance(found, str) else None
+
+
+#: One watch over parked queues per session, so per process (see QueueWatch).
+_watches: weakref.WeakKeyDictionary[Session, QueueWatch] = weakref.WeakKeyDictionary()
+
+
+def _watch(session: Session, settings: Settings) -> QueueWatch:
+    found = _watches.get(session)
+    if found is None:
+        found = _watches[session] = QueueWatch(session, settings.connect_timeout)
+    return found
+
+
+class Parking:
+    """One call's part in its key's parked queue."""
+
+    def __init__(self, task: Any, lock: Lock, session: Session, settings: Settings, limit: int) -> None:
+        self.task = task
+        self.request = task.request
+        self.settings = settings
+        self.limit = limit
+        self.where = f"task {task.name}[{self.request.id}]"
+        self.label = lock.label
+        semaphore = lock.rule.name == "semaphore"
+        self.queue = ParkedQueue(session, layout_of(task.app).parked(lock.key or "", semaphore), lock.path, lock.rule)
+        header = parked_header(self.request)
+        self.taken = False
+        #: Our node's name, when this copy was sent again from this key's queue.
+        self.received = posixpath.basename(header) if header and posixpath.dirname(header) == self.queue.path \
+            else None
+
+    # -- before, or instead of, holding ------------------------------------------------------
+    def before(self, until: Optional[float]) -> Optional[str]:
+        """A received copy claims its node; a new copy that finds copies parked parks behind
+        them. None, or why a full queue refused the copy."""
+        try:
+            return self._before(until)
+        except (ConnectionLoss, SessionExpiredError, *timeouts()) as exc:
+            if self.received is not None:
+                raise  # abandoned(): it stays parked
+            raise ZooKeeperUnavailable(
+                f"task {self.task.name}: ZooKeeper at zklock_hosts={self.settings.hosts!r} did not answer "
+                f"({explain(exc)}), so the copy could neither park nor run") from None
+
+    def _before(self, until: Optional[float]) -> Optional[str]:
+        if self.received is not None:
+            if not self.queue.receive(self.received, until):
+                self.dropped()
+            self._watch()  # it may die before its take: someone must see its claim go
+        elif self.queue.parked(until):
+            return self.park(until)
+        return None
+
+    def contended(self, until: Optional[float]) -> str:
+        """The key is held: park, or say why a full queue refused the copy. A received copy
+        keeps its place at the head instead."""
+        if self.received is None:
+            return self.park(until)
+        self.queue.decline(self.received, until)
+        self.released()
+        logger.info("%s: lock %r is held by a contender that never parked; the copy stays at the head of the "
+                    "key's parked queue", self.where, self.label)
+        raise Ignore()
+
+    def park(self, until: Optional[float]) -> str:
+        """Put this copy at the back of the queue and free the slot (raises ``Ignore``), or say
+        why a full queue refused it (the caller refuses it as ``skip`` would)."""
+        if self.request.is_eager:
+            raise ConfigurationError(
+                f"task {self.task.name}: on_contention='park' needs a worker, which sends a parked copy "
+                "again through the broker; an eager call (apply(), task_always_eager) cannot park")
+        name = self.queue.park(self.request.id, self._payload(), self.limit, until)
+        if name is None:
+            return f"the key's parked queue is full (park_limit={self.limit})"
+        self._watch()
+        logger.info("%s parked: lock %r is held; the copy runs when its turn comes", self.where, self.label)
+        raise Ignore()
+
+    # -- holding -------------------------------------------------------------------------
+    def holding(self, until: Optional[float]) -> bool:
+        """This copy holds the key. False for a received copy whose node another send of it
+        took: the caller lets go, then :meth:`dropped`."""
+        self.taken = self.received is None or self.queue.take(self.received, until)
+        return self.taken
+
+    def abandoned(self, exc: BaseException) -> bool:
+        """``exc`` ends this call. True for a received copy that had not taken its node: it is
+        still parked and runs when it is sent again, so the caller raises ``Ignore`` (no result
+        is stored under its id); its claim goes in the background, so that it is sent again."""
+        if self.received is None or self.taken or isinstance(exc, Ignore):
+            return False
+        logger.warning("%s: %s before the copy could take its place; it stays parked, and is sent again",
+                       self.where, explain(exc))
+        _watch(self.queue.session, self.settings).give_up(self.queue, self.received, self._send)
+        return True
+
+    def released(self) -> None:
+        """The key was let go (or never taken): send the queue's head if it has room now."""
+        if self.received is not None and self.taken:
+            self.queue.done(self.received)
+        try:
+            if self.queue.nudge(self._send, deadline(self.settings.connect_timeout)) != Nudge.EMPTY:
+                self._watch()  # we may be the last one alive who knows of this queue
+        except Exception as exc:  # noqa: BLE001 - the processes watching the queue send it instead
+            logger.warning("%s: could not send the next parked copy of lock %r (%s); the processes watching "
+                           "the key's queue will", self.where, self.label, explain(exc))
+
+    def _watch(self) -> None:
+        _watch(self.queue.session, self.settings).add(self.queue, self._send)
+
+    def dropped(self) -> NoReturn:
+        logger.info("%s: a second send of a parked copy that has already been taken; dropped", self.where)
+        raise Ignore()
+
+    # -- the message -----------------------------------------------------------------------
+    def _payload(self) -> bytes:
+        """This copy's message as the task's retry would send it (its id, arguments, headers,
+        routing, priority and canvas options), serialized with the task's serializer."""
+        signature = self.task.signature_from_request(self.request)
+        options = signature.options
+        options["headers"] = {k: v for k, v in (options.get("headers") or {}).items() if k != PARK_HEADER}
+        payload = encode(self.task, self.request.id, signature)
+        if len(payload) > MAX_PAYLOAD:
+            raise ParkedMessageTooLarge(
+                f"task {self.task.name}: this copy's message is {len(payload):,} bytes, over the {MAX_PAYLOAD:,} "
+                "a ZooKeeper node may hold, so it cannot park; pass large arguments by reference (a path, a row id)")
+        return payload
+
+    def _send(self, node: str, payload: bytes) -> None:
+        send(self.task.app, node, payload)
+
+
+def encode(task: Any, task_id: str, signature: Any) -> bytes:
+    """A parked copy's node data: a JSON line (task, id, how the rest is encoded), then the
+    copy's signature serialized with the task's serializer."""
+    content_type, encoding, body = dumps(dict(signature), serializer=task.serializer)
+    meta = json.dumps({"task": task.name, "id": task_id, "content_type": content_type,
+                       "content_encoding": encoding}).encode()
+    return meta + b"\n" + (body if isinstance(body, bytes) else body.encode(encoding))
+
+
+def send(app: Any, node: str, payload: bytes) -> None:
+    """Publish a parked copy again: its own task id, and a header naming its node. Only the
+    app's ``accept_content`` is read back: whoever may write a node must not choose a decoder."""
+    meta, _, body = payload.partition(b"\n")
+    info = json.loads(meta)
+    message = loads(body, info["content_type"], info["content_encoding"],
+                    accept=prepare_accept_content(app.conf.accept_content))
+    signature = app.signature(message)
+    signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node})
+
+
+def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """A ``task_revoked`` receiver: a parked copy sent again and revoked never runs, so it
+    leaves its queue now (in the background: Celery's consumer calls this) and the next goes.
+
+    A copy revoked while it waits in the queue leaves it as its turn comes: Celery drops it
+    then, as it drops any revoked message, and this runs.
+    """
+    header = parked_header(request) if request is not None else None
+    spec = spec_of(sender) if sender is not None else None
+    if header is None or spec is None:
+        return
+    _give_up(sender, request.id, header, revoked=True)
+
+
+#: Task id -> parked node, of the copies sent again that this worker received: a pool process's
+#: death is told by task id alone. Bounded: a copy that ran needs its entry no more.
+_received: OrderedDict[str, str] = OrderedDict()
+_RECEIVED_MAX = 10_000
+
+
+def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """A ``task_received`` receiver (the consumer): remember the parked node of a copy sent again."""
+    header = parked_header(request) if request is not None else None
+    if header is not None:
+        _received[request.id] = header
+        while len(_received) > _RECEIVED_MAX:
+            _received.popitem(last=False)
+
+
+def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs: Any) -> None:
+    """A ``task_failure`` receiver for the deaths only a worker's main process reports: the pool
+    process died under a received copy (``WorkerLostError``, or its hard time limit).
+
+    After its take, the copy's node and claim are gone already and this does nothing.
+    Before it, the copy is still parked under its claim. Celery has just stored its
+    failure, and the copy is over, as any task whose process dies is: it leaves the queue
+    and the next one goes. (Should its message come back, with ``acks_late`` and
+    ``task_reject_on_worker_lost``, Celery stores no failure: only the claim goes, and the
+    copy takes its place when it is delivered again.)
+    """
+    header = _received.pop(task_id, None)
+    if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not spec_of(sender):
+        return
+    comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
+    _give_up(sender, task_id, header, revoked=not comes_back)
+
+
+def _give_up(task: Any, task_id: str, header: str, revoked: bool) -> None:
+    # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
+    # another thread there would share the consumer's broker transport. It only changes the
+    # queue; the pool processes watching it (the releaser that sent the copy is one) see the
+    # change and send the next copy.
+    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked), name="celery-zklock-parked",
+                     daemon=True).start()
+
+
+#: How often, and how far apart at most, the main process tries to give a copy up.
+_GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
+
+
+def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
+    spec = spec_of(task)
+    if spec is None:
+        return
+    app = task.app
+    settings = settings_of(app)
+    path, name = posixpath.dirname(header), posixpath.basename(header)
+    what = "taken out of its queue" if revoked else "given its claim back"
+    backoff, failure = 0.5, "no try"
+    for _ in range(_GIVE_UP_TRIES):
+        try:
+            parked = ParkedQueue(session_for(settings), path, layout_of(app).lock_of_parked(path),
+                                 rule_for(spec.mode, spec.limit))
+            until = deadline(settings.connect_timeout)
+            (parked.remove if revoked else parked.decline)(name, until)
+            return
+        except ValueError as exc:  # a header that names no queue of ours
+            logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", task.name, task_id, header, what,
+                           explain(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - tried again, a little later each time
+            failure = explain(exc)
+        time.sleep(backoff)
+        backoff = min(2 * backoff, _GIVE_UP_BACKOFF)
+    logger.error("task %s[%s]: its parked copy %s could not be %s in %d tries (%s); the key's queue waits "
+                 "behind it until its claim's session ends", task.name, task_id, header, what, _GIVE_UP_TRIES,
+                 failure)
+
+
+def sweep(app: Any, session: Session) -> None:
+    """A pool process starts: watch every parked queue of ``app``'s root that has copies, and
+    nudge each. Whoever watched a queue may be gone (every process of the only worker killed);
+    its copies would wait for ever. Each queue's rule comes from its head's task."""
+    settings = settings_of(app)
+    layout = layout_of(app)
+    until = deadline(settings.connect_timeout)
+    try:
+        queues = [f"{layout.root}/{PARKED}/{tree}/{name}" for tree in LOCK_TREES
+                  for name in _children(session, f"{layout.root}/{PARKED}/{tree}", until)]
+        for path in queues:
+            found = parked_copies(session, path, until)
+            if not found:
+                continue
+            task = app.tasks.get(node_object(found[0][1].partition(b"\n")[0]).get("task"))
+            spec = spec_of(task) if task is not None else None
+            if spec is None:
+                continue  # another app's queue, under a shared root: its own workers watch it
+            parked = ParkedQueue(session, path, layout.lock_of_parked(path), rule_for(spec.mode, spec.limit))
+            _watch(session, settings).add(parked, functools.partial(send, app))
+    except Exception as exc:  # noqa: BLE001 - the queues' own releasers and watchers still send them
+        logger.warning("celery-zklock: could not look for parked copies at start (%s)", explain(exc))
+
+
+def _children(session: Session, path: str, until: Optional[float]) -> List[str]:
+    try:
+        return list(reply(session.client.get_children_async(path), until))
+    except NoNodeError:
+        return []

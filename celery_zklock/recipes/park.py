@@ -1,0 +1,501 @@
+"""A key's parked copies: ZooKeeper's queue recipe, one queue per key, so that a copy which
+meets a held key waits in ZooKeeper rather than in a worker's slot.
+
+::
+
+    <root>/parked/locks/<key>/p-<id hash>-<seq>      a parked copy's message (persistent, sequential)
+    <root>/parked/locks/<key>/c-p-<id hash>-<seq>    the claim on the copy in flight (ephemeral)
+
+The queue is a container beside the key's lock, in sequence order. Its head is sent
+again by :meth:`ParkedQueue.nudge`, and only when the key has room for it and nobody
+claims it. The claim is an ephemeral node, so it lives exactly as long as the session
+responsible for the copy in flight: the sender's, until the worker that receives the
+copy moves it to its own (:meth:`ParkedQueue.receive`). When either dies, the claim
+goes with its session and the next nudge sends the head again.
+
+Exactly once comes from the take (:meth:`ParkedQueue.take`): a sent copy runs only once
+it holds the key and has deleted its parked node, in that order, marking its claim
+taken in the same transaction (so a take whose reply was lost knows itself). A copy
+whose node is gone, with no mark of its own, is a second send of a copy already
+taken, and drops itself. So
+a second send is harmless, and everyone who may have made room in the key or put a copy
+in the queue nudges after it: the releaser, the parker, a worker that declines a sent
+copy, and each process that watches the queue (:class:`QueueWatch`). Each writes first
+and reads after, so of a releaser and a parker racing, one sees the other.
+
+Example::
+
+    queue = ParkedQueue(session, layout.parked(key), layout.lock(key), EXCLUSIVE)
+    queue.park(task_id, payload, limit=1000, until=deadline(5))
+    queue.nudge(send, until=deadline(5))    # send(node path, payload) if the key has room
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import posixpath
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
+
+from ..exceptions import explain
+from ..zk import Liveness, Session, deadline, remaining, reply
+from .rules import Rule
+
+__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Nudge", "ParkedQueue", "QueueWatch", "parked_sequence", "waiting"]
+
+logger = logging.getLogger("celery_zklock")
+
+#: A parked copy's node name starts with this, then a hash of its task id.
+PARKED = "p-"
+#: The claim on a parked copy in flight: this plus the copy's node name.
+CLAIM = "c-"
+#: The most a parked copy's node may hold: ZooKeeper refuses a request over ``jute.maxbuffer``
+#: (1 MiB by default), and the create's path and ACL travel with the data.
+MAX_PAYLOAD = 1_000_000
+
+#: ``send(node path, payload)``: publish a parked copy again (the glue's part).
+Send = Callable[[str, bytes], None]
+
+
+class Nudge(str, enum.Enum):
+    """What :meth:`ParkedQueue.nudge` found, and did."""
+
+    EMPTY = "empty"  # nothing parked
+    CLAIMED = "claimed"  # the head is in flight: its claimant's session lives
+    BUSY = "busy"  # the key has no room: whoever holds it nudges as it lets go
+    SENT = "sent"  # we claimed the head and sent it
+
+
+def _prefix(task_id: str) -> str:
+    # A hash: a task id may hold any character, and a node name may not (a '/').
+    return f"{PARKED}{hashlib.sha256(task_id.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}-"
+
+
+def parked_sequence(name: str) -> int:
+    """The queue position of a parked copy's node (-1 for anything else).
+
+    >>> parked_sequence("p-0123456789abcdef-0000000007"), parked_sequence("c-p-x-0000000001")
+    (7, -1)
+    """
+    head, _, seq = name.rpartition("-")
+    return int(seq) if name.startswith(PARKED) and head and seq.isdigit() else -1
+
+
+def _parked(children: List[str]) -> List[str]:
+    return sorted((c for c in children if parked_sequence(c) >= 0), key=parked_sequence)
+
+
+def _failed(results: List[Any]) -> bool:
+    return any(isinstance(r, Exception) for r in results)
+
+
+T = TypeVar("T")
+
+
+def _through_blips(session: Session, until: Optional[float], step: Callable[[], T]) -> T:
+    """``step()``, run again after each connection loss once the session is connected again,
+    until ``until`` (then the handler's timeout error). Each step is written to be run again:
+    it finds what an earlier run whose reply was lost did, and goes on from there."""
+    while True:
+        try:
+            return step()
+        except ConnectionLoss:
+            while not session.client.connected:
+                left = remaining(until)
+                if left is not None and left <= 0:
+                    raise
+                time.sleep(0.05 if left is None else min(0.05, left))
+
+
+def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[str, bytes, float, bool]]:
+    """(node name, payload, parked at (epoch s), in flight) of each copy parked at ``path``, head first."""
+    client = session.client
+    try:
+        children = reply(client.get_children_async(path), until)
+    except NoNodeError:
+        return []
+    pending = [(name, client.get_async(f"{path}/{name}")) for name in _parked(children)]
+    out = []
+    for name, result in pending:
+        try:
+            data, stat = reply(result, until)
+        except NoNodeError:
+            continue  # taken while we looked
+        out.append((name, data, stat.ctime / 1000.0, CLAIM + name in children))
+    return out
+
+
+class ParkedQueue:
+    """The parked copies of the key whose lock is at ``lock_path``, under ``rule``."""
+
+    def __init__(self, session: Session, path: str, lock_path: str, rule: Rule) -> None:
+        self.session = session
+        self.path = path
+        self.lock_path = lock_path
+        self.rule = rule
+
+    def node_path(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    # -- reads ---------------------------------------------------------------------------
+    def parked(self, until: Optional[float]) -> List[str]:
+        """The parked copies' node names, head first. Synced: a copy that came through the
+        broker must not read the queue as a server behind the leader saw it, or it jumps ahead."""
+        return _through_blips(self.session, until, lambda: self._parked_now(until))
+
+    def _parked_now(self, until: Optional[float]) -> List[str]:
+        client = self.session.client
+        synced = client.sync_async(self.path)
+        listed = client.get_children_async(self.path)
+        try:
+            reply(synced, until)
+            return _parked(reply(listed, until))
+        except NoNodeError:
+            return []
+
+    # -- the parker ------------------------------------------------------------------------
+    def park(self, task_id: str, payload: bytes, limit: int, until: Optional[float]) -> Optional[str]:
+        """Put copy ``task_id`` at the back of the queue: its node's name, or None when the
+        queue holds ``limit`` copies already. A copy already parked (its message delivered
+        again) keeps its place: its node's name is returned and no second node is made.
+
+        The limit holds exactly: each park bumps the queue node's version in the same
+        transaction as its create, so two parkers never both take the last place.
+        """
+        if len(payload) > MAX_PAYLOAD:
+            raise ValueError(f"{len(payload)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
+        # Run again after a lost reply, it finds its node by its prefix and makes no second one.
+        return _through_blips(self.session, until, lambda: self._park_now(task_id, payload, limit, until))
+
+    def _park_now(self, task_id: str, payload: bytes, limit: int, until: Optional[float]) -> Optional[str]:
+        client = self.session.client
+        nodes = self.session.nodes
+        prefix = _prefix(task_id)
+        while True:
+            made = nodes.ensure_container(self.path, None)
+            if made is not None:
+                try:
+                    reply(made, until)
+                except NodeExistsError:
+                    pass
+            synced = client.sync_async(self.path)
+            read = client.get_async(self.path)
+            listed = client.get_children_async(self.path)
+            try:
+                reply(synced, until)
+                _, stat = reply(read, until)
+                parked = _parked(reply(listed, until))
+            except NoNodeError:
+                nodes.container_gone(self.path)  # reaped since we last used it
+                continue
+            nodes.container_used(self.path)
+            mine = [name for name in parked if name.startswith(prefix)]
+            if mine:
+                return mine[0]
+            if len(parked) >= limit:
+                return None
+            tx = client.transaction()
+            tx.set_data(self.path, b"", version=stat.version)
+            tx.create(self.node_path(prefix), payload, sequence=True)
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                return posixpath.basename(results[1])
+            if not any(isinstance(r, (BadVersionError, NoNodeError)) for r in results):
+                raise next(r for r in results if isinstance(r, Exception))
+            # Another parker took a place first, or the queue was reaped: look again.
+
+    # -- the hand-off ------------------------------------------------------------------------
+    def nudge(self, send: Send, until: Optional[float]) -> Nudge:
+        """Send the head again if the key has room for it and nobody claims it.
+
+        ``send`` runs under our claim; if it raises, the claim goes (so that the next nudge
+        tries again) and the error is raised.
+        """
+        # A claim this call made, found again after a lost reply, is known by its token.
+        token = b"sent:" + uuid.uuid4().hex.encode()
+        return _through_blips(self.session, until, lambda: self._nudge_now(send, until, token))
+
+    def _nudge_now(self, send: Send, until: Optional[float], token: bytes) -> Nudge:
+        client = self.session.client
+        while True:
+            synced = client.sync_async(self.path)
+            listed = client.get_children_async(self.path)
+            locked = client.get_children_async(self.lock_path)
+            try:
+                reply(synced, until)
+                children = reply(listed, until)
+            except NoNodeError:
+                return Nudge.EMPTY
+            try:
+                contenders = reply(locked, until)
+            except NoNodeError:
+                contenders = []
+            parked = _parked(children)
+            if not parked:
+                return Nudge.EMPTY
+            head = parked[0]
+            claim = self.node_path(CLAIM + head)
+            if CLAIM + head in children:
+                # Ours, if this call made it and lost the reply: send then.
+                try:
+                    mine = reply(client.get_async(claim), until)[0] == token
+                except NoNodeError:
+                    continue
+                return self._send(head, claim, send, until) if mine else Nudge.CLAIMED
+            if not self.rule.has_room(contenders):
+                return Nudge.BUSY
+            tx = client.transaction()
+            tx.check(self.node_path(head), -1)
+            tx.create(claim, token, ephemeral=True)
+            read = client.get_async(self.node_path(head))
+            results = reply(tx.commit_async(), until)
+            try:
+                payload, _ = reply(read, until)
+            except NoNodeError:
+                continue  # taken since we listed (so our claim was not made): look again
+            if _failed(results):
+                if isinstance(results[1], NodeExistsError):
+                    return Nudge.CLAIMED
+                continue
+            return self._send(head, claim, send, until, payload)
+
+    def _send(self, head: str, claim: str, send: Send, until: Optional[float],
+              payload: Optional[bytes] = None) -> Nudge:
+        if payload is None:
+            try:
+                payload, _ = reply(self.session.client.get_async(self.node_path(head)), until)
+            except NoNodeError:
+                return Nudge.CLAIMED  # taken meanwhile, by a send of ours that went before
+        try:
+            send(self.node_path(head), payload)
+        except BaseException:
+            self.session.nodes.delete_later(claim)
+            raise
+        return Nudge.SENT
+
+    def receive(self, name: str, until: Optional[float]) -> bool:
+        """A sent copy reached a worker: move its claim to this session, so that the copy is
+        sent again if this worker dies before it takes it. False when its node is gone: a
+        second send of a copy already taken, which must not run."""
+        return _through_blips(self.session, until, lambda: self._receive_now(name, until))
+
+    def _receive_now(self, name: str, until: Optional[float]) -> bool:
+        client = self.session.client
+        node, claim = self.node_path(name), self.node_path(CLAIM + name)
+        for _ in range(5):
+            tx = client.transaction()
+            tx.check(node, -1)
+            tx.delete(claim)
+            tx.create(claim, b"", ephemeral=True)
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                return True
+            if isinstance(results[0], NoNodeError):
+                return False
+            # No claim: its sender died (its session took the claim along) or a worker
+            # declined it. Claim it afresh, unless someone claims it again first.
+            tx = client.transaction()
+            tx.check(node, -1)
+            tx.create(claim, b"", ephemeral=True)
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                return True
+            if isinstance(results[0], NoNodeError):
+                return False
+        raise RuntimeError(f"the claim on parked copy {node} kept changing under us")  # not expected
+
+    def take(self, name: str, until: Optional[float]) -> bool:
+        """The received copy holds the key: delete its node, so that no other send of it ever
+        runs, and mark our claim taken. False when another send took it: one that must not run.
+
+        The mark makes it safe to run again after a lost reply: a node gone with our mark
+        in its claim was taken by us. The claim goes as the copy lets go (:meth:`done`).
+        """
+        # A mark of this call's own: two deliveries of one copy may run in one process.
+        mark = b"taken:" + uuid.uuid4().hex.encode()
+        return _through_blips(self.session, until, lambda: self._take_now(name, until, mark))
+
+    def _take_now(self, name: str, until: Optional[float], mark: bytes) -> bool:
+        client = self.session.client
+        node, claim = self.node_path(name), self.node_path(CLAIM + name)
+        for _ in range(5):
+            tx = client.transaction()
+            tx.delete(node)
+            tx.set_data(claim, mark)
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                return True
+            if isinstance(results[0], NoNodeError):
+                try:
+                    return reply(client.get_async(claim), until)[0] == mark
+                except NoNodeError:
+                    return False
+            # Our claim went with an older session of ours: make it again, marked.
+            tx = client.transaction()
+            tx.delete(node)
+            tx.create(claim, mark, ephemeral=True)
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                return True
+            if isinstance(results[0], NoNodeError):
+                try:
+                    return reply(client.get_async(claim), until)[0] == mark
+                except NoNodeError:
+                    return False
+        raise RuntimeError(f"the claim on parked copy {node} kept changing under us")  # not expected
+
+    def done(self, name: str) -> None:
+        """The taken copy let go: its claim goes (not waited for; else it goes with the session)."""
+        self.session.nodes.delete_later(self.node_path(CLAIM + name))
+
+    def remove(self, name: str, until: Optional[float]) -> None:
+        """Take copy ``name`` out of the queue, whatever its claim (it was revoked)."""
+        _through_blips(self.session, until, lambda: self._remove_now(name, until))
+
+    def _remove_now(self, name: str, until: Optional[float]) -> None:
+        client = self.session.client
+        deleted = client.delete_async(self.node_path(CLAIM + name))
+        node = client.delete_async(self.node_path(name))
+        for result in (deleted, node):
+            try:
+                reply(result, until)
+            except NoNodeError:
+                pass
+
+    def decline(self, name: str, until: Optional[float]) -> None:
+        """A received copy could not hold the key (a contender that never parked came first):
+        it stays at the head, unclaimed, for the next nudge to send again."""
+        _through_blips(self.session, until, lambda: self._decline_now(name, until))
+
+    def _decline_now(self, name: str, until: Optional[float]) -> None:
+        try:
+            reply(self.session.client.delete_async(self.node_path(CLAIM + name)), until)
+        except NoNodeError:
+            pass
+
+
+class QueueWatch:
+    """Nudges the queues one process parked copies in whenever their key's contenders change
+    or their own children do (a copy or a claim comes or goes), until a queue is empty.
+
+    It sends the head when nobody else is left to: a holder killed before its hand-off
+    (its node goes with its session, which fires the watch), a sender or receiver killed
+    before the take (its claim goes with its session), a holder that never parks (a
+    ``wait`` contender, or kazoo's lock, on the same key). Watches fire once and die with
+    the session: each nudge sets them again, and so does the session coming back.
+
+    Threads: :meth:`add` any thread; watches and session notices run on kazoo's or the
+    session's thread and only hand a queue's path to this watch's own thread, which nudges.
+    """
+
+    def __init__(self, session: Session, timeout: float) -> None:
+        self.session = session
+        self.timeout = timeout
+        self._queues: Dict[str, Tuple[ParkedQueue, Send, Callable[[Any], None]]] = {}
+        #: How often each queue was added: a queue a nudge found empty is dropped only if none came since.
+        self._added: Dict[str, int] = {}
+        #: Claims to give back (see give_up), still to do.
+        self._removals: List[Tuple[ParkedQueue, str]] = []
+        #: Queues whose last nudge failed -> (when to try again, the backoff after that).
+        self._backoff: Dict[str, Tuple[float, float]] = {}
+        self._lock = threading.Lock()
+        self._todo: queue.Queue[Optional[str]] = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        session.add_listener(self)
+
+    def add(self, parked: ParkedQueue, send: Send) -> None:
+        """Watch ``parked``; a queue not watched yet is nudged once now."""
+        path = parked.path
+        with self._lock:
+            new = path not in self._queues
+            if new:
+                self._queues[path] = (parked, send, lambda event: self._todo.put(path))
+            self._added[path] = self._added.get(path, 0) + 1
+            self._start()
+        if new:
+            self._todo.put(path)
+
+    def give_up(self, parked: ParkedQueue, name: str, send: Send) -> None:
+        """In the background: give back the claim on copy ``name`` (it was received and did not
+        take its place), then watch the queue and nudge it. Tried until it is done: a claim
+        left behind would stall the queue for its session's life."""
+        with self._lock:
+            self._removals.append((parked, name))
+        self.add(parked, send)
+        self._todo.put(parked.path)
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="celery-zklock-parked", daemon=True)
+            self._thread.start()
+
+    def watched(self) -> List[str]:
+        with self._lock:
+            return sorted(self._queues)
+
+    def on_session_state(self, liveness: Liveness) -> None:
+        if liveness == Liveness.HELD:  # perhaps a new session, whose watches are not set yet
+            for path in self.watched():
+                self._todo.put(path)
+
+    def stop(self) -> None:
+        self._todo.put(None)
+
+    def _run(self) -> None:
+        while True:
+            path = self._todo.get()
+            if path is None:
+                return
+            self._remove()
+            with self._lock:
+                entry = self._queues.get(path)
+                added = self._added.get(path)
+                retry_at, backoff = self._backoff.get(path, (0.0, 0.0))
+            if entry is None or time.monotonic() < retry_at:
+                continue  # a timer nudges it then: a failing send must not spin on its own claim's delete
+            done = self._nudge(*entry)
+            with self._lock:
+                if done is None:
+                    backoff = min(max(2 * backoff, 0.5), 10.0)
+                    self._backoff[path] = (time.monotonic() + backoff, backoff)
+                    timer = threading.Timer(backoff, self._todo.put, (path,))
+                    timer.daemon = True
+                    timer.start()
+                    continue
+                self._backoff.pop(path, None)
+                if done == Nudge.EMPTY and self._added.get(path) == added:
+                    del self._queues[path], self._added[path]
+
+    def _remove(self) -> None:
+        with self._lock:
+            todo, self._removals = self._removals, []
+        for parked, name in todo:
+            try:
+                parked.decline(name, deadline(self.timeout))
+            except Exception as exc:  # noqa: BLE001 - tried again below
+                logger.warning("parked copy %s/%s: could not give its claim back (%s); trying again", parked.path,
+                               name, explain(exc))
+                with self._lock:
+                    self._removals.append((parked, name))
+                timer = threading.Timer(1.0, self._todo.put, (parked.path,))
+                timer.daemon = True
+                timer.start()
+
+    def _nudge(self, parked: ParkedQueue, send: Send, fired: Callable[[Any], None]) -> Optional[Nudge]:
+        try:
+            client = self.session.client
+            # Watches first, then the nudge: a change between the two fires them.
+            client.get_children_async(parked.lock_path, watch=fired)
+            client.get_children_async(parked.path, watch=fired)
+            return parked.nudge(send, deadline(self.timeout))
+        except Exception as exc:  # noqa: BLE001 - the next event, or the session coming back, tries again
+            logger.warning("parked copies at %s: could not send the head on (%s); trying again as the key "
+                           "or the session changes", parked.path, explain(exc))
+            return None

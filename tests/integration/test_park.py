@@ -1,0 +1,224 @@
+"""``on_contention="park"`` with real prefork workers, Redis and ZooKeeper: a copy that meets a
+held key waits in the key's parked queue, not in a worker slot, and runs once, in its turn."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from typing import List
+
+import pytest
+import redis
+from billiard.exceptions import WorkerLostError
+from celery.result import AsyncResult
+
+from celery_zklock import skipped
+from celery_zklock.glue import parking
+from celery_zklock.recipes import EXCLUSIVE
+from celery_zklock.recipes.park import ParkedQueue
+from celery_zklock.testing import violations
+from celery_zklock.zk import deadline
+from harness import TcpProxy
+from tests.apps import worker_app
+from tests.integration.test_cli import cli
+from tests.util import children, events, holds, send, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def parked_queue(zk_root: str, key: str) -> str:
+    return f"{zk_root}/parked/locks/k-park:{key}"
+
+
+def queue_left(kazoo, zk_root: str, key: str) -> List[str]:
+    return children(kazoo, parked_queue(zk_root, key)) if kazoo.exists(parked_queue(zk_root, key)) else []
+
+
+def started(redis_url: str, task_id: str) -> bool:
+    return any(e["event"] == "start" and e["task_id"] == task_id for e in events(redis_url))
+
+
+def test_parked_copies_free_the_slots_and_run_once_each_in_publish_order(workers, queue, redis_server, kazoo,
+                                                                         zk_root):
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "hot", 1.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    keyed = [first] + [send(worker_app.parking, queue, "hot", 1.0, i) for i in range(1, 10)]
+    published = {}
+    others = []
+    for n in range(20):
+        published[n] = time.monotonic()
+        others.append(send(worker_app.unrelated, queue, n))
+    assert [r.get(timeout=60) for r in others] == list(range(20))
+    assert [r.get(timeout=60) for r in keyed] == list(range(10)), "every caller gets its own copy's result"
+    history = events(redis_server.url)
+    late = {e["n"]: round(e["time"] - published[e["n"]], 2) for e in history if e["event"] == "unrelated"
+            and e["time"] - published[e["n"]] > 1.0}
+    assert late == {}, f"unrelated tasks waited behind the key: {late}"
+    bodies = [e for e in history if e["event"] == "body"]
+    assert [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])] == [r.id for r in keyed], \
+        "each keyed copy runs once, in publish order"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "hot") == [], timeout=10)
+
+
+def test_a_holder_killed_before_its_hand_off_still_hands_the_key_on(workers, queue, redis_server, kazoo, zk_root):
+    # The holder's node goes with its session; the processes watching the queue see it go
+    # and send the head. The killed copy itself is lost, as any task whose process dies
+    # mid-body is (Celery acknowledged it as it started).
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "kill", 30.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "kill", 0.2, i) for i in range(1, 5)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "kill") if n.startswith("p-")]) == 4, timeout=30)
+    victim = next(e["pid"] for e in events(redis_server.url) if e["event"] == "start" and e["task_id"] == first.id)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    assert [r.get(timeout=60) for r in rest] == [1, 2, 3, 4]
+    history = events(redis_server.url)
+    next_start = min(e["time"] for e in history if e["event"] == "start" and e["task_id"] == rest[0].id)
+    # zklock_session_timeout is 4 s here.
+    assert next_start - killed < 4 + 1.5, f"the next copy started {next_start - killed:.2f}s after the kill"
+    bodies = [e["task_id"] for e in history if e["event"] == "body"]
+    assert sorted(bodies) == sorted(r.id for r in rest)
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "kill") == [], timeout=10)
+
+
+def test_a_full_queue_refuses_a_copy_as_skip_would_and_says_why(workers, queue, redis_server, kazoo, zk_root):
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking_two_at_most, queue, "full", 3.0, 0)
+    wait_until(lambda: kazoo.exists(f"{zk_root}/locks/k-park:full") and children(kazoo, f"{zk_root}/locks/k-park:full"),
+               timeout=30)
+    rest = [send(worker_app.parking_two_at_most, queue, "full", 0.1, i) for i in range(1, 4)]
+    outcomes = [r.get(timeout=60) for r in [first, *rest]]
+    assert outcomes[:3] == [0, 1, 2]
+    refused = skipped(outcomes[3])
+    assert refused is not None and "park_limit=2" in refused["reason"], outcomes[3]
+    assert violations(holds(redis_server.url)) == []
+
+
+def test_a_parked_copy_sent_three_times_runs_once(workers, queue, redis_server, kazoo, zk_root, zk_server,
+                                                  new_session):
+    # Several processes may send the head (the releaser, the parker, each watcher): the take
+    # lets one run, and every other send of it drops itself, storing no result of its own.
+    workers("w1", concurrency=2)
+    session = new_session(hosts=zk_server.hosts)
+    task_id = str(uuid.uuid4())
+    signature = worker_app.parking.s("dup", 0.3, 7).set(task_id=task_id, queue=queue)
+    payload = parking.encode(worker_app.parking, task_id, signature)
+    parked = ParkedQueue(session, parked_queue(zk_root, "dup"), f"{zk_root}/locks/k-park:dup", EXCLUSIVE)
+    name = parked.park(task_id, payload, 10, deadline(5))
+    parking.send(worker_app.app, parked.node_path(name), payload)
+    assert AsyncResult(task_id, app=worker_app.app).get(timeout=30) == 7
+    # Two more sends, as late as a watcher's that raced the take: the key is free by now.
+    for _ in range(2):
+        parking.send(worker_app.app, parked.node_path(name), payload)
+    wait_until(lambda: len([e for e in events(redis_server.url) if e["event"] == "delivered"]) == 3, timeout=30)
+    assert [e["task_id"] for e in events(redis_server.url) if e["event"] == "body"] == [task_id]
+    assert AsyncResult(task_id, app=worker_app.app).get(timeout=1) == 7, "a dropped send stored a result"
+    wait_until(lambda: queue_left(kazoo, zk_root, "dup") == [], timeout=10)
+
+
+def test_a_revoked_parked_copy_leaves_the_queue_and_the_next_one_runs(workers, queue, redis_server, kazoo,
+                                                                      zk_root, env):
+    # ... and `celery zklock locks --waiters` lists the parked copies in order, first.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "rev", 2.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "rev", 0.1, i) for i in range(1, 4)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "rev") if n.startswith("p-")]) == 3, timeout=30)
+    listed = cli({**env, "COLUMNS": "300"}, "locks", "--key", "park:rev", "--waiters")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines() if "parked #" in line]
+    assert [row[1:3] for row in rows] == [["#1", "parked"], ["#2", "parked"], ["#3", "parked"]], listed.stdout
+    assert [next(c for c in row if c in {r.id for r in rest}) for row in rows] == [r.id for r in rest]
+    worker_app.app.control.revoke(rest[0].id)
+    assert [first.get(timeout=30), rest[1].get(timeout=30), rest[2].get(timeout=30)] == [0, 2, 3]
+    wait_until(lambda: rest[0].state == "REVOKED", timeout=10)
+    assert rest[0].id not in [e["task_id"] for e in events(redis_server.url) if e["event"] == "start"]
+    wait_until(lambda: queue_left(kazoo, zk_root, "rev") == [], timeout=10)
+
+
+def test_a_message_too_large_to_park_fails_naming_the_task_and_its_size(workers, queue, redis_server):
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "big", 2.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    big = worker_app.parking.apply_async(args=("big", 0.1, 1), kwargs={"blob": "x" * 1_200_000}, queue=queue)
+    with pytest.raises(Exception) as failed:
+        big.get(timeout=30)
+    assert "tests.apps.worker_app.parking" in str(failed.value) and "bytes" in str(failed.value)
+    assert type(failed.value).__name__ == "ParkedMessageTooLarge"
+    assert first.get(timeout=30) == 0
+
+
+@pytest.mark.parametrize("flag", ["park:kill-before-send", "park:kill-after-send", "park:kill-on-receive"])
+def test_a_process_killed_at_a_hand_off_loses_and_doubles_nothing(flag, workers, queue, redis_server, kazoo,
+                                                                   zk_root):
+    # Killed before the publish, the copy was never sent: the claim goes with the sender's
+    # session and a watcher sends it. Killed after, the copy is on its way and runs: the
+    # claim it meets is moved to its own session. Each copy runs once, in order. The pool
+    # process that received it killed before its take: Celery fails that copy
+    # (WorkerLostError), as it fails any task whose process dies, so it leaves the queue
+    # and the next one goes at once.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "send", 1.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "send", 0.1, i) for i in range(1, 4)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "send") if n.startswith("p-")]) == 3, timeout=30)
+    redis.Redis.from_url(redis_server.url).set(flag, 1)
+    ran = rest[1:] if flag == "park:kill-on-receive" else rest
+    if flag == "park:kill-on-receive":
+        with pytest.raises(WorkerLostError):
+            rest[0].get(timeout=60)
+    assert [r.get(timeout=60) for r in ran] == [1, 2, 3][len(rest) - len(ran):]
+    history = events(redis_server.url)
+    [killed] = [e["time"] for e in history if e["event"] == "killed"]
+    next_start = min(e["time"] for e in history if e["event"] == "start" and e["task_id"] == ran[0].id)
+    assert next_start - killed < 4 + 1.5, f"the next copy started {next_start - killed:.2f}s after the kill"
+    bodies = [e["task_id"] for e in sorted(history, key=lambda e: e.get("start", 0)) if e["event"] == "body"]
+    assert bodies == [first.id] + [r.id for r in ran], "each copy once, in order"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "send") == [], timeout=10)
+
+
+def test_zookeeper_blips_lose_and_double_nothing(workers, queue, redis_server, kazoo, zk_root, zk_server):
+    # The worker's link to ZooKeeper reset again and again while copies park, hand off and run:
+    # a nudge or a receive cut short is tried again (by the queue's watchers, or with the copy
+    # staying parked), never lost, and no copy runs twice.
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts)
+        keyed = [send(worker_app.parking, queue, "blip", 0.3, i) for i in range(8)]
+        wait_until(lambda: started(redis_server.url, keyed[0].id) or started(redis_server.url, keyed[1].id),
+                   timeout=30)
+        for _ in range(8):
+            time.sleep(0.4)  # a reset every 0.4 s, for 3.2 s: the worker reconnects in between
+            proxy.reset()
+        assert sorted(r.get(timeout=60) for r in keyed) == list(range(8))
+    bodies = [e["task_id"] for e in events(redis_server.url) if e["event"] == "body"]
+    assert sorted(bodies) == sorted(r.id for r in keyed), "each copy once"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "blip") == [], timeout=10)
+
+
+def test_a_whole_worker_killed_leaves_its_parked_copies_to_the_next_worker(workers, queue, redis_server, kazoo,
+                                                                          zk_root):
+    # Every process that watched the queue died with the worker. A pool process of the next
+    # worker looks for parked copies as it starts, watches their queues, and sends each head
+    # once the dead holder's session has ended. (The copy killed mid-body is lost, as any task
+    # whose worker dies is: Celery acknowledged it as it started.)
+    w1 = workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "dead", 30.0, 0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "dead", 0.1, i) for i in range(1, 4)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "dead") if n.startswith("p-")]) == 3, timeout=30)
+    w1.crash()
+    workers("w2", concurrency=2)
+    assert [r.get(timeout=60) for r in rest] == [1, 2, 3]
+    bodies = [e["task_id"] for e in sorted(events(redis_server.url), key=lambda e: e.get("start", 0))
+              if e["event"] == "body"]
+    assert bodies == [r.id for r in rest], "each parked copy once, in order"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "dead") == [], timeout=10)

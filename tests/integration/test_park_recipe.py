@@ -1,0 +1,119 @@
+"""The parked queue's recipe against a real server, its races placed with the proxy: no
+Celery here, a send is a call recorded in a list."""
+
+from __future__ import annotations
+
+import threading
+from typing import List, Tuple
+
+import pytest
+
+from celery_zklock.recipes import EXCLUSIVE, Lock
+from celery_zklock.recipes.park import Nudge, ParkedQueue, QueueWatch
+from celery_zklock.zk import deadline
+from harness import Op, TcpProxy
+from tests.util import wait_until
+
+
+@pytest.fixture
+def proxy(zk_server):
+    with TcpProxy(zk_server.port) as proxy:
+        yield proxy
+
+
+class Sends:
+    """The sends a test saw, by node path, from any thread."""
+
+    def __init__(self) -> None:
+        self.seen: List[Tuple[str, bytes]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, node: str, payload: bytes) -> None:
+        with self._lock:
+            self.seen.append((node, payload))
+
+
+def paths(zk_root: str) -> Tuple[str, str]:
+    return f"{zk_root}/parked/locks/k-a", f"{zk_root}/locks/k-a"
+
+
+def test_a_copy_parked_as_the_holder_lets_go_unseen_is_still_sent(new_session, proxy, zk_root):
+    """The lost wake-up: the parker's create is held until the holder has let go and found
+    no queue. The parker wrote before it reads, so its own watch sees the key free."""
+    queue_path, lock_path = paths(zk_root)
+    holder = Lock(new_session(), lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    parker_session = new_session(hosts=proxy.hosts)
+    parker = Lock(parker_session, lock_path, EXCLUSIVE)
+    assert not parker.acquire(blocking=False)
+    parker_queue = ParkedQueue(parker_session, queue_path, lock_path, EXCLUSIVE)
+    sends = Sends()
+    held = proxy.hold_request(Op.MULTI)
+    parked: List[object] = []
+    thread = threading.Thread(target=lambda: parked.append(parker_queue.park("copy-1", b"m1", 10, deadline(30))))
+    thread.start()
+    held.wait_matched()
+    holder.release()
+    releaser_queue = ParkedQueue(holder.session, queue_path, lock_path, EXCLUSIVE)
+    assert releaser_queue.nudge(sends, deadline(10)) == Nudge.EMPTY  # it let go and saw nothing parked
+    held.release()
+    thread.join(10)
+    [name] = parked
+    watch = QueueWatch(parker_session, 10)
+    watch.add(parker_queue, sends)  # what the glue does after a park
+    try:
+        wait_until(lambda: sends.seen, timeout=10)
+    finally:
+        watch.stop()
+    assert sends.seen == [(parker_queue.node_path(str(name)), b"m1")]
+
+
+def test_two_nudges_racing_send_the_head_once(new_session, proxy, zk_root):
+    """The releaser and a watcher both find the key free: the claim (an ephemeral node made in
+    the same transaction as a check of the head) lets one of them send."""
+    queue_path, lock_path = paths(zk_root)
+    fast = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    slow = ParkedQueue(new_session(hosts=proxy.hosts), queue_path, lock_path, EXCLUSIVE)
+    name = fast.park("copy-1", b"m1", 10, deadline(10))
+    sends = Sends()
+    held = proxy.hold_request(Op.MULTI)  # the slow one has listed the queue; its claim waits
+    outcome: List[Nudge] = []
+    thread = threading.Thread(target=lambda: outcome.append(slow.nudge(sends, deadline(30))))
+    thread.start()
+    held.wait_matched()
+    assert fast.nudge(sends, deadline(10)) == Nudge.SENT
+    held.release()
+    thread.join(10)
+    assert outcome == [Nudge.CLAIMED]
+    assert sends.seen == [(fast.node_path(str(name)), b"m1")]
+
+
+def test_a_second_send_of_a_taken_copy_can_neither_receive_nor_take_it(new_session, zk_root):
+    queue_path, lock_path = paths(zk_root)
+    queue = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    name = str(queue.park("copy-1", b"m1", 10, deadline(10)))
+    assert queue.park("copy-1", b"m1", 10, deadline(10)) == name, "a copy delivered again keeps its one place"
+    assert queue.receive(name, deadline(10)) and other.receive(name, deadline(10))
+    assert queue.take(name, deadline(10))
+    assert not other.take(name, deadline(10)) and not other.receive(name, deadline(10))
+    assert queue.parked(deadline(10)) == []
+
+
+def test_the_limit_holds_against_parkers_racing_for_the_last_place(new_session, proxy, zk_root):
+    """Both read one free place; each park bumps the queue node's version in its transaction,
+    so the second one's check fails, it reads again and finds the queue full."""
+    queue_path, lock_path = paths(zk_root)
+    fast = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    slow = ParkedQueue(new_session(hosts=proxy.hosts), queue_path, lock_path, EXCLUSIVE)
+    assert fast.park("copy-0", b"m0", 2, deadline(10))
+    held = proxy.hold_request(Op.MULTI)
+    outcome: List[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(slow.park("copy-2", b"m2", 2, deadline(30))))
+    thread.start()
+    held.wait_matched()
+    assert fast.park("copy-1", b"m1", 2, deadline(10))
+    held.release()
+    thread.join(10)
+    assert outcome == [None], "a third copy got a place in a queue of two"
+    assert len(fast.parked(deadline(10))) == 2
