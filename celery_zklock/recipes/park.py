@@ -287,28 +287,35 @@ class ParkedQueue:
         return _through_blips(self.session, until, lambda: self._receive_now(name, until))
 
     def _receive_now(self, name: str, until: Optional[float]) -> bool:
-        client = self.session.client
-        node, claim = self.node_path(name), self.node_path(CLAIM + name)
-        for _ in range(5):
-            tx = client.transaction()
-            tx.check(node, -1)
+        def replace(tx: Any, claim: str) -> None:
             tx.delete(claim)
             tx.create(claim, b"", ephemeral=True)
-            results = reply(tx.commit_async(), until)
-            if not _failed(results):
-                return True
-            if isinstance(results[0], NoNodeError):
-                return False
-            # No claim: its sender died (its session took the claim along) or a worker
-            # declined it. Claim it afresh, unless someone claims it again first.
-            tx = client.transaction()
-            tx.check(node, -1)
-            tx.create(claim, b"", ephemeral=True)
-            results = reply(tx.commit_async(), until)
-            if not _failed(results):
-                return True
-            if isinstance(results[0], NoNodeError):
-                return False
+
+        # With no claim there, its sender died (its session took the claim along) or a worker
+        # declined it: it is claimed afresh, unless someone claims it again first.
+        return self._with_claim(name, until, lambda tx, node: tx.check(node, -1), replace, b"") is not None
+
+    def _with_claim(self, name: str, until: Optional[float], on_node: Callable[[Any, str], None],
+                    on_claim: Callable[[Any, str], None], data: bytes) -> Optional[bool]:
+        """Commit ``on_node`` on copy ``name``'s node in one transaction with our claim:
+        ``on_claim`` where a claim is there, else a claim made afresh (holding ``data``), tried
+        in turn until one commits. True then; None when the node is gone."""
+        client = self.session.client
+        node, claim = self.node_path(name), self.node_path(CLAIM + name)
+
+        def make(tx: Any, path: str) -> None:
+            tx.create(path, data, ephemeral=True)
+
+        for _ in range(5):
+            for ours in (on_claim, make):
+                tx = client.transaction()
+                on_node(tx, node)
+                ours(tx, claim)
+                results = reply(tx.commit_async(), until)
+                if not _failed(results):
+                    return True
+                if isinstance(results[0], NoNodeError):
+                    return None
         raise RuntimeError(f"the claim on parked copy {node} kept changing under us")  # not expected
 
     def take(self, name: str, until: Optional[float]) -> bool:
@@ -323,33 +330,15 @@ class ParkedQueue:
         return _through_blips(self.session, until, lambda: self._take_now(name, until, mark))
 
     def _take_now(self, name: str, until: Optional[float], mark: bytes) -> bool:
-        client = self.session.client
-        node, claim = self.node_path(name), self.node_path(CLAIM + name)
-        for _ in range(5):
-            tx = client.transaction()
-            tx.delete(node)
-            tx.set_data(claim, mark)
-            results = reply(tx.commit_async(), until)
-            if not _failed(results):
-                return True
-            if isinstance(results[0], NoNodeError):
-                try:
-                    return reply(client.get_async(claim), until)[0] == mark
-                except NoNodeError:
-                    return False
-            # Our claim went with an older session of ours: make it again, marked.
-            tx = client.transaction()
-            tx.delete(node)
-            tx.create(claim, mark, ephemeral=True)
-            results = reply(tx.commit_async(), until)
-            if not _failed(results):
-                return True
-            if isinstance(results[0], NoNodeError):
-                try:
-                    return reply(client.get_async(claim), until)[0] == mark
-                except NoNodeError:
-                    return False
-        raise RuntimeError(f"the claim on parked copy {node} kept changing under us")  # not expected
+        # Where our claim went with an older session of ours, it is made again, marked.
+        taken = self._with_claim(name, until, lambda tx, node: tx.delete(node),
+                                 lambda tx, claim: tx.set_data(claim, mark), mark)
+        if taken:
+            return True
+        try:  # the node is gone: taken by us, in a run whose reply was lost, or by another send
+            return reply(self.session.client.get_async(self.node_path(CLAIM + name)), until)[0] == mark
+        except NoNodeError:
+            return False
 
     def done(self, name: str) -> None:
         """The taken copy let go: its claim goes (not waited for; else it goes with the session)."""
