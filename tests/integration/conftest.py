@@ -11,6 +11,7 @@ import redis
 
 from harness import CeleryWorker
 from tests.apps import worker_app
+from tests.conftest import _started
 
 
 @pytest.fixture
@@ -27,32 +28,20 @@ def env(redis_server, zk_server, zk_root, queue) -> Dict[str, str]:
             "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": "4", "PYTHONPATH": os.getcwd()}
 
 
-#: The workers of the running test: a failure's report carries each one's log.
-_live_workers: List[CeleryWorker] = []
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
-    outcome = yield
-    report = outcome.get_result()
-    if report.failed:
-        for worker in _live_workers:
-            report.sections.append((f"log of worker {worker.name}", worker.log_tail(120)))
-
-
 @pytest.fixture
 def workers(env) -> Iterator:
-    started: List[CeleryWorker] = _live_workers
+    started: List[CeleryWorker] = []
 
     def start(name: str, pool: str = "prefork", concurrency: int = 2, queue: str = "", **overrides: str
               ) -> CeleryWorker:
         worker = CeleryWorker("tests.apps.worker_app", name=name, pool=pool, concurrency=concurrency,
                               env={**env, **overrides}, extra_args=["-Q", queue or env["ZKT_QUEUE"]])
         started.append(worker)
+        _started.append(worker)  # a failing test's report carries its log
         return worker.start()
 
     yield start
     for w in started:
+        _started.remove(w)
         w.stop(timeout=20)
         w.close()
-    started.clear()
