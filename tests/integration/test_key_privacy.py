@@ -26,7 +26,7 @@ from celery_zklock.testing import violations
 from celery_zklock.testing.server import SLF4J_SIMPLE_JAR, find_zookeeper_jar
 from harness import CeleryWorker, Op, TcpProxy
 from tests.apps import worker_app
-from tests.util import events, holds, send, wait_until
+from tests.util import children, events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
 SECRET = "tests-key-secret-0123456789"
@@ -110,7 +110,7 @@ def test_switching_key_names_with_live_holders_is_refused_in_one_line(env, worke
             "(ZooKeeper session 0x") in log and "; this process names keys as hashed" in log
     assert "Traceback" not in log
     readable.close()  # SIGKILL: its session goes, and its lock with it
-    wait_until(lambda: not kazoo.get_children(f"{zk_root}/locks/k-k:live"), timeout=30)
+    wait_until(lambda: not children(kazoo, f"{zk_root}/locks/k-k:live"), timeout=30)  # reaped once empty
     workers("w3", ZKT_KEY_SECRET=SECRET)  # drained: the switch is taken
     assert json.loads(kazoo.get(zk_root)[0])["key_names"].startswith("hashed:")
 
