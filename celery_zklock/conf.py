@@ -43,8 +43,9 @@ LOCK_LOST_POLICIES: Tuple[LockLostPolicy, ...] = get_args(LockLostPolicy)
 #: ``private`` (only that credential, for reading too).
 AclPolicy = Literal["open", "creator", "private"]
 ACL_POLICIES: Tuple[AclPolicy, ...] = get_args(AclPolicy)
-#: Enqueue-time dedupe: at most one copy per key ``queued``, or ``queued_or_running``.
-DedupeMode = Literal["queued", "queued_or_running"]
+#: Enqueue-time dedupe: at most one copy per key ``queued``, or ``queued_or_running``; or
+#: ``latest``: a newer copy replaces the one queued, and only the newest queued runs.
+DedupeMode = Literal["queued", "queued_or_running", "latest"]
 DEDUPE_MODES: Tuple[DedupeMode, ...] = get_args(DedupeMode)
 #: What a deduplicated publish gives back: the queued copy's AsyncResult, AlreadyQueued, or None.
 DuplicatePolicy = Literal["return", "raise", "none"]

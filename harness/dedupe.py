@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Dict, Iterable, List
 
-__all__ = ["dedupe_violations"]
+__all__ = ["dedupe_violations", "latest_violations"]
 
 
 def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]], mode: str, *,
@@ -108,3 +108,72 @@ def dedupe_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
 def _over(times: Dict[str, float]) -> bool:
     """The copy ended without running all its bodies, and its result or its revoke says so."""
     return "revoked" in times or "failed" in times
+
+
+def latest_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]],
+                      results: Dict[str, Any]) -> List[str]:
+    """What broke the ``dedupe="latest"`` promise, one line each ([] when none).
+
+    A publish is as above (every one is sent: ``got == asked``); ``results`` maps each task
+    id to its stored result (``None`` if it never resolved). Publish B is *newer* than A
+    when B's call began after A's returned (``A.t1 < B.t0``): only then is the order sure.
+
+    - every publish's result resolved: its copy ran (once), or it says which copy replaced it;
+    - no copy ran twice, and no copy ran (``pre``) after a newer one of its key had begun;
+    - a copy that ran was not stale: no newer publish of its key returned before its ``pre``
+      (that publish's marker was written before this copy read it);
+    - nothing was lost: after each publish, a copy of its key no older than it began.
+
+    >>> pubs = [{"key": "a", "t0": 0, "t1": 1, "asked": "x", "got": "x"},
+    ...         {"key": "a", "t0": 2, "t1": 3, "asked": "y", "got": "y"}]
+    >>> runs = [{"event": e, "time": t, "task_id": "x"} for e, t in (("pre", 4), ("start", 4), ("end", 5))]
+    >>> for line in latest_violations(pubs, runs, {"x": None, "y": {"zklock_skipped": {"replaced_by": "x"}}}):
+    ...     print(line)
+    x (a) ran, though y, newer, was published before it began
+    publish y of key 'a' at 2.000 was lost: no copy as new began after it
+    y (a): result replaced by x, an older copy
+    """
+    problems: List[str] = []
+    pre: Dict[str, List[float]] = collections.defaultdict(list)
+    for r in runs:
+        if r["event"] == "pre":
+            pre[r["task_id"]].append(r["time"])
+    by_id = {p["asked"]: p for p in publishes}
+    by_key: Dict[str, List[Dict[str, Any]]] = collections.defaultdict(list)
+    for p in publishes:
+        by_key[p["key"]].append(p)
+    ran = {task_id for task_id in by_id if any(r["task_id"] == task_id and r["event"] == "start" for r in runs)}
+    starts = collections.Counter(r["task_id"] for r in runs if r["event"] == "start")
+    for task_id, n in starts.items():
+        if n > 1:
+            problems.append(f"{task_id} ran {n} times")
+    for key, pubs in by_key.items():
+        for a in pubs:
+            if a["asked"] not in ran:
+                continue
+            began = min(pre[a["asked"]])
+            newer = [b for b in pubs if b["t0"] > a["t1"]]
+            for b in newer:
+                if b["t1"] < began:
+                    problems.append(f"{a['asked']} ({key}) ran, though {b['asked']}, newer, was published before "
+                                    "it began")
+                    break
+            for b in newer:
+                if b["asked"] in ran and min(pre[b["asked"]]) < began:
+                    problems.append(f"{a['asked']} ({key}) ran after {b['asked']}, newer, had begun")
+                    break
+        for p in pubs:
+            if not any(q["asked"] in ran and q["t1"] >= p["t0"] and max(pre[q["asked"]]) >= p["t0"] for q in pubs):
+                problems.append(f"publish {p['asked']} of key {key!r} at {p['t0']:.3f} was lost: no copy as new "
+                                "began after it")
+    for task_id, p in by_id.items():
+        result = results.get(task_id)
+        replaced = (result or {}).get("zklock_skipped", {}).get("replaced_by") if isinstance(result, dict) else None
+        if task_id in ran:
+            if replaced is not None:
+                problems.append(f"{task_id} ran, yet its result says it was replaced")
+        elif replaced is None:
+            problems.append(f"{task_id} ({p['key']}) did not run and its result ({result!r}) names no newer copy")
+        elif replaced not in by_id or by_id[replaced]["t1"] < p["t0"]:
+            problems.append(f"{task_id} ({p['key']}): result replaced by {replaced}, an older copy")
+    return problems

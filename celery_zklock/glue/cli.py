@@ -26,7 +26,7 @@ from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 from ..conf import Settings, beat_name, describe, did_you_mean
 from ..exceptions import ZkLockError
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, hashed_name, node_object
-from ..recipes.marker import read_marker
+from ..recipes.marker import STARTED, read_marker
 from ..recipes.park import waiting as parked_copies
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session, check_acl
@@ -148,7 +148,8 @@ def queued(session: Session, root: str) -> List[Dict[str, Any]]:
                      "task": marker.get("task"), "task_id": marker.get("task_id"),
                      "age": round(now - enqueued, 3) if isinstance(enqueued, (int, float)) else None,
                      "expires_in": round(expires - now, 3) if isinstance(expires, (int, float)) else None,
-                     "running": running, "version": stat.version, "path": f"{base}/{name}"})
+                     "running": running, "started": marker.get(STARTED) is True,  # dedupe="latest"
+                     "version": stat.version, "path": f"{base}/{name}"})
     return rows
 
 
@@ -350,8 +351,8 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
         return
     click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}")
     for r in rows:
-        expires = "running" if r["running"] else "expired" if r["expires_in"] is None or r["expires_in"] <= 0 \
-            else _age(r["expires_in"])
+        expires = "running" if r["running"] else "started" if r["started"] else "expired" \
+            if r["expires_in"] is None or r["expires_in"] <= 0 else _age(r["expires_in"])
         click.echo(f"  {_cell(r['key'], 32)} {_cell(r['task'] or '-', 28)} {str(r['task_id'] or '-'):<36} "
                    f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
 

@@ -22,7 +22,7 @@ import datetime
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple, Type, TypeVar
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.backends.base import DisabledBackend
@@ -33,15 +33,18 @@ from kombu.utils.uuid import uuid
 from .. import signals
 from ..conf import Settings
 from ..exceptions import AlreadyQueued, ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
-from ..recipes.marker import claim, reap, release, requeue, start_running
+from ..recipes.marker import claim, reap, release, requeue, start_latest, start_running, supersede
 from ..zk import Session, session_for, timeouts
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
+from .locking import SKIPPED
 from .options import LockSpec, locking_of
 
-__all__ = ["MARKER_HEADER", "ended", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
+__all__ = ["MARKER_HEADER", "Replaced", "ended", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
 
 logger = logging.getLogger("celery_zklock")
+
+T = TypeVar("T")
 
 #: The message header that names a dedupe copy's marker, for the worker that runs it.
 MARKER_HEADER = "zklock_marker"
@@ -81,6 +84,14 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
         ttl += max(0.0, _seconds_until(options.get("eta"), app) or float(options.get("countdown") or 0))
     task_id = options.pop("task_id", None) or uuid()
     path = layout.queued(task.name, key)
+    latest = spec.dedupe == "latest"
+    if latest and _in_a_canvas(options):
+        # A copy inside a canvas must run (its canvas waits on it) and must not make an
+        # older copy, maybe in a canvas too, step aside: it takes no part.
+        logger.warning("%s: published without dedupe='latest': a copy inside a canvas (chain, chord, group, "
+                       "link) neither replaces a queued copy nor can be replaced, or a canvas would never "
+                       "complete", where)
+        return original(task, args, kwargs, task_id=task_id, **options)
     # Under hashed names, the marker's own name: what `celery zklock queued` lists.
     label = key if layout.secret is None else path.rsplit("/", 1)[1]
     wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
@@ -97,7 +108,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
                     **({"key": key} if layout.secret is None else {})}
             claiming = True
-            existing = _claim(session, layout.queued_tree, path, data, wait)
+            if latest:
+                _in_tree(session, layout.queued_tree, wait, lambda: supersede(session, path, data, wait))
+                existing = None
+            else:
+                existing = _claim(session, layout.queued_tree, path, data, wait)
             if existing is not None and _releases.pending(path, existing["task_id"]):
                 # A copy this process never sent: it must not answer this publish. Its
                 # marker goes now (if this fails, so does this publish), and we claim again.
@@ -111,7 +126,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                 claiming = False
                 _releases.add(settings, path, task_id,
                               None if spec.dedupe_on_unavailable == "publish"
-                              else _never_sent(task, task_id, exc, ZooKeeperUnavailable))
+                              else _never_sent(task, task_id, exc, ZooKeeperUnavailable), latest)
             if spec.dedupe_on_unavailable == "publish":
                 logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
                 return original(task, args, kwargs, task_id=task_id, **options)
@@ -146,7 +161,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             # nor hold the caller. An exception after the broker took the message frees the
             # key early: one more copy may be queued, where keeping the marker would answer
             # every publish with a copy that may never run.
-            _releases.add(settings, path, task_id, _never_sent(task, task_id, failure))
+            _releases.add(settings, path, task_id, _never_sent(task, task_id, failure), latest)
         raise
 
 
@@ -211,15 +226,20 @@ def _reap_now_and_then(session: Session, tree: str, timeout: float) -> None:
 
 
 def _claim(session: Session, tree: str, path: str, data: Dict[str, Any], timeout: float) -> Optional[Dict[str, Any]]:
-    """:func:`claim` in ``tree``, made again if it was deleted (by hand, or with the root) since
-    this session made it: a lasting NoNode here would fail every publish while ZooKeeper is fine."""
+    return _in_tree(session, tree, timeout, lambda: claim(session, path, data, timeout)[0])
+
+
+def _in_tree(session: Session, tree: str, timeout: float, step: Callable[[], T]) -> T:
+    """``step()`` (a marker's create) in ``tree``, made again if it was deleted (by hand, or with
+    the root) since this session made it: a lasting NoNode would fail every publish while
+    ZooKeeper is fine."""
     session.nodes.ensure_path(tree, timeout)
     try:
-        return claim(session, path, data, timeout)[0]
+        return step()
     except NoNodeError:
         session.nodes.path_gone(tree)
         session.nodes.ensure_path(tree, timeout)
-        return claim(session, path, data, timeout)[0]
+        return step()
 
 
 #: Options by which a copy carries more work than itself.
@@ -280,6 +300,8 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
     """
     marker = _marker_of(task.request) if spec.dedupe is not None else None
     released = [False]
+    if marker is not None and spec.dedupe == "latest":
+        _latest(task, spec, marker, mark=False)  # replaced already: no need to wait for its locks
 
     def release_once() -> Optional[Exception]:
         if marker is None or spec.dedupe != "queued" or released[0]:
@@ -288,6 +310,12 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
         return _release_marker(task, marker)  # the next publish queues a new copy
 
     def started() -> None:
+        if marker is not None and spec.dedupe == "latest":
+            # The cut: marked started with the version read, so a publish that lands before
+            # this runs instead, and one after it queues a copy that will run after this one.
+            _latest(task, spec, marker, mark=True)
+            released[0] = True
+            return
         failed = release_once()
         if failed is not None:
             # The marker stands until the background release gets through: a publish
@@ -322,6 +350,40 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
                 release_once()  # ended without its body running: the key is free all the same
 
 
+class Replaced(Exception):
+    """A ``dedupe="latest"`` copy that a newer one replaced: it returns :attr:`record`, unrun."""
+
+    def __init__(self, record: Dict[str, Any]) -> None:
+        super().__init__(record)
+        self.record = record
+
+
+def _latest(task: Any, spec: LockSpec, marker: str, mark: bool) -> None:
+    """Raise :class:`Replaced` if a newer copy replaced this one; ``mark``: this one starts."""
+    settings = settings_of(task.app)
+    try:
+        runs, newer = start_latest(session_for(settings), marker, task.request.id, settings.connect_timeout, mark)
+    except Exception as exc:
+        raise _not_run(task, f"its dedupe marker {marker} could not be read", exc,
+                       "run after it though older") from None
+    if runs:
+        return
+    logger.info("task %s[%s] skipped: replaced by a newer copy (task id %s) under dedupe='latest'", task.name,
+                task.request.id, newer)
+    raise Replaced({SKIPPED: {"key": _label(task, spec, marker), "mode": spec.mode if spec.lock else None,
+                              "holders": [], "reason": f"replaced by a newer copy (task id {newer})",
+                              "replaced_by": newer}})
+
+
+def _label(task: Any, spec: LockSpec, marker: str) -> str:
+    """How a record names a marker's key: the key, or under hashed names the marker's name."""
+    if layout_of(task.app).secret is None:
+        with contextlib.suppress(Exception):  # it built as the copy was published
+            request = task.request
+            return _marker_key(task, spec, request.args, request.kwargs)
+    return marker.rsplit("/", 1)[1]
+
+
 def _not_run(task: Any, what: str, failed: Exception, publish_meanwhile: str) -> ZooKeeperUnavailable:
     """The error of a dedupe copy that does not run because ZooKeeper did not answer as it started."""
     settings = settings_of(task.app)
@@ -354,7 +416,7 @@ def ended(sender: Any = None, task_id: str = "", task: Any = None, state: Option
         spec = _dedupe_spec(task)
     except ConfigurationError:
         return
-    if spec is not None:
+    if spec is not None and spec.dedupe != "latest":  # a latest marker stays (see start_latest)
         _release_marker(task, marker, task_id or task.request.id, wait=False)  # only if it still names the copy
 
 
@@ -429,18 +491,23 @@ class _Releases:
     def __init__(self) -> None:
         self._pending: Dict[Tuple[str, str], Settings] = {}
         self._tells: Dict[Tuple[str, str], Callable[[], None]] = {}
+        self._restores: Set[Tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._at_exit = False
 
-    def add(self, settings: Settings, path: str, task_id: str, tell: Optional[Callable[[], None]] = None) -> None:
-        """Release the marker at ``path`` if it names ``task_id``; then ``tell``, once, whether
-        or not that first try got through (see :func:`_never_sent`)."""
+    def add(self, settings: Settings, path: str, task_id: str, tell: Optional[Callable[[], None]] = None,
+            restore: bool = False) -> None:
+        """Release the marker at ``path`` if it names ``task_id`` (``restore``: put back the one it
+        replaced, see :func:`release`); then ``tell``, once, whether or not that first try got
+        through (see :func:`_never_sent`)."""
         with self._lock:
             self._pending[(path, task_id)] = settings
             if tell is not None:
                 self._tells[(path, task_id)] = tell
+            if restore:
+                self._restores.add((path, task_id))
             if self._thread is None or not self._thread.is_alive():  # none yet, or not in this forked child
                 self._thread = threading.Thread(target=self._run, name="celery-zklock-releases", daemon=True)
                 self._thread.start()
@@ -464,9 +531,10 @@ class _Releases:
             if timeout <= 0:
                 break
             try:
-                release(session_for(settings, timeout), path, task_id, timeout)
+                release(session_for(settings, timeout), path, task_id, timeout, (path, task_id) in self._restores)
                 with self._lock:
                     self._pending.pop((path, task_id), None)
+                    self._restores.discard((path, task_id))
             except Exception as exc:  # still unreachable: the next round
                 logger.debug("dedupe marker %s of %s still to remove (%s)", path, task_id, explain(exc))
             # After the release's first try (the marker first: it answers publishes until it
@@ -526,7 +594,7 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, args: Any
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         return  # a pool process's own failure: its copy gave its marker back as it ended
     spec = _dedupe_spec(sender)
-    if spec is None:
+    if spec is None or spec.dedupe == "latest":  # a latest marker stays, for the next publish to replace
         return
     # Celery with task_acks_on_timeout requeues an acks_late message past its hard time limit
     # and tells the failure all the same: that copy comes back, and gives its marker back then.
@@ -544,6 +612,7 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, args: Any
 
 def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     """A ``task_revoked`` receiver: a revoked (or expired) copy never runs, so its marker goes now."""
-    marker = _marker_of(request) if request is not None and _dedupe_spec(sender) is not None else None
+    spec = _dedupe_spec(sender) if request is not None else None
+    marker = _marker_of(request) if spec is not None and spec.dedupe != "latest" else None
     if marker is not None:
         _release_marker(sender, marker, request.id, wait=False)  # the consumer calls this: never wait

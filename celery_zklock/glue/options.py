@@ -104,7 +104,7 @@ class LockSpec:
     on_lock_lost: LockLostPolicy = "interrupt"
     #: Take the execution lock (False: dedupe only).
     lock: bool = True
-    #: Enqueue-time dedupe: None, ``queued`` or ``queued_or_running``.
+    #: Enqueue-time dedupe: None, ``queued``, ``queued_or_running`` or ``latest``.
     dedupe: Optional[DedupeMode] = None
     on_duplicate: DuplicatePolicy = "return"
     dedupe_ttl: Union[float, Literal[FromSettings.DEFAULT]] = DEFAULT
@@ -205,6 +205,9 @@ def _dedupe_options(where: str, options: Mapping[str, Any], get: Callable[[str],
         given = [name for name in _DEDUPE_ONLY if get(name) != _DEFAULTS[name]]
         if given:
             raise ConfigurationError(f"{where}: {_names(given)} only with dedupe=...; set dedupe too")
+    if dedupe == "latest" and get("on_duplicate") != _DEFAULTS["on_duplicate"]:
+        raise ConfigurationError(f"{where}: on_duplicate applies only with dedupe='queued' or 'queued_or_running': "
+                                 "under dedupe='latest' every publish is sent, and replaces the copy queued")
     return {"lock": locking, "dedupe": dedupe, "dedupe_ttl": ttl, **extra}
 
 

@@ -28,7 +28,7 @@ from celery import Task
 from ..exceptions import ConfigurationError
 from . import worker
 from .celery_internals import current_task
-from .dedupe import marker_kept
+from .dedupe import Replaced, marker_kept
 from .locking import run_locked
 from .options import KeyOption, Locking, TaskLockOptions, locking_of
 
@@ -87,12 +87,15 @@ def _locked_run(fn: Callable[..., Any], locking: Locking) -> Callable[..., Any]:
         if task is None:
             raise ConfigurationError(f"{spec.where}: a locked task's body runs only as a Celery task")
         bound = bool(args) and args[0] is task  # bind=True, or a ZkLockedTask's run method
-        with marker_kept(task, spec) as started:
-            def body() -> Any:
-                started()  # its locks are held: a queued copy's marker goes now
-                return fn(*args, **kwargs)
+        try:
+            with marker_kept(task, spec) as started:
+                def body() -> Any:
+                    started()  # its locks are held: a queued copy's marker goes now
+                    return fn(*args, **kwargs)
 
-            return run_locked(task, spec, fn, args, kwargs, bound, body) if spec.lock else body()
+                return run_locked(task, spec, fn, args, kwargs, bound, body) if spec.lock else body()
+        except Replaced as replaced:  # dedupe="latest": a newer copy runs instead
+            return replaced.record
 
     return locking.attach(run)
 

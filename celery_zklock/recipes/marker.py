@@ -29,9 +29,10 @@ from typing import Any, Dict, Optional, Tuple
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotEmptyError
 
 from ..layout import node_object
-from ..zk import Session, deadline, reply
+from ..zk import Session, deadline, reply, through_blips
 
-__all__ = ["RUNNING", "claim", "live", "read_marker", "reap", "release", "requeue", "start_running"]
+__all__ = ["RUNNING", "STARTED", "claim", "live", "read_marker", "reap", "release", "requeue", "start_latest",
+           "start_running", "supersede"]
 
 
 def read_marker(raw: bytes) -> Optional[Dict[str, Any]]:
@@ -160,20 +161,25 @@ def requeue(session: Session, path: str, task_id: str, expires: float, timeout: 
     return not any(isinstance(r, Exception) for r in results)
 
 
-def release(session: Session, path: str, task_id: str, timeout: Optional[float] = None) -> bool:
+def release(session: Session, path: str, task_id: str, timeout: Optional[float] = None,
+            restore: bool = False) -> bool:
     """Delete the marker at ``path`` (and its ``running`` child) if it still names ``task_id``;
-    True if deleted."""
+    True if done. With ``restore`` (a ``latest`` copy that was never sent), put back the
+    marker it replaced, if :func:`supersede` kept one, instead of deleting it."""
     client = session.client
     until = deadline(timeout)
     for attempt in range(5):
         found = _ours(session, path, task_id, until, sync=attempt == 0)
         if found is None:
             return False  # gone, or a newer copy's marker: not ours to delete
-        stat = found[1]
+        marker, stat = found
         tx = client.transaction()
         if stat.numChildren:
             tx.delete(f"{path}/{RUNNING}")
-        tx.delete(path, version=stat.version)
+        if restore and isinstance(marker.get(PREVIOUS), dict):
+            tx.set_data(path, json.dumps(marker[PREVIOUS]).encode(), version=stat.version)
+        else:
+            tx.delete(path, version=stat.version)
         results = reply(tx.commit_async(), until)
         if not any(isinstance(r, Exception) for r in results):
             return True
@@ -181,6 +187,90 @@ def release(session: Session, path: str, task_id: str, timeout: Optional[float] 
         # was queued again for a retry, or a newer copy took it over. Only a read tells
         # which (giving up on a retry's requeue left a marker no message would ever run).
     return False
+
+
+#: The key in a ``latest`` marker's data that keeps the marker it replaced (see :func:`supersede`).
+PREVIOUS = "previous"
+#: The key in a ``latest`` marker's data once its copy started: it stays, naming the copy that
+#: ran, so an older copy still queued (consumed late, by another worker) knows it is stale.
+STARTED = "started"
+
+
+def supersede(session: Session, path: str, data: Dict[str, Any], timeout: Optional[float] = None) -> None:
+    """``dedupe="latest"``: make ``path`` name our copy, whatever copy it named. What it named
+    before is kept in it, as ``previous``, for :func:`release` to put back should our copy
+    never be sent: the copies it replaced must not all be stale for a copy that never runs.
+    (One level: two never-sent copies in a row put back the first's, then delete.)
+
+    Versioned: of two publishers racing, each replaces what it read, so the marker ends
+    naming one of them and the other's copy, read as replaced, is the older one.
+    """
+    client = session.client
+    until = deadline(timeout)
+    for _ in range(5):
+        try:
+            reply(client.create_async(path, json.dumps(data).encode()), until)
+            return
+        except NodeExistsError:
+            pass
+        try:
+            raw, stat = reply(client.get_async(path), until)
+        except NoNodeError:
+            continue  # deleted meanwhile (a never-sent copy's): create again
+        before = read_marker(raw)
+        ours = {**data, PREVIOUS: {k: v for k, v in before.items() if k != PREVIOUS}} if before is not None else data
+        try:
+            reply(client.set_async(path, json.dumps(ours).encode(), version=stat.version), until)
+            return
+        except (BadVersionError, NoNodeError):
+            continue  # another publisher came in between: replace what it wrote
+    raise RuntimeError(f"marker {path} kept changing under us")  # five races in a row: not expected
+
+
+def start_latest(session: Session, path: str, task_id: str, timeout: Optional[float] = None,
+                 mark: bool = True) -> Tuple[bool, Optional[str]]:
+    """``dedupe="latest"``: may copy ``task_id`` run? (True, None) if the marker names it (it is
+    marked started, with the version read: a publish in between makes us read again and
+    find ourselves replaced) or if there is no marker (expired and swept: it runs, as an
+    undeduplicated copy would); (False, the newer copy's id) if another copy replaced it.
+    Without ``mark``, only the read: may it still run?
+
+    Run again through connection losses: a lost reply to our set leaves the marker
+    naming us, started, which the next read takes as ours (a failure instead would leave
+    the key's work to nobody: every older copy reads itself replaced).
+    """
+    until = deadline(timeout)
+    return through_blips(session, until, lambda: _start_latest(session, path, task_id, until, mark))
+
+
+def _start_latest(session: Session, path: str, task_id: str, until: Optional[float],
+                  mark: bool) -> Tuple[bool, Optional[str]]:
+    client = session.client
+    for attempt in range(5):
+        # Synced first, as in _ours: the publisher's write must not look missing on a
+        # follower that is behind.
+        synced = client.sync_async("/") if attempt == 0 else None
+        read = client.get_async(path)
+        try:
+            if synced is not None:
+                reply(synced, until)
+            raw, stat = reply(read, until)
+        except NoNodeError:
+            return True, None
+        marker = read_marker(raw)
+        if marker is None:
+            return True, None  # junk: it names no newer copy
+        if marker["task_id"] != task_id:
+            return False, marker["task_id"]
+        if marker.get(STARTED) or not mark:
+            return True, None  # a retry of ours, or our set whose reply was lost
+        try:
+            reply(client.set_async(path, json.dumps({**marker, STARTED: True}).encode(), version=stat.version),
+                  until)
+            return True, None
+        except (BadVersionError, NoNodeError):
+            continue  # a newer publish replaced it as we read: read who
+    raise RuntimeError(f"marker {path} kept changing under us")
 
 
 def reap(session: Session, tree: str, timeout: Optional[float] = None) -> int:

@@ -40,12 +40,12 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from ..exceptions import explain
-from ..zk import Liveness, Session, deadline, remaining, reply
+from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Nudge", "ParkedQueue", "QueueWatch", "parked_sequence", "waiting"]
@@ -96,24 +96,6 @@ def _failed(results: List[Any]) -> bool:
     return any(isinstance(r, Exception) for r in results)
 
 
-T = TypeVar("T")
-
-
-def _through_blips(session: Session, until: Optional[float], step: Callable[[], T]) -> T:
-    """``step()``, run again after each connection loss once the session is connected again,
-    until ``until`` (then the handler's timeout error). Each step is written to be run again:
-    it finds what an earlier run whose reply was lost did, and goes on from there."""
-    while True:
-        try:
-            return step()
-        except ConnectionLoss:
-            while not session.client.connected:
-                left = remaining(until)
-                if left is not None and left <= 0:
-                    raise
-                time.sleep(0.05 if left is None else min(0.05, left))
-
-
 def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[str, bytes, float, bool]]:
     """(node name, payload, parked at (epoch s), in flight) of each copy parked at ``path``, head first."""
     client = session.client
@@ -148,7 +130,7 @@ class ParkedQueue:
     def parked(self, until: Optional[float]) -> List[str]:
         """The parked copies' node names, head first. Synced: a copy that came through the
         broker must not read the queue as a server behind the leader saw it, or it jumps ahead."""
-        return _through_blips(self.session, until, lambda: self._parked_now(until))
+        return through_blips(self.session, until, lambda: self._parked_now(until))
 
     def _parked_now(self, until: Optional[float]) -> List[str]:
         client = self.session.client
@@ -172,7 +154,7 @@ class ParkedQueue:
         if len(payload) > MAX_PAYLOAD:
             raise ValueError(f"{len(payload)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
         # Run again after a lost reply, it finds its node by its prefix and makes no second one.
-        return _through_blips(self.session, until, lambda: self._park_now(task_id, payload, limit, until))
+        return through_blips(self.session, until, lambda: self._park_now(task_id, payload, limit, until))
 
     def _park_now(self, task_id: str, payload: bytes, limit: int, until: Optional[float]) -> Optional[str]:
         client = self.session.client
@@ -220,7 +202,7 @@ class ParkedQueue:
         """
         # A claim this call made, found again after a lost reply, is known by its token.
         token = b"sent:" + uuid.uuid4().hex.encode()
-        return _through_blips(self.session, until, lambda: self._nudge_now(send, until, token))
+        return through_blips(self.session, until, lambda: self._nudge_now(send, until, token))
 
     def _nudge_now(self, send: Send, until: Optional[float], token: bytes) -> Nudge:
         client = self.session.client
@@ -284,7 +266,7 @@ class ParkedQueue:
         """A sent copy reached a worker: move its claim to this session, so that the copy is
         sent again if this worker dies before it takes it. False when its node is gone: a
         second send of a copy already taken, which must not run."""
-        return _through_blips(self.session, until, lambda: self._receive_now(name, until))
+        return through_blips(self.session, until, lambda: self._receive_now(name, until))
 
     def _receive_now(self, name: str, until: Optional[float]) -> bool:
         def replace(tx: Any, claim: str) -> None:
@@ -327,7 +309,7 @@ class ParkedQueue:
         """
         # A mark of this call's own: two deliveries of one copy may run in one process.
         mark = b"taken:" + uuid.uuid4().hex.encode()
-        return _through_blips(self.session, until, lambda: self._take_now(name, until, mark))
+        return through_blips(self.session, until, lambda: self._take_now(name, until, mark))
 
     def _take_now(self, name: str, until: Optional[float], mark: bytes) -> bool:
         # Where our claim went with an older session of ours, it is made again, marked.
@@ -346,7 +328,7 @@ class ParkedQueue:
 
     def remove(self, name: str, until: Optional[float]) -> None:
         """Take copy ``name`` out of the queue, whatever its claim (it was revoked)."""
-        _through_blips(self.session, until, lambda: self._remove_now(name, until))
+        through_blips(self.session, until, lambda: self._remove_now(name, until))
 
     def _remove_now(self, name: str, until: Optional[float]) -> None:
         client = self.session.client
@@ -361,7 +343,7 @@ class ParkedQueue:
     def decline(self, name: str, until: Optional[float]) -> None:
         """A received copy could not hold the key (a contender that never parked came first):
         it stays at the head, unclaimed, for the next nudge to send again."""
-        _through_blips(self.session, until, lambda: self._decline_now(name, until))
+        through_blips(self.session, until, lambda: self._decline_now(name, until))
 
     def _decline_now(self, name: str, until: Optional[float]) -> None:
         try:

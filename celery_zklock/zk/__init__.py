@@ -8,10 +8,10 @@
 """
 
 from .clock import Liveness, LivenessClock
-from .deadlines import deadline, remaining, reply
+from .deadlines import deadline, remaining, reply, through_blips
 from .green import timeouts
 from .nodes import Nodes, check_acl
 from .session import Session, SessionListener, acl_for, close_sessions, session_for
 
 __all__ = ["Liveness", "LivenessClock", "Nodes", "Session", "SessionListener", "acl_for", "check_acl",
-           "close_sessions", "deadline", "remaining", "reply", "session_for", "timeouts"]
+           "close_sessions", "deadline", "remaining", "reply", "session_for", "through_blips", "timeouts"]

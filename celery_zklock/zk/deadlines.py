@@ -13,9 +13,13 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
-__all__ = ["deadline", "remaining", "reply"]
+from kazoo.exceptions import ConnectionLoss
+
+__all__ = ["deadline", "remaining", "reply", "through_blips"]
+
+T = TypeVar("T")
 
 
 def deadline(timeout: Optional[float]) -> Optional[float]:
@@ -32,3 +36,18 @@ def reply(result: Any, until: Optional[float]) -> Any:
     """The reply to a request sent with one of kazoo's ``*_async`` calls, waited for until ``until``
     at most; raises the request's error, or the handler's timeout error (see ``green.timeouts()``)."""
     return result.get(timeout=remaining(until))
+
+
+def through_blips(session: Any, until: Optional[float], step: Callable[[], T]) -> T:
+    """``step()``, run again after each connection loss once ``session`` is connected again,
+    until ``until`` (then the handler's timeout error). Each step must be written to be run
+    again: it finds what an earlier run whose reply was lost did, and goes on from there."""
+    while True:
+        try:
+            return step()
+        except ConnectionLoss:
+            while not session.client.connected:
+                left = remaining(until)
+                if left is not None and left <= 0:
+                    raise
+                time.sleep(0.05 if left is None else min(0.05, left))

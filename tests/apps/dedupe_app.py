@@ -107,3 +107,15 @@ def retried(self, key: str) -> None:
 @zk_locked(key="k:{key}", dedupe="queued", on_contention="retry", retry_countdown=0.3)
 def contended(self, key: str, ms: float) -> None:
     body(key, ms)
+
+
+@app.task
+@zk_locked(key="k:{key}", dedupe="latest", lock=False)
+def newest(key: str, ms: float) -> None:
+    body(key, ms)
+
+
+@app.task
+@zk_locked(key="k:{key}", dedupe="latest")
+def newest_locked(key: str, ms: float) -> None:
+    body(key, ms)

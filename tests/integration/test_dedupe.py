@@ -23,9 +23,9 @@ from celery import Celery
 from kazoo.exceptions import NoNodeError
 from kombu.exceptions import OperationalError
 
-from celery_zklock import ZooKeeperUnavailable, zk_locked
+from celery_zklock import ZooKeeperUnavailable, lock, skipped, zk_locked
 from harness import CeleryWorker, Op, TcpProxy, free_port
-from harness.dedupe import dedupe_violations
+from harness.dedupe import dedupe_violations, latest_violations
 from tests.apps import dedupe_app
 from tests.util import children, wait_until
 
@@ -741,3 +741,91 @@ def test_under_hashed_names_a_duplicate_names_its_marker_as_the_operators_list_s
                                   "clear-queued", "--task", "tests.hashed_dup", "--key", row["key"]],
                                  env={**env, "ZKT_ROOT": root}, capture_output=True, text=True, timeout=60)
         assert "cleared 1 marker(s) of tests.hashed_dup" in cleared.stdout, cleared.stderr
+
+
+# -- dedupe="latest" -------------------------------------------------------------------------------
+
+def results_of(ids, timeout: float = 120.0) -> Dict[str, object]:
+    """Every copy's stored result, once each one resolved (a body returns None; a replaced copy its record)."""
+    pending, got = set(ids), {}
+
+    def resolved() -> bool:
+        for task_id in list(pending):
+            result = dedupe_app.app.AsyncResult(task_id)
+            if result.ready():
+                got[task_id] = result.result
+                pending.discard(task_id)
+        return not pending
+
+    wait_until(resolved, timeout=timeout)
+    return got
+
+
+def test_latest_eight_publishers_two_workers_history(env, workers, redis_server):
+    workers("w1", concurrency=2)
+    workers("w2", concurrency=2)
+    publishers = [publish(env, "newest", 150, seed) for seed in range(8)]
+    for p in publishers:
+        assert p.wait(300) == 0
+    publishes, _ = history(redis_server.url)
+    assert len(publishes) == 1200 and all(p["got"] == p["asked"] for p in publishes)  # latest sends every copy
+    results = results_of([p["asked"] for p in publishes])
+    time.sleep(0.5)  # a copy run twice would show now: its second start is at most one body later
+    publishes, runs = history(redis_server.url)
+    assert latest_violations(publishes, runs, results) == []
+    replaced = sum(bool(skipped(r)) for r in results.values())
+    print(f"latest: {1200 - replaced} copies ran for 1200 publishes ({replaced} replaced)")
+    assert 0 < replaced < 1200
+
+
+def test_under_latest_an_older_copy_met_after_a_newer_one_began_is_replaced(env, workers, redis_server):
+    """The newest copy's marker stays once it starts: an older copy that a worker meets later
+    (here held back by its countdown) reads that a newer one ran, and does not run after it."""
+    workers("w1", concurrency=2)
+    older = dedupe_app.newest.apply_async(("o", 1), countdown=2)
+    newer = dedupe_app.newest.apply_async(("o", 1))
+    assert newer.get(timeout=30) is None
+    record = skipped(older.get(timeout=30))
+    assert record is not None and record["replaced_by"] == newer.id and record["key"] == "k:o", record
+    starts = [r["task_id"] for r in history(redis_server.url)[1] if r["event"] == "start"]
+    assert starts == [newer.id]
+
+
+def test_under_latest_a_publish_while_a_copy_waits_for_its_lock_replaces_it(env, workers, redis_server):
+    """The cut is the copy's start, after its lock is held: a publish that lands while it
+    waits for the lock replaces it, and the newer copy carries the newest arguments."""
+    workers("w1", concurrency=2)
+    holding = lock(dedupe_app.app, "k:w")
+    assert holding.acquire(timeout=10)
+    try:
+        waiting = dedupe_app.newest_locked.apply_async(("w", 1))
+        # It passed its first look (nothing replaced it yet) and waits in the lock's queue.
+        wait_until(lambda: len(holding.contenders()) == 2, timeout=30)
+        newer = dedupe_app.newest_locked.apply_async(("w", 2))
+    finally:
+        holding.release()
+    record = skipped(waiting.get(timeout=30))
+    assert record is not None and record["replaced_by"] == newer.id, record
+    assert newer.get(timeout=30) is None
+    assert [r["task_id"] for r in history(redis_server.url)[1] if r["event"] == "start"] == [newer.id]
+
+
+def test_under_latest_a_copy_never_sent_gives_the_key_back_to_the_copy_it_replaced(env, workers, redis_server,
+                                                                                  monkeypatch):
+    """A publish whose send fails puts back the marker it replaced: the copy that was newest
+    before it runs, and the copies that one replaced stay replaced (none runs stale)."""
+    oldest = dedupe_app.newest.apply_async(("n", 1))
+    newest_sent = dedupe_app.newest.apply_async(("n", 1))
+
+    def broker_down(*args, **kwargs):
+        raise OperationalError("the broker is down")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(dedupe_app.app.amqp, "send_task_message", broker_down)
+        with pytest.raises(OperationalError):
+            dedupe_app.newest.apply_async(("n", 1), task_id="never-sent-" + uuid.uuid4().hex)
+    kazoo, (name,) = kazoo_client(env), marker_of(env, "n")
+    wait_until(lambda: json.loads(kazoo.get(f"{env['ZKT_ROOT']}/queued/{name}")[0])["task_id"] == newest_sent.id)
+    workers("w1", concurrency=2)
+    assert newest_sent.get(timeout=30) is None
+    assert skipped(oldest.get(timeout=30))["replaced_by"] == newest_sent.id

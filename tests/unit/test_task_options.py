@@ -94,7 +94,8 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"limit": 0}, "limit must be a positive int"),
     ({"limit": 2, "mode": "read"}, "cannot be combined"),
     ({"retry_countdown": -5}, "retry_countdown"),
-    ({"dedupe": "queue"}, "dedupe must be one of queued, queued_or_running"),
+    ({"dedupe": "queue"}, "dedupe must be one of queued, queued_or_running, latest"),
+    ({"dedupe": "latest", "on_duplicate": "raise"}, "on_duplicate applies only with dedupe='queued' or "),
     ({"lock": False}, "lock=False without dedupe=... would do nothing"),
     ({"lock": "no", "dedupe": "queued"}, "lock must be True or False"),
     ({"on_duplicate": "raise"}, "on_duplicate applies only with dedupe"),
@@ -367,7 +368,7 @@ for publish in (lambda: refresh.delay(7), lambda: app.send_task(refresh.name, (7
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines() == ["refused: task __main__.refresh: dedupe must be one of queued, "
-                                       "queued_or_running, not 'queue'"] * 2, out.stdout + out.stderr
+                                       "queued_or_running, latest, not 'queue'"] * 2, out.stdout + out.stderr
 
 
 def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
