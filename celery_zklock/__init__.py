@@ -58,6 +58,7 @@ from .exceptions import (
     LockLost,
     LockNotAcquired,
     NoCurrentLock,
+    Preempted,
     ZkLockError,
     ZooKeeperUnavailable,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "LockNotAcquired",
     "LockState",
     "NoCurrentLock",
+    "Preempted",
     "SKIPPED",
     "ZkLockError",
     "ZkLockedTask",

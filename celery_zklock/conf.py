@@ -32,7 +32,7 @@ __all__ = [
 LockMode = Literal["exclusive", "write", "read"]
 LOCK_MODES: Tuple[LockMode, ...] = get_args(LockMode)
 #: What a task does when its lock is held by someone else.
-ContentionPolicy = Literal["wait", "skip", "retry", "raise", "park"]
+ContentionPolicy = Literal["wait", "skip", "retry", "raise", "park", "preempt"]
 CONTENTION_POLICIES: Tuple[ContentionPolicy, ...] = get_args(ContentionPolicy)
 #: What happens to a running body whose lock is lost.
 LockLostPolicy = Literal["interrupt", "flag"]
@@ -126,7 +126,7 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
     "zklock_keyfile": ("path", "PEM private key of `zklock_certfile`."),
     "zklock_verify_certs": ("bool", "Verify the server's certificate against `zklock_ca` (and the system CAs)."),
     "zklock_default_on_contention": ("str", "Policy of locked tasks that do not set `on_contention`: `wait`, "
-                                     "`skip`, `retry`, `raise` or `park`."),
+                                     "`skip`, `retry`, `raise`, `park` or `preempt`."),
     "zklock_default_park_limit": ("int", "How many copies a key's parked queue holds when a task does not set "
                                   "`park_limit`; a copy past it is refused as `skip` would, with a result that "
                                   "says why."),

@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 __all__ = ["AlreadyQueued", "ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "NoCurrentLock",
-           "ZkLockError", "ZooKeeperUnavailable"]
+           "Preempted", "ZkLockError", "ZooKeeperUnavailable"]
 
 
 class ZkLockError(Exception):
@@ -51,6 +51,11 @@ class AlreadyQueued(ZkLockError):
 
 class LockLost(ZkLockError):
     """A held lock is lost or in doubt: its session expired or may have expired."""
+
+
+class Preempted(LockLost):
+    """A newer copy preempted this one (``on_contention="preempt"``): raised inside the body that
+    held the key, whose lock is given back at once; the newer copy's fencing token is higher."""
 
 
 class NoCurrentLock(ZkLockError, LookupError):

@@ -100,12 +100,16 @@ class BodyGuard:
         if self.in_main_thread:
             _main_guard = None
 
-    def interrupt(self, message: str = LockLostInterrupt.message) -> bool:
-        """Raise LockLost(``message``) in the body's thread if the body still runs; True if sent."""
+    def interrupt(self, message: str = LockLostInterrupt.message, kind: Type[LockLost] = LockLost) -> bool:
+        """Raise LockLost(``message``) (or the subclass ``kind``, such as Preempted) in the body's
+        thread if the body still runs; True if sent."""
         # PyThreadState_SetAsyncExc takes a class, not an instance: the message rides on a
-        # subclass made for this body (still a LockLostInterrupt, so still a LockLost).
-        exception: Type[LockLostInterrupt] = type(LockLostInterrupt.__name__, (LockLostInterrupt,), {"message": message,
-                                                                            "__module__": __name__})
+        # subclass made for this body (still a LockLostInterrupt, so still a LockLost). Celery
+        # stores a failure as the first class in its MRO that pickles: ``kind`` comes first, so
+        # the caller's result is a Preempted, not the LockLostInterrupt behind it.
+        bases = (LockLostInterrupt,) if kind is LockLost else (kind, LockLostInterrupt)
+        exception: Type[LockLostInterrupt] = type(kind.__name__ if kind is not LockLost else LockLostInterrupt.__name__,
+                                                  bases, {"message": message, "__module__": __name__})
         with self._lock:
             if not self._running or self._sent:
                 return False

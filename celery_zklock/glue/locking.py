@@ -16,15 +16,17 @@ import functools
 import logging
 import time
 from contextvars import ContextVar
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from celery.exceptions import Ignore
 
 from .. import signals
 from ..conf import Settings, TaskDefaults
-from ..exceptions import ConfigurationError, LockNotAcquired, NoCurrentLock, ZooKeeperUnavailable
+from ..exceptions import ConfigurationError, LockLost, LockNotAcquired, NoCurrentLock, Preempted, ZooKeeperUnavailable
 from ..layout import node_object
 from ..recipes import Lock, LockState
+from ..recipes.engine import ContenderObserver
+from ..recipes.lock import describe
 from ..zk import Session, deadline, remaining, session_for
 from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
@@ -123,21 +125,28 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                  for _, key in ordered]
     except ZooKeeperUnavailable as exc:
         raise ZooKeeperUnavailable(f"{where}: {exc}; the task did not run") from None
-    if policy != "wait":
+    waits = policy in ("wait", "preempt")
+    if not waits:
         # Policies that do not wait still answer within zklock_connect_timeout when
         # ZooKeeper does not: not acquired, so the policy applies.
         timeout = settings.connect_timeout
     until = deadline(timeout)
     stack = _stack()
     parking = _parking(task, spec, policy, locks, session, settings, defaults)
+    if policy == "preempt":
+        _preempting(task, spec, locks, settings)
     try:
         refused = parking.before(until) if parking is not None else None
         if refused:
             return _refused(task, locks[0], refused)
         for one in locks:
             held.append(one)
-            if one.acquire(blocking=policy == "wait", timeout=remaining(until)):
+            if one.acquire(blocking=waits, timeout=remaining(until)):
                 signals.lock_acquired.send(sender=task, lock=one)
+                if policy == "preempt" and one.check_preempted(settings.connect_timeout):
+                    # A newer copy marked ours while it waited: it goes before its body starts.
+                    release_all(task, held)
+                    return _preempted(task, one)
                 continue
             held.pop()
             if not session.is_alive():
@@ -151,7 +160,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
             if parking is not None:
                 signals.lock_contended.send(sender=task, lock=one, policy=policy)
                 return _refused(task, one, parking.contended(until))
-            return _contended(task, spec, policy, timeout, one, held, until)
+            return _contended(task, spec, "wait" if waits else policy, timeout, one, held, until)
         for one in held:
             one.ensure()  # one may have been lost while we waited for another: no body then
         if parking is not None and not parking.holding(until):  # after ensure: a copy taken must run
@@ -195,6 +204,33 @@ def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session:
                                  f"dedupe={spec.dedupe!r} do not go together yet: a parked copy's marker would go "
                                  "as it parks")
     return Parking(task, locks[0], session, settings, spec.parked_limit(defaults))
+
+
+def _preempting(task: Any, spec: LockSpec, locks: List[Lock], settings: Settings) -> None:
+    """Under ``on_contention="preempt"``: while this copy waits, each look it takes at its key
+    asks every contender ahead of it to go (see :meth:`Lock.preempt_ahead`)."""
+    where = f"task {task.name}"
+    if len(locks) != 1 or locks[0].mode != "exclusive":
+        what = f"{len(locks)} keys" if len(locks) != 1 else f"a {locks[0].mode} lock"
+        raise ConfigurationError(f"{where}: on_contention='preempt' (zklock_default_on_contention) interrupts the "
+                                 f"one holder of one exclusive key, and this call has {what}; use another policy")
+    one, request = locks[0], task.request
+    by = {"task": task.name, "task_id": request.id, "worker": request.hostname}
+
+    class Preempter(ContenderObserver):
+        def blocked(self, watching: Tuple[str, ...]) -> None:
+            one.preempt_ahead(by, settings.connect_timeout)
+
+    one.observe(Preempter())
+
+
+def _preempted(task: Any, lock: Lock) -> Dict[str, Any]:
+    """A copy a newer one preempted while it waited: it ends unrun, as ``skip`` would, saying why."""
+    by = lock.preempted_by or {}
+    reason = f"preempted by a newer copy ({describe(by)}) before it started"
+    logger.info("task %s[%s] skipped: lock %r (%s): %s", task.name, task.request.id, lock.label, lock.mode, reason)
+    return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": [], "reason": reason,
+                      "preempted_by": by.get("task_id")}}
 
 
 def release_all(task: Any, held: List[Lock]) -> None:
@@ -283,7 +319,8 @@ def _on_state(task: Any, task_id: Optional[str], guard: Optional[BodyGuard], loc
     if state != LockState.LOST:
         return
     message = lock.lost_message()
-    interrupted = guard.interrupt(f"task {task.name}: {message}") if guard is not None else False
+    kind = Preempted if lock.preempted_by is not None else LockLost
+    interrupted = guard.interrupt(f"task {task.name}: {message}", kind) if guard is not None else False
     logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task_id, message,
                    "; raising LockLost in the body" if interrupted else "")
     signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted)

@@ -137,6 +137,10 @@ class LockSpec:
         countdown = optional_seconds(f"{where}: retry_countdown", get("retry_countdown"))
         if countdown is None:
             raise ConfigurationError(f"{where}: retry_countdown must be a number of seconds, not None")
+        if policy == "preempt" and (mode != "exclusive" or limit is not None):
+            raise ConfigurationError(f"{where}: on_contention='preempt' takes an exclusive lock (a newer copy "
+                                     f"interrupts the one holder), not mode={mode!r}"
+                                     + (f" with limit={limit!r}" if limit is not None else ""))
         park_limit = get("park_limit")
         if park_limit is not DEFAULT:
             positive_int(f"{where}: park_limit", park_limit)

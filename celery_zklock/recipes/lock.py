@@ -32,23 +32,27 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import logging
 import math
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from kazoo.exceptions import BadVersionError, NoNodeError
 from kazoo.protocol.states import Callback, EventType
 
 from ..exceptions import LockLost, LockNotAcquired
-from ..zk import Liveness, Session, deadline
+from ..layout import node_object
+from ..zk import Liveness, Session, deadline, reply
 from ..zk.transport import run_inline
 from . import queue
 from .engine import ContenderObserver, Engine, Held
 from .rules import EXCLUSIVE, READ, RULES, WRITE, Decision, Rule, contender, semaphore, sequence, split_queue
 
-__all__ = ["EXCLUSIVE", "HOLD_STATE", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule",
-           "check_timeout", "contender", "semaphore", "sequence", "split_queue", "to_the_end"]
+__all__ = ["EXCLUSIVE", "HOLD_STATE", "PREEMPTED_BY", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule",
+           "check_timeout", "contender", "describe", "preempt_request", "semaphore", "sequence", "split_queue",
+           "to_the_end"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -120,6 +124,8 @@ class Lock:
         self.held_since = 0.0
         #: Why the lock stopped being held beyond doubt (its node deleted, its session lost).
         self.lost_reason = ""
+        #: Who preempted it, as the newer contender described itself; None if nobody did.
+        self.preempted_by: Optional[Dict[str, Any]] = None
         self._engine = Engine(session, path, rule, data, observer)
         self._held: Optional[Held] = None
         #: The node whose delete we sent (its watch event is then our own doing).
@@ -175,6 +181,7 @@ class Lock:
                 raise RuntimeError(f"lock {self.path} is already {self.state}; locks are not re-entrant")
             self.state = LockState.WAITING
             self.lost_reason = ""
+            self.preempted_by = None
         got = False
         try:
             until = deadline(timeout)
@@ -230,6 +237,10 @@ class Lock:
                 self._deleting = node
         self._engine.leave()
 
+    def observe(self, observer: ContenderObserver) -> None:
+        """Hear what this contender does in the queue from its next :meth:`acquire` on."""
+        self._engine.observer = observer
+
     # -- the queue, read-only ----------------------------------------------------------------
     def holders(self, timeout: Optional[float] = None) -> List[str]:
         """The node data of the contenders holding the lock now (who holds it, for logs)."""
@@ -257,19 +268,20 @@ class Lock:
 
     # -- the hold-watch --------------------------------------------------------------------
     def _watch_own_node(self) -> None:
-        """Learn if anyone but us deletes our node while we hold: then someone else may hold.
+        """Learn if anyone but us deletes our node while we hold (then someone else may hold), or
+        writes a preempt request into it (then a newer contender asks us to go).
 
-        Not waited for: the exists rides behind the requests already sent. Its watch
-        reports a later deletion; its answer, one in the moment before the watch was set
-        (then it is None), and both go the way of a lost session (``on_state``).
+        Not waited for: the read rides behind the requests already sent. Its watch
+        reports a later deletion or write; its answer, one in the moment before the watch
+        was set. A read, not an exists: the same one round trip, and it carries the data.
         """
         held = self._held
         if held is None:
             return
         node = held.node
         try:
-            result = self.session.client.exists_async(f"{self.path}/{node}",
-                                                      watch=functools.partial(self._on_own_node, node))
+            result = self.session.client.get_async(f"{self.path}/{node}",
+                                                   watch=functools.partial(self._on_own_node, node))
         except Exception:  # a closed client: the session's end is reported on its own path
             return
         result.rawlink(functools.partial(self._on_own_node_checked, node))
@@ -282,9 +294,12 @@ class Lock:
 
     @run_inline
     def _on_own_node_checked(self, node: str, result: Any) -> None:
-        if result.exception is None and result.value is not None:
-            return  # it was there when our watch was set: the answer every cycle brings
         if result.exception is None:
+            by = preempt_request(result.value[0])
+            if by is not None:
+                self._later(self._after_preempted, node, by)
+            # else it was there, unchanged, when our watch was set: the answer every cycle brings
+        elif isinstance(result.exception, NoNodeError):
             self._later(self._after_node_gone, node)  # deleted before our watch was set
         # else connection trouble: the session's clock decides
 
@@ -296,6 +311,66 @@ class Lock:
             self._after_node_gone(node)
         elif node == self.node and self.state in _HOLDING:
             self._watch_own_node()  # its data changed (someone else's set): watch on
+
+    def _after_preempted(self, node: str, by: Dict[str, Any]) -> None:
+        """A newer contender asked us to go: the lock is lost, our node goes now, so it holds next."""
+        with self._mutex:
+            if node != self.node or node == self._deleting or self.state not in _HOLDING:
+                return  # released meanwhile, or an earlier node of ours
+            self.state = LockState.LOST
+            self.preempted_by = by
+            self.lost_reason = f"a newer contender preempted it ({describe(by)})"
+        logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
+        self._leave()
+        if self.on_state is not None:
+            self.on_state(self, LockState.LOST)
+
+    def check_preempted(self, timeout: Optional[float] = None) -> bool:
+        """Read our node now, and lose the lock if a newer contender marked it while we waited
+        (its write came before we held, so our hold's watch may not have answered yet); True
+        if preempted. One round trip: for contenders that preempt, before their body runs."""
+        node = self.node
+        if node is None:
+            return self.preempted_by is not None
+        try:
+            data, _ = reply(self.session.client.get_async(f"{self.path}/{node}"), deadline(timeout))
+        except NoNodeError:
+            return False  # its watch reports that
+        by = preempt_request(data)
+        if by is not None:
+            self._after_preempted(node, by)
+        return self.preempted_by is not None
+
+    def preempt_ahead(self, by: Dict[str, Any], timeout: Optional[float] = None) -> int:
+        """Ask every contender ahead of ours to go: each holder loses the lock at once and gives
+        its node back; a waiter does so as it comes to hold. Marks each one once, version-checked
+        (a contender that changed its data meanwhile is read again next time); how many were
+        marked now. Call while waiting (an observer's ``blocked``): each wake marks any new one."""
+        node = self.node
+        if node is None:
+            return 0
+        client, until = self.session.client, deadline(timeout)
+        ours = sequence(node)
+        ahead = [c for c in reply(client.get_children_async(self.path), until) if 0 <= sequence(c) < ours]
+        reads = [(c, client.get_async(f"{self.path}/{c}")) for c in ahead]
+        marks = []
+        for name, read in reads:
+            try:
+                data, stat = reply(read, until)
+            except NoNodeError:
+                continue  # gone already
+            if preempt_request(data) is None:
+                marked = {**node_object(data), PREEMPTED_BY: by}
+                marks.append(client.set_async(f"{self.path}/{name}", json.dumps(marked).encode(),
+                                              version=stat.version))
+        done = 0
+        for result in marks:
+            try:
+                reply(result, until)
+                done += 1
+            except (BadVersionError, NoNodeError):
+                pass  # it went, or its data changed (a promotion touch): the next look marks it
+        return done
 
     def _after_node_gone(self, node: str) -> None:
         with self._mutex:
@@ -331,6 +406,28 @@ class Lock:
             self._leave()
         if self.on_state is not None:
             self.on_state(self, new)
+
+
+#: The key of a contender's node data that asks it to go: who asked (see :meth:`Lock.preempt_ahead`).
+PREEMPTED_BY = "preempted_by"
+
+
+def preempt_request(data: bytes) -> Optional[Dict[str, Any]]:
+    """Who asked the contender whose node holds ``data`` to go, or None.
+
+    >>> preempt_request(b'{"task_id": "a", "preempted_by": {"task_id": "b"}}'), preempt_request(b"junk")
+    ({'task_id': 'b'}, None)
+    """
+    by = node_object(data).get(PREEMPTED_BY)
+    return by if isinstance(by, dict) else None
+
+
+def describe(who: Dict[str, Any]) -> str:
+    """``task T[id] on worker W``, or whatever a contender's description names."""
+    if who.get("task"):
+        worker = f" on worker {who['worker']}" if who.get("worker") else ""
+        return f"task {who['task']}[{who.get('task_id')}]{worker}"
+    return ", ".join(f"{k} {v}" for k, v in sorted(who.items())) or "a contender of unknown origin"
 
 
 def to_the_end(step: Callable[[], None], attempts: int = 3) -> None:

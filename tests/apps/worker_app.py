@@ -16,7 +16,7 @@ import redis
 from celery import Celery, current_task
 from celery.signals import after_task_publish, before_task_publish, task_postrun, task_prerun
 
-from celery_zklock import LockLost, ZkLockedTask, current_lock, current_locks, zk_locked
+from celery_zklock import LockLost, Preempted, ZkLockedTask, current_lock, current_locks, zk_locked
 
 app = Celery("worker_app")
 app.conf.update(
@@ -262,6 +262,43 @@ def _on_receive(sender: Any = None, **extra: Any) -> None:
     # The pool process that received a parked copy sent again dies before the copy claims its place.
     if sender is not None and sender.name == "tests.apps.worker_app.parking":
         _kill_if("park:kill-on-receive", {"zklock_parked": getattr(sender.request, "zklock_parked", None)})
+
+
+#: A store that checks fencing tokens: a write with a token lower than the last one it took is refused.
+_CHECK_TOKEN = """
+local last = tonumber(redis.call('HGET', KEYS[1], 'token') or '-1')
+if tonumber(ARGV[1]) < last then return 0 end
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'value', ARGV[2])
+return 1
+"""
+
+
+def fenced_write(key: str, value: Any, token: int) -> bool:
+    """Write ``value`` to the store's ``key`` under fencing ``token``; False if refused."""
+    return bool(history().eval(_CHECK_TOKEN, 1, f"store:{key}", token, json.dumps(value)))
+
+
+@app.task(bind=True)
+@zk_locked(key="pre:{key}", on_contention="preempt", timeout=60)
+def preempting(self, key: str, seconds: float, n: int) -> int:
+    """Writes ``n`` to the store as it starts. Preempted, it waits until the newer holder has
+    written, then tries one late write with its own token (the store must refuse it)."""
+    token = current_lock().fencing_token
+    note("start", key=key, token=token, n=n)
+    assert fenced_write(key, n, token)
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Preempted:
+        note("preempted", key=key, token=token, n=n)
+        until = time.monotonic() + 20
+        while int(history().hget(f"store:{key}", "token") or -1) <= token and time.monotonic() < until:
+            time.sleep(0.01)
+        note("late_write", key=key, token=token, n=n, accepted=fenced_write(key, f"late {n}", token))
+        raise
+    note("end", key=key, token=token, n=n)
+    return n
 
 
 @app.task

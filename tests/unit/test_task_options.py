@@ -108,6 +108,8 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"dedupe": "queued", "on_duplicate": "ignore"}, "on_duplicate must be one of return, raise, none"),
     ({"dedupe": "queued", "dedupe_ttl": 0}, "dedupe_ttl must be a positive number"),
     ({"dedupe": "queued", "dedupe_on_unavailable": "skip"}, "dedupe_on_unavailable must be one of fail, publish"),
+    ({"on_contention": "preempt", "mode": "read"}, "on_contention='preempt' takes an exclusive lock .*not mode='read'"),
+    ({"on_contention": "preempt", "limit": 2}, "on_contention='preempt' takes an exclusive lock .*with limit=2"),
     ({"on_contention": "park", "park_limit": 0}, "park_limit must be a positive int, not 0"),
     ({"on_contention": "park", "park_limit": True}, "park_limit must be a positive int, not True"),
     ({"on_contention": "wait", "park_limit": 5}, "park_limit applies only with on_contention='park'"),
