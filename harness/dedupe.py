@@ -111,15 +111,18 @@ def _over(times: Dict[str, float]) -> bool:
 
 
 def latest_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]],
-                      results: Dict[str, Any]) -> List[str]:
+                      results: Dict[str, Any], excused: Iterable[str] = ()) -> List[str]:
     """What broke the ``dedupe="latest"`` promise, one line each ([] when none).
 
-    A publish is as above (every one is sent: ``got == asked``); ``results`` maps each task
-    id to its stored result (``None`` if it never resolved). Publish B is *newer* than A
-    when B's call began after A's returned (``A.t1 < B.t0``): only then is the order sure.
+    A publish is as above (``got`` None when it raised: its copy was never sent); ``results``
+    maps each sent copy's id to its stored result. Publish B is *newer* than A when B's call
+    began after A's returned (``A.t1 < B.t0``): only then is the order sure. ``excused``
+    copies ended without a body and their callers were told so (revoked, failed as they
+    started), or were never sent (a publisher killed after its marker): what they replaced
+    is not promised, and is not counted lost.
 
-    - every publish's result resolved: its copy ran (once), or it says which copy replaced it;
-    - no copy ran twice, and no copy ran (``pre``) after a newer one of its key had begun;
+    - every sent copy's result resolved: its copy ran (once), or it names the copy that replaced it;
+    - no copy ran after a newer one of its key had begun;
     - a copy that ran was not stale: no newer publish of its key returned before its ``pre``
       (that publish's marker was written before this copy read it);
     - nothing was lost: after each publish, a copy of its key no older than it began.
@@ -131,49 +134,59 @@ def latest_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
     ...     print(line)
     x (a) ran, though y, newer, was published before it began
     publish y of key 'a' at 2.000 was lost: no copy as new began after it
-    y (a): result replaced by x, an older copy
+    y (a): its result says an older copy, x, replaced it
     """
     problems: List[str] = []
+    excused = set(excused) | {p["asked"] for p in publishes if p["got"] is None}
+    sent = [p for p in publishes if p["got"] is not None]
     pre: Dict[str, List[float]] = collections.defaultdict(list)
     for r in runs:
         if r["event"] == "pre":
             pre[r["task_id"]].append(r["time"])
-    by_id = {p["asked"]: p for p in publishes}
-    by_key: Dict[str, List[Dict[str, Any]]] = collections.defaultdict(list)
-    for p in publishes:
-        by_key[p["key"]].append(p)
-    ran = {task_id for task_id in by_id if any(r["task_id"] == task_id and r["event"] == "start" for r in runs)}
     starts = collections.Counter(r["task_id"] for r in runs if r["event"] == "start")
     for task_id, n in starts.items():
         if n > 1:
             problems.append(f"{task_id} ran {n} times")
+    by_id = {p["asked"]: p for p in publishes}
+    by_key: Dict[str, List[Dict[str, Any]]] = collections.defaultdict(list)
+    for p in sent:
+        by_key[p["key"]].append(p)
+
+    def replaced_by(task_id: str) -> Any:
+        result = results.get(task_id)
+        return result.get("zklock_skipped", {}).get("replaced_by") if isinstance(result, dict) else None
+
     for key, pubs in by_key.items():
         for a in pubs:
-            if a["asked"] not in ran:
+            if not starts[a["asked"]]:
                 continue
             began = min(pre[a["asked"]])
             newer = [b for b in pubs if b["t0"] > a["t1"]]
-            for b in newer:
-                if b["t1"] < began:
-                    problems.append(f"{a['asked']} ({key}) ran, though {b['asked']}, newer, was published before "
-                                    "it began")
-                    break
-            for b in newer:
-                if b["asked"] in ran and min(pre[b["asked"]]) < began:
-                    problems.append(f"{a['asked']} ({key}) ran after {b['asked']}, newer, had begun")
-                    break
+            stale = next((b for b in newer if b["t1"] < began), None)
+            if stale is not None:
+                problems.append(f"{a['asked']} ({key}) ran, though {stale['asked']}, newer, was published before "
+                                "it began")
+            after = next((b for b in newer if starts[b["asked"]] and min(pre[b["asked"]]) < began), None)
+            if after is not None:
+                problems.append(f"{a['asked']} ({key}) ran after {after['asked']}, newer, had begun")
         for p in pubs:
-            if not any(q["asked"] in ran and q["t1"] >= p["t0"] and max(pre[q["asked"]]) >= p["t0"] for q in pubs):
-                problems.append(f"publish {p['asked']} of key {key!r} at {p['t0']:.3f} was lost: no copy as new "
-                                "began after it")
-    for task_id, p in by_id.items():
-        result = results.get(task_id)
-        replaced = (result or {}).get("zklock_skipped", {}).get("replaced_by") if isinstance(result, dict) else None
-        if task_id in ran:
-            if replaced is not None:
+            if replaced_by(p["asked"]) in excused or any(
+                    q["t1"] >= p["t0"] and (q["asked"] in excused or (starts[q["asked"]] and
+                                                                      max(pre[q["asked"]]) >= p["t0"]))
+                    for q in pubs):
+                continue
+            problems.append(f"publish {p['asked']} of key {key!r} at {p['t0']:.3f} was lost: no copy as new "
+                            "began after it")
+    for p in sent:
+        task_id, newer = p["asked"], replaced_by(p["asked"])
+        if task_id in excused:
+            continue
+        if starts[task_id]:
+            if newer is not None:
                 problems.append(f"{task_id} ran, yet its result says it was replaced")
-        elif replaced is None:
-            problems.append(f"{task_id} ({p['key']}) did not run and its result ({result!r}) names no newer copy")
-        elif replaced not in by_id or by_id[replaced]["t1"] < p["t0"]:
-            problems.append(f"{task_id} ({p['key']}): result replaced by {replaced}, an older copy")
+        elif newer is None:
+            problems.append(f"{task_id} ({p['key']}) did not run and its result ({results.get(task_id)!r}) "
+                            "names no newer copy")
+        elif newer in by_id and by_id[newer]["t1"] < p["t0"]:
+            problems.append(f"{task_id} ({p['key']}): its result says an older copy, {newer}, replaced it")
     return problems

@@ -3,16 +3,19 @@ from a recorded seed, each round's history checked by :func:`harness.dedupe.dedu
 
     ZKLOCK_FUZZ_DEDUPE_ROUNDS=1000 pytest tests/integration/test_fuzz_dedupe.py   # a long run
     ZKLOCK_FUZZ_SEED=1234 ZKLOCK_FUZZ_DEDUPE_ROUNDS=1 pytest ...                 # replay one round
+    ZKLOCK_FUZZ_DEDUPE_MODES=latest,latest_locked ...                               # one feature's rounds
 
-A round draws a mode (``queued``, ``queued_or_running``, or ``queued_or_running`` with a lock
-and a retry), two keys, two publishing threads, and up to three faults, each at a drawn
-moment: the publishers' or the worker's ZooKeeper link reset or dark for a while, the reply
-to a publisher's create (or multi, or delete) lost or held back, a pool process SIGKILLed
-mid-body, a copy revoked, a publisher process SIGKILLed between its marker and its send, a
-group of two copies of one key. Once the work settles the round checks that no two copies
-of a key were queued (or queued or running) at once, that every publish started a copy
-that ran or returned the id of one that ran, that every group completed, and that no
-marker is left in ZooKeeper (but a killed publisher's, whose lifetime is not over).
+A round draws a mode (``queued``, ``queued_or_running``, ``queued_or_running`` with a lock
+and a retry, or ``latest``, with or without a lock), two keys, two publishing threads, and
+up to three faults, each at a drawn moment: the publishers' or the worker's ZooKeeper link
+reset or dark for a while, the reply to a publisher's create (or multi, or delete) lost or
+held back, a pool process SIGKILLed mid-body, a copy revoked, a publisher process SIGKILLed
+between its marker and its send, a group of two copies of one key. Once the work settles the
+round checks that no two copies of a key were queued (or queued or running) at once, that
+every publish started a copy that ran or returned the id of one that ran, that every group
+completed, and that no marker is left in ZooKeeper (but a killed publisher's, whose lifetime
+is not over). A ``latest`` round is checked by :func:`harness.dedupe.latest_violations`
+instead: every result resolved, no stale copy ran, nothing was lost.
 
 The worker and the publishers reach ZooKeeper through their own proxies; the worker's
 marker lifetime is 4 s (``ZKT_DEDUPE_TTL``), the sessions' timeout 4 s.
@@ -40,7 +43,7 @@ from celery_zklock.glue.api import settings_of
 from celery_zklock.recipes.marker import read_marker
 from celery_zklock.zk import session_for
 from harness import CeleryWorker, Op, TcpProxy
-from harness.dedupe import dedupe_violations
+from harness.dedupe import dedupe_violations, latest_violations
 from tests.apps import dedupe_app
 from tests.util import children, wait_until
 
@@ -49,7 +52,11 @@ pytestmark = pytest.mark.slow
 ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_DEDUPE_ROUNDS", "8"))
 FIRST_SEED = int(os.environ.get("ZKLOCK_FUZZ_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
 TTL = 4.0
-MODES = {"queued": ("debounced", 1), "queued_or_running": ("singleton", 1), "retried": ("retried", 2)}
+MODES = {"queued": ("debounced", 1), "queued_or_running": ("singleton", 1), "retried": ("retried", 2),
+         "latest": ("newest", 1), "latest_locked": ("newest_locked", 1)}
+#: ZKLOCK_FUZZ_DEDUPE_MODES=latest,latest_locked draws only those modes (a long run of one feature).
+DRAWN = sorted(os.environ.get("ZKLOCK_FUZZ_DEDUPE_MODES", "").split(",") if os.environ.get(
+    "ZKLOCK_FUZZ_DEDUPE_MODES") else MODES)
 FAULTS = ("publisher_reset", "worker_reset", "publisher_dark", "worker_dark", "reply_lost", "reply_held",
           "child_killed", "revoked", "publisher_killed", "group")
 
@@ -116,9 +123,10 @@ class Round:
 
     def __init__(self, rig: Rig, seed: int) -> None:
         self.rig, self.seed, self.rng = rig, seed, random.Random(seed)
-        self.mode_name = self.rng.choice(sorted(MODES))
+        self.mode_name = self.rng.choice(DRAWN)
         self.task = getattr(dedupe_app, MODES[self.mode_name][0])
-        self.mode = "queued" if self.mode_name == "queued" else "queued_or_running"
+        self.mode = self.mode_name if self.mode_name in ("queued", "latest") else \
+            "latest" if self.mode_name == "latest_locked" else "queued_or_running"
         self.keys = [f"s{seed}-{i}" for i in range(2)]
         self.faults = sorted((self.rng.uniform(0.0, 1.5), self.rng.choice(FAULTS), self.rng.uniform(0.3, 2.5))
                              for _ in range(self.rng.randrange(4)))
@@ -232,6 +240,9 @@ class Round:
             if r["event"] in ("revoked", "killed", "failed"):
                 over.add(r["task_id"])
         fresh = {p["asked"] for p in self.publishes if p["got"] == p["asked"]}
+        if self.mode == "latest":  # a replaced copy runs no body: its result says so
+            return all(t in over or dedupe_app.app.AsyncResult(t).ready() for t in fresh) \
+                and all(g.ready() for g in self.groups)
         return all(ends.get(t, 0) >= MODES[self.mode_name][1] or t in over for t in fresh) \
             and all(g.ready() for g in self.groups)
 
@@ -244,6 +255,8 @@ class Round:
         for g in self.groups:
             if not g.ready():
                 problems.append(f"group {g.id} did not complete")
+        if self.mode == "latest":  # its markers stay, started, until they expire
+            return problems + self.latest_problems()
         try:
             wait_until(lambda: not self.live_markers(), timeout=30)
         except AssertionError:
@@ -259,6 +272,20 @@ class Round:
                                       starts_per_copy=MODES[self.mode_name][1], unpromised=self.unpromised,
                                       ghosts_until=self.ghosts_until)
         return problems
+
+    def latest_problems(self) -> List[str]:
+        runs = self.history()
+        sent = [p["asked"] for p in self.publishes if p["got"] is not None]
+        results = {t: dedupe_app.app.AsyncResult(t).result for t in sent}
+        # Told, or not promised: a copy revoked, one that failed as it started (its caller is
+        # told), one whose publish failed or whose publisher was killed after its marker.
+        excused = {r["task_id"] for r in runs if r["event"] in ("revoked", "failed")}
+        excused |= {t for t in sent if dedupe_app.app.AsyncResult(t).state == "FAILURE"
+                    and not any(r["task_id"] == t and r["event"] == "start" for r in runs)}
+        named = {((r or {}).get("zklock_skipped") or {}).get("replaced_by") for r in results.values()
+                 if isinstance(r, dict)}
+        excused |= {t for t in named if t is not None and t not in {p["asked"] for p in self.publishes}}
+        return latest_violations(self.publishes, runs, results, excused)
 
     def never_sent(self) -> List[Dict[str, Any]]:
         """A ``failed`` event for each copy a publish returned that no worker met and whose
@@ -276,6 +303,17 @@ class Round:
                 if not (m and m["task_id"] not in ours and m["expires"] < time.time())}
 
 
+def stacks(pid: int) -> str:
+    """Every thread's stack in the worker's processes, if py-spy is at hand (a round that hung)."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        return ""
+    pids = [pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                     text=True).stdout.split()]
+    return "\n".join(subprocess.run([spy, "dump", "--pid", str(p)], capture_output=True, text=True).stdout
+                     for p in pids)
+
+
 def test_dedupe_rounds(rig):
     failures: Dict[int, List[str]] = {}
     for seed in range(FIRST_SEED, FIRST_SEED + ROUNDS):
@@ -286,7 +324,8 @@ def test_dedupe_rounds(rig):
             if os.environ.get("ZKLOCK_FUZZ_DUMP"):  # the round's whole history, to read
                 with open(os.environ["ZKLOCK_FUZZ_DUMP"], "w") as f:
                     json.dump({"publishes": r.publishes, "runs": r.history(), "problems": problems,
-                               "worker": rig.worker.log_text()[-40000:]}, f, indent=1)
+                               "worker": rig.worker.log_text()[-40000:], "stacks": stacks(rig.worker.pid)}, f,
+                              indent=1)
             break
     print(f"fuzz dedupe: {ROUNDS if not failures else len(failures)} rounds from seed {FIRST_SEED}")
     assert not failures, f"replay with ZKLOCK_FUZZ_SEED={min(failures)} ZKLOCK_FUZZ_DEDUPE_ROUNDS=1: {failures}"
