@@ -27,7 +27,7 @@ from tests.util import children, wait_until
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_ROUNDS", "100"))
+ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_ROUNDS", "70"))
 FIRST_SEED = int(os.environ.get("ZKLOCK_FUZZ_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
 CONTENDERS = 6
 #: A waiter may sleep at most this long while the rule would let it hold (plus injected delays).

@@ -39,7 +39,7 @@ from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_ENSEMBLE_ROUNDS", "12"))
+ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_ENSEMBLE_ROUNDS", "8"))
 FIRST_SEED = int(os.environ.get("ZKLOCK_FUZZ_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
 TICK_MS = 100
 TIMEOUT = 1.5
