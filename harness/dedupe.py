@@ -156,6 +156,14 @@ def latest_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
         result = results.get(task_id)
         return result.get("zklock_skipped", {}).get("replaced_by") if isinstance(result, dict) else None
 
+    def last_of(task_id: str) -> Any:
+        """Where a chain of replacements from ``task_id`` ends: the copy that replaced the rest."""
+        seen = set()
+        while replaced_by(task_id) is not None and task_id not in seen:
+            seen.add(task_id)
+            task_id = replaced_by(task_id)
+        return task_id
+
     for key, pubs in by_key.items():
         for a in pubs:
             if not starts[a["asked"]]:
@@ -170,7 +178,7 @@ def latest_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
             if after is not None:
                 problems.append(f"{a['asked']} ({key}) ran after {after['asked']}, newer, had begun")
         for p in pubs:
-            if replaced_by(p["asked"]) in excused or any(
+            if last_of(p["asked"]) in excused or any(
                     q["t1"] >= p["t0"] and (q["asked"] in excused or (starts[q["asked"]] and
                                                                       max(pre[q["asked"]]) >= p["t0"]))
                     for q in pubs):

@@ -365,7 +365,7 @@ def _latest(task: Any, spec: LockSpec, marker: str, mark: bool) -> None:
         runs, newer = start_latest(session_for(settings), marker, task.request.id, settings.connect_timeout, mark)
     except Exception as exc:
         raise _not_run(task, f"its dedupe marker {marker} could not be read", exc,
-                       "run after it though older") from None
+                       "run before it, and this older copy would then run stale") from None
     if runs:
         return
     logger.info("task %s[%s] skipped: replaced by a newer copy (task id %s) under dedupe='latest'", task.name,
