@@ -134,6 +134,7 @@ class Round:
         self.unpromised: Set[str] = set()
         self.groups: List[Any] = []
         self.ghosts_until = float("-inf")
+        self.first_event = 0  # the index of this round's first run event (see history)
         self.lock = threading.Lock()
 
     def args(self, rng: random.Random, key: str) -> tuple:
@@ -201,6 +202,7 @@ class Round:
         # Each round starts from a healthy publisher: after a fault, its breaker keeps it off
         # ZooKeeper for a while (by design), and every publish of the next round would fail.
         wait_until(self.publisher_healthy, timeout=30)
+        self.first_event = self.rig.redis.llen("dedupe:runs")
         threads = [threading.Thread(target=self.publisher, args=(n,)) for n in range(2)]
         start = time.monotonic()
         for t in threads:
@@ -228,7 +230,9 @@ class Round:
     def history(self) -> List[Dict[str, Any]]:
         """This round's run events (a late event of an earlier round's copy is not)."""
         ours = {p["asked"] for p in self.publishes} | self.unpromised
-        return [r for r in map(json.loads, self.rig.redis.lrange("dedupe:runs", 0, -1))
+        # From this round's start on: every poll re-reading the whole list made a long run's
+        # rounds slower and slower (300 rounds did not end in 15 min).
+        return [r for r in map(json.loads, self.rig.redis.lrange("dedupe:runs", self.first_event, -1))
                 if r["task_id"] in ours or r.get("key") in self.keys]
 
     def settled(self) -> bool:
