@@ -19,15 +19,24 @@ from contextvars import ContextVar
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from celery.exceptions import Ignore
+from kazoo.exceptions import KazooException
 
 from .. import signals
 from ..conf import Settings, TaskDefaults
-from ..exceptions import ConfigurationError, LockLost, LockNotAcquired, NoCurrentLock, Preempted, ZooKeeperUnavailable
+from ..exceptions import (
+    ConfigurationError,
+    LockLost,
+    LockNotAcquired,
+    NoCurrentLock,
+    Preempted,
+    ZooKeeperUnavailable,
+    explain,
+)
 from ..layout import node_object
 from ..recipes import Lock, LockState
 from ..recipes.engine import ContenderObserver
 from ..recipes.lock import describe
-from ..zk import Session, deadline, remaining, session_for
+from ..zk import Session, deadline, remaining, session_for, timeouts
 from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
@@ -143,7 +152,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
             held.append(one)
             if one.acquire(blocking=waits, timeout=remaining(until)):
                 signals.lock_acquired.send(sender=task, lock=one)
-                if policy == "preempt" and one.check_preempted(settings.connect_timeout):
+                if policy == "preempt" and _asked_to_go(task, one, settings):
                     # A newer copy marked ours while it waited: it goes before its body starts.
                     release_all(task, held)
                     return _preempted(task, one)
@@ -222,6 +231,17 @@ def _preempting(task: Any, spec: LockSpec, locks: List[Lock], settings: Settings
             one.preempt_ahead(by, settings.connect_timeout)
 
     one.observe(Preempter())
+
+
+def _asked_to_go(task: Any, lock: Lock, settings: Settings) -> bool:
+    """Whether a newer copy marked ours while it waited (see :meth:`Lock.check_preempted`)."""
+    try:
+        return lock.check_preempted(settings.connect_timeout)
+    except (KazooException, *timeouts()) as exc:
+        raise ZooKeeperUnavailable(
+            f"task {task.name}: ZooKeeper at zklock_hosts={settings.hosts!r} did not answer whether a newer copy "
+            f"preempted this one as it came to hold lock {lock.label!r} ({explain(exc)}), so the task did not "
+            "run") from None
 
 
 def _preempted(task: Any, lock: Lock) -> Dict[str, Any]:
