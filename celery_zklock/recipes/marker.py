@@ -73,6 +73,17 @@ def _ours(session: Session, path: str, task_id: str, until: Optional[float],
     waits for it; pipelined, it costs no round trip. A server that cannot reach the
     leader answers neither. A read after our own write needs none.
     """
+    found = _read(session, path, until, sync)
+    if found is None:
+        return None
+    marker, stat = found
+    return (marker, stat) if marker is not None and marker["task_id"] == task_id else None
+
+
+def _read(session: Session, path: str, until: Optional[float],
+          sync: bool) -> Optional[Tuple[Optional[Dict[str, Any]], Any]]:
+    """The marker at ``path`` (None for junk) and its stat, ``sync``ed first (see :func:`_ours`);
+    None when there is no marker."""
     client = session.client
     synced = client.sync_async("/") if sync else None
     read = client.get_async(path)
@@ -82,8 +93,7 @@ def _ours(session: Session, path: str, task_id: str, until: Optional[float],
         raw, stat = reply(read, until)
     except NoNodeError:
         return None
-    marker = read_marker(raw)
-    return (marker, stat) if marker is not None and marker["task_id"] == task_id else None
+    return read_marker(raw), stat
 
 
 def claim(session: Session, path: str, data: Dict[str, Any],
@@ -249,15 +259,10 @@ def _start_latest(session: Session, path: str, task_id: str, until: Optional[flo
     for attempt in range(5):
         # Synced first, as in _ours: the publisher's write must not look missing on a
         # follower that is behind.
-        synced = client.sync_async("/") if attempt == 0 else None
-        read = client.get_async(path)
-        try:
-            if synced is not None:
-                reply(synced, until)
-            raw, stat = reply(read, until)
-        except NoNodeError:
+        found = _read(session, path, until, sync=attempt == 0)
+        if found is None:
             return True, None
-        marker = read_marker(raw)
+        marker, stat = found
         if marker is None:
             return True, None  # junk: it names no newer copy
         if marker["task_id"] != task_id:
