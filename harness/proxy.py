@@ -173,7 +173,8 @@ class TcpProxy:
     """A loopback proxy in front of one ZooKeeper server.
 
     Modes: ``pass`` forwards both ways; ``blackhole`` keeps connections open but
-    forwards nothing (a partition: the client hears nothing, no RST);
+    holds every byte where it is until the mode changes, then delivers it in order
+    (a partition: the client hears nothing, no RST; TCP loses nothing of a live connection);
     ``drop_replies`` forwards requests to the server but swallows its replies
     (the request happens, the client never learns it did).
     :meth:`reset` closes every open connection (a crash-like RST).
@@ -322,8 +323,14 @@ class TcpProxy:
                         fault.matched.set()
                         fault = None
                 first = False
-                mode = self._mode
-                if mode == "blackhole" or (mode == "drop_replies" and is_reply):
+                # A partition delays what crosses it; it never loses a byte of a connection
+                # that lives on (TCP re-sends it once the link heals). A proxy that dropped
+                # frames would lose a watch event no client can notice missing.
+                while self._mode == "blackhole" and not (link.closed.is_set() or self._closed.is_set()):
+                    link.closed.wait(0.01)
+                if link.closed.is_set() or self._closed.is_set():
+                    break
+                if self._mode == "drop_replies" and is_reply:
                     continue
                 if fault is not None:
                     fault.matched.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import uuid
 from typing import Iterator, List
 
@@ -54,6 +55,15 @@ def _close_sessions_after_each_test() -> Iterator[None]:
     """Sessions opened by a test (tasks run in-process open them lazily) end with it."""
     yield
     close_sessions()
+
+
+@pytest.fixture(autouse=True)
+def _root_log_level_left_as_found() -> Iterator[None]:
+    """Celery's in-thread worker sets the root logger's level to its own (ERROR) and leaves it
+    so: every later test's WARNING, checked through caplog, would vanish. Put it back."""
+    level = logging.getLogger().level
+    yield
+    logging.getLogger().setLevel(level)
 
 
 @pytest.fixture(autouse=True)

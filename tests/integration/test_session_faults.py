@@ -179,3 +179,27 @@ def test_one_session_per_process_and_a_new_one_after_fork(settings):
         pass
     close_sessions()
     assert not parent.started
+
+
+@pytest.mark.slow
+def test_a_waiter_whose_link_goes_dark_as_its_predecessor_leaves_holds_once_it_heals(proxy, new_session, zk_root):
+    # A partition shorter than a ping interval: TCP delays what crosses it, it does not lose
+    # it. The predecessor's deletion event reaches the waiter once the link heals, and the
+    # waiter holds then (a link that lost the event would leave it waiting forever).
+    path = f"{zk_root}/locks/k-dark-wake"
+    holder = Lock(new_session(), path, EXCLUSIVE)
+    assert holder.acquire()
+    waiter = Lock(new_session(hosts=proxy.hosts, session_timeout=8), path, EXCLUSIVE)
+    got: List[float] = []
+    t = threading.Thread(target=lambda: waiter.acquire(timeout=20) and got.append(time.monotonic()))
+    t.start()
+    wait_until(lambda: waiter.state == "waiting" and len(holder.contenders()) == 2)
+    proxy.mode = "blackhole"
+    holder.release()
+    time.sleep(0.5)  # the deletion event meets the dark link
+    healed = time.monotonic()
+    proxy.mode = "pass"
+    t.join(25)
+    assert got, "the waiter never heard its predecessor leave"
+    assert got[0] - healed < 2.0, f"held {got[0] - healed:.2f}s after the link healed"
+    waiter.release()
