@@ -19,7 +19,7 @@ from ..conf import LockMode, Settings, TaskDefaults, did_you_mean
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from ..layout import LOCK_TREES, Layout, check_key
 from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
-from ..zk import Session, session_for, timeouts
+from ..zk import Session, deadline, remaining, session_for, through_blips, timeouts
 
 __all__ = ["MODES", "claim_scheme", "holder_data", "layout_of", "lock", "lock_path", "rule_for", "settings_of",
            "task_defaults"]
@@ -86,8 +86,11 @@ def holder_data(**extra: Any) -> bytes:
 
 def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
     """Check (once per session) that the root names keys as ``layout`` does: see Nodes.claim_scheme."""
+    until = deadline(timeout)
     try:
-        session.nodes.claim_scheme(layout.scheme, LOCK_TREES, timeout)
+        # Each step of the claim finds what a lost reply's request did: a blip under a pool
+        # process's first task is ridden through, not that task's failure.
+        through_blips(session, until, lambda: session.nodes.claim_scheme(layout.scheme, LOCK_TREES, remaining(until)))
     except (KazooException, *timeouts()) as exc:
         raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root} within "
                                    f"zklock_connect_timeout={timeout:g}s: {type(exc).__name__}") from None

@@ -208,3 +208,20 @@ def authed(zk_server, credential) -> KazooClient:
     client = KazooClient(zk_server.hosts, auth_data=[("digest", credential)] if credential else None)
     client.start()
     return client
+
+
+@pytest.mark.parametrize("op", [Op.GET_DATA, Op.MULTI])
+def test_a_blip_as_a_session_claims_its_scheme_is_ridden_through(new_session, zk_server, zk_root, kazoo, op):
+    # The first task of a pool process claims the scheme: a connection that breaks under the
+    # claim's read (or its commit) and comes back at once must not fail that task.
+    layout = Layout(zk_root)
+    with TcpProxy(zk_server.port) as proxy:
+        session = new_session(hosts=proxy.hosts)
+        session.nodes.ensure_path(f"{zk_root}/members", 10)
+        sid = session.client.client_id[0]
+        cut = proxy.cut_after(op)  # the request reaches the server; its reply never comes back
+        claim_scheme(session, layout, 10)
+        assert cut.done.is_set(), "the fault never struck the claim"
+    members = children(kazoo, f"{zk_root}/members")
+    assert members == [f"readable-{sid:016x}"], members
+    assert json.loads(kazoo.get(zk_root)[0])["key_names"] == layout.scheme
