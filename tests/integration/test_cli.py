@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from typing import Dict, Iterator
@@ -92,7 +93,7 @@ def test_locks_and_status_show_holder_waiters_and_beat_leader(busy, cli_env):
 
 
 def test_locks_shows_a_semaphore_against_its_limit_on_every_holder_row(cli_env, queue, redis_server):  # noqa: F811
-    with CeleryWorker("tests.apps.worker_app", name="w2", concurrency=3, env=cli_env, extra_args=["-Q", queue]):
+    with CeleryWorker("tests.apps.worker_app", name="w2", concurrency=3, env=cli_env, extra_args=["-Q", queue]) as w:
         for _ in range(2):
             worker_app.pooled.apply_async(("p", 30), queue=queue)
         history = redis.Redis.from_url(redis_server.url)
@@ -102,6 +103,7 @@ def test_locks_shows_a_semaphore_against_its_limit_on_every_holder_row(cli_env, 
         assert len(rows) == 2, rows
         for row in rows:  # the count and the waiters on each holder's row, not only the first
             assert re.search(r" semaphore +2/3 .* 0  \d+$", row), row
+        w.stop(signal.SIGQUIT)  # a cold shutdown: a warm one would wait out the 30 s bodies
 
 
 def test_check_reports_the_server(cli_env):

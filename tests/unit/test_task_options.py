@@ -15,6 +15,7 @@ from celery_zklock import ConfigurationError, KeyBuildError, ZkLockedTask, zk_lo
 from celery_zklock.conf import TaskDefaults
 from celery_zklock.glue.options import locking_of
 from celery_zklock.keys import bind_arguments, build_keys, check_key_parts, default_key
+from harness import free_port
 
 
 @dataclass
@@ -175,6 +176,9 @@ def test_zklock_option_without_the_base_class_is_reported(caplog):
     from celery_zklock.task import problems
 
     app = Celery("stray", set_as_current=False)
+    # Shared locked tasks of earlier tests join this app, and the worker's check then reads the
+    # key-name scheme: from a port nothing listens on (never the default 2181), refused at once.
+    app.conf.update(zklock_hosts=f"127.0.0.1:{free_port()}", zklock_connect_timeout=1)
 
     @app.task(zklock={"key": "x"}, shared=False)
     def stray(x):
