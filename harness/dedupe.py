@@ -198,3 +198,76 @@ def latest_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]
         elif newer in by_id and by_id[newer]["t1"] < p["t0"]:
             problems.append(f"{task_id} ({p['key']}): its result says an older copy, {newer}, replaced it")
     return problems
+
+
+def contention_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, Any]], policy: str,
+                          results: Dict[str, Any], unpromised: Iterable[str] = ()) -> List[str]:
+    """What broke the ``on_contention="park"`` or ``"preempt"`` promise, one line each ([] when none).
+
+    ``runs`` carry each body's ``start`` (with its fencing ``token``) and ``end`` (or
+    ``interrupted``, as an exception ends it), and a copy's ``killed``, ``revoked`` or
+    ``failed`` (with its ``error``: noted after its locks were given back); ``results`` maps each
+    sent copy's id to its stored result; ``unpromised`` copies (a canvas's, whose send may
+    have failed half-way) may also not run at all.
+
+    - no copy ran its body twice;
+    - ``park``: every sent copy ran its body, unless it was killed, revoked or failed (its
+      caller is told): a parked copy is neither lost nor doubled;
+    - ``preempt``: a copy that ran no body was told why: preempted before its body (its
+      result is a skip record naming ``preempted_by``), or it failed, or was revoked;
+    - per key, each body's fencing token is higher than every token before it;
+    - per key, no body began before the one ahead of it ended, except after a
+      ``Preempted`` holder: that one is asked to go as the newer one comes, and the
+      newer one's higher token is what a store checks (the body still running is
+      interrupted, and its late write refused).
+
+    >>> runs = [{"event": "start", "time": 1, "task_id": "x", "key": "a", "token": 5},
+    ...         {"event": "start", "time": 2, "task_id": "y", "key": "a", "token": 4},
+    ...         {"event": "end", "time": 3, "task_id": "x", "key": "a"}]
+    >>> for line in contention_violations([{"asked": "x", "got": "x", "key": "a"},
+    ...                                    {"asked": "y", "got": "y", "key": "a"}], runs, "park", {}):
+    ...     print(line)
+    key 'a': y began with token 4, after x with token 5
+    key 'a': y began at 2.000, before x (not preempted) ended at 3.000
+    """
+    problems: List[str] = []
+    first: Dict[str, Dict[str, Any]] = collections.defaultdict(dict)
+    starts: collections.Counter[str] = collections.Counter()
+    for r in runs:
+        first[r["task_id"]].setdefault(r["event"], r)
+        starts[r["task_id"]] += r["event"] == "start"
+    for task_id, n in sorted(starts.items()):
+        if n > 1:
+            problems.append(f"{task_id} ran its body {n} times")
+    unpromised = set(unpromised)
+    for p in [p for p in publishes if p["got"] is not None] + [{"asked": t, "key": "?"} for t in sorted(unpromised)]:
+        task_id, times = p["asked"], first[p["asked"]]
+        if starts[task_id] or any(e in times for e in ("killed", "revoked", "failed")):
+            continue
+        skip = results.get(task_id)
+        skip = skip.get("zklock_skipped") if isinstance(skip, dict) else None
+        if policy == "preempt" and skip and skip.get("preempted_by"):
+            continue
+        if task_id not in unpromised:
+            problems.append(f"{task_id} ({p['key']}) was sent but never ran, and nothing says why "
+                            f"(its result: {results.get(task_id)!r})")
+    by_key: Dict[str, List[Dict[str, Any]]] = collections.defaultdict(list)
+    for r in runs:
+        if r["event"] == "start":
+            by_key[r["key"]].append(r)
+    for key, bodies in by_key.items():
+        bodies.sort(key=lambda r: r["time"])
+        for a, b in zip(bodies, bodies[1:]):
+            if a.get("token") is not None and b.get("token") is not None and b["token"] <= a["token"]:
+                problems.append(f"key {key!r}: {b['task_id']} began with token {b['token']}, after "
+                                f"{a['task_id']} with token {a['token']}")
+        for i, b in enumerate(bodies):
+            for a in bodies[:i]:
+                times = first[a["task_id"]]
+                ended = min((times[e]["time"] for e in ("end", "interrupted", "killed", "failed") if e in times),
+                            default=float("inf"))
+                preempted = "Preempted" in times.get("failed", {}).get("error", "")
+                if b["time"] < ended and not (policy == "preempt" and preempted):
+                    problems.append(f"key {key!r}: {b['task_id']} began at {b['time']:.3f}, before "
+                                    f"{a['task_id']} (not preempted) ended at {ended:.3f}")
+    return problems

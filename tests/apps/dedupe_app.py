@@ -2,7 +2,8 @@
 
 Each body records, in Redis: ``pre`` (task_prerun, before the marker goes), ``start``
 (in the body, after a ``queued`` marker went) and ``end`` (in the body, before a
-``queued_or_running`` marker goes), and ``failed`` when a copy raised. The checks use whichever bound is sound for them.
+``queued_or_running`` marker goes), ``interrupted`` when an exception ends the body,
+and ``failed`` when a copy raised. The checks use whichever bound is sound for them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import redis
 from celery import Celery, current_task
 from celery.signals import task_failure, task_prerun, task_revoked
 
-from celery_zklock import zk_locked
+from celery_zklock import current_lock, zk_locked
 
 app = Celery("dedupe_app")
 app.conf.update(
@@ -70,16 +71,22 @@ def _failed(sender: Any = None, task_id: str = "", exception: Any = None, **extr
         note("failed", task_id=task_id, error=repr(exception))
 
 
-def body(key: str, ms: float) -> None:
-    note("start", key=key)
+def body(key: str, ms: float, **fields: Any) -> None:
+    note("start", key=key, **fields)
     until = time.monotonic() + ms / 1000
-    while time.monotonic() < until:
-        # The fuzzer's "child killed" fault names a running copy; it dies mid-body, as a
-        # pool process SIGKILLed by the OOM killer would, and says so first.
-        if _redis.exists(f"dedupe:kill:{current_task.request.id}"):
-            note("killed", key=key)
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(min(0.01, max(0.0, until - time.monotonic())))
+    try:
+        while time.monotonic() < until:
+            # The fuzzer's "child killed" fault names a running copy; it dies mid-body, as a
+            # pool process SIGKILLed by the OOM killer would, and says so first.
+            if _redis.exists(f"dedupe:kill:{current_task.request.id}"):
+                note("killed", key=key)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(min(0.01, max(0.0, until - time.monotonic())))
+    except BaseException as exc:
+        # An interrupt (a lost or preempted lock) ends the body here; its ``failed`` is
+        # noted later, after the glue gave the lock back and the next holder may have begun.
+        note("interrupted", key=key, error=repr(exc))
+        raise
     note("end", key=key)
 
 
@@ -119,3 +126,15 @@ def newest(key: str, ms: float) -> None:
 @zk_locked(key="k:{key}", dedupe="latest")
 def newest_locked(key: str, ms: float) -> None:
     body(key, ms)
+
+
+@app.task
+@zk_locked(key="k:{key}", on_contention="park")
+def parked(key: str, ms: float) -> None:
+    body(key, ms, token=current_lock().fencing_token)
+
+
+@app.task
+@zk_locked(key="k:{key}", on_contention="preempt")
+def preempting(key: str, ms: float) -> None:
+    body(key, ms, token=current_lock().fencing_token)

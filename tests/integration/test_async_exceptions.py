@@ -18,6 +18,7 @@ import celery_zklock
 from celery_zklock import ZooKeeperUnavailable, current_locks, zk_locked
 from celery_zklock.glue.api import settings_of
 from celery_zklock.glue.dedupe import MARKER_HEADER
+from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.zk import session_for
 from tests.util import children, wait_until
 
@@ -230,3 +231,47 @@ def test_no_line_of_a_copys_run_as_a_worker_runs_it_leaks_its_marker(celery_app,
         if marker_left(kazoo, tree, timeout=5):
             leaks.append(f"{Path(point[0]).name}:{point[1]} (run {point[2]})")
     assert leaks == [], f"a soft time limit at these lines of the run left its marker behind: {leaks}"
+
+
+@pytest.mark.slow
+def test_no_line_of_a_preempting_copy_leaks_a_node(celery_app, kazoo, zk_root, new_session):
+    # A copy that asks the holder to go (``on_contention="preempt"``), from the request it
+    # writes to its body's end: wherever an exception lands, its node goes.
+    celery_app.conf.zklock_root = zk_root
+
+    @celery_app.task
+    @zk_locked(key="k:hot", on_contention="preempt", timeout=10)
+    def newer(n):
+        return n
+
+    celery_app.finalize()
+    path = f"{zk_root}/locks/k-k:hot"
+    holder = Lock(new_session(), path, EXCLUSIVE)
+
+    def run(injector: Injector, n: int) -> None:
+        assert holder.acquire(timeout=10)
+        with injector:
+            try:
+                newer.apply(args=(n,)).get()
+            except Injected:
+                pass
+        holder.release()  # if the exception came before the request reached it
+
+    run(Injector(), 0)  # warm: the session exists, the paths are made
+    recording = Injector()
+    run(recording, 1)
+    points = sorted(set(recording.seen), key=recording.seen.index)
+    assert any("lock.py" in p[0] for p in points) and len(points) > 50, "the window was not traced"
+    leaks = []
+    for i, point in enumerate(points, start=2):
+        injector = Injector(point)
+        run(injector, i)
+        if not injector.fired:
+            continue
+        try:
+            wait_until(lambda: children(kazoo, path) == [], timeout=2)
+        except AssertionError:
+            leaks.append(f"{Path(point[0]).name}:{point[1]} (run {point[2]})")
+            for c in children(kazoo, path):  # so the next point is judged alone
+                kazoo.delete(f"{path}/{c}")
+    assert leaks == [], f"an exception at these lines left a node behind: {leaks}"

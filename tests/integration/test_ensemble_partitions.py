@@ -313,7 +313,7 @@ def test_dedupe_under_an_ensemble_fault(ensemble, redis_server, fault):
     hit = leader if fault == "leader_isolated" else follower
     rig = Rig(redis_server, majority, worker_server=hit)
     try:
-        for n, mode in enumerate(("queued", "queued_or_running", "latest")):
+        for n, mode in enumerate(("queued", "queued_or_running", "latest", "park", "preempt")):
             ensemble.wait_leader(60)
             r = EnsembleRound(rig, 9000 + 10 * ENSEMBLE_FAULTS.index(fault) + n, mode, fault, ensemble, hit)
             problems = r.run()

@@ -6,8 +6,8 @@ from a recorded seed, each round's history checked by :func:`harness.dedupe.dedu
     ZKLOCK_FUZZ_DEDUPE_MODES=latest,latest_locked ...                               # one feature's rounds
 
 A round draws a mode (``queued``, ``queued_or_running``, ``queued_or_running`` with a lock
-and a retry, or ``latest``, with or without a lock), two keys, two publishing threads, and
-up to three faults, each at a drawn moment: the publishers' or the worker's ZooKeeper link
+and a retry, ``latest``, with or without a lock, ``park`` or ``preempt``), two keys, two
+publishing threads, and up to three faults, each at a drawn moment: the publishers' or the worker's ZooKeeper link
 reset or dark for a while, the reply to a publisher's create (or multi, or delete) lost or
 held back, a pool process SIGKILLed mid-body, a copy revoked, a publisher process SIGKILLed
 between its marker and its send, a group of two copies of one key. Once the work settles the
@@ -15,7 +15,12 @@ round checks that no two copies of a key were queued (or queued or running) at o
 every publish started a copy that ran or returned the id of one that ran, that every group
 completed, and that no marker is left in ZooKeeper (but a killed publisher's, whose lifetime
 is not over). A ``latest`` round is checked by :func:`harness.dedupe.latest_violations`
-instead: every result resolved, no stale copy ran, nothing was lost.
+instead: every result resolved, no stale copy ran, nothing was lost. The per-key queues'
+rounds, ``park`` and ``preempt`` (a lock's ``on_contention``, with no dedupe), are checked by
+:func:`harness.dedupe.contention_violations`: no body ran twice, a parked copy was neither
+lost nor doubled, a preempted one was told, fencing tokens rose, and no two bodies of a key
+overlapped but for a preempted holder's. Their publishes do not touch ZooKeeper, so their
+lost and held replies strike the worker's link, where the hand-offs and requests travel.
 
 The worker and the publishers reach ZooKeeper through their own proxies; the worker's
 marker lifetime is 4 s (``ZKT_DEDUPE_TTL``), the sessions' timeout 4 s.
@@ -23,6 +28,7 @@ marker lifetime is 4 s (``ZKT_DEDUPE_TTL``), the sessions' timeout 4 s.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -43,7 +49,7 @@ from celery_zklock.glue.api import settings_of
 from celery_zklock.recipes.marker import read_marker
 from celery_zklock.zk import session_for
 from harness import CeleryWorker, Op, TcpProxy
-from harness.dedupe import dedupe_violations, latest_violations
+from harness.dedupe import contention_violations, dedupe_violations, latest_violations
 from tests.apps import dedupe_app
 from tests.util import children, wait_until
 
@@ -53,7 +59,10 @@ ROUNDS = int(os.environ.get("ZKLOCK_FUZZ_DEDUPE_ROUNDS", "8"))
 FIRST_SEED = int(os.environ.get("ZKLOCK_FUZZ_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
 TTL = 4.0
 MODES = {"queued": ("debounced", 1), "queued_or_running": ("singleton", 1), "retried": ("retried", 2),
-         "latest": ("newest", 1), "latest_locked": ("newest_locked", 1)}
+         "latest": ("newest", 1), "latest_locked": ("newest_locked", 1), "park": ("parked", 1),
+         "preempt": ("preempting", 1)}
+#: Modes that publish without ZooKeeper: their faults of replies strike the worker's link instead.
+CONTENTION = ("park", "preempt")
 #: ZKLOCK_FUZZ_DEDUPE_MODES=latest,latest_locked draws only those modes (a long run of one feature).
 DRAWN = sorted(os.environ.get("ZKLOCK_FUZZ_DEDUPE_MODES", "").split(",") if os.environ.get(
     "ZKLOCK_FUZZ_DEDUPE_MODES") else MODES)
@@ -125,7 +134,7 @@ class Round:
         self.rig, self.seed, self.rng = rig, seed, random.Random(seed)
         self.mode_name = self.rng.choice(DRAWN)
         self.task = getattr(dedupe_app, MODES[self.mode_name][0])
-        self.mode = self.mode_name if self.mode_name in ("queued", "latest") else \
+        self.mode = self.mode_name if self.mode_name in ("queued", "latest") + CONTENTION else \
             "latest" if self.mode_name == "latest_locked" else "queued_or_running"
         self.keys = [f"s{seed}-{i}" for i in range(2)]
         self.faults = sorted((self.rng.uniform(0.0, 1.5), self.rng.choice(FAULTS), self.rng.uniform(0.3, 2.5))
@@ -136,6 +145,8 @@ class Round:
         self.ghosts_until = float("-inf")
         self.first_event = 0  # the index of this round's first run event (see history)
         self.lock = threading.Lock()
+        #: Where a lost or held reply strikes: the link whose requests the mode's promise rides on.
+        self.replies = rig.worker_proxy if self.mode_name in CONTENTION else rig.publisher_proxy
 
     def args(self, rng: random.Random, key: str) -> tuple:
         return (key,) if self.mode_name == "retried" else (key, rng.uniform(20, 300))
@@ -164,9 +175,9 @@ class Round:
             time.sleep(length)
             proxy.mode = "pass"
         elif name == "reply_lost":
-            rig.publisher_proxy.cut_after(rng.choice((Op.CREATE, Op.MULTI, Op.DELETE, Op.SET_DATA)))
+            self.replies.cut_after(rng.choice((Op.CREATE, Op.MULTI, Op.DELETE, Op.SET_DATA)))
         elif name == "reply_held":
-            rig.publisher_proxy.delay_reply(rng.choice((Op.CREATE, Op.MULTI, Op.GET_DATA)), length)
+            self.replies.delay_reply(rng.choice((Op.CREATE, Op.MULTI, Op.GET_DATA)), length)
         elif name == "child_killed":
             self.kill_a_running_child(rng)
         elif name == "revoked":
@@ -174,7 +185,7 @@ class Round:
                 fresh = [p["asked"] for p in self.publishes if p["got"] == p["asked"]]
             if fresh:
                 dedupe_app.app.control.revoke(rng.choice(fresh))
-        elif name == "publisher_killed" and self.mode_name != "retried":  # its publisher sends (key, ms)
+        elif name == "publisher_killed" and self.mode_name not in ("retried",) + CONTENTION:  # it sends (key, ms)
             name = self.task.name.rsplit(".")[-1]
             dying = subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", name, "1", "0"],
                                      env={**rig.env, "ZKT_DIE_AFTER_MARKER": "1", "ZKT_KEY": self.keys[0]})
@@ -218,6 +229,7 @@ class Round:
         for t in threads + faulting:
             t.join(120)
         self.rig.publisher_proxy.disarm()
+        self.rig.worker_proxy.disarm()
         return self.settle_and_check()
 
     @staticmethod
@@ -244,7 +256,7 @@ class Round:
             if r["event"] in ("revoked", "killed", "failed"):
                 over.add(r["task_id"])
         fresh = {p["asked"] for p in self.publishes if p["got"] == p["asked"]}
-        if self.mode == "latest":  # a replaced copy runs no body: its result says so
+        if self.mode in ("latest",) + CONTENTION:  # a copy may end without a body: its result says so
             return all(t in over or dedupe_app.app.AsyncResult(t).ready() for t in fresh) \
                 and all(g.ready() for g in self.groups)
         return all(ends.get(t, 0) >= MODES[self.mode_name][1] or t in over for t in fresh) \
@@ -259,19 +271,25 @@ class Round:
         for g in self.groups:
             if not g.ready():
                 problems.append(f"group {g.id} did not complete")
-        if self.mode == "latest":  # its markers stay, started, until they expire
-            return problems + self.latest_problems()
-        try:
-            wait_until(lambda: not self.live_markers(), timeout=30)
-        except AssertionError:
-            problems.append(f"markers left once the work settled: {self.live_markers()}")
         if os.environ.get("ZKLOCK_FUZZ_VERBOSE"):
             runs = self.history()
             print(f"seed {self.seed} {self.mode_name} {[f[1] for f in self.faults]}: {len(self.publishes)} publishes, "
                   f"{sum(p['got'] == p['asked'] for p in self.publishes)} new, "
                   f"{sum(p['got'] is None for p in self.publishes)} failed, "
                   f"{sum(r['event'] == 'start' for r in runs)} starts, "
-                  f"{sorted({r['event'] for r in runs})}")
+                  f"{collections.Counter(r['event'] for r in runs)} "
+                  f"{collections.Counter(r.get('error', '')[:600] for r in runs if r['event'] == 'failed')}")
+        if self.mode_name in CONTENTION:
+            sent = [p["asked"] for p in self.publishes if p["got"] is not None] + sorted(self.unpromised)
+            results = {t: dedupe_app.app.AsyncResult(t).result for t in sent}
+            return problems + contention_violations(self.publishes, self.history(), self.mode_name, results,
+                                                    self.unpromised)
+        if self.mode == "latest":  # its markers stay, started, until they expire
+            return problems + self.latest_problems()
+        try:
+            wait_until(lambda: not self.live_markers(), timeout=30)
+        except AssertionError:
+            problems.append(f"markers left once the work settled: {self.live_markers()}")
         problems += dedupe_violations(self.publishes, self.history() + self.never_sent(), self.mode,
                                       starts_per_copy=MODES[self.mode_name][1], unpromised=self.unpromised,
                                       ghosts_until=self.ghosts_until)
