@@ -7,9 +7,9 @@ from a recorded seed, each round's history checked by :func:`harness.dedupe.dedu
 
 A round draws a mode (``queued``, ``queued_or_running``, ``queued_or_running`` with a lock
 and a retry, ``latest``, with or without a lock, ``park`` or ``preempt``), two keys, two
-publishing threads, and up to three faults, each at a drawn moment: the publishers' or the worker's ZooKeeper link
-reset or dark for a while, the reply to a publisher's create (or multi, or delete) lost or
-held back, a pool process SIGKILLed mid-body, a copy revoked, a publisher process SIGKILLed
+publishing threads, and up to three faults, each at a drawn moment: the publishers' or the
+worker's ZooKeeper link reset or dark for a while, the reply to a publisher's create (or
+multi, or delete) lost or held back, a pool process SIGKILLed mid-body, a copy revoked, a publisher process SIGKILLed
 between its marker and its send, a group of two copies of one key. Once the work settles the
 round checks that no two copies of a key were queued (or queued or running) at once, that
 every publish started a copy that ran or returned the id of one that ran, that every group
@@ -278,11 +278,11 @@ class Round:
                   f"{sum(p['got'] is None for p in self.publishes)} failed, "
                   f"{sum(r['event'] == 'start' for r in runs)} starts, "
                   f"{collections.Counter(r['event'] for r in runs)} "
-                  f"{collections.Counter(r.get('error', '')[:600] for r in runs if r['event'] == 'failed')}")
-        if self.mode_name in CONTENTION:
+                  f"{collections.Counter(r.get('error', '')[:200] for r in runs if r['event'] == 'failed')}")
+        if self.mode in CONTENTION:
             sent = [p["asked"] for p in self.publishes if p["got"] is not None] + sorted(self.unpromised)
             results = {t: dedupe_app.app.AsyncResult(t).result for t in sent}
-            return problems + contention_violations(self.publishes, self.history(), self.mode_name, results,
+            return problems + contention_violations(self.publishes, self.history(), self.mode, results,
                                                     self.unpromised)
         if self.mode == "latest":  # its markers stay, started, until they expire
             return problems + self.latest_problems()
