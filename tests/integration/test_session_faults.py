@@ -182,7 +182,8 @@ def test_one_session_per_process_and_a_new_one_after_fork(settings):
 
 
 @pytest.mark.slow
-def test_a_waiter_whose_link_goes_dark_as_its_predecessor_leaves_holds_once_it_heals(proxy, new_session, zk_root):
+def test_a_waiter_whose_link_goes_dark_as_its_predecessor_leaves_holds_once_it_heals(proxy, new_session, zk_root,
+                                                                                     kazoo):
     # A partition shorter than a ping interval: TCP delays what crosses it, it does not lose
     # it. The predecessor's deletion event reaches the waiter once the link heals, and the
     # waiter holds then (a link that lost the event would leave it waiting forever).
@@ -195,8 +196,10 @@ def test_a_waiter_whose_link_goes_dark_as_its_predecessor_leaves_holds_once_it_h
     t.start()
     wait_until(lambda: waiter.state == "waiting" and len(holder.contenders()) == 2)
     proxy.mode = "blackhole"
+    gone = f"{path}/{holder.node}"
     holder.release()
-    time.sleep(0.5)  # the deletion event meets the dark link
+    wait_until(lambda: kazoo.exists(gone) is None)  # deleted: the server has sent the waiter its event
+    time.sleep(0.5)  # the partition's length, the schedule under test: the event meets the dark link
     healed = time.monotonic()
     proxy.mode = "pass"
     t.join(25)
