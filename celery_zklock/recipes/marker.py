@@ -228,7 +228,10 @@ def supersede(session: Session, path: str, data: Dict[str, Any], timeout: Option
         except NoNodeError:
             continue  # deleted meanwhile (a never-sent copy's): create again
         before = read_marker(raw)
-        ours = {**data, PREVIOUS: {k: v for k, v in before.items() if k != PREVIOUS}} if before is not None else data
+        # It outlives every copy it replaced: one with a countdown may be delivered after
+        # ours ran, and must find this marker naming ours, not nothing (which runs it).
+        ours = {**data, "expires": max(data["expires"], before["expires"]),
+                PREVIOUS: {k: v for k, v in before.items() if k != PREVIOUS}} if before is not None else data
         try:
             reply(client.set_async(path, json.dumps(ours).encode(), version=stat.version), until)
             return
@@ -278,12 +281,13 @@ def _start_latest(session: Session, path: str, task_id: str, until: Optional[flo
     raise RuntimeError(f"marker {path} kept changing under us")
 
 
-def reap(session: Session, tree: str, timeout: Optional[float] = None) -> int:
+def reap(session: Session, tree: str, timeout: Optional[float] = None, now: Optional[float] = None) -> int:
     """Delete every marker under ``tree`` that no longer stands for a copy (expired, or junk);
     the number deleted. Version-checked: a marker taken over meanwhile stays.
 
     A key published once and never again would otherwise keep its marker for ever: the
     tree would grow without bound, and under readable names keep each key's arguments.
+    ``now`` (epoch seconds, default the wall clock) is what "expired" is judged against.
     """
     client = session.client
     until = deadline(timeout)
@@ -291,7 +295,7 @@ def reap(session: Session, tree: str, timeout: Optional[float] = None) -> int:
         names = reply(client.get_children_async(tree), until)
     except NoNodeError:
         return 0
-    now = time.time()
+    now = time.time() if now is None else now
     reads = [(f"{tree}/{name}", client.get_async(f"{tree}/{name}")) for name in names]
     deletes = []
     for path, result in reads:

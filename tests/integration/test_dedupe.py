@@ -24,6 +24,9 @@ from kazoo.exceptions import NoNodeError
 from kombu.exceptions import OperationalError
 
 from celery_zklock import ZooKeeperUnavailable, lock, skipped, zk_locked
+from celery_zklock.glue.api import settings_of
+from celery_zklock.recipes.marker import reap
+from celery_zklock.zk import session_for
 from harness import CeleryWorker, Op, TcpProxy, free_port
 from harness.dedupe import dedupe_violations, latest_violations
 from tests.apps import dedupe_app
@@ -782,9 +785,15 @@ def test_under_latest_an_older_copy_met_after_a_newer_one_began_is_replaced(env,
     """The newest copy's marker stays once it starts: an older copy that a worker meets later
     (here held back by its countdown) reads that a newer one ran, and does not run after it."""
     workers("w1", concurrency=2)
-    older = dedupe_app.newest.apply_async(("o", 1), countdown=2)
+    older = dedupe_app.newest.apply_async(("o", 1), countdown=4)
     newer = dedupe_app.newest.apply_async(("o", 1))
     assert newer.get(timeout=30) is None
+    # The newer copy's own life is over, the older one's is not (its countdown counts): a
+    # sweep of expired markers must leave the key's. It took it once, and the older copy, met
+    # with no marker, ran stale after the newer one (the fault-rig trial's countdown case).
+    ttl = dedupe_app.app.conf.zklock_dedupe_ttl
+    assert reap(session_for(settings_of(dedupe_app.app)), f"{env['ZKT_ROOT']}/queued", timeout=10,
+                now=time.time() + ttl + 1) == 0
     record = skipped(older.get(timeout=30))
     assert record is not None and record["replaced_by"] == newer.id and record["key"] == "k:o", record
     starts = [r["task_id"] for r in history(redis_server.url)[1] if r["event"] == "start"]
