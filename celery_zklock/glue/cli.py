@@ -223,7 +223,8 @@ def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
 
     def line(key: str, who: Dict[str, Any], held: str, age: str, waiting: str) -> str:
         # str() everywhere: node data may hold anything.
-        holder = f"{who.get('host')}/{who.get('pid')}" if who else "-"
+        # A parked copy has no process yet: no holder to name.
+        holder = f"{who.get('host')}/{who.get('pid')}" if who.get("host") is not None or who.get("pid") else "-"
         return (f"  {_cell(key, 28)} {str(who.get('mode', '-')):<9} {held:>5} {_cell(holder, 22)} "
                 f"{_cell(who.get('worker') or '-', 20)} {_cell(who.get('task') or '-', 28)} "
                 f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7}  {who.get('token', '-')}")
@@ -301,9 +302,11 @@ def status(ctx: click.Context) -> None:
                 f"(token {leader['token']}){_stalled(leader, time.time())}" if leader else "no leader"))
             for s in e["standbys"]:
                 click.echo(f"    standby {s.get('host')}/{s.get('pid')} waiting since {s.get('since', '?')}")
-        rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"]]
+        rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"] or r.get("parked")]
         held = sum(len(r["holders"]) for r in rows)
-        click.echo(f"Locks: {held} held, {sum(r['waiters'] for r in rows)} waiting")
+        # The same counts as the table's WAITERS column, which counts parked copies too.
+        click.echo(f"Locks: {held} held, {sum(r['waiters'] for r in rows)} waiting, "
+                   f"{sum(len(r.get('parked', [])) for r in rows)} parked")
         for line in _lock_lines(rows):
             click.echo(line)
     finally:

@@ -38,7 +38,7 @@ from ..zk import Session, session_for, timeouts
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
 from .locking import SKIPPED
-from .options import LockSpec, locking_of
+from .options import LockSpec, contention_problem, locking_of
 
 __all__ = ["MARKER_HEADER", "Replaced", "ended", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
 
@@ -58,6 +58,11 @@ def _dedupe_spec(task: Any) -> Optional[LockSpec]:
         # Wrong lock options: published, it would go out without the dedupe it may have
         # asked for, as a copy that can only fail.
         raise ConfigurationError(locking.problem)
+    # A policy the app's settings cannot serve (the default's, or park under hashed names):
+    # sent, the copy could only fail on the worker, whose start refuses the app anyway.
+    problem = contention_problem(task.app, f"task {task.name}", locking.spec, task_defaults(task.app))
+    if problem:
+        raise ConfigurationError(problem)
     return locking.spec if locking.spec.dedupe is not None else None
 
 

@@ -40,7 +40,7 @@ from ..zk import Session, deadline, remaining, session_for, timeouts
 from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
-from .options import PARK_HASHED, LockSpec
+from .options import PARK_HASHED, LockSpec, policy_problem
 from .parking import Parking
 
 __all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
@@ -105,17 +105,21 @@ def run_locked(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence
     exception can defeat one of the two nets, never both, and release is idempotent.
     """
     held: List[Lock] = []
+    parking: List[Parking] = []  # under on_contention="park", this call's part: its hand-off has two nets too
     stack = _stack()
     depth = len(stack)
     try:
-        return _run(task, spec, fn, args, kwargs, bound, body, held)
+        return _run(task, spec, fn, args, kwargs, bound, body, held, parking)
     finally:
         del stack[depth:]  # current_lock() never outlives the body either
         release_all(task, held)
+        for one in parking:
+            if one.took:
+                one.released()  # does nothing if _run's net did it
 
 
 def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
-         bound: bool, body: Callable[[], Any], held: List[Lock]) -> Any:
+         bound: bool, body: Callable[[], Any], held: List[Lock], parked: List[Parking]) -> Any:
     app = task.app
     where = f"task {task.name}"
     defaults = task_defaults(app)
@@ -142,15 +146,19 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     until = deadline(timeout)
     stack = _stack()
     parking = _parking(task, spec, policy, locks, session, settings, defaults)
+    if parking is not None:
+        parked.append(parking)
     if policy == "preempt":
-        _preempting(task, spec, locks, settings)
+        _preempting(task, spec, locks, settings, defaults)
     try:
         refused = parking.before(until) if parking is not None else None
         if refused:
-            return _refused(task, locks[0], refused)
+            return _refused(task, locks[0], refused, until)
         for one in locks:
             held.append(one)
             if one.acquire(blocking=waits, timeout=remaining(until)):
+                if parking is not None:
+                    parking.took = True
                 signals.lock_acquired.send(sender=task, lock=one)
                 if policy == "preempt" and _asked_to_go(task, one, settings):
                     # A newer copy marked ours while it waited: it goes before its body starts.
@@ -168,7 +176,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                     f"(on_contention={policy!r} applies only when another contender holds the key)")
             if parking is not None:
                 signals.lock_contended.send(sender=task, lock=one, policy=policy)
-                return _refused(task, one, parking.contended(until))
+                return _refused(task, one, parking.contended(until), until)
             return _contended(task, spec, "wait" if waits else policy, timeout, one, held, until)
         for one in held:
             one.ensure()  # one may have been lost while we waited for another: no body then
@@ -203,26 +211,20 @@ def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session:
     if policy != "park":
         return None
     where = f"task {task.name}"
-    if len(locks) != 1:
-        raise ConfigurationError(f"{where}: on_contention='park' parks a copy in one key's queue, and this call "
-                                 f"has {len(locks)} keys; use one key, or another policy")
+    problem = policy_problem(where, spec, defaults, len(locks))
+    if problem:
+        raise ConfigurationError(problem)
     if layout_of(task.app).secret is not None:
         raise ConfigurationError(PARK_HASHED.format(where=where))
-    if spec.dedupe is not None:
-        raise ConfigurationError(f"{where}: on_contention='park' (zklock_default_on_contention) and "
-                                 f"dedupe={spec.dedupe!r} do not go together yet: a parked copy's marker would go "
-                                 "as it parks")
     return Parking(task, locks[0], session, settings, spec.parked_limit(defaults))
 
 
-def _preempting(task: Any, spec: LockSpec, locks: List[Lock], settings: Settings) -> None:
+def _preempting(task: Any, spec: LockSpec, locks: List[Lock], settings: Settings, defaults: TaskDefaults) -> None:
     """Under ``on_contention="preempt"``: while this copy waits, each look it takes at its key
     asks every contender ahead of it to go (see :meth:`Lock.preempt_ahead`)."""
-    where = f"task {task.name}"
-    if len(locks) != 1 or locks[0].mode != "exclusive":
-        what = f"{len(locks)} keys" if len(locks) != 1 else f"a {locks[0].mode} lock"
-        raise ConfigurationError(f"{where}: on_contention='preempt' (zklock_default_on_contention) interrupts the "
-                                 f"one holder of one exclusive key, and this call has {what}; use another policy")
+    problem = policy_problem(f"task {task.name}", spec, defaults, len(locks))
+    if problem:
+        raise ConfigurationError(problem)
     one, request = locks[0], task.request
     by = {"task": task.name, "task_id": request.id, "worker": request.hostname}
 
@@ -289,11 +291,12 @@ def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float],
     raise LockNotAcquired(message)
 
 
-def _refused(task: Any, lock: Lock, reason: str) -> Dict[str, Any]:
-    """A copy a full parked queue refused, as ``skip`` would refuse it, saying why."""
-    logger.info("task %s[%s] skipped: lock %r (%s) is held and %s", task.name, task.request.id, lock.label,
-                lock.mode, reason)
-    return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": [], "reason": reason}}
+def _refused(task: Any, lock: Lock, reason: str, until: Optional[float]) -> Dict[str, Any]:
+    """A copy a full parked queue refused, as ``skip`` would refuse it (naming the holders), saying why."""
+    holders = [_holder(data) for data in lock.holders(timeout=remaining(until))]
+    logger.info("task %s[%s] skipped: lock %r (%s) is held by %s and %s", task.name, task.request.id, lock.label,
+                lock.mode, "; ".join(_describe(h) for h in holders) or "another contender", reason)
+    return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders, "reason": reason}}
 
 
 #: The one key of the result a task returns when ``on_contention="skip"`` skipped it.
@@ -342,5 +345,5 @@ def _on_state(task: Any, task_id: Optional[str], guard: Optional[BodyGuard], loc
     kind = Preempted if lock.preempted_by is not None else LockLost
     interrupted = guard.interrupt(f"task {task.name}: {message}", kind) if guard is not None else False
     logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task_id, message,
-                   "; raising LockLost in the body" if interrupted else "")
+                   f"; raising {kind.__name__} in the body" if interrupted else "")
     signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted)

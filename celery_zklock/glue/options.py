@@ -43,7 +43,8 @@ from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default
 from .api import rule_for, task_defaults
 
 __all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking",
-           "TaskLockOptions", "locked_tasks", "locking_of", "problems", "spec_of", "stray", "strays"]
+           "TaskLockOptions", "contention_problem", "locked_tasks", "locking_of", "policy_problem", "problems",
+           "spec_of", "stray", "strays"]
 
 
 class FromSettings(enum.Enum):
@@ -146,7 +147,18 @@ class LockSpec:
             positive_int(f"{where}: park_limit", park_limit)
             if policy not in ("park", DEFAULT):
                 raise ConfigurationError(f"{where}: park_limit applies only with on_contention='park'")
-        return cls(where=where, parts=check_key_parts(options.get("key"), fn, where), mode=mode, limit=limit,
+        # An option the policy never reads would be silently ignored: refused instead.
+        if timeout is not DEFAULT and policy not in WAITING + (DEFAULT,):
+            raise ConfigurationError(f"{where}: timeout applies only with on_contention='wait' or 'preempt' (how long "
+                                     f"a copy waits for its lock); on_contention={policy!r} answers within "
+                                     "zklock_connect_timeout")
+        if "retry_countdown" in options and policy not in ("retry", DEFAULT):
+            raise ConfigurationError(f"{where}: retry_countdown applies only with on_contention='retry'")
+        parts = check_key_parts(options.get("key"), fn, where)
+        problem = one_key(where, f"on_contention={policy!r}", policy, len(parts) or 1)  # no key option: one key
+        if problem:
+            raise ConfigurationError(problem)
+        return cls(where=where, parts=parts, mode=mode, limit=limit,
                    on_contention=policy, timeout=timeout, retry_countdown=countdown, park_limit=park_limit,
                    on_lock_lost=choice(f"{where}: on_lock_lost", get("on_lock_lost"), LOCK_LOST_POLICIES),
                    **_dedupe_options(where, options, get))
@@ -159,6 +171,11 @@ class LockSpec:
     def contention(self, defaults: TaskDefaults) -> ContentionPolicy:
         """What this task does when its lock is held: its own policy, else the app's default."""
         return defaults.on_contention if self.on_contention is DEFAULT else self.on_contention
+
+    def contention_source(self, defaults: TaskDefaults) -> str:
+        """The policy as the user set it: ``on_contention='park'``, or the app's default setting."""
+        name = "zklock_default_on_contention" if self.on_contention is DEFAULT else "on_contention"
+        return f"{name}={self.contention(defaults)!r}"
 
     def wait_timeout(self, defaults: TaskDefaults) -> Optional[float]:
         """How long ``wait`` waits (None: forever)."""
@@ -184,6 +201,39 @@ class LockSpec:
         if self.parts:
             return build_keys(self.parts, arguments, args[1:] if bound else args, kwargs, where, private)
         return [default_key(task_name, arguments)]
+
+
+#: The policies that wait for the lock, for ``timeout`` at most.
+WAITING = ("wait", "preempt")
+#: The policies whose copy stands in one key's line: a parked queue, or the holder it interrupts.
+ONE_KEY = ("park", "preempt")
+
+
+def one_key(where: str, source: str, policy: str, keys: int) -> Optional[str]:
+    """Why a ``park`` or ``preempt`` call with other than one key is refused (None: it is not);
+    ``source`` names where the policy came from (the task's option, or the app's default)."""
+    if policy not in ONE_KEY or keys == 1:
+        return None
+    why = "parks a copy in one key's queue" if policy == "park" else "interrupts the one holder of one exclusive key"
+    return f"{where}: {source} {why}, and this call has {keys} keys; use one key, or another policy"
+
+
+def policy_problem(where: str, spec: LockSpec, defaults: TaskDefaults, keys: int) -> Optional[str]:
+    """Why ``spec``'s contention policy, its own or the app's default, cannot serve a call with
+    ``keys`` keys (None: it can). A task's own policy was checked as it was defined; the
+    default is checked as the app is finalized, and again by each call."""
+    policy = spec.contention(defaults)
+    if policy not in ONE_KEY:
+        return None  # the rest, at every publish, pays this look only
+    source = spec.contention_source(defaults)
+    if policy == "preempt" and (spec.mode != "exclusive" or spec.limit is not None):
+        what = f"a {spec.mode} lock" if spec.limit is None else f"a semaphore (limit={spec.limit})"
+        return f"{where}: {source} interrupts the one holder of one exclusive key, and this task takes {what}; " \
+               "use another policy"
+    if policy == "park" and spec.dedupe is not None:
+        return f"{where}: {source} and dedupe={spec.dedupe!r} do not go together yet: a parked copy's marker " \
+               "would go as it parks"
+    return one_key(where, source, policy, keys)
 
 
 def _dedupe_options(where: str, options: Mapping[str, Any], get: Callable[[str], Any]) -> Dict[str, Any]:
@@ -330,11 +380,20 @@ def problems(app: Any) -> List[str]:
         except ConfigurationError as exc:
             found.append(str(exc))
         else:
-            if app.conf.get("zklock_key_names") == "hashed":
-                found += [PARK_HASHED.format(where=f"task {name}") for name, spec in
-                          ((name, spec_of(task)) for name, task in sorted(app.tasks.items()))
-                          if spec is not None and spec.lock and spec.contention(defaults) == "park"]
+            found += [problem for problem in (contention_problem(app, f"task {name}", spec_of(task), defaults)
+                                              for name, task in sorted(app.tasks.items())) if problem]
     return found
+
+
+def contention_problem(app: Any, where: str, spec: Optional[LockSpec], defaults: TaskDefaults) -> Optional[str]:
+    """Why a locked task's contention policy cannot serve it in ``app`` (None: it can): the
+    checks of :func:`policy_problem` for the task's key option, and ``park`` under hashed names."""
+    if spec is None or not spec.lock:
+        return None
+    problem = policy_problem(where, spec, defaults, len(spec.parts) or 1)
+    if problem is None and spec.contention(defaults) == "park" and app.conf.get("zklock_key_names") == "hashed":
+        problem = PARK_HASHED.format(where=where)
+    return problem
 
 
 #: Why a parked copy cannot be private: its message, arguments and all, is a node's data.

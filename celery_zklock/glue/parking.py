@@ -88,7 +88,12 @@ class Parking:
         semaphore = lock.rule.name == "semaphore"
         self.queue = ParkedQueue(session, layout_of(task.app).parked(lock.key or "", semaphore), lock.path, lock.rule)
         header = parked_header(self.request)
+        #: This copy held the key (and must hand it on as it lets go).
+        self.took = False
+        #: It took its parked node (a received copy).
         self.taken = False
+        #: It handed the key on (see released): once is enough.
+        self._handed_on = False
         #: Our node's name, when this copy was sent again from this key's queue.
         self.received = posixpath.basename(header) if header and posixpath.dirname(header) == self.queue.path \
             else None
@@ -133,17 +138,41 @@ class Parking:
             raise ConfigurationError(
                 f"task {self.task.name}: on_contention='park' needs a worker, which sends a parked copy "
                 "again through the broker; an eager call (apply(), task_always_eager) cannot park")
-        name = self.queue.park(self.request.id, self._payload(), self.limit, until)
-        if name is None:
-            return f"the key's parked queue is full (park_limit={self.limit})"
-        self._watch()
-        logger.info("%s parked: lock %r is held; the copy runs when its turn comes", self.where, self.label)
+        payload = self._payload()
+        parked = False
+        try:
+            if self.queue.park(self.request.id, payload, self.limit, until) is None:
+                return f"the key's parked queue is full (park_limit={self.limit})"
+            parked = True
+            self._watch()
+            logger.info("%s parked: lock %r is held; the copy runs when its turn comes", self.where, self.label)
+        except BaseException as exc:
+            # An exception (a soft time limit) may land after the park committed, even before
+            # its reply is read: the copy is parked, and runs when its turn comes, so it ends
+            # as a parked copy does, not as a failure; and it is watched, else a holder that
+            # never hands on (a wait contender) would leave it waiting for ever.
+            if not (parked or self._parked_after_all(until)):
+                raise
+            logger.warning("%s: %s as the copy parked; it stays parked, and runs when its turn comes", self.where,
+                           explain(exc))
+            _watch(self.queue.session, self.settings).add(self.queue, self._send, nudge=True)
         raise Ignore()
+
+    def _parked_after_all(self, until: Optional[float]) -> bool:
+        try:
+            return self.queue.find(self.request.id, until) is not None
+        except Exception:  # noqa: BLE001 - unknown: the exception is the caller's answer
+            return False
 
     # -- holding -------------------------------------------------------------------------
     def holding(self, until: Optional[float]) -> bool:
         """This copy holds the key. False for a received copy whose node another send of it
         took: the caller lets go, then :meth:`dropped`."""
+        # Taken before the take is sent: an exception landing after its commit must end the copy
+        # as a failure (its caller told), not leave it dropped unrun (abandoned() keeps only
+        # what is still parked). One landing before the commit ends it as a failure too, and
+        # the node it left is sent again: told, then run once, never lost.
+        self.taken = True
         self.taken = self.received is None or self.queue.take(self.received, until)
         return self.taken
 
@@ -159,7 +188,11 @@ class Parking:
         return True
 
     def released(self) -> None:
-        """The key was let go (or never taken): send the queue's head if it has room now."""
+        """The key was let go (or never taken): send the queue's head if it has room now.
+        Once: the glue calls it from two nets, as it releases, so that an exception landing
+        in one (a soft time limit) cannot leave a taken copy's claim behind."""
+        if self._handed_on:
+            return
         if self.received is not None and self.taken:
             self.queue.done(self.received)
         try:
@@ -168,6 +201,7 @@ class Parking:
         except Exception as exc:  # noqa: BLE001 - the processes watching the queue send it instead
             logger.warning("%s: could not send the next parked copy of lock %r (%s); the processes watching "
                            "the key's queue will", self.where, self.label, explain(exc))
+        self._handed_on = True
 
     def _watch(self) -> None:
         _watch(self.queue.session, self.settings).add(self.queue, self._send)

@@ -142,6 +142,11 @@ class ParkedQueue:
         except NoNodeError:
             return []
 
+    def find(self, task_id: str, until: Optional[float]) -> Optional[str]:
+        """The node name of copy ``task_id`` if it is parked here, else None (synced)."""
+        prefix = _prefix(task_id)
+        return next((name for name in self.parked(until) if name.startswith(prefix)), None)
+
     # -- the parker ------------------------------------------------------------------------
     def park(self, task_id: str, payload: bytes, limit: int, until: Optional[float]) -> Optional[str]:
         """Put copy ``task_id`` at the back of the queue: its node's name, or None when the
@@ -381,8 +386,9 @@ class QueueWatch:
         self._thread: Optional[threading.Thread] = None
         session.add_listener(self)
 
-    def add(self, parked: ParkedQueue, send: Send) -> None:
-        """Watch ``parked``; a queue not watched yet is nudged once now."""
+    def add(self, parked: ParkedQueue, send: Send, nudge: bool = False) -> None:
+        """Watch ``parked``; a queue not watched yet, or any with ``nudge``, is nudged once now
+        (which sets its watches: an add that an exception cut short may have set none)."""
         path = parked.path
         with self._lock:
             new = path not in self._queues
@@ -390,7 +396,7 @@ class QueueWatch:
                 self._queues[path] = (parked, send, lambda event: self._todo.put(path))
             self._added[path] = self._added.get(path, 0) + 1
             self._start()
-        if new:
+        if new or nudge:
             self._todo.put(path)
 
     def give_up(self, parked: ParkedQueue, name: str, send: Send) -> None:

@@ -73,7 +73,7 @@ def test_locks_and_status_show_holder_waiters_and_beat_leader(busy, cli_env):
     wait_until(lambda: "leader" in cli(cli_env, "status").stdout, timeout=30)
     out = cli(cli_env, "status")
     assert out.returncode == 0, out.stderr
-    assert "mode standalone" in out.stdout and "Locks: 1 held, 1 waiting" in out.stdout
+    assert "mode standalone" in out.stdout and "Locks: 1 held, 1 waiting, 0 parked" in out.stdout
     assert busy["holder"].id in out.stdout
     assert f"beat_app: leader {os.uname().nodename}/{busy['beat'].pid} since 20" in out.stdout
 

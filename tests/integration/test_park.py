@@ -97,6 +97,8 @@ def test_a_full_queue_refuses_a_copy_as_skip_would_and_says_why(workers, queue, 
     assert outcomes[:3] == [0, 1, 2]
     refused = skipped(outcomes[3])
     assert refused is not None and "park_limit=2" in refused["reason"], outcomes[3]
+    # As skip names them: who holds the key (it was [] until the new-user trial asked).
+    assert [h["task_id"] for h in refused["holders"]] == [first.id], refused
     assert violations(holds(redis_server.url)) == []
 
 
@@ -134,6 +136,9 @@ def test_a_revoked_parked_copy_leaves_the_queue_and_the_next_one_runs(workers, q
     assert listed.returncode == 0, listed.stderr
     rows = [line.split() for line in listed.stdout.splitlines() if "parked #" in line]
     assert [row[1:3] for row in rows] == [["#1", "parked"], ["#2", "parked"], ["#3", "parked"]], listed.stdout
+    assert "None" not in listed.stdout  # a parked copy has no holder process: '-' (it showed None/None)
+    status = cli(env, "status")
+    assert "Locks: 1 held, 0 waiting, 3 parked" in status.stdout, status.stdout
     assert [next(c for c in row if c in {r.id for r in rest}) for row in rows] == [r.id for r in rest]
     worker_app.app.control.revoke(rest[0].id)
     assert [first.get(timeout=30), rest[1].get(timeout=30), rest[2].get(timeout=30)] == [0, 2, 3]

@@ -219,4 +219,11 @@ def test_with_zookeeper_unreachable_every_policy_says_so_and_none_says_skipped(e
             result = send(task, queue, "nobody-holds-it", 0)
             with pytest.raises(ZooKeeperUnavailable, match=rf"^task {task.name}: .*the task did not run"):
                 result.get(timeout=60)
+        # The per-key queues: a copy that can neither park nor hold fails, and says so (a new
+        # session's first task says it as it reads the key-name scheme).
+        for task in (worker_app.parking, worker_app.preempting):
+            result = send(task, queue, "nobody-holds-it", 0, 0)
+            with pytest.raises(ZooKeeperUnavailable,
+                               match=rf"^task {task.name}: .*(the task did not run|could neither park nor run)"):
+                result.get(timeout=90)
         assert "skipped" not in worker.log_text()

@@ -95,7 +95,7 @@ app = Celery("typed")
 
 
 @app.task
-@zk_locked(key="invoice:{invoice_id}", mode="read", on_contention="skip", timeout=None, dedupe="queued")
+@zk_locked(key="invoice:{invoice_id}", mode="read", on_contention="wait", timeout=None, dedupe="queued")
 def charge(invoice_id: int) -> None:
     current_lock().ensure()
     fence = current_lock().fencing_token

@@ -116,6 +116,14 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"on_contention": "wait", "park_limit": 5}, "park_limit applies only with on_contention='park'"),
     ({"on_contention": "park", "dedupe": "queued"}, "on_contention='park' and dedupe='queued' do not go together"),
     ({"dedupe": "queued", "lock": False, "park_limit": 5}, "park_limit applies only with the lock"),
+    # The new-user trial: these were refused only by each call on the worker, or not at all.
+    ({"key": ["a:{x}", "b:{x}"], "on_contention": "park"},
+     "on_contention='park' parks a copy in one key's queue, and this call has 2 keys; use one key"),
+    ({"key": ["a:{x}", "b:{x}"], "on_contention": "preempt"},
+     "on_contention='preempt' interrupts the one holder of one exclusive key, and this call has 2 keys"),
+    ({"on_contention": "skip", "timeout": 5}, "timeout applies only with on_contention='wait' or 'preempt'"),
+    ({"on_contention": "park", "timeout": None}, "timeout applies only with on_contention='wait' or 'preempt'"),
+    ({"on_contention": "wait", "retry_countdown": 1}, "retry_countdown applies only with on_contention='retry'"),
 ])
 def test_bad_decorator_options_name_task_and_option(options, message):
     def fn(x):
@@ -392,9 +400,41 @@ def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
 
     app.finalize()
     # (Other tests' shared tasks join every app as it is finalized: ours is the one named here.)
-    assert [p for p in problems(app) if p.startswith("task notify:")] == [
-        "task notify: on_contention='park' keeps a copy's message, its arguments with it, in ZooKeeper, and "
-        "zklock_key_names='hashed' promises nothing of them gets there; use another policy"]
+    message = ("task notify: on_contention='park' keeps a copy's message, its arguments with it, in ZooKeeper, and "
+               "zklock_key_names='hashed' promises nothing of them gets there; use another policy")
+    assert [p for p in problems(app) if p.startswith("task notify:")] == [message]
+    # Nor is it sent: it could only fail on the worker (the new-user trial saw it published).
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        notify.delay("carol@example.com")
+
+
+@pytest.mark.parametrize("settings, options, message", [
+    ({"zklock_default_on_contention": "park"}, {"key": ["a:{x}", "b:{x}"]},
+     "zklock_default_on_contention='park' parks a copy in one key's queue, and this call has 2 keys"),
+    ({"zklock_default_on_contention": "preempt"}, {"key": "a:{x}", "mode": "read"},
+     "zklock_default_on_contention='preempt' interrupts the one holder of one exclusive key, and this task "
+     "takes a read lock"),
+    ({"zklock_default_on_contention": "park"}, {"key": "a:{x}", "dedupe": "queued"},
+     "zklock_default_on_contention='park' and dedupe='queued' do not go together yet"),
+])
+def test_a_default_policy_a_task_cannot_take_is_a_problem_naming_the_setting(settings, options, message):
+    # The new-user trial: such a task passed `zklock check` and every call failed on the worker,
+    # naming the setting when the task set the policy itself, and not when the setting did.
+    from celery_zklock.task import problems
+
+    app = Celery("defaults", broker="memory://", set_as_current=False)
+    app.conf.update(settings)
+
+    @app.task(name="two", shared=False)
+    @zk_locked(**options)
+    def two(x):
+        pass
+
+    app.finalize()
+    [problem] = [p for p in problems(app) if p.startswith("task two:")]
+    assert message in problem, problem
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        two.delay(1)
 
 
 def test_a_bad_default_park_limit_is_refused_naming_the_setting():
