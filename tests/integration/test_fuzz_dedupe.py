@@ -4,6 +4,7 @@ from a recorded seed, each round's history checked by :func:`harness.dedupe.dedu
     ZKLOCK_FUZZ_DEDUPE_ROUNDS=1000 pytest tests/integration/test_fuzz_dedupe.py   # a long run
     ZKLOCK_FUZZ_SEED=1234 ZKLOCK_FUZZ_DEDUPE_ROUNDS=1 pytest ...                 # replay one round
     ZKLOCK_FUZZ_DEDUPE_MODES=latest,latest_locked ...                               # one feature's rounds
+    ZKLOCK_FUZZ_DEDUPE_FAULTS=child_paused ...                                      # one fault's rounds
 
 A round draws a mode (``queued``, ``queued_or_running``, ``queued_or_running`` with a lock
 and a retry, ``latest``, with or without a lock, ``park`` or ``preempt``), two keys, two
@@ -32,6 +33,7 @@ import collections
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -67,7 +69,15 @@ CONTENTION = ("park", "preempt")
 DRAWN = sorted(os.environ.get("ZKLOCK_FUZZ_DEDUPE_MODES", "").split(",") if os.environ.get(
     "ZKLOCK_FUZZ_DEDUPE_MODES") else MODES)
 FAULTS = ("publisher_reset", "worker_reset", "publisher_dark", "worker_dark", "reply_lost", "reply_held",
-          "child_killed", "revoked", "publisher_killed", "group")
+          "child_killed", "child_paused", "revoked", "publisher_killed", "group")
+#: The longest a pool process is paused (SIGSTOP): less than the 4 s session timeout, with
+#: room for the ping that may have been due up to a third of it before the pause began. A
+#: pause past the session timeout ends the session, and with it the promise of no overlap:
+#: the fencing token is what holds then (``test_preempt.py``'s token-checking store).
+LONGEST_PAUSE = 2.0
+#: ZKLOCK_FUZZ_DEDUPE_FAULTS=child_paused,worker_dark draws only those faults (a long run of one fault).
+FAULTS_DRAWN = tuple(os.environ["ZKLOCK_FUZZ_DEDUPE_FAULTS"].split(",")) if os.environ.get(
+    "ZKLOCK_FUZZ_DEDUPE_FAULTS") else FAULTS
 
 
 class Rig:
@@ -137,7 +147,7 @@ class Round:
         self.mode = self.mode_name if self.mode_name in ("queued", "latest") + CONTENTION else \
             "latest" if self.mode_name == "latest_locked" else "queued_or_running"
         self.keys = [f"s{seed}-{i}" for i in range(2)]
-        self.faults = sorted((self.rng.uniform(0.0, 1.5), self.rng.choice(FAULTS), self.rng.uniform(0.3, 2.5))
+        self.faults = sorted((self.rng.uniform(0.0, 1.5), self.rng.choice(FAULTS_DRAWN), self.rng.uniform(0.3, 2.5))
                              for _ in range(self.rng.randrange(4)))
         self.publishes: List[Dict[str, Any]] = []
         self.unpromised: Set[str] = set()
@@ -180,6 +190,8 @@ class Round:
             self.replies.delay_reply(rng.choice((Op.CREATE, Op.MULTI, Op.GET_DATA)), length)
         elif name == "child_killed":
             self.kill_a_running_child(rng)
+        elif name == "child_paused":
+            self.pause_a_running_child(rng, min(length, LONGEST_PAUSE))
         elif name == "revoked":
             with self.lock:
                 fresh = [p["asked"] for p in self.publishes if p["got"] == p["asked"]]
@@ -200,14 +212,36 @@ class Round:
             except ZooKeeperUnavailable:
                 pass  # the caller was told (a held reply, say); a member sent before it still runs
 
-    def kill_a_running_child(self, rng: random.Random) -> None:
-        running = {}
+    def running(self) -> Dict[str, int]:
+        """Task id -> pool process pid, of this round's copies in their bodies now."""
+        running: Dict[str, int] = {}
         for r in self.history():
-            if r.get("key") in self.keys and r["event"] in ("start", "end"):
-                running[r["task_id"]] = r["event"] == "start"
-        victims = [task_id for task_id, runs in running.items() if runs]
+            if r.get("key") in self.keys and r["event"] == "start":
+                running[r["task_id"]] = r["pid"]
+            elif r["event"] in ("end", "interrupted", "killed"):
+                running.pop(r["task_id"], None)
+        return running
+
+    def kill_a_running_child(self, rng: random.Random) -> None:
+        victims = sorted(self.running())
         if victims:
             self.rig.redis.set(f"dedupe:kill:{rng.choice(victims)}", 1, ex=120)
+
+    def pause_a_running_child(self, rng: random.Random, length: float) -> None:
+        """SIGSTOP the pool process of a copy in its body, for ``length`` s: its session's
+        pings and its body stop together, as under a long GC pause or a throttled container."""
+        running = self.running()
+        if not running:
+            return
+        pid = running[rng.choice(sorted(running))]
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return  # its body ended and a kill fault took it since we read the history
+        try:
+            time.sleep(length)
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def run(self) -> List[str]:
         # Each round starts from a healthy publisher: after a fault, its breaker keeps it off
@@ -337,6 +371,8 @@ def stacks(pid: int) -> str:
 
 
 def test_dedupe_rounds(rig):
+    unknown = sorted(set(FAULTS_DRAWN) - set(FAULTS)) + sorted(set(DRAWN) - set(MODES))
+    assert not unknown, f"ZKLOCK_FUZZ_DEDUPE_FAULTS or _MODES names what the fuzzer does not know: {unknown}"
     failures: Dict[int, List[str]] = {}
     for seed in range(FIRST_SEED, FIRST_SEED + ROUNDS):
         r = Round(rig, seed)
