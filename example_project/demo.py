@@ -63,6 +63,7 @@ class Timeline(threading.Thread):
         self.redis = redis.Redis.from_url(url)
         self.t0 = t0
         self.printed: Set[int] = set()  # indices into the history list, which only grows
+        self.parked: Set[str] = set()  # task ids of the copies seen parking
         self.stopped = threading.Event()
 
     def events(self) -> List[Dict[str, Any]]:
@@ -89,9 +90,14 @@ class Timeline(threading.Thread):
     def _print(self, e: Dict[str, Any]) -> None:
         t = f"{e['time'] - self.t0:6.2f}s"
         if e["event"] == "take":
-            waited = "  after waiting" if e["waited"] else ""
+            # A parked copy sent again waited in ZooKeeper, not in a slot.
+            waited = "  after parking" if e["task_id"] in self.parked else "  after waiting" if e["waited"] else ""
             print(f"  {t}  {e['key']:<15} {e['mode']:<9} held by {e['who']:<14} {e['task']:<15} "
                   f"token {e['token']}{waited}", flush=True)
+        elif e["event"] == "park":
+            self.parked.add(e["task_id"])
+            print(f"  {t}  {e['key']:<15} {'':<9} PARKED  {e['task']} ({e['who']}): held; it waits with no slot",
+                  flush=True)
         elif e["event"] == "skip":
             print(f"  {t}  {e['key']:<15} {'':<9} SKIPPED {e['task']} ({e['who']}): already running", flush=True)
         elif e["event"] == "beat":
