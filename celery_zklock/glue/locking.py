@@ -105,21 +105,21 @@ def run_locked(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence
     exception can defeat one of the two nets, never both, and release is idempotent.
     """
     held: List[Lock] = []
-    parking: List[Parking] = []  # under on_contention="park", this call's part: its hand-off has two nets too
+    parkings: List[Parking] = []  # under on_contention="park", this call's part: its hand-off has two nets too
     stack = _stack()
     depth = len(stack)
     try:
-        return _run(task, spec, fn, args, kwargs, bound, body, held, parking)
+        return _run(task, spec, fn, args, kwargs, bound, body, held, parkings)
     finally:
         del stack[depth:]  # current_lock() never outlives the body either
         release_all(task, held)
-        for one in parking:
+        for one in parkings:
             if one.took:
                 one.released()  # does nothing if _run's net did it
 
 
 def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
-         bound: bool, body: Callable[[], Any], held: List[Lock], parked: List[Parking]) -> Any:
+         bound: bool, body: Callable[[], Any], held: List[Lock], parkings: List[Parking]) -> Any:
     app = task.app
     where = f"task {task.name}"
     defaults = task_defaults(app)
@@ -147,7 +147,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     stack = _stack()
     parking = _parking(task, spec, policy, locks, session, settings, defaults)
     if parking is not None:
-        parked.append(parking)
+        parkings.append(parking)
     if policy == "preempt":
         _preempting(task, spec, locks, settings, defaults)
     try:

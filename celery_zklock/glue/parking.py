@@ -151,8 +151,8 @@ class Parking:
             # its reply is read: the copy is parked, and runs when its turn comes, so it ends
             # as a parked copy does, not as a failure; and it is watched, else a holder that
             # never hands on (a wait contender) would leave it waiting for ever.
-            if not (parked or self._parked_after_all(until)):
-                raise
+            if isinstance(exc, (SystemExit, KeyboardInterrupt)) or not (parked or self._parked_after_all(until)):
+                raise  # the process is going (a start's sweep finds the queue), or the copy never parked
             logger.warning("%s: %s as the copy parked; it stays parked, and runs when its turn comes", self.where,
                            explain(exc))
             _watch(self.queue.session, self.settings).add(self.queue, self._send, nudge=True)
