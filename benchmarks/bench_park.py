@@ -9,7 +9,9 @@ each policy:
 - the unrelated tasks' start latency (start minus publish), p50 and p99;
 - the keyed tasks' makespan (first publish to last keyed end) against the serial bound
   (the sum of the bodies on the busiest key);
-- the hand-off gap: from one holder's end to the next body's start on the same key, p50 and p99.
+- the hand-off gap: from one holder's end to the next body's start on the same key, p50 and p99;
+  under ``park``, also the median of each of its legs (end to send, send to delivery, delivery
+  to body), from marks the tasks' app records in the releasing and the receiving process.
 
 With ``--pin`` ZooKeeper runs on CPU 1 and everything else on CPU 0; ``--fsync`` lets the
 server sync each write, as production servers do.
@@ -79,7 +81,28 @@ def run(policy: str, args: argparse.Namespace, r: redis.Redis) -> Dict[str, floa
             on_key = sorted((e for e in bodies if e["key"] == k), key=lambda e: e["start"])
             gaps += [b["start"] - a["end"] for a, b in zip(on_key, on_key[1:])]
         out["gap50"], out["gap99"] = percentile(gaps, 0.5), percentile(gaps, 0.99)
+        legs = hand_off_legs([json.loads(e) for e in r.lrange(f"bench:{name}:legs", 0, -1)], bodies, args.keys)
+        if legs:
+            out["legs"] = legs
     return out
+
+
+def hand_off_legs(events: List[dict], bodies: List[dict], keys: int) -> Optional[Dict[str, float]]:
+    """Under park, the median of each leg of a hand-off to a copy sent again: the holder's end
+    to the send (its release, the queue's read and the claim), the send to the copy's
+    delivery in a pool process (the broker and the worker), and the delivery to its body
+    (the receive, the lock's create and the take)."""
+    sent = {e["task_id"]: e["t"] for e in events if e["kind"] == "sent"}  # the last send of each
+    delivered = {e["task_id"]: e["t"] for e in events if e["kind"] == "prerun"}
+    legs: Dict[str, List[float]] = {"release to send": [], "send to delivery": [], "delivery to body": []}
+    for k in range(keys):
+        on_key = sorted((e for e in bodies if e["key"] == k), key=lambda e: e["start"])
+        for a, b in zip(on_key, on_key[1:]):
+            if b["task_id"] in sent and b["task_id"] in delivered:
+                legs["release to send"].append(sent[b["task_id"]] - a["end"])
+                legs["send to delivery"].append(delivered[b["task_id"]] - sent[b["task_id"]])
+                legs["delivery to body"].append(b["start"] - delivered[b["task_id"]])
+    return {leg: percentile(values, 0.5) for leg, values in legs.items()} if legs["release to send"] else None
 
 
 def main() -> None:
@@ -119,6 +142,10 @@ def main() -> None:
         keyed = (f"{row['makespan']:>15.2f}s{row['makespan'] / row['bound']:>9.2f}x"
                  f"{row['gap50'] * 1000:>12.1f}ms{row['gap99'] * 1000:>9.1f}ms") if "makespan" in row else ""
         print(f"{label:<16}{row['p50'] * 1000:>19.1f}ms{row['p99'] * 1000:>9.1f}ms{row['p99'] / base:>12.2f}x{keyed}")
+    legs = results["park"].get("legs")
+    if legs:
+        print("\npark's hand-off, median of each leg: "
+              + ", ".join(f"{leg} {v * 1000:.1f} ms" for leg, v in legs.items()))
 
 
 if __name__ == "__main__":

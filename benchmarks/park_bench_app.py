@@ -7,10 +7,11 @@ import json
 import logging
 import os
 import time
+from typing import Optional
 
 import redis
-from celery import Celery
-from celery.signals import after_setup_logger
+from celery import Celery, current_task
+from celery.signals import after_setup_logger, before_task_publish, task_prerun
 
 from celery_zklock import zk_locked
 
@@ -34,17 +35,31 @@ def _quiet(**kwargs):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _note(run: str, **fields) -> None:
+def _note(run: str, list_: str = "", **fields) -> None:
     r = _redis.get(os.getpid())
     if r is None:
         r = _redis[os.getpid()] = redis.Redis.from_url(app.conf.broker_url)
-    r.rpush(f"bench:{run}", json.dumps(fields))
+    r.rpush(f"bench:{run}{list_}", json.dumps(fields))
 
 
 def _body(run: str, key: int, ms: float) -> None:
     start = time.monotonic()
     time.sleep(ms / 1000)
-    _note(run, kind="keyed", key=key, start=start, end=time.monotonic())
+    _note(run, kind="keyed", key=key, start=start, end=time.monotonic(), task_id=current_task.request.id)
+
+
+# The hand-off's legs, for park: a parked copy sent again (in the releasing process, as the
+# publish leaves), and its delivery (in the receiving pool process, before its lock is taken).
+@before_task_publish.connect
+def _sent(sender: str = "", headers: Optional[dict] = None, body: tuple = (), **kwargs) -> None:
+    if sender == keyed_park.name and headers and headers.get("zklock_parked"):
+        _note(body[0][0], ":legs", kind="sent", task_id=headers["id"], t=time.monotonic())
+
+
+@task_prerun.connect
+def _delivered(sender=None, task_id: str = "", args: tuple = (), **kwargs) -> None:
+    if sender is not None and sender.name == keyed_park.name:
+        _note(args[0], ":legs", kind="prerun", task_id=task_id, t=time.monotonic())
 
 
 @app.task
