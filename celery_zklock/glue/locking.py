@@ -41,7 +41,7 @@ from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .options import PARK_HASHED, LockSpec, policy_problem
-from .parking import Parking
+from .parking import Parking, abandon_received
 
 __all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
 
@@ -131,12 +131,15 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     request = task.request
     guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
     on_state = functools.partial(_on_state, task, request.id, guard)
+    session: Optional[Session] = None
     try:
         session = session_for(settings)
         locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
                       task=task.name, task_id=request.id, worker=request.hostname)
                  for _, key in ordered]
     except ZooKeeperUnavailable as exc:
+        if session is not None and policy == "park" and abandon_received(task, session, settings, spec, exc):
+            raise Ignore() from None  # still parked, and sent again: as Parking.abandoned()
         raise ZooKeeperUnavailable(f"{where}: {exc}; the task did not run") from None
     waits = policy in ("wait", "preempt")
     if not waits:

@@ -42,8 +42,8 @@ from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import layout_of, rule_for, settings_of
 from .options import spec_of
 
-__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "encode", "lost", "parked_header", "received",
-           "revoked", "send", "sweep"]
+__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "encode", "lost", "parked_header",
+           "received", "revoked", "send", "sweep"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -226,6 +226,25 @@ class Parking:
 
     def _send(self, node: str, payload: bytes) -> None:
         send(self.task.app, node, payload)
+
+
+def abandon_received(task: Any, session: Session, settings: Settings, spec: Any, exc: BaseException) -> bool:
+    """A copy sent again failed before it could receive its node (its key-name scheme could not
+    be read, say, as a session expired): True if it was one, and its claim is given back in the
+    background, so that it is sent again. Else its claim, its sender's, would hold the head of
+    its key's queue for as long as the sender lives: the fault-rig CI run saw ten copies stall."""
+    header = parked_header(task.request)
+    if header is None:
+        return False
+    path, name = posixpath.dirname(header), posixpath.basename(header)
+    try:
+        queue = ParkedQueue(session, path, layout_of(task.app).lock_of_parked(path), rule_for(spec.mode, spec.limit))
+    except ValueError:  # a header that names no queue of ours
+        return False
+    logger.warning("task %s[%s]: %s before the copy could take its place; it stays parked, and is sent again",
+                   task.name, task.request.id, explain(exc))
+    _watch(session, settings).give_up(queue, name, functools.partial(send, task.app))
+    return True
 
 
 def encode(task: Any, task_id: str, signature: Any) -> bytes:
