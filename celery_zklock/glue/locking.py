@@ -283,9 +283,9 @@ def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float],
     signals.lock_contended.send(sender=task, lock=lock, policy=policy)
     where = f"task {task.name}"
     if policy == "skip":
-        holders = [_holder(data) for data in lock.holders(timeout=remaining(until))]
+        holders, who = _holders(lock, until)
         logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.label, lock.mode,
-                    "; ".join(_describe(h) for h in holders) or "another contender (it has just let go)")
+                    who or "another contender (it has just let go)")
         return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders}}
     message = (f"{where}: lock {lock.label!r} ({lock.mode}) not acquired" +
                (f" within {timeout:g}s" if policy == "wait" and timeout is not None else ""))
@@ -296,9 +296,9 @@ def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float],
 
 def _refused(task: Any, lock: Lock, reason: str, until: Optional[float]) -> Dict[str, Any]:
     """A copy a full parked queue refused, as ``skip`` would refuse it (naming the holders), saying why."""
-    holders = [_holder(data) for data in lock.holders(timeout=remaining(until))]
+    holders, who = _holders(lock, until)
     logger.info("task %s[%s] skipped: lock %r (%s) is held by %s and %s", task.name, task.request.id, lock.label,
-                lock.mode, "; ".join(_describe(h) for h in holders) or "another contender", reason)
+                lock.mode, who or "another contender", reason)
     return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders, "reason": reason}}
 
 
@@ -323,6 +323,12 @@ def skipped(result: Any) -> Optional[Dict[str, Any]]:
     if isinstance(result, dict) and len(result) == 1 and isinstance(result.get(SKIPPED), dict):
         return result[SKIPPED]
     return None
+
+
+def _holders(lock: Lock, until: Optional[float]) -> Tuple[List[Dict[str, Any]], str]:
+    """Who holds ``lock`` (for a skip record), and the same said in a log line ("" if nobody)."""
+    holders = [_holder(data) for data in lock.holders(timeout=remaining(until))]
+    return holders, "; ".join(_describe(h) for h in holders)
 
 
 def _holder(data: str) -> Dict[str, Any]:

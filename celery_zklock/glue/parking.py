@@ -228,6 +228,12 @@ class Parking:
         send(self.task.app, node, payload)
 
 
+def _queue_at(session: Session, app: Any, path: str, spec: Any) -> ParkedQueue:
+    """The parked queue at ``path`` (a header's or a sweep's), beside its key's lock, under
+    ``spec``'s rule; ValueError for a path that names no queue of ``app``'s root."""
+    return ParkedQueue(session, path, layout_of(app).lock_of_parked(path), rule_for(spec.mode, spec.limit))
+
+
 def abandon_received(task: Any, session: Session, settings: Settings, spec: Any, exc: BaseException) -> bool:
     """A copy sent again failed before it could receive its node (its key-name scheme could not
     be read, say, as a session expired): True if it was one, and its claim is given back in the
@@ -238,7 +244,7 @@ def abandon_received(task: Any, session: Session, settings: Settings, spec: Any,
         return False
     path, name = posixpath.dirname(header), posixpath.basename(header)
     try:
-        queue = ParkedQueue(session, path, layout_of(task.app).lock_of_parked(path), rule_for(spec.mode, spec.limit))
+        queue = _queue_at(session, task.app, path, spec)
     except ValueError:  # a header that names no queue of ours
         return False
     logger.warning("task %s[%s]: %s before the copy could take its place; it stays parked, and is sent again",
@@ -338,8 +344,7 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
     backoff, failure = 0.5, "no try"
     for _ in range(_GIVE_UP_TRIES):
         try:
-            parked = ParkedQueue(session_for(settings), path, layout_of(app).lock_of_parked(path),
-                                 rule_for(spec.mode, spec.limit))
+            parked = _queue_at(session_for(settings), app, path, spec)
             until = deadline(settings.connect_timeout)
             (parked.remove if revoked else parked.decline)(name, until)
             return
@@ -374,7 +379,7 @@ def sweep(app: Any, session: Session) -> None:
             spec = spec_of(task) if task is not None else None
             if spec is None:
                 continue  # another app's queue, under a shared root: its own workers watch it
-            parked = ParkedQueue(session, path, layout.lock_of_parked(path), rule_for(spec.mode, spec.limit))
+            parked = _queue_at(session, app, path, spec)
             _watch(session, settings).add(parked, functools.partial(send, app))
     except Exception as exc:  # noqa: BLE001 - the queues' own releasers and watchers still send them
         logger.warning("celery-zklock: could not look for parked copies at start (%s)", explain(exc))
