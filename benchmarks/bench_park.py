@@ -36,6 +36,8 @@ from harness import CeleryWorker, RedisServer, ZooKeeperPeer
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {"none": None, "wait": tasks.keyed_wait, "retry": tasks.keyed_retry, "park": tasks.keyed_park}
+#: The same keyed tasks with no unrelated ones: park's hand-off with nothing queued ahead of a copy sent again.
+ALONE = "park, keyed only"
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -44,7 +46,9 @@ def percentile(values: List[float], q: float) -> float:
 
 
 def run(policy: str, args: argparse.Namespace, r: redis.Redis) -> Dict[str, float]:
-    name = f"{policy}-{uuid.uuid4().hex[:6]}"
+    name = f"{policy}-{uuid.uuid4().hex[:6]}".replace(" ", "").replace(",", "")
+    if policy == ALONE:
+        policy, args = "park", argparse.Namespace(**{**vars(args), "unrelated": 0})
     keyed = POLICIES[policy]
     published: Dict[int, float] = {}
     first = time.monotonic()
@@ -87,20 +91,42 @@ def run(policy: str, args: argparse.Namespace, r: redis.Redis) -> Dict[str, floa
     return out
 
 
+def broker_floor(r: redis.Redis, n: int = 200) -> Dict[str, float]:
+    """An idle worker's publish-to-start latency, one unrelated task at a time: what the broker
+    and the worker alone cost a copy sent again, before any ZooKeeper request."""
+    name = f"floor-{uuid.uuid4().hex[:6]}"
+    latency = []
+    with tasks.app.producer_or_acquire() as producer:
+        for i in range(n):
+            sent = time.monotonic()
+            tasks.unrelated.apply_async((name, i), producer=producer)
+            _, event = r.blpop(f"bench:{name}", timeout=30) or (None, None)
+            if event is None:
+                raise SystemExit(f"broker floor: task {i} did not start in 30 s")
+            latency.append(json.loads(event)["start"] - sent)
+    return {"p50": percentile(latency, 0.5), "p99": percentile(latency, 0.99)}
+
+
 def hand_off_legs(events: List[dict], bodies: List[dict], keys: int) -> Optional[Dict[str, float]]:
     """Under park, the median of each leg of a hand-off to a copy sent again: the holder's end
     to the send (its release, the queue's read and the claim), the send to the copy's
     delivery in a pool process (the broker and the worker), and the delivery to its body
     (the receive, the lock's create and the take)."""
     sent = {e["task_id"]: e["t"] for e in events if e["kind"] == "sent"}  # the last send of each
+    published = {e["task_id"]: e["t"] for e in events if e["kind"] == "published"}
+    received = {e["task_id"]: e["t"] for e in events if e["kind"] == "received"}  # by the worker's consumer
     delivered = {e["task_id"]: e["t"] for e in events if e["kind"] == "prerun"}
-    legs: Dict[str, List[float]] = {"release to send": [], "send to delivery": [], "delivery to body": []}
+    legs: Dict[str, List[float]] = {"release to send": [], "the publish": [], "broker to consumer": [],
+                                    "consumer to pool process": [],
+                                    "delivery to body": []}
     for k in range(keys):
         on_key = sorted((e for e in bodies if e["key"] == k), key=lambda e: e["start"])
         for a, b in zip(on_key, on_key[1:]):
-            if b["task_id"] in sent and b["task_id"] in delivered:
+            if all(b["task_id"] in marks for marks in (sent, published, received, delivered)):
                 legs["release to send"].append(sent[b["task_id"]] - a["end"])
-                legs["send to delivery"].append(delivered[b["task_id"]] - sent[b["task_id"]])
+                legs["the publish"].append(published[b["task_id"]] - sent[b["task_id"]])
+                legs["broker to consumer"].append(received[b["task_id"]] - published[b["task_id"]])
+                legs["consumer to pool process"].append(delivered[b["task_id"]] - received[b["task_id"]])
                 legs["delivery to body"].append(b["start"] - delivered[b["task_id"]])
     return {leg: percentile(values, 0.5) for leg, values in legs.items()} if legs["release to send"] else None
 
@@ -128,24 +154,30 @@ def main() -> None:
             warm = argparse.Namespace(**{**vars(args), "keyed": 20, "unrelated": 20})
             for policy in POLICIES:  # connections, sessions, key nodes
                 run(policy, warm, r)
-            for policy in POLICIES:
+            for policy in [*POLICIES, ALONE]:
                 results[policy] = run(policy, args, r)
+            floor = broker_floor(r)
     where = "on CPU 1, all else on CPU 0" if args.pin else "sharing both CPUs"
     print(f"prefork -c {args.concurrency}: {args.keyed} keyed tasks ({args.ms:g} ms) on {args.keys} hot keys "
           f"mixed with {args.unrelated} unrelated; Redis broker; ZooKeeper 3.8 {where}, "
           f"forceSync={'yes' if args.fsync else 'no'}")
     base: Optional[float] = results["none"]["p99"]
-    print(f"\n{'policy':<16}{'unrelated start p50':>21}{'p99':>11}{'p99 vs none':>13}"
+    print(f"\n{'policy':<18}{'unrelated start p50':>21}{'p99':>11}{'p99 vs none':>13}"
           f"{'keyed makespan':>16}{'vs bound':>10}{'hand-off p50':>14}{'p99':>11}")
     for policy, row in results.items():
         label = "no keyed tasks" if policy == "none" else policy
         keyed = (f"{row['makespan']:>15.2f}s{row['makespan'] / row['bound']:>9.2f}x"
                  f"{row['gap50'] * 1000:>12.1f}ms{row['gap99'] * 1000:>9.1f}ms") if "makespan" in row else ""
-        print(f"{label:<16}{row['p50'] * 1000:>19.1f}ms{row['p99'] * 1000:>9.1f}ms{row['p99'] / base:>12.2f}x{keyed}")
-    legs = results["park"].get("legs")
-    if legs:
-        print("\npark's hand-off, median of each leg: "
-              + ", ".join(f"{leg} {v * 1000:.1f} ms" for leg, v in legs.items()))
+        unrelated = (f"{row['p50'] * 1000:>19.1f}ms{row['p99'] * 1000:>9.1f}ms{row['p99'] / base:>12.2f}x"
+                     if row["p50"] == row["p50"] else f"{'-':>21}{'-':>11}{'-':>13}")  # NaN: none ran
+        print(f"{label:<18}{unrelated}{keyed}")
+    for policy in ("park", ALONE):
+        legs = results[policy].get("legs")
+        if legs:
+            print(f"\n{policy}: the hand-off's legs (medians): "
+                  + ", ".join(f"{leg} {v * 1000:.1f} ms" for leg, v in legs.items()))
+    print(f"\nthe broker's floor (an idle worker, one unrelated task at a time): publish to start "
+          f"p50 {floor['p50'] * 1000:.1f} ms, p99 {floor['p99'] * 1000:.1f} ms")
 
 
 if __name__ == "__main__":

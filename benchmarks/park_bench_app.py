@@ -11,7 +11,7 @@ from typing import Optional
 
 import redis
 from celery import Celery, current_task
-from celery.signals import after_setup_logger, before_task_publish, task_prerun
+from celery.signals import after_setup_logger, after_task_publish, before_task_publish, task_prerun, task_received
 
 from celery_zklock import zk_locked
 
@@ -54,6 +54,19 @@ def _body(run: str, key: int, ms: float) -> None:
 def _sent(sender: str = "", headers: Optional[dict] = None, body: tuple = (), **kwargs) -> None:
     if sender == keyed_park.name and headers and headers.get("zklock_parked"):
         _note(body[0][0], ":legs", kind="sent", task_id=headers["id"], t=time.monotonic())
+
+
+@after_task_publish.connect
+def _published(sender: str = "", headers: Optional[dict] = None, body: tuple = (), **kwargs) -> None:
+    if sender == keyed_park.name and headers and headers.get("zklock_parked"):
+        _note(body[0][0], ":legs", kind="published", task_id=headers["id"], t=time.monotonic())
+
+
+@task_received.connect
+def _received(request=None, **kwargs) -> None:
+    # In the worker's main process, as the consumer takes the message from the broker.
+    if request is not None and request.name == keyed_park.name and request.args:
+        _note(request.args[0], ":legs", kind="received", task_id=request.id, t=time.monotonic())
 
 
 @task_prerun.connect

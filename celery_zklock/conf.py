@@ -20,6 +20,7 @@ from .exceptions import ConfigurationError
 __all__ = [
     "ACL_POLICIES", "CONTENTION_POLICIES", "DEDUPE_MODES", "DEFAULTS", "DESCRIPTIONS", "DUPLICATE_POLICIES",
     "KEY_NAMES", "LOCK_LOST_POLICIES", "LOCK_MODES", "MIN_SECRET", "UNAVAILABLE_POLICIES", "AclPolicy",
+    "MetricsSettings",
     "ContentionPolicy", "DedupeMode", "DuplicatePolicy", "KeyNames", "LockLostPolicy", "LockMode", "Settings",
     "TaskDefaults", "UnavailablePolicy", "beat_name", "choice", "describe", "did_you_mean", "optional_seconds",
     "positive_int", "unknown_settings",
@@ -83,6 +84,8 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_dedupe_ttl": 3600.0,
     "zklock_dedupe_publish_timeout": 2.0,
     "zklock_beat_name": None,
+    "zklock_metrics_port": None,
+    "zklock_metrics_address": "127.0.0.1",
 }
 
 #: Setting name -> (its type, what it does). The settings reference in docs/ is rendered
@@ -140,6 +143,11 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                           "shortens it; `countdown` and `eta` add their delay)."),
     "zklock_beat_name": ("str", "Name of the beat election: beats with the same name elect one leader. "
                          "Unset: the app's main name (`celery` when it has none)."),
+    "zklock_metrics_port": ("int or None", "Serve Prometheus metrics at `http://<zklock_metrics_address>:<port>"
+                            "/metrics` from each worker (covering all its pool processes) and each `celery beat`; "
+                            "needs the `metrics` extra (`pip install celery-zklock[metrics]`). Unset: no metrics, "
+                            "and `prometheus_client` is never imported."),
+    "zklock_metrics_address": ("str", "The address the metrics are served on; `0.0.0.0` serves every interface."),
 }
 
 
@@ -441,6 +449,25 @@ class TaskDefaults:
             park_limit=positive_int("zklock_default_park_limit",
                                     conf.get("zklock_default_park_limit", DEFAULTS["zklock_default_park_limit"])),
         )
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """Where a worker or a beat serves its metrics: ``port`` None serves none."""
+
+    port: Optional[int] = None
+    address: str = DEFAULTS["zklock_metrics_address"]
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> MetricsSettings:
+        port = conf.get("zklock_metrics_port")
+        address = conf.get("zklock_metrics_address")
+        address = DEFAULTS["zklock_metrics_address"] if address is None else address
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ConfigurationError(f"zklock_metrics_port must be None or a TCP port (1-65535), not {port!r}")
+        if not isinstance(address, str) or not address.strip():
+            raise ConfigurationError(f"zklock_metrics_address must be a host name or IP address, not {address!r}")
+        return cls(port, address.strip())
 
 
 def beat_name(conf: Mapping[str, Any], main: Optional[str]) -> str:

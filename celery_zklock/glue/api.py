@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Optional, TypeVar
 
 from kazoo.exceptions import KazooException
 
-from ..conf import LockMode, Settings, TaskDefaults, did_you_mean
+from ..conf import LockMode, MetricsSettings, Settings, TaskDefaults, did_you_mean
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from ..layout import LOCK_TREES, Layout, check_key
 from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
@@ -44,6 +44,11 @@ def _once_per_app(app: Any, attribute: str, read: Callable[[Any], _Read]) -> _Re
 def settings_of(app: Any) -> Settings:
     """The validated ``zklock_*`` settings of a Celery app (read once per app)."""
     return _once_per_app(app, "_zklock_settings", Settings.from_conf)
+
+
+def metrics_of(app: Any) -> MetricsSettings:
+    """Where the app's workers and beats serve metrics (``zklock_metrics_*``; read once per app)."""
+    return _once_per_app(app, "_zklock_metrics", MetricsSettings.from_conf)
 
 
 def task_defaults(app: Any) -> TaskDefaults:

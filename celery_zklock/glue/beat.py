@@ -34,7 +34,8 @@ from ..exceptions import ConfigurationError, ZkLockError
 from ..layout import Layout, node_object
 from ..recipes.election import Election, Leadership
 from ..zk import Session, session_for
-from .api import layout_of, settings_of
+from . import metrics
+from .api import layout_of, metrics_of, settings_of
 from .options import problems
 
 __all__ = ["LeaderScheduler", "leader_only"]
@@ -94,6 +95,8 @@ class _Leadership(Scheduler):
         self.layout, self.beat_name = layout_of(app), beat_name(app.conf, app.main)
         self.beat_path = self.layout.beat(self.beat_name)
         super().setup_schedule()
+        metrics.serve(metrics_of(app), "beat")  # a beat embedded in a worker counts into the worker's
+        metrics.beat_leading(False)
         session = session_for(settings)  # ZooKeeperUnavailable within zklock_connect_timeout
         self._info = {"host": socket.gethostname(), "pid": os.getpid(),
                       "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -105,6 +108,7 @@ class _Leadership(Scheduler):
         if election is None or not election.is_leader:
             if self._leading_token is not None:
                 self._leading_token = None
+                metrics.beat_leading(False)
                 logger.warning("beat: not leading any more (%s): dispatch stopped",
                                election.state if election else "closed")
             # Wait on the election, not on ZooKeeper: we are woken the moment we lead.
@@ -133,8 +137,18 @@ class _Leadership(Scheduler):
     def on_leadership(self) -> None:
         """Called once each time this beat becomes the leader, before its first dispatch."""
         logger.info("beat: leading; dispatching from now on")
+        metrics.beat_leading(True)
         self._tick_by = 0.0
         self._publish(leader_since=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def _send(self, entry: ScheduleEntry, producer: Any) -> None:
+        """Send a run of ``entry`` (as it was before this run), and count it with its lag."""
+        try:  # how long past its due time: what is left of its wait, run out
+            late = -entry.schedule.remaining_estimate(entry.last_run_at).total_seconds()
+        except Exception:  # noqa: BLE001 - a schedule of another kind: the run is sent all the same
+            late = None
+        super().apply_entry(entry, producer=producer)
+        metrics.beat_sent(entry.name, late)
 
     def _publish(self, **info: Any) -> None:
         """Add ``info`` to our election node's data, for `celery zklock status` (fire and forget)."""
@@ -150,6 +164,7 @@ class _Leadership(Scheduler):
         finally:
             if self.election is not None:
                 self.election.close()  # deletes our node: a standby takes over at once
+            metrics.stop()
 
 
 def leader_only(scheduler_cls: S) -> S:
@@ -211,7 +226,7 @@ class _LeaderOnly(_Leadership):
         """
         if getattr(self, "_dirty", None):
             self.sync()
-        super().apply_entry(entry, producer=producer)
+        self._send(entry, producer)
 
 
 class LeaderScheduler(_Leadership):
@@ -301,7 +316,7 @@ class LeaderScheduler(_Leadership):
                 "pid": os.getpid(), "host": socket.gethostname(), "token": recorded[0],
                 "entry": entry.name, "run": recorded[1], "sent": time.time()}}
             entry.options = options
-            super().apply_entry(entry, producer=producer)
+            self._send(entry, producer)
 
     def _record(self, lead: Leadership, entry: ScheduleEntry) -> bool:
         """Record the run in one transaction that also checks our election node; True if it committed.

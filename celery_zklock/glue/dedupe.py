@@ -134,6 +134,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                               else _never_sent(task, task_id, exc, ZooKeeperUnavailable), latest)
             if spec.dedupe_on_unavailable == "publish":
                 logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
+                signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="unavailable")
                 return original(task, args, kwargs, task_id=task_id, **options)
             raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
                                        f"({explain(exc)}); set dedupe_on_unavailable='publish' "
@@ -146,6 +147,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                            "canvas (chain, chord, group, link) is never deduplicated, or its canvas would never "
                            "complete", where, label, str(spec.dedupe).replace("_", " "),
                            existing["task_id"])
+            signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="canvas")
             return original(task, args, kwargs, task_id=task_id, **options)
         if existing is not None:
             signals.task_deduplicated.send(sender=task, key=label, task_id=existing["task_id"])
@@ -375,6 +377,8 @@ def _latest(task: Any, spec: LockSpec, marker: str, mark: bool) -> None:
         return
     logger.info("task %s[%s] skipped: replaced by a newer copy (task id %s) under dedupe='latest'", task.name,
                 task.request.id, newer)
+    signals.task_replaced.send(sender=task, key=_label(task, spec, marker), task_id=task.request.id,
+                               replaced_by=newer)
     raise Replaced({SKIPPED: {"key": _label(task, spec, marker), "mode": spec.mode if spec.lock else None,
                               "holders": [], "reason": f"replaced by a newer copy (task id {newer})",
                               "replaced_by": newer}})

@@ -162,7 +162,10 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
             if one.acquire(blocking=waits, timeout=remaining(until)):
                 if parking is not None:
                     parking.took = True
-                signals.lock_acquired.send(sender=task, lock=one)
+                signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
+                if one.waited:
+                    signals.lock_contended.send(sender=task, lock=one, policy=policy,
+                                                outcome="preempted" if policy == "preempt" else "waited")
                 if policy == "preempt" and _asked_to_go(task, one, settings):
                     # A newer copy marked ours while it waited: it goes before its body starts.
                     release_all(task, held)
@@ -178,9 +181,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                     f"{one.label!r} ({one.mode}) was not taken and the task did not run "
                     f"(on_contention={policy!r} applies only when another contender holds the key)")
             if parking is not None:
-                signals.lock_contended.send(sender=task, lock=one, policy=policy)
                 return _refused(task, one, parking.contended(until), until)
-            return _contended(task, spec, "wait" if waits else policy, timeout, one, held, until)
+            return _contended(task, spec, policy, timeout, one, held, until)
         for one in held:
             one.ensure()  # one may have been lost while we waited for another: no body then
         if parking is not None and not parking.holding(until):  # after ensure: a copy taken must run
@@ -280,7 +282,7 @@ def release_all(task: Any, held: List[Lock]) -> None:
 def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float], lock: Lock,
                held: List[Lock], until: Optional[float]) -> Any:
     release_all(task, held)  # give back what we took before waiting on nothing
-    signals.lock_contended.send(sender=task, lock=lock, policy=policy)
+    signals.lock_contended.send(sender=task, lock=lock, policy=policy, outcome=_OUTCOMES.get(policy, "raised"))
     where = f"task {task.name}"
     if policy == "skip":
         holders, who = _holders(lock, until)
@@ -288,14 +290,19 @@ def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float],
                     who or "another contender (it has just let go)")
         return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders}}
     message = (f"{where}: lock {lock.label!r} ({lock.mode}) not acquired" +
-               (f" within {timeout:g}s" if policy == "wait" and timeout is not None else ""))
+               (f" within {timeout:g}s" if policy in ("wait", "preempt") and timeout is not None else ""))
     if policy == "retry":
         raise task.retry(countdown=spec.retry_countdown, exc=LockNotAcquired(message))
     raise LockNotAcquired(message)
 
 
+#: What a contended call that did not hold did, by policy (``wait`` and ``preempt`` timed out: raised).
+_OUTCOMES = {"skip": "skipped", "retry": "retried"}
+
+
 def _refused(task: Any, lock: Lock, reason: str, until: Optional[float]) -> Dict[str, Any]:
     """A copy a full parked queue refused, as ``skip`` would refuse it (naming the holders), saying why."""
+    signals.lock_contended.send(sender=task, lock=lock, policy="park", outcome="skipped")
     holders, who = _holders(lock, until)
     logger.info("task %s[%s] skipped: lock %r (%s) is held by %s and %s", task.name, task.request.id, lock.label,
                 lock.mode, who or "another contender", reason)
@@ -355,4 +362,4 @@ def _on_state(task: Any, task_id: Optional[str], guard: Optional[BodyGuard], loc
     interrupted = guard.interrupt(f"task {task.name}: {message}", kind) if guard is not None else False
     logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task_id, message,
                    f"; raising {kind.__name__} in the body" if interrupted else "")
-    signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted)
+    signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted, reason=lock.lost_cause or "session")

@@ -30,6 +30,7 @@ from ..conf import (
     DuplicatePolicy,
     LockLostPolicy,
     LockMode,
+    MetricsSettings,
     TaskDefaults,
     UnavailablePolicy,
     choice,
@@ -367,6 +368,10 @@ def problems(app: Any) -> List[str]:
     """
     stray = strays(app)
     found = []
+    try:
+        MetricsSettings.from_conf(app.conf)
+    except ConfigurationError as exc:
+        found.append(str(exc))
     locked = False
     for name, task in sorted(app.tasks.items()):
         locking = locking_of(task)

@@ -32,6 +32,7 @@ from celery.exceptions import Ignore
 from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
+from .. import signals
 from ..conf import Settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..layout import LOCK_TREES, PARKED, node_object
@@ -85,6 +86,7 @@ class Parking:
         self.limit = limit
         self.where = f"task {task.name}[{self.request.id}]"
         self.label = lock.label
+        self.lock = lock
         semaphore = lock.rule.name == "semaphore"
         self.queue = ParkedQueue(session, layout_of(task.app).parked(lock.key or "", semaphore), lock.path, lock.rule)
         header = parked_header(self.request)
@@ -126,6 +128,7 @@ class Parking:
         if self.received is None:
             return self.park(until)
         self.queue.decline(self.received, until)
+        signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
         self.released()
         logger.info("%s: lock %r is held by a contender that never parked; the copy stays at the head of the "
                     "key's parked queue", self.where, self.label)
@@ -156,6 +159,7 @@ class Parking:
             logger.warning("%s: %s as the copy parked; it stays parked, and runs when its turn comes", self.where,
                            explain(exc))
             _watch(self.queue.session, self.settings).add(self.queue, self._send, nudge=True)
+        signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
         raise Ignore()
 
     def _parked_after_all(self, until: Optional[float]) -> bool:

@@ -65,8 +65,8 @@ from celery.signals import (
 from ..conf import unknown_settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
-from . import dedupe, parking
-from .api import claim_scheme, layout_of, settings_of
+from . import dedupe, metrics, parking
+from .api import claim_scheme, layout_of, metrics_of, settings_of
 from .celery_internals import (
     connect_on_app_finalize,
     current_app,
@@ -101,9 +101,10 @@ def install() -> None:
         task_postrun.connect(dedupe.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
         worker_ready.connect(_tell_about_readable_arguments, weak=False)
+        worker_ready.connect(lambda **kwargs: metrics.announce(), weak=False)
         worker_process_init.connect(_open_session, weak=False)
         worker_process_shutdown.connect(_close_sessions, weak=False)
-        worker_shutdown.connect(_close_sessions, weak=False)
+        worker_shutdown.connect(_stop, weak=False)
         if hasattr(os, "register_at_fork"):
             # (In the child, logging has made the locks afresh: nothing to release there.)
             os.register_at_fork(before=_hold_log_handlers, after_in_parent=_release_log_handlers,
@@ -212,6 +213,12 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
             found += _check_scheme(app, settings_of(app))
         except ZkLockError as exc:
             found.append(str(exc))
+    if not found and uses_zklock(app):
+        try:
+            # Before the pool forks: its processes count into the directory this sets up.
+            metrics.serve(metrics_of(app), "worker")
+        except ConfigurationError as exc:
+            found.append(str(exc))
     if found:
         for problem in found:
             logger.critical("celery-zklock: %s", problem)
@@ -275,3 +282,9 @@ def _connect(app: Any, settings: Any) -> None:
 
 def _close_sessions(**kwargs: Any) -> None:
     close_sessions()  # ends our sessions now, so our locks go now
+    metrics.process_ended()
+
+
+def _stop(**kwargs: Any) -> None:
+    _close_sessions()
+    metrics.stop()

@@ -97,6 +97,8 @@ class Engine:
         self._created = False
         self._cancelled = False
         self._event = threading.Event()
+        #: The rule made this run wait at least once (what a contended acquire is told by).
+        self.blocked = False
         #: True while we wait on watches we set: a watch of an earlier round that fires later
         #: (first in line, we watch every holder; the first one to leave wakes us) wakes nobody.
         self._waiting = False
@@ -110,6 +112,7 @@ class Engine:
         self._prefix = uuid.uuid4().hex + self.rule.node_name
         self._created = False
         self._cancelled = False
+        self.blocked = False
         while not self._cancelled:
             try:
                 outcome = self._contend(blocking, until)
@@ -163,6 +166,7 @@ class Engine:
             if decision.holds:
                 self._wake_promoted_waiter(node, children)
                 return Held(node, token, generation)
+            self.blocked = True
             self.observer.blocked(decision.watch)
             if not blocking or self._cancelled:
                 return None

@@ -122,8 +122,12 @@ class Lock:
         self.state = LockState.UNLOCKED
         #: Monotonic time the lock was last acquired.
         self.held_since = 0.0
+        #: How long the last acquire took, from its call to holding (or to giving up).
+        self.waited_seconds = 0.0
         #: Why the lock stopped being held beyond doubt (its node deleted, its session lost).
         self.lost_reason = ""
+        #: The same in one word, for counting: ``session``, ``deleted`` or ``preempted`` ("" while not lost).
+        self.lost_cause = ""
         #: Who preempted it, as the newer contender described itself; None if nobody did.
         self.preempted_by: Optional[Dict[str, Any]] = None
         self._engine = Engine(session, path, rule, data, observer)
@@ -180,20 +184,27 @@ class Lock:
             if self.state != LockState.UNLOCKED:
                 raise RuntimeError(f"lock {self.path} is already {self.state}; locks are not re-entrant")
             self.state = LockState.WAITING
-            self.lost_reason = ""
+            self.lost_reason = self.lost_cause = ""
             self.preempted_by = None
         got = False
+        started = time.monotonic()
         try:
             until = deadline(timeout)
             self.session.add_listener(self)
             held = self._engine.run(blocking, until)
             got = held is not None and self._hold(held)
         finally:
+            self.waited_seconds = (self.held_since if got else time.monotonic()) - started
             if not got:
                 # Also when an asynchronous exception (a soft time limit) lands anywhere
                 # above: whatever node we made goes.
                 to_the_end(self._give_back)
         return got
+
+    @property
+    def waited(self) -> bool:
+        """Whether the last :meth:`acquire` found the key held and had to wait (or give up)."""
+        return self._engine.blocked
 
     def cancel(self) -> None:
         """Make a waiting :meth:`acquire` (in another thread) give up and return False."""
@@ -320,6 +331,7 @@ class Lock:
             self.state = LockState.LOST
             self.preempted_by = by
             self.lost_reason = f"a newer contender preempted it ({describe(by)})"
+            self.lost_cause = "preempted"
         logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
         self._leave()
         if self.on_state is not None:
@@ -378,6 +390,7 @@ class Lock:
                 return  # our own release, or an earlier node of ours
             self.state = LockState.LOST
             self.lost_reason = f"its node {node} was deleted by someone else"
+            self.lost_cause = "deleted"
         logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
         if self.on_state is not None:
             self.on_state(self, LockState.LOST)
@@ -398,6 +411,7 @@ class Lock:
                 return
             self.state = new
             if new == LockState.LOST:
+                self.lost_cause = "session"
                 self.lost_reason = (f"its session was lost (no answer from ZooKeeper within the "
                                     f"{self.session.timeout:g}s session timeout, or the session expired)")
         if new == LockState.LOST:

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from kazoo.client import KazooClient
 from kazoo.protocol.serialization import Auth
@@ -485,6 +485,20 @@ def session_for(settings: Settings, wait: Optional[float] = None) -> Session:
 QUIET_AFTER_FAILURE = 5.0
 
 
+#: Called with each session :func:`session_for` starts (see :func:`on_session_started`).
+_started_hooks: List[Callable[[Session], None]] = []
+
+
+def on_session_started(hook: Callable[[Session], None]) -> None:
+    """Call ``hook(session)`` for each session :func:`session_for` starts from now on, and for
+    each it has started already (the metrics watch each one's state)."""
+    with _sessions_lock:
+        _started_hooks.append(hook)
+        started = [s for (pid, _), s in _sessions.items() if pid == os.getpid()]
+    for session in started:
+        hook(session)
+
+
 def _start(key: Tuple[int, Settings], settings: Settings, attempt: _Start) -> Session:
     try:
         _check_patched_in_order()
@@ -492,6 +506,12 @@ def _start(key: Tuple[int, Settings], settings: Settings, attempt: _Start) -> Se
         with _sessions_lock:
             _sessions[key] = attempt.session
             _failed.pop(key, None)
+            hooks = list(_started_hooks)
+        for hook in hooks:
+            try:
+                hook(attempt.session)
+            except Exception:  # a hook's bug must not fail the start
+                logger.exception("celery-zklock session hook failed")
         return attempt.session
     except BaseException as exc:
         attempt.error = exc

@@ -31,6 +31,7 @@ app.conf.update(
     zklock_acl=os.environ.get("ZKT_ACL", "open"),
     zklock_key_names="hashed" if os.environ.get("ZKT_KEY_SECRET") else "readable",
     zklock_key_secret=os.environ.get("ZKT_KEY_SECRET"),
+    zklock_metrics_port=int(os.environ["ZKT_METRICS_PORT"]) if os.environ.get("ZKT_METRICS_PORT") else None,
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
@@ -43,7 +44,8 @@ _redis: Any = None
 def history() -> Any:
     global _redis
     if _redis is None:
-        _redis = redis.Redis.from_url(app.conf.broker_url)
+        # No socket timeout: hold_on_socket's BLPOP may block longer than redis-py 8's default of 5 s.
+        _redis = redis.Redis.from_url(app.conf.broker_url, socket_timeout=None)
     return _redis
 
 

@@ -32,10 +32,10 @@ def env(redis_server, zk_server, zk_root, queue) -> Dict[str, str]:
 def workers(env) -> Iterator:
     started: List[CeleryWorker] = []
 
-    def start(name: str, pool: str = "prefork", concurrency: int = 2, queue: str = "", **overrides: str
-              ) -> CeleryWorker:
+    def start(name: str, pool: str = "prefork", concurrency: int = 2, queue: str = "", extra_args: List[str] = (),
+              **overrides: str) -> CeleryWorker:
         worker = CeleryWorker("tests.apps.worker_app", name=name, pool=pool, concurrency=concurrency,
-                              env={**env, **overrides}, extra_args=["-Q", queue or env["ZKT_QUEUE"]])
+                              env={**env, **overrides}, extra_args=["-Q", queue or env["ZKT_QUEUE"], *extra_args])
         started.append(worker)
         _started.append(worker)  # a failing test's report carries its log
         return worker.start()

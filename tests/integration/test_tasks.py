@@ -118,8 +118,8 @@ def test_opposite_transfers_never_deadlock(celery_app):
 
 
 def test_contention_policies(celery_app, received):
-    def task(policy, **options):
-        @celery_app.task(bind=True, name=f"policy.{policy}", max_retries=2)
+    def task(policy, name="", **options):
+        @celery_app.task(bind=True, name=name or f"policy.{policy}", max_retries=2)
         @zk_locked(key="crm:{customer}", on_contention=policy, **options)
         def sync(self, customer):
             return "ran"
@@ -146,9 +146,32 @@ def test_contention_policies(celery_app, received):
             task("retry", retry_countdown=0).apply(args=(9,)).get()
     finally:
         holder.release()
-    policies = [kw["policy"] for n, kw in received if n == "lock_contended"]
-    assert policies == ["raise", "wait", "skip", "retry", "retry", "retry"]
+    said = [(kw["policy"], kw["outcome"]) for n, kw in received if n == "lock_contended"]
+    assert said == [("raise", "raised"), ("wait", "raised"), ("skip", "skipped")] + [("retry", "retried")] * 3
     assert raising.apply(args=(9,)).get() == "ran"  # free again: the same task now runs
+
+    # A wait that waits, then holds: contended too, and its acquire says how long it waited.
+    del received[:]
+    assert holder.acquire()
+    path = celery_zklock.lock_path(celery_app, "crm:9")
+
+    def let_go_once_queued() -> None:
+        wait_until(lambda: len(holder.contenders()) == 2, timeout=10)
+        time.sleep(0.2)  # the waiter's wait, which its acquire must count
+        holder.release()
+
+    waiting = task("wait", name="policy.wait-then-hold", timeout=10)
+    celery_app.finalize()
+    releaser = threading.Thread(target=let_go_once_queued)
+    releaser.start()
+    try:
+        assert waiting.apply(args=(9,)).get() == "ran"
+    finally:
+        releaser.join(15)
+        holder.release()
+    assert [(kw["policy"], kw["outcome"]) for n, kw in received if n == "lock_contended"] == [("wait", "waited")]
+    [acquired] = [kw for n, kw in received if n == "lock_acquired" and kw["lock"].path == path]
+    assert acquired["waited_seconds"] >= 0.2
 
 
 def test_flag_mode_marks_the_lost_lock_and_lets_the_body_finish(zk_server, zk_root, received):
