@@ -128,8 +128,8 @@ class Parking:
         if self.received is None:
             return self.park(until)
         self.queue.decline(self.received, until)
-        signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
         self.released()
+        signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
         logger.info("%s: lock %r is held by a contender that never parked; the copy stays at the head of the "
                     "key's parked queue", self.where, self.label)
         raise Ignore()
@@ -149,6 +149,7 @@ class Parking:
             parked = True
             self._watch()
             logger.info("%s parked: lock %r is held; the copy runs when its turn comes", self.where, self.label)
+            signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
         except BaseException as exc:
             # An exception (a soft time limit) may land after the park committed, even before
             # its reply is read: the copy is parked, and runs when its turn comes, so it ends
@@ -159,7 +160,6 @@ class Parking:
             logger.warning("%s: %s as the copy parked; it stays parked, and runs when its turn comes", self.where,
                            explain(exc))
             _watch(self.queue.session, self.settings).add(self.queue, self._send, nudge=True)
-        signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
         raise Ignore()
 
     def _parked_after_all(self, until: Optional[float]) -> bool:
