@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Dict, Optional, Tuple, Type, TypeVar, cast
@@ -36,7 +37,7 @@ from ..recipes.election import Election, Leadership
 from ..zk import Session, session_for
 from . import metrics
 from .api import layout_of, metrics_of, settings_of
-from .options import problems
+from .options import problems, uses_zklock
 
 __all__ = ["LeaderScheduler", "leader_only"]
 
@@ -96,6 +97,7 @@ class _Leadership(Scheduler):
         self.beat_path = self.layout.beat(self.beat_name)
         super().setup_schedule()
         metrics.serve(metrics_of(app), "beat")  # a beat embedded in a worker counts into the worker's
+        metrics.announce()
         metrics.beat_leading(False)
         session = session_for(settings)  # ZooKeeperUnavailable within zklock_connect_timeout
         self._info = {"host": socket.gethostname(), "pid": os.getpid(),
@@ -165,6 +167,38 @@ class _Leadership(Scheduler):
             if self.election is not None:
                 self.election.close()  # deletes our node: a standby takes over at once
             metrics.stop()
+
+
+def embedded(sender: Any = None, **kwargs: Any) -> None:
+    """A ``beat_embedded_init`` receiver: a beat that ``celery worker -B`` runs in a process of
+    its own. It must not outlive its worker: a worker SIGKILLed left its beat behind, still
+    leading and dispatching, with nothing to stop it. A beat that is not leader-elected, in
+    an app that uses celery-zklock, is told about: each worker started with ``-B`` would
+    dispatch every entry."""
+    scheduler = getattr(sender, "scheduler", None)
+    if not isinstance(scheduler, _Leadership):
+        if scheduler is not None and uses_zklock(scheduler.app):
+            logger.warning("beat: this worker's embedded beat runs %s, which is not leader-elected: every worker "
+                           "started with -B dispatches every entry; start it with --scheduler zklock (on celery "
+                           "worker, -S is --statedb)", type(scheduler).__name__)
+        return
+    threading.Thread(target=_follow_worker, args=(os.getppid(), sender, scheduler), name="celery-zklock-beat-parent",
+                     daemon=True).start()
+
+
+#: How often an embedded beat looks whether its worker is still there (a syscall: cheap).
+PARENT_CHECK_EVERY = 0.25
+
+
+def _follow_worker(worker: int, service: Any, scheduler: _Leadership) -> None:
+    # A SIGKILLed worker tells its children nothing; its beat is re-parented, which getppid shows.
+    while os.getppid() == worker:
+        time.sleep(PARENT_CHECK_EVERY)
+    logger.warning("beat: the worker that embedded this beat (pid %d) is gone; leaving the election and stopping",
+                   worker)
+    if scheduler.election is not None:
+        scheduler.election.close()  # a standby leads at once, where the session's end would take its timeout
+    service.stop()
 
 
 def leader_only(scheduler_cls: S) -> S:

@@ -281,36 +281,70 @@ def zklock() -> None:
     logging.getLogger("kazoo").propagate = False
 
 
+#: ``status``'s exit codes: all is well; a beat election wants attention (no leader, or a stuck one).
+STATUS_OK, STATUS_ATTENTION = 0, 2
+
+
+def _status(session: Session, settings: Settings, app: Any) -> Dict[str, Any]:
+    """What ``status`` reports, as one document (``--json`` prints it whole)."""
+    now = time.time()
+    ours = Layout(settings.root).election(beat_name(app.conf, app.main))
+    problems = []
+    found = []
+    # An empty election is another app's leftover, unless it is this app's.
+    for e in elections(session, settings.root):
+        if not (e["leader"] or e["path"] == ours):
+            continue
+        stalled = _stalled(e["leader"], now) if e["leader"] else ""
+        if e["leader"] is None:
+            problems.append(f"beat election {e['name']}: no leader")
+        elif "STUCK" in stalled:
+            problems.append(f"beat election {e['name']}:{stalled[3:]}")
+        found.append({**e, "this_app": e["path"] == ours, "stalled": stalled[4:] or None})
+    rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"] or r.get("parked")]
+    return {"server": server_info(session), "root": settings.root, "elections": found,
+            # The same counts as the table's WAITERS column, which counts parked copies too.
+            "counts": {"held": sum(len(r["holders"]) for r in rows), "waiting": sum(r["waiters"] for r in rows),
+                       "parked": sum(len(r.get("parked", [])) for r in rows)},
+            "locks": rows, "problems": problems}
+
+
 @zklock.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts and monitors.")
 @click.pass_context
-def status(ctx: click.Context) -> None:
-    """The beat election, the held locks, and the server asked."""
+def status(ctx: click.Context, as_json: bool) -> None:
+    """The beat election, the held locks, and the server asked.
+
+    Exit status: 0 when all is well; 2 when a beat election wants attention (this app's has
+    no leader, or a leader holds an election but has stopped ticking); 1 when ZooKeeper
+    cannot be asked.
+    """
     settings, session, app = _connect(ctx)
     try:
-        server = server_info(session)
+        report = _status(session, settings, app)
+    finally:
+        session.close()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        server = report["server"]
         click.echo(f"ZooKeeper {server['server']} (session {server['session_id']}, mode {server['mode'] or '?'}, "
                    f"round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
-        ours = Layout(settings.root).election(beat_name(app.conf, app.main))
-        # An empty election is another app's leftover, unless it is this app's.
-        found = [e for e in elections(session, settings.root) if e["leader"] or e["path"] == ours]
-        click.echo("Beat election:" if found else "Beat election: none (no LeaderScheduler has run here)")
-        for e in found:
-            mark = " (this app)" if e["path"] == ours else ""
+        click.echo("Beat election:" if report["elections"] else "Beat election: none (no LeaderScheduler has run here)")
+        for e in report["elections"]:
+            mark = " (this app)" if e["this_app"] else ""
             leader = e["leader"]
             click.echo(f"  {e['name']}{mark}: " + (
                 f"leader {leader.get('host')}/{leader.get('pid')} since {leader.get('leader_since', '?')} "
-                f"(token {leader['token']}){_stalled(leader, time.time())}" if leader else "no leader"))
+                f"(token {leader['token']})" + (f" -- {e['stalled']}" if e["stalled"] else "")
+                if leader else "no leader"))
             for s in e["standbys"]:
                 click.echo(f"    standby {s.get('host')}/{s.get('pid')} waiting since {s.get('since', '?')}")
-        rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"] or r.get("parked")]
-        held = sum(len(r["holders"]) for r in rows)
-        # The same counts as the table's WAITERS column, which counts parked copies too.
-        click.echo(f"Locks: {held} held, {sum(r['waiters'] for r in rows)} waiting, "
-                   f"{sum(len(r.get('parked', [])) for r in rows)} parked")
-        for line in _lock_lines(rows):
+        counts = report["counts"]
+        click.echo(f"Locks: {counts['held']} held, {counts['waiting']} waiting, {counts['parked']} parked")
+        for line in _lock_lines(report["locks"]):
             click.echo(line)
-    finally:
-        session.close()
+    ctx.exit(STATUS_ATTENTION if report["problems"] else STATUS_OK)
 
 
 @zklock.command(name="locks")

@@ -108,10 +108,8 @@ def serve(settings: MetricsSettings, what: str) -> None:
     if settings.port is None:
         return
     with _lock:
-        if _serving is not None and _serving["pid"] == os.getpid():
-            return
         if _serving is not None:
-            return  # forked from a process that serves: its endpoint covers us
+            return  # this process serves already, or was forked from one that does: its endpoint covers us
         try:
             import prometheus_client  # noqa: F401 - the extra is there
         except ImportError:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, TypedDict, Union
 
 from ..conf import (
     CONTENTION_POLICIES,
     DEDUPE_MODES,
+    DEFAULTS,
     DUPLICATE_POLICIES,
     LOCK_LOST_POLICIES,
     UNAVAILABLE_POLICIES,
@@ -367,7 +369,7 @@ def problems(app: Any) -> List[str]:
     wrong ``zklock_default_*`` and dedupe settings.
     """
     stray = strays(app)
-    found = []
+    found = django_misses(app)
     try:
         MetricsSettings.from_conf(app.conf)
     except ConfigurationError as exc:
@@ -388,6 +390,26 @@ def problems(app: Any) -> List[str]:
             found += [problem for problem in (contention_problem(app, f"task {name}", spec_of(task), defaults)
                                               for name, task in sorted(app.tasks.items())) if problem]
     return found
+
+
+def uses_zklock(app: Any) -> bool:
+    """Whether ``app`` uses celery-zklock: a locked task, a ``zklock`` option, or a ``zklock_*`` setting."""
+    return bool(locked_tasks(app) or strays(app) or any(
+        isinstance(name, str) and name.lower().startswith(("zklock_", "celery_zklock_")) for name in app.conf))
+
+
+def django_misses(app: Any) -> List[str]:
+    """One line per zklock setting in Django's settings that the app never reads: Celery reads
+    Django's settings under a namespace (``CELERY_``), so ``ZKLOCK_HOSTS`` there leaves
+    ``zklock_hosts`` at its default, silently, where ``CELERY_ZKLOCK_HOSTS`` is read."""
+    namespace = getattr(app, "namespace", None)
+    django = sys.modules.get("django.conf")
+    if not namespace or django is None or not django.settings.configured:
+        return []
+    prefix = f"{namespace}_"
+    return [f"Django setting {name} is never read: this app reads Django's settings with namespace={namespace!r}; "
+            f"name it {prefix}{name}" for name in sorted(dir(django.settings))
+            if name.startswith("ZKLOCK_") and name.lower() in DEFAULTS]
 
 
 def contention_problem(app: Any, where: str, spec: Optional[LockSpec], defaults: TaskDefaults) -> Optional[str]:

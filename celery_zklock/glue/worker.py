@@ -51,6 +51,7 @@ import threading
 from typing import Any, List, Optional
 
 from celery.signals import (
+    beat_embedded_init,
     task_failure,
     task_postrun,
     task_received,
@@ -65,7 +66,7 @@ from celery.signals import (
 from ..conf import unknown_settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
-from . import dedupe, metrics, parking
+from . import beat, dedupe, metrics, parking
 from .api import claim_scheme, layout_of, metrics_of, settings_of
 from .celery_internals import (
     connect_on_app_finalize,
@@ -75,7 +76,7 @@ from .celery_internals import (
     wrap_apply_async,
     wrap_send_task,
 )
-from .options import LockSpec, locked_tasks, problems, stray, strays
+from .options import LockSpec, locked_tasks, problems, stray, strays, uses_zklock
 
 __all__ = ["install", "task_defined", "uses_zklock"]
 
@@ -100,6 +101,8 @@ def install() -> None:
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
+        worker_ready.connect(_tell_where, weak=False)
+        beat_embedded_init.connect(beat.embedded, weak=False)
         worker_ready.connect(_tell_about_readable_arguments, weak=False)
         worker_ready.connect(lambda **kwargs: metrics.announce(), weak=False)
         worker_process_init.connect(_open_session, weak=False)
@@ -143,12 +146,6 @@ def task_defined(spec: Optional[LockSpec]) -> None:
     """
     if not _installed and (spec is None or spec.dedupe is not None or finalized_apps()):
         install()
-
-
-def uses_zklock(app: Any) -> bool:
-    """Whether ``app`` uses celery-zklock (rule 1): a locked task, a ``zklock`` option, or a ``zklock_*`` setting."""
-    return bool(locked_tasks(app) or strays(app) or any(
-        isinstance(name, str) and name.lower().startswith(("zklock_", "celery_zklock_")) for name in app.conf))
 
 
 @connect_on_app_finalize
@@ -208,6 +205,11 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
     if app is None:
         return
     found = problems(app)
+    if getattr(sender, "statedb", None) == "zklock" and uses_zklock(app):
+        # `celery beat -S zklock` picks the scheduler; on `celery worker`, -S is --statedb, and
+        # `-B -S zklock` ran Celery's own scheduler beside the elected one: every entry twice.
+        found.append("celery worker -S zklock names a state file (-S is --statedb on celery worker), not the "
+                     "scheduler: for a beat inside this worker, use -B --scheduler zklock")
     if locked_tasks(app):
         try:
             found += _check_scheme(app, settings_of(app))
@@ -242,6 +244,26 @@ def _check_scheme(app: Any, settings: Any) -> List[str]:
     finally:
         session.close()
     return []
+
+
+def _tell_where(sender: Any = None, **kwargs: Any) -> None:
+    """Say which ZooKeeper the worker uses, and where the value came from: a setting under a
+    name nothing reads leaves the default in place, and the worker would fail only as its
+    first locked task cannot connect."""
+    app = getattr(sender, "app", None)
+    if app is None or not uses_zklock(app):
+        return
+    logger.info("celery-zklock: ZooKeeper at %s (%s), root %s", settings_of(app).hosts, hosts_source(app),
+                settings_of(app).root)
+
+
+def hosts_source(app: Any) -> str:
+    """Where ``zklock_hosts`` came from, in words."""
+    namespace = getattr(app, "namespace", None)
+    if app.conf.get("zklock_hosts") is None:
+        return "the default: no zklock_hosts setting" + (
+            f" (with Django's namespace={namespace!r}, it is {namespace}_ZKLOCK_HOSTS)" if namespace else "")
+    return f"from {namespace}_ZKLOCK_HOSTS" if namespace else "from zklock_hosts"
 
 
 def _tell_about_readable_arguments(sender: Any = None, **kwargs: Any) -> None:

@@ -40,11 +40,12 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional
 
 from kazoo.exceptions import NoNodeError
 
+from ..layout import node_object
 from ..zk import Session
 from .lock import Lock, LockState
 from .rules import EXCLUSIVE, contender, sequence
 
-__all__ = ["LEADER_STATE", "Election", "ElectionState", "Leadership"]
+__all__ = ["LEADER_STATE", "Election", "ElectionState", "Leadership", "who"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -224,7 +225,7 @@ class Election:
                     announced = True
                     leader = self.leader()
                     if leader is not None:
-                        logger.info("beat election %s: standby; the leader is %s", self.path, leader)
+                        logger.info("beat election %s: standby; the leader is %s", self.path, who(leader))
                 if not lock.acquire():
                     continue  # cancelled (closing) or interrupted: the loop condition decides
             except Exception:
@@ -243,3 +244,19 @@ class Election:
                 logger.warning("beat election %s: leadership lost; standing by again", self.path)
                 self._set(ElectionState.STANDBY)
                 announced = False
+
+
+def who(data: str) -> str:
+    """A candidate, as its node data describes it, in words (the data itself if it says nothing we know).
+
+    >>> who('{"host": "h1", "pid": 7, "since": "2026-01-01T00:00:00+00:00"}')
+    'pid 7 on host h1 (a candidate since 2026-01-01T00:00:00+00:00)'
+    >>> who("junk")
+    "'junk'"
+    """
+    info = node_object(data)
+    if "pid" not in info and "host" not in info:
+        return repr(data)
+    since = info.get("leader_since") or info.get("since")
+    what = "leading since" if "leader_since" in info else "a candidate since"
+    return f"pid {info.get('pid')} on host {info.get('host')}" + (f" ({what} {since})" if since else "")

@@ -355,22 +355,25 @@ class _HideCredentials(logging.Filter):
 
 class _QuietReconnects(logging.Filter):
     """During an outage kazoo logs a WARNING per failed connect attempt (about 50 a minute per
-    process). Keep the first after each state change, then one summary line per minute; the
-    rest go to DEBUG on our own logger, so nothing is lost.
+    process), and each start given up adds its own lines. Keep the first after each time
+    ZooKeeper was reached, then one summary line per minute; the rest go to DEBUG on our own
+    logger, so nothing is lost.
     """
 
-    #: kazoo's messages for one failed attempt (its own format strings); "Connecting to" is
-    #: its INFO line for each attempt.
+    #: kazoo's messages for one failed attempt (its own format strings): "Connecting to" is its
+    #: INFO line for each attempt; "Closing connection" and "session closed" (CLOSED) end a
+    #: start given up, which reached nothing either.
     NOISY = frozenset({"Connection dropped: %s", "Connection time-out: %s", "Transition to CONNECTING",
-                       "Cannot resolve %s: %s", "Connecting to %s(%s):%s, use_ssl: %r"})
+                       "Cannot resolve %s: %s", "Connecting to %s(%s):%s, use_ssl: %r", "Closing connection to %s:%s"})
     CONNECTED = "Zookeeper connection established, state: %s"
-    #: kazoo's messages for a state change: the next failed attempt is news again.
-    CHANGES = frozenset({CONNECTED, "Zookeeper session closed, state: %s"})
+    CLOSED = "Zookeeper session closed, state: %s"
     SUMMARY_EVERY = 60.0
 
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.Lock()
+        #: ZooKeeper answered this process once: a later answer is "again".
+        self.reached_before = False
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
@@ -381,18 +384,18 @@ class _QuietReconnects(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         now = time.monotonic()
         with self._lock:
-            if record.msg in self.CHANGES:
-                # Reachable: connected, or told by a server that the session expired. A session
-                # closed on our side (a start given up, a close) proves nothing.
-                reached = record.msg == self.CONNECTED or "EXPIRED" in str(record.args)
-                if self.hidden and reached:
-                    logger.warning("ZooKeeper reachable again after %d more failed connection attempts",
+            # Reached: connected, or told by a server that the session expired (so it had one).
+            # A session closed on our side (a start given up, a close) proves nothing.
+            expired = record.msg == self.CLOSED and "EXPIRED" in str(record.args)
+            if record.msg == self.CONNECTED or expired:
+                if self.hidden:
+                    again = " again" if self.reached_before or expired else ""
+                    logger.warning("ZooKeeper reachable%s after %d more failed connection attempts", again,
                                    self.hidden)
-                elif self.hidden:
-                    logger.info("%d more failed connection attempts before the session closed", self.hidden)
+                self.reached_before = True
                 self._reset(now)
                 return True
-            if record.msg not in self.NOISY:
+            if record.msg not in self.NOISY and record.msg != self.CLOSED:
                 return True
             if not self.told:
                 self.told = True

@@ -161,10 +161,22 @@ def test_status_says_when_the_leader_holds_the_election_but_dispatches_nothing(c
             return cli(cli_env, "status", app="tests.apps.beat_app").stdout
 
         wait_until(lambda: "beat_app (this app): leader" in status(), timeout=30)
-        healthy = status()
-        assert "STUCK" not in healthy and "other_app" not in healthy, healthy
+        healthy = cli(cli_env, "status", app="tests.apps.beat_app")
+        assert "STUCK" not in healthy.stdout and "other_app" not in healthy.stdout, healthy.stdout
+        assert healthy.returncode == 0
         # Its tick blocks after a few: the session lives on, so it keeps leading.
         wait_until(lambda: "STUCK: it holds the election but has not ticked" in status(), timeout=30)
+        # A monitor hears it from the exit status, and reads why in --json.
+        stuck = cli(cli_env, "status", "--json", app="tests.apps.beat_app")
+        assert stuck.returncode == 2, stuck.stderr
+        report = json.loads(stuck.stdout)
+        [problem] = report["problems"]
+        assert problem.startswith("beat election beat_app: STUCK: it holds the election but has not ticked")
+        [election] = report["elections"]
+        assert election["this_app"] and election["leader"]["pid"] == beat.pid
     finally:
         beat.stop()
         beat.close()
+    # This app's election, with nobody in it: no leader, and the exit status says so.
+    gone = cli(cli_env, "status", app="tests.apps.beat_app")
+    assert "beat_app (this app): no leader" in gone.stdout and gone.returncode == 2

@@ -40,12 +40,14 @@ def total(samples: Dict, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
 
 
-def test_a_prefork_workers_counts_agree_with_its_history(workers, queue, redis_server, kazoo, zk_root):
+def test_a_prefork_workers_counts_agree_with_its_history(workers, queue, redis_server, kazoo, zk_server, zk_root):
     port = free_port()
     # Each pool process exits after one task: the counts of every body come from processes
     # that are gone by the scrape, as with --max-tasks-per-child in production.
     worker = workers("metrics", concurrency=3, extra_args=["--max-tasks-per-child", "1"], ZKT_METRICS_PORT=str(port))
     assert f"worker metrics at http://127.0.0.1:{port}/metrics (" in worker.log_text()
+    # Which ZooKeeper, and where that came from (a misnamed setting would say "the default").
+    assert f"celery-zklock: ZooKeeper at {zk_server.hosts} (from zklock_hosts), root {zk_root}" in worker.log_text()
     for i in range(4):  # uncontended
         assert send(worker_app.exclusive, queue, f"free{i}", 0.01).get(timeout=30) == f"free{i}"
 
@@ -115,9 +117,12 @@ def test_each_beat_says_whether_it_leads_and_counts_what_it_sent(env, queue, red
         _started.append(beat)
     try:
         first = beats[0].start()
+        wait_until(lambda: f"beat metrics at http://127.0.0.1:{ports[0]}/metrics (" in first.log_text(), timeout=20)
         wait_until(lambda: len(_dispatches(redis_server.url, queue)) >= 2, timeout=20)
         second = beats[1].start()
         wait_until(lambda: "standby; the leader is" in second.log_text(), timeout=20)
+        # The leader in words, not its node's JSON.
+        assert f"standby; the leader is pid {first.pid} on host " in second.log_text()
         before = scrape(ports[0])
         mine = sum(d["pid"] == first.pid for d in _dispatches(redis_server.url, queue))
         after = scrape(ports[0])

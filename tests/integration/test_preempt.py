@@ -56,8 +56,12 @@ def test_a_copy_preempted_while_it_waits_ends_unrun_and_says_so(workers, queue, 
     wait_until(lambda: len(kazoo.get_children(path)) == 2, timeout=30)
     newer = send(worker_app.preempting, queue, "w", 0.2, 2)
     wait_until(lambda: len(kazoo.get_children(path)) == 3, timeout=30)
-    # Both asked the blocker to go; the newer asked the older too.
-    wait_until(lambda: b"preempted_by" in kazoo.get(blocker)[0], timeout=10)
+    # Both asked the blocker to go; the newer asked the older too. The older's own request can
+    # mark the blocker before the newer marks the older: wait for the older's mark itself, else
+    # the older may hold before it is marked, and meet Preempted in its body (a CI run saw it).
+    older_node = sorted(kazoo.get_children(path), key=lambda n: n[-10:])[1]
+    wait_until(lambda: b"preempted_by" in kazoo.get(blocker)[0]
+               and b"preempted_by" in kazoo.get(f"{path}/{older_node}")[0], timeout=10)
     kazoo.delete(blocker)
     assert newer.get(timeout=30) == 2
     record = skipped(older.get(timeout=30))

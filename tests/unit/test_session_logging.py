@@ -29,7 +29,7 @@ def test_kazoo_reconnect_noise_is_one_line_per_state_change_and_a_summary_per_mi
     assert log("Some other kazoo warning")  # anything else passes untouched
 
 
-def test_a_session_closed_during_an_outage_is_not_called_reachable_again(caplog, monkeypatch):
+def test_starts_given_up_during_an_outage_add_no_lines_and_a_first_reach_is_not_again(caplog, monkeypatch):
     import logging
 
     from celery_zklock.zk import session
@@ -40,13 +40,21 @@ def test_a_session_closed_during_an_outage_is_not_called_reachable_again(caplog,
         return quiet.filter(logging.makeLogRecord({"msg": msg, "args": args, "levelno": level}))
 
     caplog.set_level(logging.DEBUG, logger="celery_zklock")
-    assert log("Connection dropped: %s", "refused")
-    for _ in range(5):
-        assert not log("Connecting to %s(%s):%s, use_ssl: %r", "h", "127.0.0.1", 1, False, level=logging.INFO)
-        assert not log("Connection dropped: %s", "refused")
-    assert log("Zookeeper session closed, state: %s", "CLOSED")  # a start given up: still unreachable
-    assert "reachable again" not in caplog.text
-    assert "10 more failed connection attempts before the session closed" in caplog.text
+    assert log("Connecting to %s(%s):%s, use_ssl: %r", "h", "127.0.0.1", 1, False, level=logging.INFO)
+    for _ in range(3):  # three starts given up, each: attempts, then kazoo's close
+        for _ in range(2):
+            assert not log("Connection dropped: %s", "refused")
+            assert not log("Connecting to %s(%s):%s, use_ssl: %r", "h", "127.0.0.1", 1, False, level=logging.INFO)
+        assert not log("Closing connection to %s:%s", "127.0.0.1", 1, level=logging.INFO)
+        assert not log("Zookeeper session closed, state: %s", "CLOSED", level=logging.INFO)
+    assert "reachable" not in caplog.text and "before the session closed" not in caplog.text
+    assert log("Zookeeper connection established, state: %s", "CONNECTED", level=logging.INFO)
+    # Never reached before: not "again".
+    assert "ZooKeeper reachable after 18 more failed connection attempts" in caplog.text
+    assert log("Connection dropped: %s", "an outage")
+    assert not log("Connection dropped: %s", "an outage")
+    assert log("Zookeeper connection established, state: %s", "CONNECTED", level=logging.INFO)
+    assert "ZooKeeper reachable again after 1 more failed connection attempts" in caplog.text
 
 
 def test_a_session_a_server_said_expired_is_reachable_again(caplog):

@@ -1,8 +1,9 @@
-"""``zklock_metrics_*``: the settings, and what serving them needs (each case in a fresh
+"""What an operator sets up: the metrics settings and what serving them needs, and Django's namespace (cases in a fresh
 interpreter: serving changes the process's environment and prometheus_client's state)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -85,3 +86,25 @@ def test_a_missing_extra_and_a_port_in_use_are_refused_naming_the_setting():
         """)
     assert f"ConfigurationError: zklock_metrics_port={port}: the worker cannot serve metrics on 127.0.0.1:{port} " \
            "(Address already in use)" in in_use.stderr
+
+
+def test_a_django_setting_without_the_namespace_is_refused_and_the_hosts_source_is_said():
+    result = run("""
+        import django
+        from django.conf import settings
+        settings.configure(ZKLOCK_HOSTS="zk1:2181", CELERY_ZKLOCK_ROOT="/proj")
+        django.setup()
+        from celery import Celery
+        from celery_zklock.glue.options import problems
+        from celery_zklock.glue.worker import hosts_source
+        app = Celery("proj")
+        app.config_from_object("django.conf:settings", namespace="CELERY")
+        import json
+        print(json.dumps([problems(app), hosts_source(app)]))
+    """)
+    assert result.returncode == 0, result.stderr
+    found, source = json.loads(result.stdout)
+    assert found == ["Django setting ZKLOCK_HOSTS is never read: this app reads Django's settings with "
+                     "namespace='CELERY'; name it CELERY_ZKLOCK_HOSTS"]
+    assert source == ("the default: no zklock_hosts setting (with Django's namespace='CELERY', it is "
+                      "CELERY_ZKLOCK_HOSTS)")

@@ -1,0 +1,83 @@
+"""``celery worker -B --scheduler zklock`` in every replica: real workers, each with its beat
+process, a real Redis broker and real ZooKeeper. The beats' messages stay in the broker (the
+workers consume another queue), and their zklock_beat headers are the history."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+from typing import List
+
+import pytest
+
+from harness import CeleryWorker
+from tests.conftest import _started
+from tests.integration.test_beat import TIMEOUT, check_history, dispatches
+from tests.util import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # dead, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_one_embedded_beat_dispatches_and_a_killed_workers_beat_stands_down_at_once(env, queue, redis_server):
+    workers: List[CeleryWorker] = []
+    try:
+        for i in range(3):
+            worker = CeleryWorker("tests.apps.beat_app", name=f"wb{i}", concurrency=1, env=env,
+                                  extra_args=["-B", "--scheduler", "zklock", "-Q", f"{queue}-not-the-beats"])
+            workers.append(worker)
+            _started.append(worker)
+            worker.start()
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 4, timeout=30)
+        beat = dispatches(redis_server.url, queue)[-1]["pid"]
+        assert {d["pid"] for d in dispatches(redis_server.url, queue)} == {beat}, "two beats dispatched"
+        [leader] = [w for w in workers if w.pid == _ppid(beat)]
+
+        os.kill(leader.pid, signal.SIGKILL)  # the worker only: its beat process is left to notice
+        killed = time.monotonic()
+        wait_until(lambda: _gone(beat), timeout=10)
+        wait_until(lambda: dispatches(redis_server.url, queue)[-1]["pid"] != beat, timeout=TIMEOUT + 5)
+        took = time.monotonic() - killed
+        sent = len(dispatches(redis_server.url, queue))
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= sent + 3, timeout=10)
+        history = dispatches(redis_server.url, queue)
+        assert all(d["pid"] != beat for d in history[sent:]), "the killed worker's beat dispatched on"
+        pids = [p for i, p in enumerate(d["pid"] for d in history) if i == 0 or history[i - 1]["pid"] != p]
+        assert len(pids) == 2 and _ppid(pids[1]) in {w.pid for w in workers if w is not leader}, pids
+        check_history(history, 1.0, max_gap=TIMEOUT + 1.5)  # none twice, none skipped
+        # The orphan left the election as it noticed: no session timeout to wait out.
+        assert took < 2.5, f"the next beat dispatched {took:.2f}s after the kill"
+        assert "the worker that embedded this beat" in leader.log_text()
+        print(f"next beat dispatched {took:.2f}s after its worker's SIGKILL; {len(history)} runs, none twice")
+    finally:
+        for worker in workers:
+            _started.remove(worker)
+            worker.stop(timeout=20)
+            worker.close()
+
+
+def test_dash_s_zklock_on_a_worker_is_refused(env, queue):
+    # On celery worker, -S is --statedb: -B -S zklock ran Celery's own scheduler beside the elected one.
+    worker = CeleryWorker("tests.apps.beat_app", name="wrong", env=env, extra_args=["-B", "-S", "zklock", "-Q", queue])
+    worker.start(wait=False)
+    try:
+        assert worker.proc.wait(60) != 0
+        assert "celery worker -S zklock names a state file (-S is --statedb on celery worker), not the scheduler: " \
+               "for a beat inside this worker, use -B --scheduler zklock" in worker.log_text()
+        assert not glob.glob("zklock*"), "it made the state file anyway"
+    finally:
+        worker.close()
