@@ -30,10 +30,13 @@ it looks at each task Celery makes from a function as it is made. Then:
    ``task_revoked`` (a revoked copy's marker), ``task_failure`` (the marker of a copy
    whose pool process died), ``task_postrun`` (the marker of a copy whose own run was cut
    short before it gave it back), ``worker_init`` (refuse a worker whose
-   locked tasks or settings are wrong), ``worker_ready`` (say which keys ZooKeeper
-   shows in clear), ``worker_process_init`` (open the session in the background,
-   before the first task) and ``worker_process_shutdown``/``worker_shutdown`` (close
-   the sessions, so their locks go at once). Each receiver checks the app it hears
+   locked tasks or settings are wrong; serve its metrics, before the pool forks),
+   ``worker_ready`` (say which ZooKeeper it uses, where its metrics are, and which
+   keys ZooKeeper shows in clear), ``beat_embedded_init`` (a ``-B`` beat follows its
+   worker: see :func:`~celery_zklock.glue.beat.embedded`), ``worker_process_init``
+   (open the session in the background, before the first task) and
+   ``worker_process_shutdown``/``worker_shutdown`` (close the sessions, so their locks
+   go at once; stop serving metrics). Each receiver checks the app it hears
    about: an app that does not use celery-zklock pays one lookup per publish.
 
 ``tests/unit/test_boundaries.py`` checks this rule in a fresh interpreter.
