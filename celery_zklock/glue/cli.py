@@ -6,6 +6,7 @@ Registered through the ``celery.commands`` entry point::
     celery -A proj zklock status             # beat election, held locks, the server we asked
     celery -A proj zklock locks --key 'invoice:*' --json
     celery -A proj zklock queued             # dedupe markers: key, task id, age, expiry
+    celery -A proj zklock schedule           # beat entries: runs, last run, next run
 
 It reads ZooKeeper only (with the app's credential, if any): it never changes a lock.
 """
@@ -18,6 +19,7 @@ import json
 import logging
 import statistics
 import time
+from datetime import datetime, timezone
 from typing import Any, Dict, List, NoReturn, Optional
 
 import click
@@ -35,7 +37,7 @@ from ..zk.transport import peer_address
 from .api import layout_of, settings_of
 from .options import problems
 
-__all__ = ["elections", "locks", "queued", "server_info", "zklock"]
+__all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
 
 
 # -- reading the tree (no Celery here: these take a started Session) ---------------------------
@@ -345,6 +347,58 @@ def status(ctx: click.Context, as_json: bool) -> None:
         for line in _lock_lines(report["locks"]):
             click.echo(line)
     ctx.exit(STATUS_ATTENTION if report["problems"] else STATUS_OK)
+
+
+def schedule(session: Session, layout: Layout, app: Any) -> List[Dict[str, Any]]:
+    """Each ``beat_schedule`` entry with its last run as ``LeaderScheduler`` recorded it in
+    ZooKeeper (None: never run under this election) and when it is due next."""
+    from celery.beat import ScheduleEntry
+
+    now = app.now()
+    beat = beat_name(app.conf, app.main)
+    rows = []
+    for name, options in sorted((app.conf.beat_schedule or {}).items()):
+        path = layout.entry(beat, name)
+        try:
+            state = node_object(session.client.get(path)[0])
+        except NoNodeError:
+            state = {}
+        last = state.get("last_run_at")
+        entry = ScheduleEntry(name=name, app=app, **{k: v for k, v in options.items() if k != "name"})
+        row: Dict[str, Any] = {"entry": name, "task": entry.task, "schedule": str(entry.schedule),
+                               "runs": state.get("total_run_count"), "last_run": None, "next_run": None,
+                               "path": path}
+        if isinstance(last, (int, float)):
+            at = datetime.fromtimestamp(last, timezone.utc).astimezone(app.timezone)
+            due = now + entry.schedule.remaining_estimate(at)
+            row.update(last_run=at.isoformat(timespec="seconds"), next_run=due.isoformat(timespec="seconds"),
+                       due_in=round((due - now).total_seconds(), 3))
+        rows.append(row)
+    return rows
+
+
+@zklock.command(name="schedule")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+@click.pass_context
+def schedule_command(ctx: click.Context, as_json: bool) -> None:
+    """The beat entries: each one's task, schedule, runs, last run and next run, as the elected beats record them."""
+    settings, session, app = _connect(ctx)
+    try:
+        rows = schedule(session, layout_of(app), app)
+    finally:
+        session.close()
+    if as_json:
+        click.echo(json.dumps({"root": settings.root, "beat": beat_name(app.conf, app.main), "entries": rows},
+                              indent=2))
+        return
+    if not rows:
+        click.echo("  (beat_schedule is empty)")
+        return
+    click.echo(f"  {'ENTRY':<24} {'TASK':<32} {'SCHEDULE':<28} {'RUNS':>5} {'LAST RUN':<25} NEXT RUN")
+    for r in rows:
+        click.echo(f"  {_cell(r['entry'], 24)} {_cell(r['task'], 32)} {_cell(r['schedule'], 28)} "
+                   f"{'-' if r['runs'] is None else r['runs']:>5} {r['last_run'] or 'never (here)':<25} "
+                   f"{r['next_run'] or 'as the leader starts'}")
 
 
 @zklock.command(name="locks")

@@ -180,3 +180,28 @@ def test_status_says_when_the_leader_holds_the_election_but_dispatches_nothing(c
     # This app's election, with nobody in it: no leader, and the exit status says so.
     gone = cli(cli_env, "status", app="tests.apps.beat_app")
     assert "beat_app (this app): no leader" in gone.stdout and gone.returncode == 2
+
+
+def test_schedule_shows_each_entrys_runs_last_run_and_next_run(cli_env, redis_server, queue):  # noqa: F811
+    def entries() -> dict:
+        out = cli(cli_env, "schedule", "--json", app="tests.apps.beat_app")
+        assert out.returncode == 0, out.stderr
+        return {e["entry"]: e for e in json.loads(out.stdout)["entries"]}
+
+    before = entries()["every-second"]
+    assert (before["runs"], before["last_run"], before["next_run"]) == (None, None, None)
+    assert "never (here)" in cli(cli_env, "schedule", app="tests.apps.beat_app").stdout
+    sent = f"{queue}-beat"
+    beat = CeleryBeat("tests.apps.beat_app", name="b1", env={**cli_env, "ZKT_QUEUE": sent}).start()
+    try:
+        wait_until(lambda: redis.Redis.from_url(redis_server.url).llen(sent) >= 3, timeout=30)
+        low = redis.Redis.from_url(redis_server.url).llen(sent)
+        row = entries()["every-second"]
+        high = redis.Redis.from_url(redis_server.url).llen(sent)
+    finally:
+        beat.stop()
+        beat.close()
+    # Recorded before it is sent: the count is the runs sent, or one more whose send is under way.
+    assert low <= row["runs"] <= high + 1, (low, row["runs"], high)
+    assert row["task"] == "tests.apps.beat_app.tick" and "1.00 second" in row["schedule"]
+    assert -1.0 <= row["due_in"] <= 1.0, row  # a 1 s entry: due a second after its last run, or overdue by < 1 s
