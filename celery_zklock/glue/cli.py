@@ -20,7 +20,7 @@ import logging
 import statistics
 import time
 from datetime import datetime, timezone
-from typing import Any, Dict, List, NoReturn, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, TypeVar
 
 import click
 from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
@@ -38,6 +38,8 @@ from .api import layout_of, settings_of
 from .options import problems
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
+
+T = TypeVar("T")
 
 
 # -- reading the tree (no Celery here: these take a started Session) ---------------------------
@@ -203,6 +205,15 @@ def _connect(ctx: click.Context) -> tuple[Settings, Session, Any]:
         raise click.ClickException(str(exc)) from None
 
 
+def _reading(ctx: click.Context, read: Callable[[Session, Settings, Any], T]) -> Tuple[Settings, Any, T]:
+    """Connect, ``read(session, settings, app)``, close: what each read-only command does first."""
+    settings, session, app = _connect(ctx)
+    try:
+        return settings, app, read(session, settings, app)
+    finally:
+        session.close()
+
+
 def _age(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.1f}s"
@@ -254,10 +265,10 @@ def _stalled(leader: Dict[str, Any], now: float) -> str:
     renewing the promise; one past it is stuck (a blocked scheduler, a stale lock of its own).
     """
     if "leader_since" not in leader:
-        return " -- elected, but has not started dispatching"
+        return "elected, but has not started dispatching"
     tick_by = leader.get("tick_by")
     if isinstance(tick_by, (int, float)) and now > tick_by + 2:
-        return (f" -- STUCK: it holds the election but has not ticked for {now - tick_by:.0f}s past "
+        return (f"STUCK: it holds the election but has not ticked for {now - tick_by:.0f}s past "
                 f"the time it promised; nothing is being dispatched")
     return ""
 
@@ -300,9 +311,9 @@ def _status(session: Session, settings: Settings, app: Any) -> Dict[str, Any]:
         stalled = _stalled(e["leader"], now) if e["leader"] else ""
         if e["leader"] is None:
             problems.append(f"beat election {e['name']}: no leader")
-        elif "STUCK" in stalled:
-            problems.append(f"beat election {e['name']}:{stalled[3:]}")
-        found.append({**e, "this_app": e["path"] == ours, "stalled": stalled[4:] or None})
+        elif stalled.startswith("STUCK"):
+            problems.append(f"beat election {e['name']}: {stalled}")
+        found.append({**e, "this_app": e["path"] == ours, "stalled": stalled or None})
     rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"] or r.get("parked")]
     return {"server": server_info(session), "root": settings.root, "elections": found,
             # The same counts as the table's WAITERS column, which counts parked copies too.
@@ -321,11 +332,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     no leader, or a leader holds an election but has stopped ticking); 1 when ZooKeeper
     cannot be asked.
     """
-    settings, session, app = _connect(ctx)
-    try:
-        report = _status(session, settings, app)
-    finally:
-        session.close()
+    settings, _, report = _reading(ctx, _status)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -382,11 +389,7 @@ def schedule(session: Session, layout: Layout, app: Any) -> List[Dict[str, Any]]
 @click.pass_context
 def schedule_command(ctx: click.Context, as_json: bool) -> None:
     """The beat entries: each one's task, schedule, runs, last run and next run, as the elected beats record them."""
-    settings, session, app = _connect(ctx)
-    try:
-        rows = schedule(session, layout_of(app), app)
-    finally:
-        session.close()
+    settings, app, rows = _reading(ctx, lambda session, _, app: schedule(session, layout_of(app), app))
     if as_json:
         click.echo(json.dumps({"root": settings.root, "beat": beat_name(app.conf, app.main), "entries": rows},
                               indent=2))
@@ -410,11 +413,8 @@ def schedule_command(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool, as_json: bool) -> None:
     """Held and waited-for locks: mode, holders (host/pid, worker, task, task id), held for, waiters, token."""
-    settings, session, _ = _connect(ctx)
-    try:
-        rows = locks(session, settings.root, pattern, layout_of(ctx.obj.app).secret)
-    finally:
-        session.close()
+    settings, _, rows = _reading(ctx, lambda session, settings, app: locks(session, settings.root, pattern,
+                                                                          layout_of(app).secret))
     if as_json:
         click.echo(json.dumps({"root": settings.root, "locks": rows}, indent=2))
     elif pattern is not None and not rows:
@@ -429,11 +429,7 @@ def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool
 @click.pass_context
 def queued_command(ctx: click.Context, as_json: bool) -> None:
     """Dedupe markers: each key with a copy queued (or running), its task id, age and expiry."""
-    settings, session, _ = _connect(ctx)
-    try:
-        rows = queued(session, settings.root)
-    finally:
-        session.close()
+    settings, _, rows = _reading(ctx, lambda session, settings, _: queued(session, settings.root))
     if as_json:
         click.echo(json.dumps({"root": settings.root, "queued": rows}, indent=2))
         return

@@ -377,9 +377,9 @@ def _latest(task: Any, spec: LockSpec, marker: str, mark: bool) -> None:
         return
     logger.info("task %s[%s] skipped: replaced by a newer copy (task id %s) under dedupe='latest'", task.name,
                 task.request.id, newer)
-    signals.task_replaced.send(sender=task, key=_label(task, spec, marker), task_id=task.request.id,
-                               replaced_by=newer)
-    raise Replaced({SKIPPED: {"key": _label(task, spec, marker), "mode": spec.mode if spec.lock else None,
+    label = _label(task, spec, marker)
+    signals.task_replaced.send(sender=task, key=label, task_id=task.request.id, replaced_by=newer)
+    raise Replaced({SKIPPED: {"key": label, "mode": spec.mode if spec.lock else None,
                               "holders": [], "reason": f"replaced by a newer copy (task id {newer})",
                               "replaced_by": newer}})
 

@@ -125,18 +125,18 @@ def serve(settings: MetricsSettings, what: str) -> None:
         registry = CollectorRegistry()
         registry.register(_Collector(path))
         try:
-            server, thread = start_http_server(settings.port, settings.address, registry=registry)
+            server, _ = start_http_server(settings.port, settings.address, registry=registry)
         except OSError as exc:
             if ours:
                 shutil.rmtree(path, ignore_errors=True)
             raise ConfigurationError(f"zklock_metrics_port={settings.port}: the {what} cannot serve metrics on "
                                      f"{settings.address}:{settings.port} ({exc.strerror or exc})") from None
-        _serving = {"pid": os.getpid(), "path": path, "ours": ours, "server": server, "thread": thread}
+        _serving = {"pid": os.getpid(), "path": path, "ours": ours, "server": server,
+                    "said": f"celery-zklock: {what} metrics at http://{settings.address}:{settings.port}/metrics "
+                            f"(its processes count in {path})"}
         if _families is None:
             _families = Families()
             _connect()
-        _serving["said"] = (f"celery-zklock: {what} metrics at http://{settings.address}:{settings.port}/metrics "
-                            f"(its processes count in {path})")
 
 
 def announce() -> None:
