@@ -7,6 +7,7 @@ Registered through the ``celery.commands`` entry point::
     celery -A proj zklock locks --key 'invoice:*' --json
     celery -A proj zklock queued             # dedupe markers: key, task id, age, expiry
     celery -A proj zklock schedule           # beat entries: runs, last run, next run
+    celery -A proj zklock exporter --port N  # ZooKeeper's state as Prometheus gauges
 
 It reads ZooKeeper only (with the app's credential, if any): it never changes a lock.
 """
@@ -17,7 +18,9 @@ import fnmatch
 import functools
 import json
 import logging
+import signal
 import statistics
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, TypeVar
@@ -34,7 +37,8 @@ from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_q
 from ..zk import Session, check_acl
 from ..zk.probe import addresses, four_letter_word, server_limits
 from ..zk.transport import peer_address
-from .api import layout_of, settings_of
+from . import exporter
+from .api import layout_of, metrics_of, settings_of
 from .options import problems
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
@@ -482,6 +486,55 @@ def clear_queued(ctx: click.Context, task_name: str, key: Optional[str]) -> None
         session.close()
     click.echo(f"cleared {cleared} marker(s) of {task_name}" + (f" with key {key!r}" if key is not None else "")
                + (f"; {running} left: their copies are running" if running else ""))
+
+
+@zklock.command(name="exporter")
+@click.option("--port", type=click.IntRange(1, 65535), required=True, help="The port to serve /metrics on.")
+@click.option("--address", default=None,
+              help="The address to serve on (default: zklock_metrics_address, itself 127.0.0.1 by default).")
+@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=15.0, show_default=True,
+              help="Read the tree at most once per this many seconds; a scrape sooner gets the last read.")
+@click.option("--max-reads", type=click.IntRange(min=6), default=1000, show_default=True,
+              help="At most this many ZooKeeper requests per read of the tree; past it the values are partial.")
+@click.option("--per-key", is_flag=True,
+              help="Also a series per key (refused under hashed key names): a label per key, unbounded in number.")
+@click.pass_context
+def exporter_command(ctx: click.Context, port: int, address: Optional[str], interval: float, max_reads: int,
+                     per_key: bool) -> None:
+    """Serve ZooKeeper's state as Prometheus gauges: holders, waiters, oldest ages, parked
+    copies, dedupe markers, the beat election. One per app; it only reads."""
+    app = ctx.obj.app
+    layout = layout_of(app)
+    if per_key and layout.secret is not None:
+        raise click.UsageError("--per-key is refused under zklock_key_names='hashed': a key's label would carry "
+                               "what the hashed names hide (and keys are unbounded in number)")
+    try:
+        import prometheus_client  # noqa: F401 - the extra is there
+        address = metrics_of(app).address if address is None else address
+    except ImportError:
+        raise click.ClickException("the exporter needs prometheus_client: pip install 'celery-zklock[metrics]'") \
+            from None
+    except ZkLockError as exc:
+        raise click.ClickException(str(exc)) from None
+    settings, session, _ = _connect(ctx)
+    try:
+        try:
+            server = exporter.serve(exporter.Exporter(session, layout, interval, max_reads, per_key), address, port)
+        except OSError as exc:
+            raise click.ClickException(f"--port {port}: cannot serve on {address}:{port} ({exc.strerror or exc})") \
+                from None
+        click.echo(f"celery-zklock: exporter at http://{address}:{port}/metrics, reading {settings.root} at most "
+                   f"every {interval:g}s in at most {max_reads} requests")
+        stopping = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+        try:
+            stopping.wait()
+        except KeyboardInterrupt:
+            pass
+        server.shutdown()
+        server.server_close()
+    finally:
+        session.close()
 
 
 @zklock.command()

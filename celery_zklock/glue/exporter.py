@@ -1,0 +1,348 @@
+"""``celery -A proj zklock exporter --port N``: what ZooKeeper holds, as Prometheus gauges.
+
+A worker's metrics count what its own processes did; no worker knows who holds which key
+right now, how long the oldest waiter has waited, or whether the beat election has a
+leader. This process reads that from the tree, with the app's credentials, and serves it.
+Run one per app (or per ``zklock_root``).
+
+**What one read costs.** Each read of the tree sends at most ``--max-reads`` requests
+(default 1000), pipelined in a few rounds, and a scrape sooner than ``--interval`` seconds
+(default 15) after the last read is served that read again, so ZooKeeper sees at most
+``max_reads / interval`` requests a second however many Prometheus servers scrape. A tree
+with B beats of E entries each, K keys with holders or waiters, P parked queues and M
+dedupe markers costs::
+
+    6 listings + B x (3 + E) + K x (1 to 4) + P x 2 + M
+
+(a key: its children, a semaphore's limit, its oldest holder's and oldest waiter's age).
+Past the budget the rest is left out, in this order of need: markers, then parked queues,
+then ages, then keys; ``celery_zklock_exporter_truncated`` is then 1.
+
+**What is left out on purpose.** No series per key unless ``--per-key``, which is refused
+under ``zklock_key_names="hashed"``: keys are unbounded in number, and their names are what
+hashing hides. A mode is read from node names alone, so ``write`` counts exclusive locks too.
+Ages come from ZooKeeper's own creation times: a clock skew between its servers and this
+host shifts them by as much.
+
+Example::
+
+    celery -A proj zklock exporter --port 9809      # then: curl http://127.0.0.1:9809/metrics
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from kazoo.exceptions import NoNodeError
+
+from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
+from ..recipes.marker import STARTED, read_marker
+from ..recipes.park import parked_sequence
+from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
+from ..zk import Session
+from ..zk.deadlines import reply
+
+__all__ = ["FAMILIES", "READ_TIMEOUT", "Exporter", "Snapshot", "read_tree", "serve"]
+
+logger = logging.getLogger("celery_zklock")
+
+#: Every family the exporter serves: name -> (labels, help). All are gauges.
+FAMILIES: Dict[str, Tuple[Tuple[str, ...], str]] = {
+    "celery_zklock_exporter_up": ((), "1 if the last read of the tree succeeded, else 0 (the others are then absent)."),
+    "celery_zklock_exporter_reads": ((), "ZooKeeper reads the last read of the tree cost."),
+    "celery_zklock_exporter_truncated": ((), "1 if the last read stopped at --max-reads: the others are partial."),
+    "celery_zklock_exporter_read_seconds": ((), "How long the last read of the tree took."),
+    "celery_zklock_holders": (("mode",), "Lock holders, by mode (write: exclusive and write locks; read; semaphore)."),
+    "celery_zklock_waiters": (("mode",), "Contenders waiting in a worker slot, by mode."),
+    "celery_zklock_longest_hold_seconds": (("mode",), "Age of the oldest holder's node (its wait included), by mode."),
+    "celery_zklock_oldest_wait_seconds": (("mode",), "Age of the oldest waiter's node, by mode."),
+    "celery_zklock_parked": ((), "Parked copies (on_contention='park'), which hold no worker slot."),
+    "celery_zklock_oldest_parked_seconds": ((), "Age of the oldest parked copy."),
+    "celery_zklock_dedupe_markers": (("state",), "Dedupe markers: queued, running, started (latest) or expired."),
+    "celery_zklock_beat_has_leader": (("beat",), "1 if the beat election has a leader, else 0."),
+    "celery_zklock_beat_candidates": (("beat",), "Beats in the election, the leader included."),
+    "celery_zklock_beat_tick_overdue_seconds": (("beat",), "Seconds past the tick its leader promised (0: on time)."),
+    "celery_zklock_beat_seconds_since_dispatch": (("beat",), "Seconds since the newest run the leader recorded."),
+    # Off by default (--per-key), refused under hashed key names: a series per key.
+    "celery_zklock_key_holders": (("key", "mode"), "Holders of one key (--per-key)."),
+    "celery_zklock_key_waiters": (("key", "mode"), "Waiters of one key (--per-key)."),
+    "celery_zklock_key_longest_hold_seconds": (("key", "mode"), "Age of one key's oldest holder (--per-key)."),
+}
+
+#: How long one read of the tree may take: under Prometheus's default scrape timeout (10 s),
+#: so a slow ZooKeeper shows as ``exporter_up 0``, not as a scrape that timed out.
+READ_TIMEOUT = 5.0
+
+
+class _Budget:
+    """Sends requests in pipelined rounds, at most ``limit`` of them in all, each round waited
+    for by ``until``. A request past the limit is not sent: its answer is None, as a node's
+    that vanished while we looked (a released lock) is."""
+
+    def __init__(self, session: Session, limit: int, until: float) -> None:
+        self.client = session.client
+        self.left = limit
+        self.sent = 0
+        self.truncated = False
+        self.until = until
+
+    def round(self, calls: Sequence[Tuple[str, str]]) -> List[Any]:
+        """``calls`` are (``children`` | ``get`` | ``exists``, path); answers in the same order."""
+        sending = calls[:max(0, self.left)]
+        if len(sending) < len(calls):
+            self.truncated = True
+        self.left -= len(sending)
+        self.sent += len(sending)
+        start = {"children": self.client.get_children_async, "get": self.client.get_async,
+                 "exists": self.client.exists_async}
+        pending = [start[kind](path) for kind, path in sending]
+        answers: List[Any] = []
+        for result in pending:
+            try:
+                answers.append(reply(result, self.until))
+            except NoNodeError:
+                answers.append(None)
+        return answers + [None] * (len(calls) - len(sending))
+
+
+@dataclass
+class _Key:
+    """One key with contenders: how many hold and wait in each mode, and since when."""
+
+    label: str
+    holders: Counter
+    waiters: Counter
+    hold: Optional[Tuple[str, float]] = None  # the oldest holder's mode and node creation (epoch s)
+    wait: Optional[Tuple[str, float]] = None  # the oldest waiter's
+
+
+@dataclass
+class Snapshot:
+    """What one read of the tree found (``ok`` False: it failed, and says why in ``error``)."""
+
+    at: float
+    ok: bool = True
+    error: str = ""
+    reads: int = 0
+    truncated: bool = False
+    seconds: float = 0.0
+    keys: List[_Key] = field(default_factory=list)
+    parked: int = 0
+    parked_since: Optional[float] = None
+    markers: Counter = field(default_factory=Counter)
+    beats: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+
+def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
+    """Read what the exporter serves, in at most ``max_reads`` requests (see the module's doc)."""
+    now = time.time()
+    budget = _Budget(session, max_reads, time.monotonic() + READ_TIMEOUT)
+    snap = Snapshot(at=now)
+    lock_trees = [f"{layout.root}/{t}" for t in LOCK_TREES]
+    parked_trees = [f"{layout.root}/{PARKED}/{t}" for t in LOCK_TREES]
+    listed = budget.round([("children", p) for p in (*lock_trees, *parked_trees, layout.queued_tree, layout.beats)])
+    locks = [(tree, name) for tree, names in zip(lock_trees, listed[:2]) for name in names or ()]
+    parked = [f"{tree}/{name}" for tree, names in zip(parked_trees, listed[2:4]) for name in names or ()]
+    markers = listed[4] or []
+    beats = listed[5] or []
+
+    # The beat elections first: the smallest part, and the one an alert on "no leader" needs.
+    paths = [f"{layout.beats}/{b}" for b in beats]
+    found = budget.round([(kind, f"{p}/{sub}") for p in paths for kind, sub in
+                          (("children", "election"), ("children", "entries"))])
+    plans = []  # (beat, candidates, the leader's node or None, its entries' nodes)
+    for i, (beat, path) in enumerate(zip(beats, paths)):
+        candidates = sorted((c for c in found[2 * i] or () if contender(c)), key=sequence)
+        plans.append((decode_key(beat) or beat, len(candidates),
+                      f"{path}/election/{candidates[0]}" if candidates else None,
+                      [f"{path}/entries/{e}" for e in found[2 * i + 1] or ()]))
+    got = iter(budget.round([("get", p) for _, _, leader, runs in plans for p in ([leader] if leader else []) + runs]))
+    for beat, count, leader, runs in plans:
+        info: Dict[str, Any] = {"candidates": count, "leader": leader is not None}
+        tick_by = _number(node_object(_data(next(got))).get("tick_by")) if leader else None
+        if tick_by is not None:
+            info["overdue"] = max(0.0, now - tick_by)
+        last = [t for t in (_number(node_object(_data(next(got))).get("last_run_at")) for _ in runs) if t is not None]
+        if last:
+            info["since_dispatch"] = max(0.0, now - max(last))
+        snap.beats[beat] = info
+
+    # Each key's contenders; a semaphore's limit is its key node's data.
+    semaphores = lock_trees[1]
+    calls = [(kind, f"{tree}/{name}") for tree, name in locks
+             for kind in (("children", "get") if tree == semaphores else ("children",))]
+    answers = iter(budget.round(calls))
+    heads: List[Tuple[_Key, str, Optional[str], Optional[str]]] = []  # key, path, oldest holder, waiter
+    for tree, name in locks:
+        children = next(answers)
+        limit = next(answers) if tree == semaphores else None
+        if not children:
+            continue
+        leases = node_object(limit[0]).get("limit") if limit else None
+        rule = semaphore(leases) if type(leases) is int and leases > 0 else None
+
+        def rule_of(node_name: str, rule: Optional[Rule] = rule) -> Rule:
+            return rule if rule is not None and RULES[node_name].name == "semaphore" else RULES[node_name]
+
+        holding, waiting = split_queue(children, rule_of)
+        if not holding and not waiting:
+            continue  # junk only
+        key = _Key(decode_key(name) or name, Counter(map(_mode, holding)), Counter(map(_mode, waiting)))
+        snap.keys.append(key)
+        # Sequence order is creation order: the first of each is its oldest.
+        heads.append((key, f"{tree}/{name}", holding[0] if holding else None, waiting[0] if waiting else None))
+    ages = iter(budget.round([("exists", f"{path}/{n}") for _, path, h, w in heads for n in (h, w) if n]))
+    for key, _, hold, wait in heads:
+        held = next(ages) if hold else None
+        waited = next(ages) if wait else None
+        key.hold = (_mode(hold), held.ctime / 1000) if hold and held else None
+        key.wait = (_mode(wait), waited.ctime / 1000) if wait and waited else None
+
+    # Parked copies: how many, and the oldest head's age.
+    listed = budget.round([("children", p) for p in parked])
+    queues = [(p, sorted((c for c in names or () if parked_sequence(c) >= 0), key=parked_sequence))
+              for p, names in zip(parked, listed)]
+    snap.parked = sum(len(q) for _, q in queues)
+    heads_parked = [f"{p}/{q[0]}" for p, q in queues if q]
+    since = [s.ctime / 1000 for s in budget.round([("exists", p) for p in heads_parked]) if s]
+    snap.parked_since = min(since) if since else None
+
+    # Dedupe markers: each one's state needs its own read, so they come last.
+    for answer in budget.round([("get", f"{layout.queued_tree}/{m}") for m in markers]):
+        if answer is not None:
+            snap.markers[_marker_state(answer[0], answer[1], now)] += 1
+    snap.reads, snap.truncated = budget.sent, budget.truncated
+    snap.seconds = time.time() - now
+    return snap
+
+
+def _mode(node: str) -> str:
+    """A contender node's mode, from its name: write (exclusive locks too), read or semaphore."""
+    return RULES[contender(node)[0]].name  # type: ignore[index]
+
+
+def _data(answer: Any) -> Optional[bytes]:
+    return answer[0] if answer is not None else None
+
+
+def _number(value: Any) -> Optional[float]:
+    """``value`` if it is a number (node data may hold anything), else None."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _marker_state(raw: bytes, stat: Any, now: float) -> str:
+    """queued, running (its worker's session holds it), started (dedupe="latest") or expired."""
+    if stat.numChildren:
+        return "running"
+    marker = read_marker(raw) or {}
+    if marker.get(STARTED) is True or marker.get("expires") == 0:
+        return "started"
+    expires = marker.get("expires")
+    return "queued" if isinstance(expires, (int, float)) and expires > now else "expired"
+
+
+class Exporter:
+    """A Prometheus collector that reads the tree at most once per ``interval`` seconds."""
+
+    def __init__(self, session: Session, layout: Layout, interval: float, max_reads: int, per_key: bool) -> None:
+        self.session = session
+        self.layout = layout
+        self.interval = interval
+        self.max_reads = max_reads
+        self.per_key = per_key
+        self._lock = threading.Lock()
+        self._last: Optional[Snapshot] = None
+        self._said = ""
+
+    def snapshot(self) -> Snapshot:
+        """The last read, or a new one if it is older than ``interval`` (one at a time)."""
+        with self._lock:
+            last = self._last
+            if last is not None and time.time() - last.at < self.interval:
+                return last
+            try:
+                last = read_tree(self.session, self.layout, self.max_reads)
+            except Exception as exc:  # noqa: BLE001 - any failure is "cannot read now", said once
+                last = Snapshot(at=time.time(), ok=False, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+            self._say(last)
+            self._last = last
+            return last
+
+    def _say(self, snap: Snapshot) -> None:
+        said = snap.error or ("truncated" if snap.truncated else "")
+        if said == self._said:
+            return  # one line per change, not one per scrape
+        if snap.error:
+            logger.warning("celery-zklock exporter: cannot read %s: %s", self.layout.root, snap.error)
+        elif snap.truncated:
+            logger.warning("celery-zklock exporter: reading %s needs more than --max-reads=%d requests; "
+                           "the values are partial (celery_zklock_exporter_truncated 1)", self.layout.root,
+                           self.max_reads)
+        else:
+            logger.info("celery-zklock exporter: reading %s whole again", self.layout.root)
+        self._said = said
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        snap = self.snapshot()
+        out = {name: GaugeMetricFamily(name, doc, labels=list(labels)) for name, (labels, doc) in FAMILIES.items()}
+        out["celery_zklock_exporter_up"].add_metric([], 1.0 if snap.ok else 0.0)
+        if not snap.ok:
+            yield out["celery_zklock_exporter_up"]  # nothing else is known: absent, not zero
+            return
+        out["celery_zklock_exporter_reads"].add_metric([], snap.reads)
+        out["celery_zklock_exporter_truncated"].add_metric([], 1.0 if snap.truncated else 0.0)
+        out["celery_zklock_exporter_read_seconds"].add_metric([], snap.seconds)
+        now = snap.at
+        for mode in ("write", "read", "semaphore"):
+            out["celery_zklock_holders"].add_metric([mode], sum(k.holders[mode] for k in snap.keys))
+            out["celery_zklock_waiters"].add_metric([mode], sum(k.waiters[mode] for k in snap.keys))
+            out["celery_zklock_longest_hold_seconds"].add_metric(
+                [mode], _age(now, [k.hold[1] for k in snap.keys if k.hold and k.hold[0] == mode]))
+            out["celery_zklock_oldest_wait_seconds"].add_metric(
+                [mode], _age(now, [k.wait[1] for k in snap.keys if k.wait and k.wait[0] == mode]))
+        out["celery_zklock_parked"].add_metric([], snap.parked)
+        out["celery_zklock_oldest_parked_seconds"].add_metric([], _age(now, [snap.parked_since]))
+        for state in ("queued", "running", "started", "expired"):
+            out["celery_zklock_dedupe_markers"].add_metric([state], snap.markers[state])
+        for beat, info in sorted(snap.beats.items()):
+            out["celery_zklock_beat_has_leader"].add_metric([beat], 1.0 if info.get("leader") else 0.0)
+            out["celery_zklock_beat_candidates"].add_metric([beat], info["candidates"])
+            if "overdue" in info:
+                out["celery_zklock_beat_tick_overdue_seconds"].add_metric([beat], info["overdue"])
+            if "since_dispatch" in info:
+                out["celery_zklock_beat_seconds_since_dispatch"].add_metric([beat], info["since_dispatch"])
+        if self.per_key:
+            for k in snap.keys:
+                for mode in sorted(set(k.holders) | set(k.waiters)):
+                    out["celery_zklock_key_holders"].add_metric([k.label, mode], k.holders[mode])
+                    out["celery_zklock_key_waiters"].add_metric([k.label, mode], k.waiters[mode])
+                if k.hold:
+                    out["celery_zklock_key_longest_hold_seconds"].add_metric([k.label, k.hold[0]],
+                                                                             _age(now, [k.hold[1]]))
+        yield from (f for f in out.values() if f.samples)
+
+    def describe(self) -> List[Any]:
+        return []  # registering must not read the tree: the first scrape does
+
+
+def _age(now: float, since: List[Optional[float]]) -> float:
+    """Seconds since the earliest of ``since``; 0 when there is none (nothing held, nobody waits)."""
+    known = [s for s in since if s is not None]
+    return max(0.0, now - min(known)) if known else 0.0
+
+
+def serve(exporter: Exporter, address: str, port: int) -> Any:
+    """Serve ``exporter`` at ``http://address:port/metrics``; the server, to ``shutdown()``."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(exporter)  # type: ignore[arg-type]
+    server, _ = start_http_server(port, address, registry=registry)
+    return server

@@ -1,0 +1,184 @@
+"""``celery zklock exporter``: what it reads, what a read costs, and a real one beside real workers and a beat."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Dict, Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from celery_zklock.glue.exporter import FAMILIES, Exporter, read_tree
+from celery_zklock.layout import Layout
+from harness import TcpProxy, free_port
+from tests.integration.test_cli import busy, cli, cli_env  # noqa: F401 - fixtures
+from tests.util import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def contender(kazoo, path: str, kind: str, data: bytes = b"") -> str:
+    """A contender node as the lock recipes name theirs: ``<uuid><kind><seq>``."""
+    return kazoo.create(f"{path}/{os.urandom(4).hex()}{kind}", data, sequence=True, makepath=True)
+
+
+@pytest.fixture
+def tree(kazoo, zk_root) -> Dict[str, object]:
+    """Every kind of thing the exporter counts, made by hand, so each count is known."""
+    layout = Layout(zk_root)
+    now = time.time()
+    a = layout.lock("a")
+    made = {"a_holder": contender(kazoo, a, "__lock__"), "a_waiter": contender(kazoo, a, "__lock__")}
+    b = layout.lock("b")  # two readers hold; a writer waits behind them
+    made["b_reader"] = contender(kazoo, b, "__rlock__")
+    contender(kazoo, b, "__rlock__")
+    made["b_writer"] = contender(kazoo, b, "__lock__")
+    s = layout.lock("s", semaphore=True)  # limit 2: two hold, one waits
+    kazoo.create(s, json.dumps({"limit": 2}).encode(), makepath=True)
+    made["s_holder"] = contender(kazoo, s, "__sem__")
+    contender(kazoo, s, "__sem__")
+    contender(kazoo, s, "__sem__")
+    kazoo.create(f"{layout.lock('junk')}/not-a-contender", makepath=True)  # left out
+    kazoo.ensure_path(layout.lock("empty"))
+    parked = layout.parked("a")
+    made["parked_head"] = kazoo.create(f"{parked}/p-0123456789abcdef-", b"{}", sequence=True, makepath=True)
+    kazoo.create(f"{parked}/p-fedcba9876543210-", b"{}", sequence=True)
+    kazoo.create(f"{parked}/c-{made['parked_head'].rsplit('/', 1)[1]}", b"")  # a claim: not a copy
+    for name, marker, running in (("q", {"expires": now + 600}, False), ("x", {"expires": now - 1}, False),
+                                  ("r", {"expires": now + 600}, True), ("l", {"expires": 0.0, "started": True}, False)):
+        path = layout.queued("t", name)
+        kazoo.create(path, json.dumps({"task_id": name, **marker}).encode(), makepath=True)
+        if running:
+            kazoo.create(f"{path}/running", ephemeral=True)
+    contender(kazoo, layout.election("leading"), "__lock__", json.dumps({"tick_by": now - 100}).encode())
+    for entry, ran in (("e1", now - 30), ("e2", now - 60)):
+        kazoo.create(layout.entry("leading", entry), json.dumps({"last_run_at": ran}).encode(), makepath=True)
+    kazoo.ensure_path(layout.election("leaderless"))
+    return made
+
+
+def ctime(kazoo, path: str) -> float:
+    return kazoo.exists(path).ctime / 1000
+
+
+def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, kazoo, zk_root, new_session):
+    snap = read_tree(new_session(), Layout(zk_root), max_reads=1000)
+    assert snap.ok and not snap.truncated
+    # 6 listings; 2 beats x 2 listings, then the leader and 2 entries; keys: 4 listings in locks,
+    # the semaphore's listing and limit, 2 ages each for a, b and s; parked: 1 listing, 1 head; 4 markers.
+    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 2 + 4
+    keys = {k.label: k for k in snap.keys}
+    assert set(keys) == {"a", "b", "s"}  # junk and empty keys are no locks
+    assert (dict(keys["a"].holders), dict(keys["a"].waiters)) == ({"write": 1}, {"write": 1})
+    assert (dict(keys["b"].holders), dict(keys["b"].waiters)) == ({"read": 2}, {"write": 1})
+    assert (dict(keys["s"].holders), dict(keys["s"].waiters)) == ({"semaphore": 2}, {"semaphore": 1})
+    assert keys["a"].hold == ("write", ctime(kazoo, tree["a_holder"]))
+    assert keys["a"].wait == ("write", ctime(kazoo, tree["a_waiter"]))
+    assert keys["b"].hold == ("read", ctime(kazoo, tree["b_reader"]))
+    assert keys["b"].wait == ("write", ctime(kazoo, tree["b_writer"]))
+    assert keys["s"].hold == ("semaphore", ctime(kazoo, tree["s_holder"]))
+    assert snap.parked == 2 and snap.parked_since == ctime(kazoo, tree["parked_head"])
+    assert dict(snap.markers) == {"queued": 1, "expired": 1, "running": 1, "started": 1}
+    assert snap.beats["leaderless"] == {"candidates": 0, "leader": False}
+    leading = snap.beats["leading"]
+    assert leading["candidates"] == 1 and leading["leader"]
+    assert 100 <= leading["overdue"] < 110 and 30 <= leading["since_dispatch"] < 40
+
+
+def test_past_its_budget_a_read_stops_and_says_so_keeping_the_beat_first(tree, zk_root, new_session):
+    layout = Layout(zk_root)
+    snap = read_tree(new_session(), layout, max_reads=13)  # the listings and the beats, nothing more
+    assert snap.truncated and snap.reads == 13
+    assert snap.beats["leading"]["leader"] and "overdue" in snap.beats["leading"]
+    assert snap.keys == [] and snap.parked == 0 and not snap.markers
+    snap = read_tree(new_session(), layout, max_reads=30)
+    assert snap.truncated and snap.reads == 30 and sum(snap.markers.values()) == 3
+
+
+def test_reads_at_most_once_per_interval_and_reports_zookeeper_down(tree, zk_server, zk_root, new_session):
+    layout = Layout(zk_root)
+    with TcpProxy(zk_server.port) as proxy:
+        exporter = Exporter(new_session(hosts=proxy.hosts), layout, interval=3600, max_reads=1000, per_key=False)
+        first = exporter.snapshot()
+        assert first.ok and exporter.snapshot() is first  # within the interval: no new read
+        exporter.interval = 0  # every scrape reads
+        proxy.mode = "blackhole"  # ZooKeeper hears nothing and says nothing
+        down = exporter.snapshot()
+        assert not down.ok and down.error and down is not first
+        exporter.interval = 3600  # what follows is served from that failed read
+        assert [f.name for f in exporter.collect()] == ["celery_zklock_exporter_up"]  # up 0, and nothing else
+        assert [s.value for f in exporter.collect() for s in f.samples] == [0.0]
+        proxy.mode = "pass"
+        exporter.interval = 0
+        wait_until(lambda: exporter.snapshot().ok, timeout=30)
+
+
+def scrape(port: int) -> Dict[tuple, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+@pytest.fixture
+def exporter(cli_env) -> Iterator:  # noqa: F811
+    """Start ``celery zklock exporter`` with args; stopped with SIGTERM after the test."""
+    running = []
+
+    def start(*args: str, app: str = "tests.apps.worker_app") -> int:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", app, "zklock", "exporter", "--port", str(port),
+                                 "--interval", "0.2", *args], env=cli_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        running.append(proc)
+        assert f"exporter at http://127.0.0.1:{port}/metrics" in proc.stdout.readline()
+        return port
+
+    yield start
+    for proc in running:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stdout.read()
+
+
+def test_a_real_exporter_beside_a_real_worker_and_beat(busy, exporter, kazoo, zk_root):  # noqa: F811
+    """The holder and waiter of `busy`, and its beat: the gauges agree with what they did."""
+    port = exporter("--per-key")
+
+    def waiting() -> bool:
+        return scrape(port).get(("celery_zklock_waiters", (("mode", "write"),))) == 1
+    wait_until(waiting, timeout=60)
+    wait_until(lambda: scrape(port).get(("celery_zklock_beat_has_leader", (("beat", "beat_app"),))) == 1, timeout=30)
+    lock = Layout(zk_root).lock("k:a")
+    held_since = min(kazoo.exists(f"{lock}/{n}").ctime for n in kazoo.get_children(lock)) / 1000
+    before = time.time()
+    samples = scrape(port)
+    assert {name for name, _ in samples} <= set(FAMILIES)
+    assert samples[("celery_zklock_exporter_up", ())] == 1
+    assert samples[("celery_zklock_holders", (("mode", "write"),))] == 1
+    # Read from the holder's node, by a read at most --interval (0.2 s) older than the scrape.
+    longest = samples[("celery_zklock_longest_hold_seconds", (("mode", "write"),))]
+    assert before - 0.2 - held_since <= longest <= time.time() - held_since
+    assert samples[("celery_zklock_key_holders", (("key", "k:a"), ("mode", "write")))] == 1
+    assert samples[("celery_zklock_beat_tick_overdue_seconds", (("beat", "beat_app"),))] == 0
+
+    busy["beat"].stop()  # it leaves the election: no leader now
+    wait_until(lambda: scrape(port).get(("celery_zklock_beat_has_leader", (("beat", "beat_app"),))) == 0, timeout=30)
+    busy["worker"].close()  # SIGKILL: its session ends, and with it the holder's and waiter's nodes
+    wait_until(lambda: scrape(port).get(("celery_zklock_holders", (("mode", "write"),))) == 0, timeout=30)
+    assert scrape(port)[("celery_zklock_oldest_wait_seconds", (("mode", "write"),))] == 0
+
+
+def test_no_key_label_unless_asked_and_refused_under_hashed_names(tree, exporter, cli_env):  # noqa: F811
+    samples = scrape(exporter())
+    assert samples[("celery_zklock_holders", (("mode", "read"),))] == 2
+    assert all(dict(labels).keys() <= {"mode", "state", "beat"} for _, labels in samples)
+    out = cli({**cli_env, "ZKT_KEY_SECRET": "s" * 32}, "exporter", "--port", str(free_port()), "--per-key")
+    assert out.returncode == 2 and "--per-key is refused under zklock_key_names='hashed'" in out.stderr
+    out = cli(cli_env, "exporter", "--port", str(free_port()), "--max-reads", "3")
+    assert out.returncode == 2 and "'--max-reads': 3 is not in the range x>=6" in out.stderr
