@@ -11,6 +11,8 @@ zklock_root = "/celery-zklock-demo"
 zklock_session_timeout = 4  # how long a crashed worker's locks, or a dead beat leader, block others
 zklock_connect_timeout = 10
 zklock_default_timeout = 60
+# Each worker and beat of the demo serves its metrics on a port of its own (demo.py picks them).
+zklock_metrics_port = int(os.environ["DEMO_METRICS_PORT"]) if os.environ.get("DEMO_METRICS_PORT") else None
 
 worker_prefetch_multiplier = 1
 broker_connection_retry_on_startup = True

@@ -3,9 +3,12 @@
 Starts ZooKeeper and Redis on private loopback ports, two prefork workers
 (concurrency 3) and two beats, sends a burst of contending tasks, prints a
 per-key timeline as it runs, SIGKILLs the leading beat to show the standby
-take over, then checks the recorded history and prints a summary. With
-matplotlib installed (``pip install 'celery-zklock[plot]'``) it also draws
-the timeline to a PNG. Everything it started is stopped, also on Ctrl-C.
+take over, then checks the recorded history and prints a summary. Each
+worker and beat serves its Prometheus metrics, and ``celery zklock exporter``
+serves ZooKeeper's state; the demo prints where, and scrapes them as it runs.
+With matplotlib installed (``pip install 'celery-zklock[plot]'``) it also draws
+the timeline and the scraped metrics to PNGs. Everything it started is
+stopped, also on Ctrl-C.
 
     make demo      # or, from the repository's root: python -m example_project.demo
 """
@@ -23,11 +26,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
 from celery_zklock.testing import Hold, ServerError, ZooKeeperServer, violations
-from harness import CeleryBeat, CeleryWorker, RedisServer
+from harness import CeleryBeat, CeleryWorker, RedisServer, free_port
+from harness.process import ChildProcess, wait_for
 
 #: The repository's root, on the PYTHONPATH of the workers and beats: they run example_project.app.
 ROOT = Path(__file__).resolve().parents[1]
 PNG = Path.cwd() / "demo-timeline.png"
+METRICS_PNG = Path.cwd() / "demo-metrics.png"
 #: Order imports for one customer that the burst publishes at once, last.
 IMPORTS = 5
 
@@ -108,9 +113,62 @@ class Timeline(threading.Thread):
                   f"zklock_session_timeout={e['timeout']}s", flush=True)
 
 
+class Exporter:
+    """``celery zklock exporter`` for the demo's app, as a child process like the workers."""
+
+    def __init__(self, port: int, env: Dict[str, str]) -> None:
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="zklock-exporter-"))
+        self.log = self.dir / "exporter.log"
+        self._process = ChildProcess([sys.executable, "-m", "celery", "-A", "example_project.app", "zklock",
+                                      "exporter", "--port", str(port), "--interval", "0.5"], self.log, self.dir,
+                                     env={**os.environ, **env})
+
+    def start(self, wait: bool = False) -> None:
+        self._process.start()
+
+    def start_wait(self) -> None:
+        wait_for(lambda: "exporter at http://" in self.log.read_text(), 60, "celery zklock exporter", self.log)
+
+    def close(self) -> None:
+        import shutil
+
+        self._process.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Scraper(threading.Thread):
+    """Scrapes every endpoint twice a second, as Prometheus would: ``series[name]`` is a list of
+    (time, {(family, labels): value}), and a process that is gone (the killed beat) has gaps."""
+
+    def __init__(self, ports: Dict[str, int]) -> None:
+        super().__init__(daemon=True)
+        self.ports = ports
+        self.series: Dict[str, List[Any]] = {name: [] for name in ports}
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        while not self.stopped.wait(0.5):
+            for name, port in self.ports.items():
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+                        text = reply.read().decode()
+                except OSError:
+                    continue  # gone: a gap, as in Prometheus
+                self.series[name].append((time.time(), {
+                    (s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(text) for s in f.samples}))
+
+
 def main() -> int:
     started: List[Any] = []
     timeline: Optional[Timeline] = None
+    scraper: Optional[Scraper] = None
     try:
         zk = ZooKeeperServer()
         started.append(zk)
@@ -121,14 +179,24 @@ def main() -> int:
         os.environ.update(DEMO_ZK_HOSTS=zk.hosts, DEMO_BROKER_URL=redis_server.url)
         env = {"DEMO_ZK_HOSTS": zk.hosts, "DEMO_BROKER_URL": redis_server.url, "PYTHONPATH": str(ROOT)}
         print(f"ZooKeeper on {zk.hosts}, Redis on {redis_server.url}")
-        workers = [CeleryWorker("example_project.app", name=f"worker{i}", concurrency=3, env=env) for i in (1, 2)]
-        beats = [CeleryBeat("example_project.app", name=f"beat{i}", env=env) for i in (1, 2)]
-        for p in workers + beats:
+        ports = {name: free_port() for name in ("worker1", "worker2", "beat1", "beat2", "exporter")}
+        workers = [CeleryWorker("example_project.app", name=f"worker{i}", concurrency=3,
+                                env={**env, "DEMO_METRICS_PORT": str(ports[f"worker{i}"])}) for i in (1, 2)]
+        beats = [CeleryBeat("example_project.app", name=f"beat{i}",
+                            env={**env, "DEMO_METRICS_PORT": str(ports[f"beat{i}"])}) for i in (1, 2)]
+        exporter = Exporter(ports["exporter"], env)
+        for p in [*workers, *beats, exporter]:
             started.append(p)
             p.start(wait=False)
-        for p in workers + beats:
+        for p in [*workers, *beats, exporter]:
             p.start_wait()
-        print("two workers (prefork, concurrency 3) and two beats are up\n")
+        print("two workers (prefork, concurrency 3) and two beats are up; while the demo runs, scrape:")
+        for name, port in ports.items():
+            what = "ZooKeeper's state (celery zklock exporter)" if name == "exporter" else f"{name}'s metrics"
+            print(f"  {what:<44} http://127.0.0.1:{port}/metrics")
+        print()
+        scraper = Scraper(ports)
+        scraper.start()
 
         from example_project.app import app
 
@@ -161,6 +229,8 @@ def main() -> int:
         timeline.stopped.set()
         timeline.join()
         timeline.flush()
+        scraper.stopped.set()
+        scraper.join()
 
         history = timeline.events()
         bodies = [e for e in history if e["event"] == "body"]
@@ -192,6 +262,7 @@ def main() -> int:
         for problem in bad:
             print(f"  OVERLAP: {problem}")
         plot(history, t0, t_kill, takeover)
+        plot_metrics(scraper.series, t0, t_kill)
         ok = not bad and imports_once and takeover is not None and len(runs) == len(set(runs)) and not any(
             isinstance(o, BaseException) for o in outcomes)
         print("\nall promises kept" if ok else "\nA PROMISE WAS BROKEN: see above")
@@ -205,6 +276,8 @@ def main() -> int:
     finally:
         if timeline is not None:
             timeline.stopped.set()
+        if scraper is not None:
+            scraper.stopped.set()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the clean-up
         from celery_zklock.zk import close_sessions
 
@@ -280,6 +353,64 @@ def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Opti
     fig.tight_layout()
     fig.savefig(PNG, dpi=100)
     print(f"\nPNG timeline written to {PNG}")
+
+
+def plot_metrics(series: Dict[str, List[Any]], t0: float, t_kill: float) -> None:
+    """The demo's scrapes as six dashboard panels: what deploy/grafana's dashboard shows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return  # plot() said so already
+
+    def line(ax: Any, source: str, name: str, label: str, where: Any = lambda labels: True, **style: Any) -> None:
+        points = [(t - t0, sum(v for (n, ls), v in s.items() if n == name and where(dict(ls))))
+                  for t, s in series[source]]
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=label, **style)
+
+    workers = [n for n in series if n.startswith("worker")]
+    beats = [n for n in series if n.startswith("beat")]
+    fig, axes = plt.subplots(3, 2, figsize=(13, 9), sharex=True)
+    ax = axes[0][0]
+    for family, label in (("holders", "holders"), ("waiters", "waiters (in a slot)"), ("parked", "parked copies")):
+        line(ax, "exporter", f"celery_zklock_{family}", label)
+    ax.set_title("exporter: celery_zklock_holders, _waiters, _parked")
+    ax = axes[0][1]
+    line(ax, "exporter", "celery_zklock_longest_hold_seconds", "longest hold", lambda ls: ls["mode"] == "write")
+    line(ax, "exporter", "celery_zklock_oldest_wait_seconds", "oldest wait", lambda ls: ls["mode"] == "write")
+    ax.set_title("exporter: oldest write/exclusive hold and wait (s)")
+    ax = axes[1][0]
+    for w in workers:
+        line(ax, w, "celery_zklock_acquired_total", w)
+    ax.set_title("workers: celery_zklock_acquired_total")
+    ax = axes[1][1]
+    for outcome in ("waited", "skipped", "parked"):
+        for w in workers:
+            line(ax, w, "celery_zklock_contended_total", f"{outcome} ({w})",
+                 lambda ls, o=outcome: ls.get("outcome") == o)
+    ax.set_title("workers: celery_zklock_contended_total by outcome")
+    ax = axes[2][0]
+    for b in beats:
+        line(ax, b, "celery_zklock_beat_leader", f"{b} leads", drawstyle="steps-post")
+    line(ax, "exporter", "celery_zklock_beat_has_leader", "exporter: election has a leader", linestyle=":",
+         drawstyle="steps-post")
+    ax.set_title("beats: celery_zklock_beat_leader; exporter: _beat_has_leader")
+    ax = axes[2][1]
+    for b in beats:
+        line(ax, b, "celery_zklock_beat_dispatched_total", f"{b} dispatched")
+    ax.set_title("beats: celery_zklock_beat_dispatched_total")
+    for ax in axes.flat:
+        ax.axvline(t_kill - t0, color="red", linestyle="--", linewidth=0.8)
+        ax.legend(fontsize="x-small", loc="upper left")
+        ax.grid(alpha=0.3)
+    for ax in axes[2]:
+        ax.set_xlabel("seconds since the burst was sent (red: the leading beat SIGKILLed)")
+    fig.suptitle("celery-zklock demo: the metrics its workers, beats and exporter served, scraped twice a second")
+    fig.tight_layout()
+    fig.savefig(METRICS_PNG, dpi=90)
+    print(f"PNG of the scraped metrics written to {METRICS_PNG}")
 
 
 def _rows(intervals: List[Any]) -> List[int]:

@@ -28,3 +28,8 @@ def test_demo_runs_and_keeps_every_promise(tmp_path):
     times = [float(m.group(1)) for m in re.finditer(r"^ +(\d+\.\d\d)s  ", out.stdout, re.MULTILINE)]
     assert len(times) > 20 and times == sorted(times), times
     assert (tmp_path / "demo-timeline.png").stat().st_size > 10_000  # drawn by default (matplotlib is a test extra)
+    # Where to scrape while it runs, and the scrapes drawn: each worker, each beat, and the exporter.
+    urls = re.findall(r"^  (.+?) +http://127\.0\.0\.1:\d+/metrics$", out.stdout, re.MULTILINE)
+    assert urls == [*(f"{p}'s metrics" for p in ("worker1", "worker2", "beat1", "beat2")),
+                    "ZooKeeper's state (celery zklock exporter)"], out.stdout[:2000]
+    assert (tmp_path / "demo-metrics.png").stat().st_size > 10_000
