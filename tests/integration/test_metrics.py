@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from celery_zklock import LockLost, skipped
 from celery_zklock.layout import Layout
-from harness import CeleryBeat, free_port
+from harness import CeleryBeat, TcpProxy, free_port
 from tests.apps import worker_app
 from tests.conftest import _started
 from tests.util import children, events, send, wait_until
@@ -107,6 +107,38 @@ def test_a_prefork_workers_counts_agree_with_its_history(workers, queue, redis_s
     worker.stop(timeout=20)
     assert not os.path.exists(directory), "the worker left its metrics directory behind"
 
+
+@pytest.mark.parametrize("pool", ["threads", "gevent", "eventlet"])
+def test_a_pool_in_the_main_process_counts_there_and_its_session_state_follows_a_cut(
+        pool, workers, queue, redis_server, kazoo, zk_server, zk_root):
+    """threads, gevent and eventlet run bodies in the worker's main process, with one session."""
+    port = free_port()
+    with TcpProxy(zk_server.port) as proxy:
+        worker = workers("metrics", pool=pool, concurrency=4, ZKT_METRICS_PORT=str(port), ZKT_HOSTS=proxy.hosts)
+        for i in range(3):
+            assert send(worker_app.exclusive, queue, f"free{i}", 0.01).get(timeout=30) == f"free{i}"
+        holder = send(worker_app.exclusive_on_socket, queue, "busy", 60)
+        wait_until(lambda: len(children(kazoo, Layout(zk_root).lock("k:busy"))) == 1, timeout=30)
+        assert skipped(send(worker_app.skipping, queue, "busy", 0).get(timeout=30))["key"] == "k:busy"
+        redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{holder.id}", "go")
+        assert holder.get(timeout=30) == "busy"
+        samples = scrape(port)
+        assert total(samples, "celery_zklock_acquired_total") == 4
+        assert total(samples, "celery_zklock_contended_total", outcome="skipped") == 1
+        assert total(samples, "celery_zklock_session_state", state="held") == 1
+        assert total(samples, "celery_zklock_session_in_doubt_seconds_total") == 0
+
+        # Cut from ZooKeeper: in doubt at once, lost past the session timeout, held again after.
+        proxy.mode = "blackhole"
+        wait_until(lambda: total(scrape(port), "celery_zklock_session_state", state="in_doubt") == 1, timeout=20)
+        wait_until(lambda: total(scrape(port), "celery_zklock_session_state", state="lost") == 1, timeout=20)
+        proxy.mode = "pass"
+        wait_until(lambda: total(scrape(port), "celery_zklock_session_state", state="held") == 1, timeout=30)
+        samples = scrape(port)
+        assert total(samples, "celery_zklock_session_state") == 1  # one process, in one state
+        # In doubt from the moment the cut was noticed (kazoo's read timeout, 2/3 of the session
+        # timeout) until the server could have expired the session: within the 4 s timeout.
+        assert 0 < total(samples, "celery_zklock_session_in_doubt_seconds_total") <= 4
 
 
 def test_each_beat_says_whether_it_leads_and_counts_what_it_sent(env, queue, redis_server):
