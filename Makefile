@@ -54,13 +54,17 @@ bench: system venv
 chaos: system venv
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
 
-# Java, ZooKeeper and Redis (and openssl for the TLS test's CA) from the distribution, only when missing.
+# Java, ZooKeeper and Redis (and openssl for the TLS test's CA, prometheus for promtool, which checks
+# deploy/prometheus/) from the distribution, only when missing. Debian's prometheus package also
+# starts a Prometheus server (:9090) and the node exporter it recommends (:9100) as services, at once
+# and at each boot, unless service starts are forbidden (policy-rc.d, as in Debian's container images).
 system:
 	@missing=""; \
 	command -v java >/dev/null 2>&1 || missing="$$missing default-jre-headless"; \
 	[ -n "$$ZOOKEEPER_HOME" ] || [ -e /usr/share/java/zookeeper.jar ] || missing="$$missing zookeeper"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing from the distribution:$$missing"; \
 	  if ! command -v apt-get >/dev/null 2>&1; then \
