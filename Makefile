@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 .PHONY: test test-oldest lint docs demo bench chaos system venv clean
 
-test: system venv
+test: system venv $(BIN)/promtool
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The oldest Python, Celery and kazoo we support (tox env py39-celeryoldest): the unit tests and every
@@ -54,17 +54,13 @@ bench: system venv
 chaos: system venv
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
 
-# Java, ZooKeeper and Redis (and openssl for the TLS test's CA, prometheus for promtool, which checks
-# deploy/prometheus/) from the distribution, only when missing. Debian's prometheus package also
-# starts a Prometheus server (:9090) and the node exporter it recommends (:9100) as services, at once
-# and at each boot, unless service starts are forbidden (policy-rc.d, as in Debian's container images).
+# Java, ZooKeeper and Redis (and openssl for the TLS test's CA) from the distribution, only when missing.
 system:
 	@missing=""; \
 	command -v java >/dev/null 2>&1 || missing="$$missing default-jre-headless"; \
 	[ -n "$$ZOOKEEPER_HOME" ] || [ -e /usr/share/java/zookeeper.jar ] || missing="$$missing zookeeper"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
-	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing from the distribution:$$missing"; \
 	  if ! command -v apt-get >/dev/null 2>&1; then \
@@ -74,6 +70,17 @@ system:
 	fi
 
 venv: $(STAMP)
+
+# promtool checks deploy/prometheus/. It is taken out of Debian's prometheus package, not installed
+# with it: the package starts a Prometheus server (:9090) and the node exporter it recommends (:9100)
+# as services, now and at each boot. One on the PATH already is used as it is.
+$(BIN)/promtool: | $(STAMP)
+	@if command -v promtool >/dev/null 2>&1; then ln -sf "$$(command -v promtool)" $@; exit 0; fi; \
+	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; cd "$$tmp" && \
+	{ apt-get download prometheus >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && apt-get download prometheus; } \
+	  >/tmp/celery-zklock-apt.log 2>&1; } && dpkg-deb -x prometheus_*.deb unpacked && \
+	cp unpacked/usr/bin/promtool "$(CURDIR)/$@" \
+	|| { echo "error: could not take promtool out of Debian's prometheus package (log: /tmp/celery-zklock-apt.log)"; exit 1; }
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9))' || { echo "error: $(PYTHON) is older than Python 3.9"; exit 1; }

@@ -4,8 +4,8 @@ they should.
 The families that exist are the workers' and beats' (:class:`celery_zklock.glue.metrics.Families`, as
 prometheus_client exposes them) and the exporter's (:data:`celery_zklock.glue.exporter.FAMILIES`). A query
 that names anything else, or a label its family lacks, shows an empty panel or an alert that never fires,
-and nothing else would say so. promtool (from Debian's ``prometheus`` package, which ``make system``
-installs) parses the rules and the dashboard's queries, and runs the rules' own unit tests,
+and nothing else would say so. promtool (taken out of Debian's ``prometheus`` package by ``make test``)
+parses the rules and the dashboard's queries, and runs the rules' own unit tests,
 ``deploy/prometheus/celery-zklock-alerts.test.yml``.
 
 The rules file is read here without a YAML library (the test extra has none): a rule is what follows
@@ -34,9 +34,11 @@ RULE_TESTS = ROOT / "deploy" / "prometheus" / "celery-zklock-alerts.test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "celery-zklock.json"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 
-PROMTOOL = shutil.which("promtool")
+# `make test` puts it beside the venv's python (taken out of Debian's package); tox's venvs have none.
+PROMTOOL = shutil.which("promtool") or shutil.which("promtool", path=str(Path(__file__).resolve().parents[2]
+                                                                          / ".venv" / "bin"))
 needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is missing: `make system` installs it (Debian's prometheus package)")
+    PROMTOOL is None, reason="promtool is missing: `make test` takes it out of Debian's prometheus package")
 
 #: Labels Prometheus adds to every series it scrapes; a query may use them on any family.
 TARGET_LABELS = frozenset({"job", "instance"})
