@@ -22,7 +22,7 @@ PYTHON39 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3.9) $
 OLDEST_TESTS ?= tests/unit tests/integration/test_beat.py tests/integration/test_tasks.py \
 	tests/integration/test_interleavings.py tests/integration/test_cli.py tests/integration/test_pytest_plugin.py \
 	tests/integration/test_request_path.py tests/integration/test_lock_recipe.py tests/integration/test_lock_contract.py
-test-oldest: system venv
+test-oldest: system venv $(BIN)/promtool
 	@[ -n "$(PYTHON39)" ] || { echo "error: no Python 3.9 found (install it, e.g. with pyenv, or set PYTHON39=)"; exit 1; }
 	$(BIN)/tox -e py39-celeryoldest --skip-missing-interpreters false --discover $(PYTHON39) -- -p no:cacheprovider $(OLDEST_TESTS)
 
