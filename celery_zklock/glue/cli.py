@@ -1,4 +1,4 @@
-"""``celery -A proj zklock``: see who holds which lock and who leads beat, and check the setup.
+"""``celery -A proj zklock``: see who holds which lock and who leads beat, check the setup, and evict a holder.
 
 Registered through the ``celery.commands`` entry point::
 
@@ -8,8 +8,10 @@ Registered through the ``celery.commands`` entry point::
     celery -A proj zklock queued             # dedupe markers: key, task id, age, expiry
     celery -A proj zklock schedule           # beat entries: runs, last run, next run
     celery -A proj zklock exporter --port N  # ZooKeeper's state as Prometheus gauges
+    celery -A proj zklock evict 'invoice:42' # take a lock from its holder, after showing it and asking
 
-It reads ZooKeeper only (with the app's credential, if any): it never changes a lock.
+It uses the app's credential, if any. Every command but ``evict`` and ``clear-queued`` only
+reads; ``evict`` is the one that changes a lock, and refuses a node that is not this app's lock.
 """
 
 from __future__ import annotations
@@ -98,19 +100,17 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
             if wanted is not None and name != wanted:
                 continue
             path = f"{base}/{name}"
-            nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
+            nodes, infos, holding, waiting = _queue(session, path)
             parked = [_parked(node, data, since, now, sent)
                       for node, data, since, sent in parked_copies(session, f"{parked_base}/{name}", None)]
             if not nodes and not parked:
                 continue
-            infos = {n: node_object(data) for n, (data, _) in nodes.items()}
             key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
             if key is None:
                 key = pattern if wanted is not None and pattern is not None else decode_key(name) or name
             if wanted is None and pattern is not None and not fnmatch.fnmatchcase(key, pattern):
                 continue
             rule = _rule(semaphore(1).node_name, list(infos.values()))
-            holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values())))
             holders = [_contender(n, infos[n], nodes[n][1], now, "held_for") for n in holding]
             rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting),
                          # In queue order: the next holder first.
@@ -119,6 +119,15 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
                          "parked": parked,
                          "limit": rule.leases if holders and holders[0]["mode"] == "semaphore" else None})
     return rows
+
+
+def _queue(session: Session, path: str) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]], List[str], List[str]]:
+    """A key's contender nodes (data and stat), their data as objects, and its holders and
+    waiters, each in queue order, from one read of the key's node."""
+    nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
+    infos = {n: node_object(data) for n, (data, _) in nodes.items()}
+    holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values())))
+    return nodes, infos, holding, waiting
 
 
 def _parked(node: str, data: bytes, since: float, now: float, sent: bool) -> Dict[str, Any]:
@@ -292,7 +301,7 @@ class _Commands(click.Group):
 
 @click.group(name="zklock", cls=_Commands)
 def zklock() -> None:
-    """celery-zklock: lock holders, the beat leader, and a setup check."""
+    """celery-zklock: lock holders, the beat leader, a setup check, and evicting a holder."""
     # kazoo logs each failed connect attempt; our one line says what failed.
     logging.getLogger("kazoo").addHandler(logging.NullHandler())
     logging.getLogger("kazoo").propagate = False
@@ -486,6 +495,227 @@ def clear_queued(ctx: click.Context, task_name: str, key: Optional[str]) -> None
         session.close()
     click.echo(f"cleared {cleared} marker(s) of {task_name}" + (f" with key {key!r}" if key is not None else "")
                + (f"; {running} left: their copies are running" if running else ""))
+
+
+# -- evict: the one command that takes a lock away ----------------------------------------------
+def foreign(layout: Layout, path: str) -> str:
+    """Why ``path`` is not a contender node of ``layout``'s locks, which ``evict`` may delete
+    ("" when it is one). The names alone decide: no server.
+
+        >>> foreign(Layout("/r"), "/r/locks/k-a/0f3a__lock__0000000001")
+        ''
+        >>> foreign(Layout("/r"), "/r/beat/k-b/election/0f3a__lock__0000000001")
+        'it is not a contender node under /r/locks/*/ or /r/semaphores/*/ (evict takes locks and semaphores)'
+        >>> foreign(Layout("/r"), "/r/semaphores/k-a/junk")
+        "'junk' is not a contender node's name (__lock__, __rlock__ or __sem__ and a sequence number)"
+        >>> foreign(Layout("/r", secret=b"0123456789abcdef"), "/r/locks/k-a/0f3a__lock__0000000001")
+        "its key's name 'k-a' is a readable one, and this app names keys hashed (s-...): not this app's lock"
+    """
+    if not path.startswith(f"{layout.root}/"):
+        return f"it is outside zklock_root={layout.root}"
+    parts = path[len(layout.root) + 1:].split("/")
+    if len(parts) != 3 or parts[0] not in LOCK_TREES or not parts[1]:
+        return (f"it is not a contender node under {layout.lock_tree()}/*/ or {layout.lock_tree(True)}/*/ "
+                "(evict takes locks and semaphores)")
+    name, node = parts[1], parts[2]
+    if contender(node) is None:
+        return f"{node!r} is not a contender node's name (__lock__, __rlock__ or __sem__ and a sequence number)"
+    # A name of the other scheme is another app's (or this app's before a switch): its holders
+    # never exclude this app's, so taking their lock is not this app's call.
+    if layout.secret is not None and not name.startswith("s-"):
+        return f"its key's name {name[:40]!r} is a readable one, and this app names keys hashed (s-...): " \
+               "not this app's lock"
+    if layout.secret is None and name.startswith("s-"):
+        return f"its key's name {name[:40]!r} is a hashed one, and this app names keys readably: not this app's lock"
+    if layout.secret is None and not name.startswith(("k-", "h-")):
+        return f"its key's name {name[:40]!r} is not one celery-zklock makes (k-..., h-... or s-...)"
+    return ""
+
+
+def other_scheme(layout: Layout, recorded: Optional[str]) -> str:
+    """Why a root whose data records the key-name scheme ``recorded`` holds none of ``layout``'s
+    locks ("" when it may: the same scheme, or none recorded yet).
+
+        >>> other_scheme(Layout("/r"), "readable"), other_scheme(Layout("/r"), None)
+        ('', '')
+        >>> print(other_scheme(Layout("/r"), "hashed:0123456789abcdef"))
+        zklock_root=/r names keys hashed, this app readable: its locks are not this app's (evict with ...)
+    """
+    if recorded is None or recorded == layout.scheme:
+        return ""
+    kind, ours = recorded.split(":")[0], layout.scheme.split(":")[0]
+    other = " under another zklock_key_secret" if kind == ours else ""
+    return (f"zklock_root={layout.root} names keys {kind}{other}, this app {ours}: its locks are not this app's "
+            "(evict with the app that took them)")
+
+
+def _holders(session: Session, path: str, now: float) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """A key's holders, as ``locks`` shows them plus what evict needs (path, version, key,
+    waiters behind), and its waiters' node names in queue order."""
+    nodes, infos, holding, waiting = _queue(session, path)
+    return [{**_contender(n, infos[n], nodes[n][1], now, "held_for"), "path": f"{path}/{n}",
+             "version": nodes[n][1].version, "waiters": len(waiting),
+             "key": infos[n].get("key") if isinstance(infos[n].get("key"), str) else None}
+            for n in holding], waiting
+
+
+def _to_evict(session: Session, layout: Layout, key: Optional[str], node: Optional[str]) -> Dict[str, Any]:
+    """The one holder to take the lock from, by KEY or by --node; a refusal (one line) otherwise."""
+    now = time.time()
+    try:
+        recorded = node_object(session.client.get(layout.root)[0]).get("key_names")
+    except NoNodeError:
+        recorded = None
+    why = other_scheme(layout, recorded if isinstance(recorded, str) else None)
+    if why:
+        raise click.ClickException(f"refusing to evict: {why}")
+    if node is not None:
+        why = foreign(layout, node)
+        if why:
+            raise click.ClickException(f"refusing to evict {node}: {why}")
+        path, name = node.rsplit("/", 1)
+        holders, waiting = _holders(session, path, now)
+        if name in waiting:
+            # Its node gone, a waiter would only queue again at the back: it holds nothing to take.
+            raise click.ClickException(
+                f"refusing to evict {node}: it is waiting (#{waiting.index(name) + 1} in line), not holding; evict "
+                "takes a lock from its holder, and a waiter holds none (to drop its task, revoke it)")
+        found = [h for h in holders if h["node"] == name]
+        if not found:
+            raise click.ClickException(f"nothing to evict: {node} is not there (its holder let go, or it never was)")
+        key_name = path.rsplit("/", 1)[1]
+        return {**found[0], "label": found[0]["key"] or decode_key(key_name) or key_name}
+    assert key is not None
+    # A key's lock and its semaphore are apart (see LOCK_TREES): its holders are in either.
+    holders = [h for tree in (False, True) for h in _holders(session, layout.lock(key, tree), now)[0]]
+    if not holders:
+        raise click.ClickException(f"nothing to evict: nothing holds {key!r}")
+    if len(holders) > 1:
+        modes = "/".join(sorted({str(h["mode"]) for h in holders}))
+        raise click.ClickException(
+            f"refusing to evict {key!r}: it has {len(holders)} holders at once ({modes}), and which one loses it is "
+            f"a choice; pick one with --node: {', '.join(h['path'] for h in holders)}")
+    return {**holders[0], "label": key}
+
+
+def _holder_lines(holder: Dict[str, Any]) -> List[str]:
+    """Who holds it, for the operator to confirm (str() everywhere: node data may hold anything)."""
+    return [f"holder of {holder['label']!r} ({holder['mode']}):",
+            f"  worker    {holder.get('worker') or '-'}",
+            f"  process   {holder.get('host')}/{holder.get('pid')}",
+            f"  task      {holder.get('task') or '- (a lock taken outside a task)'}",
+            f"  task id   {holder.get('task_id') or '-'}",
+            f"  held for  {_age(holder['held_for'])}",
+            f"  token     {holder['token']} (fencing token)",
+            f"  node      {holder['path']}",
+            f"  waiting   {holder['waiters']} behind it"]
+
+
+def _revoke(app: Any, task_id: str) -> List[str]:
+    """Revoke ``task_id`` on every worker that is up, with terminate; what they answered, as lines."""
+    try:
+        replies = app.control.revoke(task_id, terminate=True, reply=True, timeout=1.0) or []
+    except Exception as exc:  # the broker's: nothing is deleted yet, so nothing is left half done
+        raise click.ClickException(f"not evicted: the revoke of task {task_id} could not be sent "
+                                   f"({type(exc).__name__}: {exc}); without --revoke, evict only takes the lock") \
+            from None
+    answers = {name: answer for reply in replies for name, answer in reply.items() if isinstance(answer, dict)}
+    lines = [f"revoked task {task_id} ({len(answers)} worker(s) answered)"]
+    # A worker running it answers "terminate: <id>"; the others "terminate: tasks unknown".
+    lines += [f"  {name} terminated it" for name, a in sorted(answers.items()) if task_id in str(a.get("ok", ""))]
+    # The threads and solo pools implement no terminate: the worker's control command fails
+    # (after marking the id revoked), and says so in its answer.
+    lines += [f"  {name} could not terminate it ({a['error']}): its pool cannot, and the lost lock's interrupt "
+              "is what stops the body" for name, a in sorted(answers.items()) if "error" in a]
+    if len(lines) == 1:
+        lines.append("  no worker was running it (it had ended, or its worker did not answer within 1s)")
+    return lines
+
+
+def _delete(session: Session, holder: Dict[str, Any]) -> bool:
+    """Delete the holder's node if it is still the node that was shown; False if it is gone.
+
+    Its version may move meanwhile (a semaphore holder touches its node as it comes to hold, a
+    preempt request writes into it): then it is read again, and deleted if it is still the
+    same creation (its czxid, the token shown). A name is never made twice (a random prefix
+    and the key's sequence), so a node of another creation there means something changed
+    that we do not understand: nothing is deleted then.
+    """
+    path, version = holder["path"], holder["version"]
+    for _ in range(5):
+        try:
+            session.client.delete(path, version=version)
+            return True
+        except NoNodeError:
+            return False
+        except BadVersionError:
+            stat = session.client.exists(path)
+            if stat is None:
+                return False
+            if stat.czxid != holder["token"]:
+                raise click.ClickException(f"not evicted: {path} is another node now (token {stat.czxid}, "
+                                           f"not {holder['token']}); look again with `locks`") from None
+            version = stat.version
+        except NoAuthError:
+            raise click.ClickException(f"not evicted: ZooKeeper refused this client the delete of {path} (NoAuth): "
+                                       "set zklock_auth to the credential the workers use") from None
+    raise click.ClickException(f"not evicted: {path} kept changing as we deleted it; run evict again")
+
+
+@zklock.command()
+@click.argument("key", required=False)
+@click.option("--node", default=None, metavar="PATH",
+              help="A holder's node by its full path (a key's path and its holders' nodes are in `locks --json`): "
+                   "the way to pick one of a read lock's or a semaphore's holders.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--revoke", is_flag=True,
+              help="Also revoke the holder's task, with terminate, before its node goes. Terminate stops the body "
+                   "under prefork (its pool process is killed), gevent and eventlet (its greenlet); the threads and "
+                   "solo pools cannot terminate (nor gevent before Celery 5.5), and there the lost lock's interrupt "
+                   "is what stops the body.")
+@click.pass_context
+def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool, revoke: bool) -> None:
+    """Take a lock from its holder: delete the holder's node, so the next contender holds.
+
+    KEY is the key as the task renders it, like 'invoice:42' (under hashed key names its name
+    is computed with the app's secret); its lock and its semaphore are both looked in. The
+    holder is shown (worker, process, task, task id, held for, fencing token, node) and the
+    question asked, unless --yes. The holder learns it at once through its node's watch,
+    counts the lock as lost, and its body stops as its on_lock_lost says; the next holder's
+    fencing token is greater.
+
+    Exit status: 0 when evicted (or when the holder let go while you were asked); 1 when
+    refused, answered no, or nothing holds it; 2 for a wrong use of KEY and --node.
+    """
+    if (key is None) == (node is None):
+        raise click.UsageError("give KEY or --node PATH, not both" if key is not None else "give KEY or --node PATH")
+    _, session, app = _connect(ctx)
+    try:
+        holder = _to_evict(session, layout_of(app), key, node)
+        for line in _holder_lines(holder):
+            click.echo(line)
+        task_id = holder["task_id"] if revoke and isinstance(holder["task_id"], str) and holder["task_id"] else None
+        if revoke and task_id is None:
+            click.echo("--revoke: its node names no task id (a lock taken outside a task): nothing will be revoked")
+        if not yes:
+            click.confirm("Take the lock from it (delete its node)" + (" and revoke its task" if task_id else "") + "?",
+                          abort=True)
+        if task_id is not None:
+            # Before the delete: a prefork worker kills the body's process as it answers, so
+            # the body stops before the lock moves on (when it answers within the wait); and
+            # a revoke that cannot be sent leaves the lock as it was.
+            for line in _revoke(app, task_id):
+                click.echo(line)
+        deleted = _delete(session, holder)
+    finally:
+        session.close()
+    if not deleted:
+        click.echo(f"{holder['path']} is gone already: its holder let go before the delete; nothing deleted")
+        return
+    click.echo(f"evicted: deleted {holder['path']}")
+    click.echo('  its holder learns it through its node\'s watch and counts the lock as lost ("deleted"); a task '
+               'body stops as its on_lock_lost says (the default, "interrupt", raises LockLost in it)')
+    click.echo(f"  the next holder's fencing token will be greater than {holder['token']}")
 
 
 @zklock.command(name="exporter")

@@ -1,0 +1,271 @@
+"""`celery zklock evict` as a subprocess, against real ZooKeeper, Redis and workers: the evicted
+body is interrupted before the next holder's starts, and each refusal is one line that deletes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_zklock import LockLost
+from celery_zklock.layout import Layout
+from tests.apps import worker_app
+from tests.util import children, events, send, wait_until
+
+pytestmark = pytest.mark.slow
+
+SECRET = "evict-tests-key-secret-0123456789"
+ASKED = "Take the lock from it (delete its node)"
+
+
+def evict(environ: Dict[str, str], *args: str, answer: Optional[str] = None) -> subprocess.CompletedProcess:
+    """``celery zklock evict ARGS``; ``answer`` is typed at its question (None: no stdin at all)."""
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.worker_app", "zklock", "evict", *args],
+                          env=environ, input=answer, stdin=None if answer is not None else subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def cli_env(env) -> Dict[str, str]:
+    return {**os.environ, **env}
+
+
+def the(redis_url: str, event: str, task_id: str) -> List[dict]:
+    return [e for e in events(redis_url) if e["event"] == event and e.get("task_id") == task_id]
+
+
+def holding(redis_url: str, task, queue: str, key: str, *args) -> Tuple[AsyncResult, dict]:
+    """Send ``task`` on ``key`` and wait until its body runs; its result and its "started" event."""
+    result: AsyncResult = task.apply_async(args=(key, *args), queue=queue)
+    wait_until(lambda: bool(the(redis_url, "started", result.id)), timeout=30)
+    return result, the(redis_url, "started", result.id)[0]
+
+
+def tree(kazoo, path: str) -> List[Tuple[str, int, int]]:
+    """Every node under ``path`` with its czxid and mzxid: a delete or a write changes it."""
+    out = [(path, *(lambda s: (s.czxid, s.mzxid))(kazoo.exists(path)))]
+    for child in sorted(children(kazoo, path)):
+        out += tree(kazoo, f"{path}/{child}")
+    return out
+
+
+def test_evict_interrupts_the_holder_before_the_next_holder_starts(workers, cli_env, queue, redis_server, kazoo,
+                                                                   zk_root):
+    workers("w1", concurrency=2)
+    holder, started = holding(redis_server.url, worker_app.long_body, queue, "a", 60)
+    path = Layout(zk_root).lock("k:a")
+    nxt = send(worker_app.exclusive, queue, "a", 0.01)
+    wait_until(lambda: len(children(kazoo, path)) == 2, timeout=30)
+    [node] = [c for c in children(kazoo, path) if kazoo.exists(f"{path}/{c}").czxid == started["token"]]
+
+    out = evict(cli_env, "k:a", "--yes")
+    assert out.returncode == 0, out.stderr
+    # It showed the holder, then said what it did and the token the next holder exceeds.
+    lines = out.stdout.splitlines()
+    assert lines[0] == "holder of 'k:a' (exclusive):", out.stdout
+    assert lines[1].startswith("  worker    w1@") and lines[3] == "  task      tests.apps.worker_app.long_body"
+    assert lines[2].split()[1].endswith(f"/{started['pid']}") and lines[4] == f"  task id   {holder.id}"
+    assert lines[5].startswith("  held for  ") and lines[6] == f"  token     {started['token']} (fencing token)"
+    assert lines[7] == f"  node      {path}/{node}" and lines[8] == "  waiting   1 behind it"
+    assert ASKED not in out.stdout  # --yes: no question
+    assert f"evicted: deleted {path}/{node}" in out.stdout
+    assert f"the next holder's fencing token will be greater than {started['token']}" in out.stdout
+
+    with pytest.raises(LockLost):
+        holder.get(timeout=30)
+    assert nxt.get(timeout=30) == "a"
+    [lost] = the(redis_server.url, "lock_lost", holder.id)
+    [body] = the(redis_server.url, "body", nxt.id)
+    assert the(redis_server.url, "body", holder.id) == []  # its body never ran to its end
+    # The delete gives the lock away and tells the holder at once: its body is interrupted as the
+    # next one starts, not a session timeout (4 s) later. Nothing orders the two (the next body
+    # started first by 1-4 ms in 5 runs of 25): what keeps them apart is the fencing token.
+    assert abs(lost["time"] - body["start"]) < 1.0, (lost, body)
+    assert body["token"] > started["token"]
+
+
+def test_without_yes_it_asks_and_no_changes_nothing(workers, cli_env, queue, redis_server, kazoo, zk_root):
+    workers("w1", concurrency=1)
+    holder, started = holding(redis_server.url, worker_app.long_body, queue, "b", 60)
+    path = Layout(zk_root).lock("k:b")
+    before = tree(kazoo, path)
+    for answer in ("n\n", None):  # "n", and a script with no terminal to ask
+        out = evict(cli_env, "k:b", answer=answer)
+        assert out.returncode == 1 and out.stderr.strip() == "Aborted!", out.stderr
+        assert f"{ASKED}? [y/N]: " in out.stdout and "evicted" not in out.stdout
+        assert tree(kazoo, path) == before
+    assert the(redis_server.url, "lock_lost", holder.id) == [] and not holder.ready()
+
+    out = evict(cli_env, "k:b", answer="y\n")
+    assert out.returncode == 0 and "evicted: deleted" in out.stdout, out.stderr
+    with pytest.raises(LockLost):
+        holder.get(timeout=30)
+
+
+def test_hashed_key_names_evict_by_key_and_only_with_the_apps_secret(workers, cli_env, queue, redis_server, kazoo,
+                                                                     zk_root):
+    workers("w1", concurrency=1, ZKT_KEY_SECRET=SECRET)
+    holder, started = holding(redis_server.url, worker_app.long_body, queue, "h", 60)
+    path = Layout(zk_root, SECRET.encode()).lock("k:h")
+    before = tree(kazoo, zk_root)
+    # The root records the workers' scheme: an app naming keys otherwise is refused, whatever it asks.
+    for secret, said in ((None, "names keys hashed, this app readable"),
+                         ("another-secret-0123456789abcdef",
+                          "names keys hashed under another zklock_key_secret, this app hashed")):
+        out = evict({**cli_env, **({"ZKT_KEY_SECRET": secret} if secret else {})}, "k:h", "--yes")
+        assert out.returncode == 1 and out.stdout == "", out.stdout
+        assert out.stderr == f"Error: refusing to evict: zklock_root={zk_root} {said}: its locks are not this " \
+                             "app's (evict with the app that took them)\n"
+    assert tree(kazoo, zk_root) == before
+
+    out = evict({**cli_env, "ZKT_KEY_SECRET": SECRET}, "k:h", "--yes")
+    assert out.returncode == 0, out.stderr
+    assert f"  node      {path}/" in out.stdout and f"  token     {started['token']} (fencing token)" in out.stdout
+    with pytest.raises(LockLost):
+        holder.get(timeout=30)
+
+
+@pytest.mark.parametrize("pool, task, ends", [
+    # on_lock_lost="flag": the lost lock does not stop its body; only terminate does.
+    ("prefork", worker_app.flagged_body, "REVOKED"),
+    ("gevent", worker_app.flagged_body, "REVOKED"),  # Celery 5.5 and later kill the body's greenlet
+    # The threads pool cannot terminate: the interrupt from the lost lock stops the body.
+    ("threads", worker_app.long_body, "FAILURE"),
+])
+def test_revoke_terminates_where_the_pool_can(pool, task, ends, workers, cli_env, queue, redis_server, kazoo,
+                                              zk_root):
+    worker = workers("w1", pool=pool, concurrency=1)
+    holder, started = holding(redis_server.url, task, queue, "r", 60)
+    out = evict(cli_env, "k:r", "--yes", "--revoke")
+    assert out.returncode == 0, out.stderr
+    assert f"revoked task {holder.id} (1 worker(s) answered)" in out.stdout
+    if ends == "REVOKED":
+        assert f"  {worker.name}@" in out.stdout and " terminated it" in out.stdout
+    else:
+        assert "could not terminate it (NotImplementedError" in out.stdout and "lost lock's interrupt" in out.stdout
+    assert "evicted: deleted" in out.stdout or "is gone already" in out.stdout
+    wait_until(lambda: holder.state == ends, timeout=30)
+    assert children(kazoo, Layout(zk_root).lock("k:r")) == []
+    assert the(redis_server.url, "finished", holder.id) == []
+    if pool == "threads":
+        assert len(the(redis_server.url, "lock_lost", holder.id)) == 1
+
+
+# -- what it refuses, against a tree made by hand -----------------------------------------------
+def _made(kazoo, root: str) -> None:
+    def node(path: str, **data: object) -> None:
+        kazoo.create(path, json.dumps({"host": "h", "pid": 7, **data}).encode(), makepath=True)
+
+    node(f"{root}/locks/k-r:1/a__rlock__0000000000", mode="read", task="t", task_id="r1")
+    node(f"{root}/locks/k-r:1/b__rlock__0000000001", mode="read", task="t", task_id="r2")
+    node(f"{root}/locks/k-w:1/c__lock__0000000000", mode="exclusive", task="t", task_id="w1")
+    node(f"{root}/locks/k-w:1/d__lock__0000000001", mode="exclusive", task="t", task_id="w2")
+    node(f"{root}/locks/k-w:1/garbage")
+    node(f"{root}/locks/k-m:1/e__lock__0000000000", mode="exclusive")
+    node(f"{root}/semaphores/k-m:1/f__sem__0000000000", mode="semaphore", limit=2)
+    node(f"{root}/beat/k-b/election/g__lock__0000000000")
+    node(f"{root}/locks/s-{'0' * 64}/h__lock__0000000000", mode="exclusive")
+    node(f"{root}/locks/plain/i__lock__0000000000")
+
+
+REFUSALS = [
+    # (arguments, exit status, the one line's words), with {root} for the test's root
+    (["w:1", "--node", "{root}/locks/k-w:1/c__lock__0000000000"], 2, "give KEY or --node PATH, not both"),
+    ([], 2, "give KEY or --node PATH"),
+    (["r:1"], 1, "refusing to evict 'r:1': it has 2 holders at once (read), and which one loses it is a choice; "
+                 "pick one with --node: {root}/locks/k-r:1/a__rlock__0000000000, "
+                 "{root}/locks/k-r:1/b__rlock__0000000001"),
+    (["m:1"], 1, "it has 2 holders at once (exclusive/semaphore)"),
+    (["--node", "{root}/locks/k-w:1/d__lock__0000000001"], 1,
+     "refusing to evict {root}/locks/k-w:1/d__lock__0000000001: it is waiting (#1 in line), not holding"),
+    (["--node", "/elsewhere/locks/k-w:1/c__lock__0000000000"], 1, "it is outside zklock_root={root}"),
+    (["--node", "{root}/beat/k-b/election/g__lock__0000000000"], 1,
+     "it is not a contender node under {root}/locks/*/ or {root}/semaphores/*/"),
+    (["--node", "{root}/locks/k-w:1"], 1, "it is not a contender node under"),
+    (["--node", "{root}/locks/k-w:1/garbage"], 1, "'garbage' is not a contender node's name"),
+    (["--node", "{root}/locks/s-" + "0" * 64 + "/h__lock__0000000000"], 1,
+     "is a hashed one, and this app names keys readably: not this app's lock"),
+    (["--node", "{root}/locks/plain/i__lock__0000000000"], 1, "'plain' is not one celery-zklock makes"),
+    (["nobody:1"], 1, "nothing to evict: nothing holds 'nobody:1'"),
+    (["--node", "{root}/locks/k-w:1/x__lock__0000000009"], 1, "nothing to evict: {root}/locks/k-w:1/x__lock__"),
+]
+
+
+@pytest.mark.parametrize("args, status, said", REFUSALS, ids=[" ".join(r[0])[-40:] or "nothing" for r in REFUSALS])
+def test_each_refusal_is_one_line_and_deletes_nothing(args, status, said, cli_env, kazoo, zk_root):
+    _made(kazoo, zk_root)
+    before = tree(kazoo, zk_root)
+    out = evict(cli_env, *[a.format(root=zk_root) for a in args], "--yes")
+    assert out.returncode == status and out.stdout == "", (out.stdout, out.stderr)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and said.format(root=zk_root) in errors[0], out.stderr
+    if status == 1:
+        assert out.stderr.count("\n") == 1  # the line alone: no usage, no traceback
+    assert tree(kazoo, zk_root) == before
+
+
+def test_a_root_of_the_other_scheme_is_refused(cli_env, kazoo, zk_root):
+    _made(kazoo, zk_root)
+    kazoo.set(zk_root, json.dumps({"key_names": "hashed:0123456789abcdef"}).encode())
+    before = tree(kazoo, zk_root)
+    out = evict(cli_env, "--node", f"{zk_root}/locks/k-w:1/c__lock__0000000000", "--yes")
+    assert out.returncode == 1 and out.stderr == (
+        f"Error: refusing to evict: zklock_root={zk_root} names keys hashed, this app readable: its locks are not "
+        "this app's (evict with the app that took them)\n")
+    assert tree(kazoo, zk_root) == before
+
+
+def test_one_reader_of_several_by_node_and_a_holder_outside_a_task_with_revoke(cli_env, kazoo, zk_root):
+    _made(kazoo, zk_root)
+    out = evict(cli_env, "--node", f"{zk_root}/locks/k-r:1/b__rlock__0000000001", "--yes")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("holder of 'r:1' (read):\n") and "  task id   r2\n" in out.stdout
+    assert children(kazoo, f"{zk_root}/locks/k-r:1") == ["a__rlock__0000000000"]
+    # No task id in its node (a lock taken with celery_zklock.lock()): said, and nothing revoked.
+    out = evict(cli_env, "--node", f"{zk_root}/locks/k-m:1/e__lock__0000000000", "--yes", "--revoke")
+    assert out.returncode == 0, out.stderr
+    assert "  task      - (a lock taken outside a task)" in out.stdout
+    assert "--revoke: its node names no task id (a lock taken outside a task): nothing will be revoked" in out.stdout
+    assert "revoked task" not in out.stdout and "evicted: deleted" in out.stdout
+
+
+def _asked(proc: subprocess.Popen) -> str:
+    """What the command printed up to its question (which ends without a newline)."""
+    seen = b""
+    deadline = time.monotonic() + 60
+    while b"? [y/N]: " not in seen:
+        assert time.monotonic() < deadline and proc.poll() is None, seen
+        if select.select([proc.stdout], [], [], 0.1)[0]:
+            seen += os.read(proc.stdout.fileno(), 4096)  # type: ignore[union-attr]
+    return seen.decode()
+
+
+@pytest.mark.parametrize("meanwhile", ["let go", "changed its data"])
+def test_what_happens_to_the_node_while_it_asks(meanwhile, cli_env, kazoo, zk_root):
+    _made(kazoo, zk_root)
+    node = f"{zk_root}/locks/k-w:1/c__lock__0000000000"
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.apps.worker_app", "zklock", "evict", "w:1"],
+                            env=cli_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert f"  node      {node}\n" in _asked(proc)
+        if meanwhile == "let go":
+            kazoo.delete(node)
+        else:  # as a semaphore holder's touch, or a preempt request, moves its version: still the same node
+            kazoo.set(node, b'{"touched": true}')
+        rest, err = proc.communicate(b"y\n", timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    if meanwhile == "let go":
+        assert f"{node} is gone already: its holder let go before the delete; nothing deleted" in rest.decode()
+    else:
+        assert f"evicted: deleted {node}" in rest.decode()
+    # Either way its waiter is untouched.
+    assert sorted(children(kazoo, f"{zk_root}/locks/k-w:1")) == ["d__lock__0000000001", "garbage"]
