@@ -114,7 +114,7 @@ def test_a_pool_in_the_main_process_counts_there_and_its_session_state_follows_a
     """threads, gevent and eventlet run bodies in the worker's main process, with one session."""
     port = free_port()
     with TcpProxy(zk_server.port) as proxy:
-        worker = workers("metrics", pool=pool, concurrency=4, ZKT_METRICS_PORT=str(port), ZKT_HOSTS=proxy.hosts)
+        workers("metrics", pool=pool, concurrency=4, ZKT_METRICS_PORT=str(port), ZKT_HOSTS=proxy.hosts)
         for i in range(3):
             assert send(worker_app.exclusive, queue, f"free{i}", 0.01).get(timeout=30) == f"free{i}"
         holder = send(worker_app.exclusive_on_socket, queue, "busy", 60)
