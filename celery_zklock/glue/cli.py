@@ -20,7 +20,9 @@ import fnmatch
 import functools
 import json
 import logging
+import os
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -33,6 +35,7 @@ from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 from ..conf import Settings, beat_name, describe, did_you_mean
 from ..exceptions import ZkLockError
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, hashed_name, node_object
+from ..recipes.lock import EVICTED_BY
 from ..recipes.marker import STARTED, read_marker
 from ..recipes.park import waiting as parked_copies
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
@@ -632,6 +635,47 @@ def _revoke(app: Any, task_id: str) -> List[str]:
     return lines
 
 
+def _ask(session: Session, holder: Dict[str, Any]) -> Optional[int]:
+    """Write an eviction request (who asks: host, pid, time) into the holder's node, keeping
+    its data; the node's new version, or None if it is gone.
+
+    Version-checked, as a preempt request is: a write of another meanwhile (a semaphore's
+    touch, a preempt request) is read again and kept. A node of another creation there (not
+    the token shown) is not asked: see :func:`_delete`.
+    """
+    path = holder["path"]
+    by = {"host": socket.gethostname(), "pid": os.getpid(), "time": round(time.time(), 3)}
+    for _ in range(5):
+        try:
+            data, stat = session.client.get(path)
+            if stat.czxid != holder["token"]:
+                raise click.ClickException(f"not evicted: {path} is another node now (token {stat.czxid}, "
+                                           f"not {holder['token']}); look again with `locks`")
+            return int(session.client.set(path, json.dumps({**node_object(data), EVICTED_BY: by}).encode(),
+                                          version=stat.version).version)
+        except NoNodeError:
+            return None
+        except BadVersionError:
+            continue
+        except NoAuthError:
+            raise click.ClickException(f"not evicted: ZooKeeper refused this client the write of {path} (NoAuth): "
+                                       "set zklock_auth to the credential the workers use") from None
+    raise click.ClickException(f"not evicted: {path} kept changing as we asked its holder to go; run evict again")
+
+
+def _gone_within(session: Session, path: str, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``path`` to be deleted; True once it is gone."""
+    until, changed = time.monotonic() + seconds, threading.Event()
+    while True:
+        changed.clear()  # an earlier watch firing late only makes us look once more
+        # A watch, not a poll: the delete is seen as it happens. Any event (a write too) looks again.
+        if session.client.exists(path, watch=lambda _event: changed.set()) is None:
+            return True
+        left = until - time.monotonic()
+        if left <= 0 or not changed.wait(left):
+            return session.client.exists(path) is None
+
+
 def _delete(session: Session, holder: Dict[str, Any]) -> bool:
     """Delete the holder's node if it is still the node that was shown; False if it is gone.
 
@@ -669,23 +713,30 @@ def _delete(session: Session, holder: Dict[str, Any]) -> bool:
                    "the way to pick one of a read lock's or a semaphore's holders.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--revoke", is_flag=True,
-              help="Also revoke the holder's task, with terminate, before its node goes. Terminate stops the body "
-                   "under prefork (its pool process is killed), gevent and eventlet (its greenlet); the threads and "
-                   "solo pools cannot terminate (nor gevent before Celery 5.5), and there the lost lock's interrupt "
-                   "is what stops the body.")
+              help="Also revoke the holder's task, with terminate, before it is asked to go. Terminate stops the "
+                   "body under prefork (its pool process is killed), gevent and eventlet (its greenlet); the threads "
+                   "and solo pools cannot terminate (nor gevent before Celery 5.5), and there the lost lock's "
+                   "interrupt is what stops the body.")
+@click.option("--wait", "wait", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              metavar="SECONDS",
+              help="How long the holder has to let go once asked; after it, evict deletes its node itself.")
 @click.pass_context
-def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool, revoke: bool) -> None:
-    """Take a lock from its holder: delete the holder's node, so the next contender holds.
+def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool, revoke: bool, wait: float) -> None:
+    """Take a lock from its holder: ask it to let go, and delete its node if it does not.
 
     KEY is the key as the task renders it, like 'invoice:42' (under hashed key names its name
     is computed with the app's secret); its lock and its semaphore are both looked in. The
     holder is shown (worker, process, task, task id, held for, fencing token, node) and the
-    question asked, unless --yes. The holder learns it at once through its node's watch,
-    counts the lock as lost, and its body stops as its on_lock_lost says; the next holder's
-    fencing token is greater.
+    question asked, unless --yes. Then an eviction request is written into the holder's node:
+    the holder learns it through its node's watch, counts the lock as lost, its body stops as
+    its on_lock_lost says, and its node goes as the task releases the lock, so the body is
+    interrupted before the next contender holds. A holder that has not let go within --wait
+    seconds (a body that ignores the interrupt, a hung or paused process, a holder cut off
+    from ZooKeeper) has its node deleted: its body may still be running then, and the next
+    holder's greater fencing token is what protects the stores that check it.
 
     Exit status: 0 when evicted (or when the holder let go while you were asked); 1 when
-    refused, answered no, or nothing holds it; 2 for a wrong use of KEY and --node.
+    refused, answered no, or nothing holds it; 2 for a wrong use of KEY, --node or --wait.
     """
     if (key is None) == (node is None):
         raise click.UsageError("give KEY or --node PATH, not both" if key is not None else "give KEY or --node PATH")
@@ -698,24 +749,38 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
         if revoke and task_id is None:
             click.echo("--revoke: its node names no task id (a lock taken outside a task): nothing will be revoked")
         if not yes:
-            click.confirm("Take the lock from it (delete its node)" + (" and revoke its task" if task_id else "") + "?",
-                          abort=True)
+            click.confirm("Take the lock from it (ask it to let go, and delete its node if it has not within "
+                          f"{wait:g}s)" + (" and revoke its task" if task_id else "") + "?", abort=True)
         if task_id is not None:
-            # Before the delete: a prefork worker kills the body's process as it answers, so
-            # the body stops before the lock moves on (when it answers within the wait); and
+            # Before the request: a prefork worker kills the body's process as it answers, and
             # a revoke that cannot be sent leaves the lock as it was.
             for line in _revoke(app, task_id):
                 click.echo(line)
-        deleted = _delete(session, holder)
+        # Ask, not delete: the delete is what hands the lock on, so a holder that deletes its
+        # own node once its body has stopped orders the interrupt before the next start.
+        version = _ask(session, holder)
+        if version is None:
+            click.echo(f"{holder['path']} is gone already: its holder let go before it was asked; nothing deleted")
+            return
+        click.echo(f"asked the holder to let go ({EVICTED_BY} written into its node); waiting up to {wait:g}s")
+        started = time.monotonic()
+        if _gone_within(session, holder["path"], wait):
+            took = time.monotonic() - started
+            click.echo(f"evicted: its holder let go of {holder['path']} after {took:.1f}s: it counted the lock as lost "
+                       '("deleted"), its body stopped as its on_lock_lost says (the default, "interrupt", '
+                       "raises LockLost in it), and only then did its node go")
+        else:
+            deleted = _delete(session, {**holder, "version": version})
+            if not deleted:
+                click.echo(f"evicted: its holder let go of {holder['path']} just as the {wait:g}s wait ended")
+            else:
+                click.echo(f"evicted: deleted {holder['path']}: its holder did not let go within {wait:g}s")
+                click.echo("  its body may still be running (it ignores the interrupt or never saw it, or its process "
+                           "is hung, paused or cut off from ZooKeeper); the fencing token is what protects the "
+                           "stores that check it")
+        click.echo(f"  the next holder's fencing token will be greater than {holder['token']}")
     finally:
         session.close()
-    if not deleted:
-        click.echo(f"{holder['path']} is gone already: its holder let go before the delete; nothing deleted")
-        return
-    click.echo(f"evicted: deleted {holder['path']}")
-    click.echo('  its holder learns it through its node\'s watch and counts the lock as lost ("deleted"); a task '
-               'body stops as its on_lock_lost says (the default, "interrupt", raises LockLost in it)')
-    click.echo(f"  the next holder's fencing token will be greater than {holder['token']}")
 
 
 @zklock.command(name="exporter")

@@ -4,7 +4,8 @@ its session's liveness, so it knows when the lock is in doubt or lost.
 
 Its state (:class:`LockState`) goes UNLOCKED -> WAITING -> HELD, and then follows the
 session's :class:`~celery_zklock.zk.Liveness` (:data:`HOLD_STATE`, the one mapping) until
-released; a node of ours deleted by someone else makes it LOST too.
+released; a node of ours deleted by someone else makes it LOST too, and so does an operator's
+eviction request written into it (then our node stays until :meth:`Lock.release`).
 
 Threads, one table (``_on_*`` run on kazoo's connection thread, ``_after_*`` on its callback thread)::
 
@@ -13,8 +14,8 @@ Threads, one table (``_on_*`` run on kazoo's connection thread, ``_after_*`` on 
     holders, contenders                    any thread
     _on_own_node, _on_own_node_checked     kazoo's connection thread (run_inline): they only look,
                                            and hand anything more to the callback thread (_later)
-    _after_own_node_event,
-    _after_node_gone                       kazoo's callback thread; on_state listeners run here too
+    _after_own_node_event, _after_evicted,
+    _after_preempted, _after_node_gone     kazoo's callback thread; on_state listeners run here too
     on_session_state                       the session's notifying thread (see zk/session.py);
                                            on_state listeners run here too
 
@@ -50,9 +51,9 @@ from . import queue
 from .engine import ContenderObserver, Engine, Held
 from .rules import EXCLUSIVE, READ, RULES, WRITE, Decision, Rule, contender, semaphore, sequence, split_queue
 
-__all__ = ["EXCLUSIVE", "HOLD_STATE", "PREEMPTED_BY", "READ", "RULES", "WRITE", "Decision", "Lock", "LockState", "Rule",
-           "check_timeout", "contender", "describe", "preempt_request", "semaphore", "sequence", "split_queue",
-           "to_the_end"]
+__all__ = ["EVICTED_BY", "EXCLUSIVE", "HOLD_STATE", "PREEMPTED_BY", "READ", "RULES", "WRITE", "Decision", "Lock",
+           "LockState", "Rule", "check_timeout", "contender", "describe", "evict_request", "preempt_request",
+           "semaphore", "sequence", "split_queue", "to_the_end"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -280,7 +281,8 @@ class Lock:
     # -- the hold-watch --------------------------------------------------------------------
     def _watch_own_node(self) -> None:
         """Learn if anyone but us deletes our node while we hold (then someone else may hold), or
-        writes a preempt request into it (then a newer contender asks us to go).
+        writes a preempt request into it (then a newer contender asks us to go), or an eviction
+        request (then an operator does).
 
         Not waited for: the read rides behind the requests already sent. Its watch
         reports a later deletion or write; its answer, one in the moment before the watch
@@ -306,9 +308,12 @@ class Lock:
     @run_inline
     def _on_own_node_checked(self, node: str, result: Any) -> None:
         if result.exception is None:
-            by = preempt_request(result.value[0])
-            if by is not None:
+            data = result.value[0]
+            by, evicted = preempt_request(data), evict_request(data)
+            if by is not None:  # a preempt also takes our node at once: it goes first
                 self._later(self._after_preempted, node, by)
+            elif evicted is not None:
+                self._later(self._after_evicted, node, evicted)
             # else it was there, unchanged, when our watch was set: the answer every cycle brings
         elif isinstance(result.exception, NoNodeError):
             self._later(self._after_node_gone, node)  # deleted before our watch was set
@@ -334,6 +339,22 @@ class Lock:
             self.lost_cause = "preempted"
         logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
         self._leave()
+        if self.on_state is not None:
+            self.on_state(self, LockState.LOST)
+
+    def _after_evicted(self, node: str, by: Dict[str, Any]) -> None:
+        """An operator asked us to go (``celery zklock evict``): the lock is lost, and our node
+        stays until :meth:`release`. Why it stays: the node's delete is what lets the next
+        contender hold, so a body interrupted now stops before the next one starts; a holder
+        that does not let go is the operator's to delete, after a wait."""
+        with self._mutex:
+            if node != self.node or node == self._deleting or self.state not in _HOLDING:
+                return  # released meanwhile, or an earlier node of ours
+            self.state = LockState.LOST
+            self.lost_reason = (f"an operator evicted it (celery zklock evict, pid {by.get('pid')} "
+                                f"on host {by.get('host')})")
+            self.lost_cause = "deleted"  # how metrics count it: its node goes by another's hand
+        logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
         if self.on_state is not None:
             self.on_state(self, LockState.LOST)
 
@@ -433,6 +454,21 @@ def preempt_request(data: bytes) -> Optional[Dict[str, Any]]:
     ({'task_id': 'b'}, None)
     """
     by = node_object(data).get(PREEMPTED_BY)
+    return by if isinstance(by, dict) else None
+
+
+#: The key of a holder's node data that asks it to go, written by ``celery zklock evict``: who
+#: asked (host, pid, time). The holder loses the lock and its node goes as it releases.
+EVICTED_BY = "evicted_by"
+
+
+def evict_request(data: bytes) -> Optional[Dict[str, Any]]:
+    """Who asked the holder whose node holds ``data`` to go (an operator's eviction), or None.
+
+    >>> evict_request(b'{"task_id": "a", "evicted_by": {"host": "h", "pid": 7}}'), evict_request(b"{}")
+    ({'host': 'h', 'pid': 7}, None)
+    """
+    by = node_object(data).get(EVICTED_BY)
     return by if isinstance(by, dict) else None
 
 

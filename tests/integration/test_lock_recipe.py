@@ -3,6 +3,7 @@ key-node cleanup, semaphore hand-over, and the public ``lock()`` API."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import List
@@ -269,3 +270,23 @@ def test_a_waiter_whose_node_is_deleted_by_someone_else_never_holds_without_a_no
     waiter.release()
     for t in threads:
         t.join(10)
+
+
+def test_an_eviction_request_loses_the_lock_and_its_node_stays_until_release(new_session, zk_root, kazoo):
+    """What ``celery zklock evict`` asks of a holder: it goes LOST ("deleted", an operator named
+    as why), and its node, which hands the lock on, goes only with its own release."""
+    path = f"{zk_root}/locks/k-evicted"
+    seen: List[str] = []
+    lock = Lock(new_session(), path, EXCLUSIVE, on_state=lambda _lock, state: seen.append(str(state)))
+    assert lock.acquire(timeout=10)
+    node = f"{path}/{lock.node}"
+    data, stat = kazoo.get(node)
+    kazoo.set(node, json.dumps({**json.loads(data or b"{}"), "evicted_by": {"host": "ops", "pid": 42}}).encode(),
+              version=stat.version)
+    wait_until(lambda: seen == ["lost"])
+    assert lock.state == "lost" and lock.lost_cause == "deleted" and not lock.is_held
+    assert "an operator evicted it (celery zklock evict, pid 42 on host ops)" in lock.lost_message()
+    time.sleep(0.3)  # it does not delete its node by itself
+    assert kazoo.exists(node) is not None and lock.preempted_by is None
+    assert lock.release()
+    wait_until(lambda: kazoo.exists(node) is None)
