@@ -27,7 +27,10 @@ class _CeleryProcess:
         self.dir = Path(tempfile.mkdtemp(prefix=f"zklock-{self.kind}-{name}-"))
         self.log = self.dir / f"{self.kind}.log"
         argv = [sys.executable, "-m", "celery", "-A", app, self.kind, "--loglevel", "INFO", "-f", str(self.log), *args]
-        self._process = ChildProcess(argv, self.dir / "stdout.log", self.dir, env={**os.environ, **(env or {})})
+        # Its temporary files (a worker's metrics directory, say) in its own directory, removed by
+        # close(): a SIGKILLed process cannot remove what it made.
+        self._process = ChildProcess(argv, self.dir / "stdout.log", self.dir,
+                                     env={**os.environ, "TMPDIR": str(self.dir), **(env or {})})
 
     @property
     def proc(self) -> Optional[subprocess.Popen]:

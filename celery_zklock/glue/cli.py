@@ -811,25 +811,29 @@ def exporter_command(ctx: click.Context, port: int, address: Optional[str], inte
             from None
     except ZkLockError as exc:
         raise click.ClickException(str(exc)) from None
-    settings, session, _ = _connect(ctx)
     try:
-        try:
-            server = exporter.serve(exporter.Exporter(session, layout, interval, max_reads, per_key), address, port)
-        except OSError as exc:
-            raise click.ClickException(f"--port {port}: cannot serve on {address}:{port} ({exc.strerror or exc})") \
-                from None
-        click.echo(f"celery-zklock: exporter at http://{address}:{port}/metrics, reading {settings.root} at most "
-                   f"every {interval:g}s in at most {max_reads} requests")
-        stopping = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-        try:
-            stopping.wait()
-        except KeyboardInterrupt:
-            pass
-        server.shutdown()
-        server.server_close()
-    finally:
-        session.close()
+        settings = settings_of(app)
+    except ZkLockError as exc:
+        raise click.ClickException(str(exc)) from None
+    session = Session(settings)
+    try:
+        server = exporter.serve(exporter.Exporter(session, layout, interval, max_reads, per_key), address, port)
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve on {address}:{port} ({exc.strerror or exc}): check --address "
+                                   "and --port") from None
+    click.echo(f"celery-zklock: exporter at http://{address}:{port}/metrics, reading {settings.root} at most "
+               f"every {interval:g}s in at most {max_reads} requests")
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    # Served from now on; up 0 until ZooKeeper is reached.
+    threading.Thread(target=exporter.connect_until, args=(session, stopping), daemon=True).start()
+    try:
+        stopping.wait()
+    except KeyboardInterrupt:
+        stopping.set()
+    server.shutdown()
+    server.server_close()
+    session.close()
 
 
 @zklock.command()

@@ -16,7 +16,9 @@ dedupe markers costs::
 
 (a key: its children, a semaphore's limit, its oldest holder's and oldest waiter's age).
 Past the budget the rest is left out, in this order of need: markers, then parked queues,
-then ages, then keys; ``celery_zklock_exporter_truncated`` is then 1.
+then ages, then keys. ``celery_zklock_exporter_truncated`` is then 1, and the families of
+each part not read whole are left out, not served partial: a beat election not read is no
+election without a leader, and a semaphore whose limit was not read has no holders to count.
 
 **What is left out on purpose.** No series per key unless ``--per-key``, which is refused
 under ``zklock_key_names="hashed"``: keys are unbounded in number, and their names are what
@@ -36,10 +38,11 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from kazoo.exceptions import NoNodeError
 
+from ..exceptions import ZkLockError
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
 from ..recipes.marker import STARTED, read_marker
 from ..recipes.park import parked_sequence
@@ -47,7 +50,7 @@ from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_q
 from ..zk import Session
 from ..zk.deadlines import reply
 
-__all__ = ["FAMILIES", "READ_TIMEOUT", "Exporter", "Snapshot", "read_tree", "serve"]
+__all__ = ["FAMILIES", "READ_TIMEOUT", "Exporter", "Snapshot", "connect_until", "read_tree", "serve"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -55,7 +58,7 @@ logger = logging.getLogger("celery_zklock")
 FAMILIES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "celery_zklock_exporter_up": ((), "1 if the last read of the tree succeeded, else 0 (the others are then absent)."),
     "celery_zklock_exporter_reads": ((), "ZooKeeper reads the last read of the tree cost."),
-    "celery_zklock_exporter_truncated": ((), "1 if the last read stopped at --max-reads: the others are partial."),
+    "celery_zklock_exporter_truncated": ((), "1 if the last read stopped at --max-reads (what it missed is left out)."),
     "celery_zklock_exporter_read_seconds": ((), "How long the last read of the tree took."),
     "celery_zklock_holders": (("mode",), "Lock holders, by mode (write: exclusive and write locks; read; semaphore)."),
     "celery_zklock_waiters": (("mode",), "Contenders waiting in a worker slot, by mode."),
@@ -74,6 +77,18 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "celery_zklock_key_longest_hold_seconds": (("key", "mode"), "Age of one key's oldest holder (--per-key)."),
 }
 
+#: The families each part of the tree feeds: left out when that part was not read whole.
+_PARTS: Dict[str, Tuple[str, ...]] = {
+    "beats": ("celery_zklock_beat_has_leader", "celery_zklock_beat_candidates",
+              "celery_zklock_beat_tick_overdue_seconds", "celery_zklock_beat_seconds_since_dispatch"),
+    "locks": ("celery_zklock_holders", "celery_zklock_waiters", "celery_zklock_key_holders",
+              "celery_zklock_key_waiters"),
+    "ages": ("celery_zklock_longest_hold_seconds", "celery_zklock_oldest_wait_seconds",
+             "celery_zklock_key_longest_hold_seconds"),
+    "parked": ("celery_zklock_parked", "celery_zklock_oldest_parked_seconds"),
+    "markers": ("celery_zklock_dedupe_markers",),
+}
+
 #: How long one read of the tree may take: under Prometheus's default scrape timeout (10 s),
 #: so a slow ZooKeeper shows as ``exporter_up 0``, not as a scrape that timed out.
 READ_TIMEOUT = 5.0
@@ -82,20 +97,23 @@ READ_TIMEOUT = 5.0
 class _Budget:
     """Sends requests in pipelined rounds, at most ``limit`` of them in all, each round waited
     for by ``until``. A request past the limit is not sent: its answer is None, as a node's
-    that vanished while we looked (a released lock) is."""
+    that vanished while we looked (a released lock) is, and its part of the tree is marked cut,
+    so that its families are left out rather than served wrong (a beat whose election was not
+    read is not a beat without a leader)."""
 
     def __init__(self, session: Session, limit: int, until: float) -> None:
         self.client = session.client
         self.left = limit
         self.sent = 0
-        self.truncated = False
+        self.cut: Set[str] = set()
         self.until = until
 
-    def round(self, calls: Sequence[Tuple[str, str]]) -> List[Any]:
-        """``calls`` are (``children`` | ``get`` | ``exists``, path); answers in the same order."""
+    def round(self, part: str, calls: Sequence[Tuple[str, str]]) -> List[Any]:
+        """``calls`` are (``children`` | ``get`` | ``exists``, path), for ``part`` of the tree;
+        answers in the same order."""
         sending = calls[:max(0, self.left)]
         if len(sending) < len(calls):
-            self.truncated = True
+            self.cut.add(part)
         self.left -= len(sending)
         self.sent += len(sending)
         start = {"children": self.client.get_children_async, "get": self.client.get_async,
@@ -129,7 +147,8 @@ class Snapshot:
     ok: bool = True
     error: str = ""
     reads: int = 0
-    truncated: bool = False
+    #: The parts of the tree not read whole (past --max-reads): their families are left out.
+    cut: Set[str] = field(default_factory=set)
     seconds: float = 0.0
     keys: List[_Key] = field(default_factory=list)
     parked: int = 0
@@ -145,7 +164,8 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
     snap = Snapshot(at=now)
     lock_trees = [f"{layout.root}/{t}" for t in LOCK_TREES]
     parked_trees = [f"{layout.root}/{PARKED}/{t}" for t in LOCK_TREES]
-    listed = budget.round([("children", p) for p in (*lock_trees, *parked_trees, layout.queued_tree, layout.beats)])
+    listed = budget.round("listings", [("children", p) for p in
+                                       (*lock_trees, *parked_trees, layout.queued_tree, layout.beats)])
     locks = [(tree, name) for tree, names in zip(lock_trees, listed[:2]) for name in names or ()]
     parked = [f"{tree}/{name}" for tree, names in zip(parked_trees, listed[2:4]) for name in names or ()]
     markers = listed[4] or []
@@ -153,7 +173,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
 
     # The beat elections first: the smallest part, and the one an alert on "no leader" needs.
     paths = [f"{layout.beats}/{b}" for b in beats]
-    found = budget.round([(kind, f"{p}/{sub}") for p in paths for kind, sub in
+    found = budget.round("beats", [(kind, f"{p}/{sub}") for p in paths for kind, sub in
                           (("children", "election"), ("children", "entries"))])
     plans = []  # (beat, candidates, the leader's node or None, its entries' nodes)
     for i, (beat, path) in enumerate(zip(beats, paths)):
@@ -161,7 +181,8 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         plans.append((decode_key(beat) or beat, len(candidates),
                       f"{path}/election/{candidates[0]}" if candidates else None,
                       [f"{path}/entries/{e}" for e in found[2 * i + 1] or ()]))
-    got = iter(budget.round([("get", p) for _, _, leader, runs in plans for p in ([leader] if leader else []) + runs]))
+    got = iter(budget.round("beats", [("get", p) for _, _, leader, runs in plans
+                                      for p in ([leader] if leader else []) + runs]))
     for beat, count, leader, runs in plans:
         info: Dict[str, Any] = {"candidates": count, "leader": leader is not None}
         tick_by = _number(node_object(_data(next(got))).get("tick_by")) if leader else None
@@ -176,7 +197,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
     semaphores = lock_trees[1]
     calls = [(kind, f"{tree}/{name}") for tree, name in locks
              for kind in (("children", "get") if tree == semaphores else ("children",))]
-    answers = iter(budget.round(calls))
+    answers = iter(budget.round("locks", calls))
     heads: List[Tuple[_Key, str, Optional[str], Optional[str]]] = []  # key, path, oldest holder, waiter
     for tree, name in locks:
         children = next(answers)
@@ -196,7 +217,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         snap.keys.append(key)
         # Sequence order is creation order: the first of each is its oldest.
         heads.append((key, f"{tree}/{name}", holding[0] if holding else None, waiting[0] if waiting else None))
-    ages = iter(budget.round([("exists", f"{path}/{n}") for _, path, h, w in heads for n in (h, w) if n]))
+    ages = iter(budget.round("ages", [("exists", f"{path}/{n}") for _, path, h, w in heads for n in (h, w) if n]))
     for key, _, hold, wait in heads:
         held = next(ages) if hold else None
         waited = next(ages) if wait else None
@@ -204,19 +225,19 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         key.wait = (_mode(wait), waited.ctime / 1000) if wait and waited else None
 
     # Parked copies: how many, and the oldest head's age.
-    listed = budget.round([("children", p) for p in parked])
+    listed = budget.round("parked", [("children", p) for p in parked])
     queues = [(p, sorted((c for c in names or () if parked_sequence(c) >= 0), key=parked_sequence))
               for p, names in zip(parked, listed)]
     snap.parked = sum(len(q) for _, q in queues)
     heads_parked = [f"{p}/{q[0]}" for p, q in queues if q]
-    since = [s.ctime / 1000 for s in budget.round([("exists", p) for p in heads_parked]) if s]
+    since = [s.ctime / 1000 for s in budget.round("parked", [("exists", p) for p in heads_parked]) if s]
     snap.parked_since = min(since) if since else None
 
     # Dedupe markers: each one's state needs its own read, so they come last.
-    for answer in budget.round([("get", f"{layout.queued_tree}/{m}") for m in markers]):
+    for answer in budget.round("markers", [("get", f"{layout.queued_tree}/{m}") for m in markers]):
         if answer is not None:
             snap.markers[_marker_state(answer[0], answer[1], now)] += 1
-    snap.reads, snap.truncated = budget.sent, budget.truncated
+    snap.reads, snap.cut = budget.sent, budget.cut
     snap.seconds = time.time() - now
     return snap
 
@@ -261,6 +282,8 @@ class Exporter:
 
     def snapshot(self) -> Snapshot:
         """The last read, or a new one if it is older than ``interval`` (one at a time)."""
+        if not self.session.started:  # still trying to reach ZooKeeper (see connect_until)
+            return Snapshot(at=time.time(), ok=False, error="ZooKeeper not reached yet")
         with self._lock:
             last = self._last
             if last is not None and time.time() - last.at < self.interval:
@@ -274,15 +297,16 @@ class Exporter:
             return last
 
     def _say(self, snap: Snapshot) -> None:
-        said = snap.error or ("truncated" if snap.truncated else "")
+        said = snap.error or ("truncated" if snap.cut else "")
         if said == self._said:
             return  # one line per change, not one per scrape
         if snap.error:
             logger.warning("celery-zklock exporter: cannot read %s: %s", self.layout.root, snap.error)
-        elif snap.truncated:
+        elif snap.cut:
             logger.warning("celery-zklock exporter: reading %s needs more than --max-reads=%d requests; "
-                           "the values are partial (celery_zklock_exporter_truncated 1)", self.layout.root,
-                           self.max_reads)
+                           "the families of what was not read whole (%s) are left out "
+                           "(celery_zklock_exporter_truncated 1)", self.layout.root, self.max_reads,
+                           ", ".join(sorted(snap.cut)))
         else:
             logger.info("celery-zklock exporter: reading %s whole again", self.layout.root)
         self._said = said
@@ -297,7 +321,7 @@ class Exporter:
             yield out["celery_zklock_exporter_up"]  # nothing else is known: absent, not zero
             return
         out["celery_zklock_exporter_reads"].add_metric([], snap.reads)
-        out["celery_zklock_exporter_truncated"].add_metric([], 1.0 if snap.truncated else 0.0)
+        out["celery_zklock_exporter_truncated"].add_metric([], 1.0 if snap.cut else 0.0)
         out["celery_zklock_exporter_read_seconds"].add_metric([], snap.seconds)
         now = snap.at
         for mode in ("write", "read", "semaphore"):
@@ -326,7 +350,9 @@ class Exporter:
                 if k.hold:
                     out["celery_zklock_key_longest_hold_seconds"].add_metric([k.label, k.hold[0]],
                                                                              _age(now, [k.hold[1]]))
-        yield from (f for f in out.values() if f.samples)
+        left_out = {name for part in snap.cut | ({"ages"} if "locks" in snap.cut else set())
+                    for name in _PARTS.get(part, ())}
+        yield from (f for name, f in out.items() if f.samples and name not in left_out)
 
     def describe(self) -> List[Any]:
         return []  # registering must not read the tree: the first scrape does
@@ -336,6 +362,25 @@ def _age(now: float, since: List[Optional[float]]) -> float:
     """Seconds since the earliest of ``since``; 0 when there is none (nothing held, nobody waits)."""
     known = [s for s in since if s is not None]
     return max(0.0, now - min(known)) if known else 0.0
+
+
+def connect_until(session: Session, stopping: threading.Event) -> None:
+    """Start ``session``, trying again until it starts or ``stopping`` is set: an exporter started
+    while ZooKeeper is down serves ``exporter_up 0`` meanwhile, rather than exiting (and being
+    restarted in a loop, just when it should report)."""
+    said = False
+    while not stopping.is_set():
+        try:
+            session.start()
+            if said:
+                logger.warning("celery-zklock exporter: ZooKeeper reached")
+            return
+        except ZkLockError as exc:
+            if not said:
+                logger.warning("celery-zklock exporter: %s; serving celery_zklock_exporter_up 0 and trying again",
+                               exc)
+                said = True
+            stopping.wait(1.0)
 
 
 def serve(exporter: Exporter, address: str, port: int) -> Any:

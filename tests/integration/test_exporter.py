@@ -69,7 +69,7 @@ def ctime(kazoo, path: str) -> float:
 
 def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, kazoo, zk_root, new_session):
     snap = read_tree(new_session(), Layout(zk_root), max_reads=1000)
-    assert snap.ok and not snap.truncated
+    assert snap.ok and not snap.cut
     # 6 listings; 2 beats x 2 listings, then the leader and 2 entries; keys: 4 listings in locks,
     # the semaphore's listing and limit, 2 ages each for a, b and s; parked: 1 listing, 1 head; 4 markers.
     assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 2 + 4
@@ -91,14 +91,27 @@ def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, k
     assert 100 <= leading["overdue"] < 110 and 30 <= leading["since_dispatch"] < 40
 
 
-def test_past_its_budget_a_read_stops_and_says_so_keeping_the_beat_first(tree, zk_root, new_session):
+def test_past_its_budget_a_read_stops_and_leaves_out_what_it_did_not_read_whole(tree, zk_root, new_session):
+    def families(max_reads: int) -> set:
+        exporter = Exporter(new_session(), Layout(zk_root), interval=0, max_reads=max_reads, per_key=True)
+        return {f.name for f in exporter.collect()}
+
     layout = Layout(zk_root)
     snap = read_tree(new_session(), layout, max_reads=13)  # the listings and the beats, nothing more
-    assert snap.truncated and snap.reads == 13
+    assert snap.cut == {"locks", "parked", "markers"} and snap.reads == 13  # (no key read: no age to cut)
     assert snap.beats["leading"]["leader"] and "overdue" in snap.beats["leading"]
-    assert snap.keys == [] and snap.parked == 0 and not snap.markers
     snap = read_tree(new_session(), layout, max_reads=30)
-    assert snap.truncated and snap.reads == 30 and sum(snap.markers.values()) == 3
+    assert snap.cut == {"markers"} and snap.reads == 30
+    # Left out, not served wrong: an election not read is no election without a leader, and a
+    # semaphore whose limit was not read has no holders and waiters to tell apart.
+    meta = {"celery_zklock_exporter_up", "celery_zklock_exporter_reads", "celery_zklock_exporter_truncated",
+            "celery_zklock_exporter_read_seconds"}
+    assert families(6) == meta
+    assert families(13) == meta | {"celery_zklock_beat_has_leader", "celery_zklock_beat_candidates",
+                                   "celery_zklock_beat_tick_overdue_seconds",
+                                   "celery_zklock_beat_seconds_since_dispatch"}
+    assert families(30) == set(FAMILIES) - {"celery_zklock_dedupe_markers"}
+    assert families(1000) == set(FAMILIES)
 
 
 def test_reads_at_most_once_per_interval_and_reports_zookeeper_down(tree, zk_server, zk_root, new_session):
@@ -131,13 +144,15 @@ def exporter(cli_env) -> Iterator:  # noqa: F811
     """Start ``celery zklock exporter`` with args; stopped with SIGTERM after the test."""
     running = []
 
-    def start(*args: str, app: str = "tests.apps.worker_app") -> int:
+    def start(*args: str, app: str = "tests.apps.worker_app", reached: bool = True, **env: str) -> int:
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", app, "zklock", "exporter", "--port", str(port),
-                                 "--interval", "0.2", *args], env=cli_env, stdout=subprocess.PIPE,
+                                 "--interval", "0.2", *args], env={**cli_env, **env}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         running.append(proc)
         assert f"exporter at http://127.0.0.1:{port}/metrics" in proc.stdout.readline()
+        if reached:  # it serves at once, and reads once its session has started
+            wait_until(lambda: scrape(port)[("celery_zklock_exporter_up", ())] == 1, timeout=30)
         return port
 
     yield start
@@ -182,3 +197,13 @@ def test_no_key_label_unless_asked_and_refused_under_hashed_names(tree, exporter
     assert out.returncode == 2 and "--per-key is refused under zklock_key_names='hashed'" in out.stderr
     out = cli(cli_env, "exporter", "--port", str(free_port()), "--max-reads", "3")
     assert out.returncode == 2 and "'--max-reads': 3 is not in the range x>=6" in out.stderr
+
+
+def test_started_while_zookeeper_is_unreachable_it_serves_up_0_until_it_reaches_it(tree, exporter, zk_server):
+    with TcpProxy(zk_server.port) as proxy:
+        proxy.mode = "blackhole"
+        port = exporter(reached=False, ZKT_HOSTS=proxy.hosts)
+        assert scrape(port) == {("celery_zklock_exporter_up", ()): 0}  # serving, not exiting
+        proxy.mode = "pass"
+        wait_until(lambda: scrape(port).get(("celery_zklock_exporter_up", ())) == 1, timeout=30)
+        assert scrape(port)[("celery_zklock_holders", (("mode", "read"),))] == 2
