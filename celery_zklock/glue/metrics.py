@@ -79,11 +79,27 @@ class Families:
                                    "(held, in_doubt, lost).", ["state"], registry=None, multiprocess_mode="livesum")
         self.in_doubt = counter(p + "session_in_doubt_seconds", "Seconds sessions spent in doubt (counted as "
                                 "each doubt ends).")
-        self.beat_leader = Gauge(p + "beat_leader", "1 while this beat leads its election, else 0.", registry=None,
-                                 multiprocess_mode="livemax")
-        self.beat_dispatched = counter(p + "beat_dispatched", "Beat entries sent by the leader.", "entry")
-        self.beat_lag = histogram(p + "beat_dispatch_lag_seconds", "From an entry's due time to its send.", LAG)
-        self.beat_takeovers = counter(p + "beat_takeovers", "Times this beat became the leader.")
+        # The beat's: made by the first beat call, so only a process that schedules has them (a
+        # worker without -B served a beat_leader 0 that looked like a beat's).
+        self.beat_leader: Any = None
+        self.beat_dispatched: Any = None
+        self.beat_lag: Any = None
+        self.beat_takeovers: Any = None
+
+    def beat(self) -> Families:
+        """These families, with the beat's made if they were not yet."""
+        if self.beat_leader is None:
+            from prometheus_client import Counter, Gauge, Histogram
+
+            p = "celery_zklock_"
+            self.beat_dispatched = Counter(p + "beat_dispatched", "Beat entries sent by the leader.", ["entry"],
+                                           registry=None)
+            self.beat_lag = Histogram(p + "beat_dispatch_lag_seconds", "From an entry's due time to its send.",
+                                      registry=None, buckets=LAG)
+            self.beat_takeovers = Counter(p + "beat_takeovers", "Times this beat became the leader.", registry=None)
+            self.beat_leader = Gauge(p + "beat_leader", "1 while this beat leads its election, else 0.",
+                                     registry=None, multiprocess_mode="livemax")
+        return self
 
 
 _families: Optional[Families] = None
@@ -211,17 +227,19 @@ def _alive(pid: int) -> bool:
 def beat_leading(leading: bool) -> None:
     """This beat leads now (a takeover), or not any more."""
     if _families is not None:
-        _families.beat_leader.set(1 if leading else 0)
+        beat = _families.beat()
+        beat.beat_leader.set(1 if leading else 0)
         if leading:
-            _families.beat_takeovers.inc()
+            beat.beat_takeovers.inc()
 
 
 def beat_sent(entry: str, late: Optional[float]) -> None:
     """The leader sent a run of ``entry``, ``late`` seconds after it was due (None: unknown)."""
     if _families is not None:
-        _families.beat_dispatched.labels(entry).inc()
+        beat = _families.beat()
+        beat.beat_dispatched.labels(entry).inc()
         if late is not None:
-            _families.beat_lag.observe(max(0.0, late))
+            beat.beat_lag.observe(max(0.0, late))
 
 
 # -- the receivers -----------------------------------------------------------------------

@@ -78,6 +78,8 @@ def test_a_prefork_workers_counts_agree_with_its_history(workers, queue, redis_s
     # The pool processes that ran them have exited; a new one has each slot, and holds a session.
     wait_until(lambda: total(scrape(port), "celery_zklock_session_state", state="held") == 3, timeout=30)
     samples = scrape(port)
+    # A worker without -B schedules nothing: no beat family (a beat_leader 0 would read as a standby).
+    assert not [name for name, _ in samples if name.startswith("celery_zklock_beat")]
     for name, labels in samples:
         assert {k for k, _ in labels} <= LABELS, (name, labels)
         assert not any("busy" in v or "gone" in v or "free" in v for _, v in labels), (name, labels)
