@@ -324,8 +324,12 @@ def test_the_dashboards_variables_ask_for_served_labels():
         if variable.get("datasource") != DATASOURCE:
             found.append(f"${variable['name']}: datasource {variable.get('datasource')!r}")
         query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+        # label_values(series, label), or over several: label_values({__name__=~"pre(a|b)post"}, label)
         m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", query)
-        if not m or m[1] not in SERVED or m[2] not in SERVED[m[1]]:
+        several = re.fullmatch(r'label_values\(\{__name__=~"(\w*)\(([\w|]+)\)(\w*)"\},\s*(\w+)\)', query)
+        names, label = ([m[1]], m[2]) if m else (
+            [several[1] + alt + several[3] for alt in several[2].split("|")], several[4]) if several else ([], "")
+        if not names or any(n not in SERVED or label not in SERVED[n] for n in names):
             found.append(f"${variable['name']}: {query}")
     assert found == []
 
