@@ -45,8 +45,10 @@ $(DOCS_STAMP): $(STAMP)
 
 # The venv has the test extras, matplotlib among them: the demo draws demo-timeline.png.
 # The demo and the benchmarks run as modules from here, where harness/ (the rig) is importable.
+# DEMO_ARGS=--hold keeps its servers, workers, beats and exporter up after the summary, to scrape.
+DEMO_ARGS ?=
 demo: system venv
-	$(BIN)/python -m example_project.demo
+	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
 
 bench: system venv
 	$(BIN)/python -m benchmarks.bench_lock --fsync --pin

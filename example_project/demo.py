@@ -11,6 +11,7 @@ the timeline and the scraped metrics to PNGs. Everything it started is
 stopped, also on Ctrl-C.
 
     make demo      # or, from the repository's root: python -m example_project.demo
+    make demo DEMO_ARGS=--hold     # then keep everything up (and scrapable) until Ctrl-C
 """
 
 from __future__ import annotations
@@ -266,6 +267,13 @@ def main() -> int:
         ok = not bad and imports_once and takeover is not None and len(runs) == len(set(runs)) and not any(
             isinstance(o, BaseException) for o in outcomes)
         print("\nall promises kept" if ok else "\nA PROMISE WAS BROKEN: see above")
+        if "--hold" in sys.argv[1:]:
+            print("\n--hold: everything stays up, so the metrics URLs above can be scraped by hand; "
+                  "Ctrl-C stops it all", flush=True)
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                print()
         return 0 if ok else 1
     except ServerError as exc:  # a server, worker or beat did not start
         print(f"error: {exc}")
@@ -392,10 +400,11 @@ def plot_metrics(series: Dict[str, List[Any]], t0: float, t_kill: float) -> None
                  lambda ls, o=outcome: ls.get("outcome") == o)
     ax.set_title("workers: celery_zklock_contended_total by outcome")
     ax = axes[2][0]
+    # Wide, see-through lines under a thin one: where two say the same, both still show.
     for b in beats:
-        line(ax, b, "celery_zklock_beat_leader", f"{b} leads", drawstyle="steps-post")
+        line(ax, b, "celery_zklock_beat_leader", f"{b} leads", drawstyle="steps-post", linewidth=4, alpha=0.5)
     line(ax, "exporter", "celery_zklock_beat_has_leader", "exporter: election has a leader", linestyle=":",
-         drawstyle="steps-post")
+         drawstyle="steps-post", color="black")
     ax.set_title("beats: celery_zklock_beat_leader; exporter: _beat_has_leader")
     ax = axes[2][1]
     for b in beats:
@@ -403,7 +412,7 @@ def plot_metrics(series: Dict[str, List[Any]], t0: float, t_kill: float) -> None
     ax.set_title("beats: celery_zklock_beat_dispatched_total")
     for ax in axes.flat:
         ax.axvline(t_kill - t0, color="red", linestyle="--", linewidth=0.8)
-        ax.legend(fontsize="x-small", loc="upper left")
+        ax.legend(fontsize="x-small", loc="center left")
         ax.grid(alpha=0.3)
     for ax in axes[2]:
         ax.set_xlabel("seconds since the burst was sent (red: the leading beat SIGKILLed)")
