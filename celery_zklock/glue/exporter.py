@@ -9,12 +9,13 @@ Run one per app (or per ``zklock_root``).
 (default 1000), pipelined in a few rounds, and a scrape sooner than ``--interval`` seconds
 (default 15) after the last read is served that read again, so ZooKeeper sees at most
 ``max_reads / interval`` requests a second however many Prometheus servers scrape. A tree
-with B beats of E entries each, K keys with holders or waiters, P parked queues and M
-dedupe markers costs::
+with B beats of E entries each, K key nodes, P parked queues and M dedupe markers costs::
 
     6 listings + B x (3 + E) + K x (1 to 4) + P x 2 + M
 
-(a key: its children, a semaphore's limit, its oldest holder's and oldest waiter's age).
+(a key: its children, and if it has contenders a semaphore's limit, its oldest holder's and
+oldest waiter's age; a key's node stays until the server reaps it, a minute or so after its
+last contender left).
 Past the budget the rest is left out, in this order of need: markers, then parked queues,
 then ages, then keys. ``celery_zklock_exporter_truncated`` is then 1, and the families of
 each part not read whole are left out, not served partial: a beat election not read is no
@@ -34,13 +35,14 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NoAuthError, NoNodeError
 
 from ..exceptions import ZkLockError
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
@@ -125,6 +127,10 @@ class _Budget:
                 answers.append(reply(result, self.until))
             except NoNodeError:
                 answers.append(None)
+            except NoAuthError:
+                if part == "listings":
+                    raise  # the tree itself: nothing can be read, say so (up 0)
+                answers.append(None)  # one node someone else locked with an ACL: not ours to count
         return answers + [None] * (len(calls) - len(sending))
 
 
@@ -143,7 +149,7 @@ class _Key:
 class Snapshot:
     """What one read of the tree found (``ok`` False: it failed, and says why in ``error``)."""
 
-    at: float
+    at: float  # wall time, for ages against ZooKeeper's creation times
     ok: bool = True
     error: str = ""
     reads: int = 0
@@ -159,8 +165,8 @@ class Snapshot:
 
 def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
     """Read what the exporter serves, in at most ``max_reads`` requests (see the module's doc)."""
-    now = time.time()
-    budget = _Budget(session, max_reads, time.monotonic() + READ_TIMEOUT)
+    now, started = time.time(), time.monotonic()
+    budget = _Budget(session, max_reads, started + READ_TIMEOUT)
     snap = Snapshot(at=now)
     lock_trees = [f"{layout.root}/{t}" for t in LOCK_TREES]
     parked_trees = [f"{layout.root}/{PARKED}/{t}" for t in LOCK_TREES]
@@ -178,7 +184,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
     plans = []  # (beat, candidates, the leader's node or None, its entries' nodes)
     for i, (beat, path) in enumerate(zip(beats, paths)):
         candidates = sorted((c for c in found[2 * i] or () if contender(c)), key=sequence)
-        plans.append((decode_key(beat) or beat, len(candidates),
+        plans.append((_label(beat), len(candidates),
                       f"{path}/election/{candidates[0]}" if candidates else None,
                       [f"{path}/entries/{e}" for e in found[2 * i + 1] or ()]))
     got = iter(budget.round("beats", [("get", p) for _, _, leader, runs in plans
@@ -213,7 +219,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         holding, waiting = split_queue(children, rule_of)
         if not holding and not waiting:
             continue  # junk only
-        key = _Key(decode_key(name) or name, Counter(map(_mode, holding)), Counter(map(_mode, waiting)))
+        key = _Key(_label(name), Counter(map(_mode, holding)), Counter(map(_mode, waiting)))
         snap.keys.append(key)
         # Sequence order is creation order: the first of each is its oldest.
         heads.append((key, f"{tree}/{name}", holding[0] if holding else None, waiting[0] if waiting else None))
@@ -238,7 +244,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         if answer is not None:
             snap.markers[_marker_state(answer[0], answer[1], now)] += 1
     snap.reads, snap.cut = budget.sent, budget.cut
-    snap.seconds = time.time() - now
+    snap.seconds = time.monotonic() - started
     return snap
 
 
@@ -247,13 +253,32 @@ def _mode(node: str) -> str:
     return RULES[contender(node)[0]].name  # type: ignore[index]
 
 
+def _label(name: str) -> str:
+    """The key (or beat) a node's name encodes, for a label; the name itself when it encodes
+    none, or one that is no text (a lone surrogate, which no scrape could carry)."""
+    try:
+        key = decode_key(name)
+        if key is None:
+            return name
+        key.encode("utf-8")  # raises for a lone surrogate
+        return key
+    except UnicodeError:  # junk someone else wrote under the root
+        return name
+
+
 def _data(answer: Any) -> Optional[bytes]:
     return answer[0] if answer is not None else None
 
 
 def _number(value: Any) -> Optional[float]:
-    """``value`` if it is a number (node data may hold anything), else None."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """``value`` if it is a finite number (node data may hold anything, 1e400 or -Infinity too), else None."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _marker_state(raw: bytes, stat: Any, now: float) -> str:
@@ -278,6 +303,7 @@ class Exporter:
         self.per_key = per_key
         self._lock = threading.Lock()
         self._last: Optional[Snapshot] = None
+        self._read_at = 0.0  # monotonic: a wall clock stepped back must not freeze the values
         self._said = ""
 
     def snapshot(self) -> Snapshot:
@@ -286,8 +312,9 @@ class Exporter:
             return Snapshot(at=time.time(), ok=False, error="ZooKeeper not reached yet")
         with self._lock:
             last = self._last
-            if last is not None and time.time() - last.at < self.interval:
+            if last is not None and time.monotonic() - self._read_at < self.interval:
                 return last
+            self._read_at = time.monotonic()
             try:
                 last = read_tree(self.session, self.layout, self.max_reads)
             except Exception as exc:  # noqa: BLE001 - any failure is "cannot read now", said once

@@ -81,11 +81,12 @@ def _prefix(task_id: str) -> str:
 def parked_sequence(name: str) -> int:
     """The queue position of a parked copy's node (-1 for anything else).
 
-    >>> parked_sequence("p-0123456789abcdef-0000000007"), parked_sequence("c-p-x-0000000001")
-    (7, -1)
+    >>> parked_sequence("p-0123456789abcdef-0000000007"), parked_sequence("c-p-x-0000000001"), parked_sequence("p-x-²")
+    (7, -1, -1)
     """
     head, _, seq = name.rpartition("-")
-    return int(seq) if name.startswith(PARKED) and head and seq.isdigit() else -1
+    # isascii: str.isdigit() also passes '²', which int() refuses (junk written by others).
+    return int(seq) if name.startswith(PARKED) and head and seq.isascii() and seq.isdigit() else -1
 
 
 def _parked(children: List[str]) -> List[str]:

@@ -207,3 +207,58 @@ def test_started_while_zookeeper_is_unreachable_it_serves_up_0_until_it_reaches_
         proxy.mode = "pass"
         wait_until(lambda: scrape(port).get(("celery_zklock_exporter_up", ())) == 1, timeout=30)
         assert scrape(port)[("celery_zklock_holders", (("mode", "read"),))] == 2
+
+
+def test_junk_others_wrote_under_the_root_never_blinds_it(kazoo, zk_root, new_session):
+    """Found by attacking it: each of these failed the whole read (up 0 for good), or every scrape (HTTP 500)."""
+    from kazoo.security import make_digest_acl
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    layout = Layout(zk_root)
+    holder = contender(kazoo, layout.lock("real"), "__lock__")
+    contender(kazoo, f"{layout.lock_tree()}/k-%ff", "__lock__")  # a name that decodes to no UTF-8
+    contender(kazoo, f"{layout.lock_tree()}/k-%ed%a0%80", "__lock__")  # ... to a lone surrogate
+    kazoo.ensure_path(f"{layout.beats}/k-%ed%a0%80/election")
+    kazoo.create(f"{layout.parked('real')}/p-0123456789abcdef-²", b"{}", makepath=True)  # isdigit() passes '²'
+    contender(kazoo, layout.election("junky"), "__lock__", b'{"tick_by": -Infinity}')
+    kazoo.create(layout.entry("junky", "e"), b'{"last_run_at": 1' + b"0" * 400 + b"}", makepath=True)
+    # A subtree someone locked with an ACL this exporter's credential is not in.
+    kazoo.create(f"{layout.beats}/k-theirs", acl=[make_digest_acl("someone", "else", all=True)])
+    exporter = Exporter(new_session(), layout, interval=0, max_reads=1000, per_key=True)
+    snap = exporter.snapshot()
+    assert snap.ok, snap.error
+    keys = {k.label: k for k in snap.keys}
+    assert dict(keys["real"].holders) == {"write": 1} and keys["real"].hold[1] == ctime(kazoo, holder)
+    assert {"k-%ff", "k-%ed%a0%80"} <= set(keys)  # counted, under their names
+    assert snap.parked == 0
+    assert snap.beats["junky"] == {"candidates": 1, "leader": True}  # no overdue of inf, no dispatch of 1e400
+    assert "k-%ed%a0%80" in snap.beats and "theirs" in snap.beats
+    registry = CollectorRegistry()
+    registry.register(exporter)
+    assert b'celery_zklock_key_holders{key="k-%ed%a0%80",mode="write"} 1.0' in generate_latest(registry)
+
+
+def test_a_wall_clock_stepped_back_neither_freezes_the_values_nor_makes_a_read_last_less_than_nothing(
+        tree, zk_root, new_session, monkeypatch):
+    exporter = Exporter(new_session(), Layout(zk_root), interval=0.2, max_reads=1000, per_key=False)
+    first = exporter.snapshot()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)  # an NTP step, a VM restored
+    wait_until(lambda: exporter.snapshot() is not first, timeout=5)  # read again after 0.2 s, not an hour
+    assert exporter.snapshot().seconds >= 0
+
+
+def test_a_hot_key_with_thousands_of_waiters_is_read_within_the_deadline(kazoo, zk_root, new_session):
+    """4,000 waiters on one key (four gevent workers at -c 1000) took the read's whole 5 s
+    deadline deciding who holds, node by node: up 0 while ZooKeeper was fine."""
+    path = Layout(zk_root).lock("hot")
+    kazoo.ensure_path(path)
+    for start in range(0, 4000, 500):
+        tx = kazoo.transaction()
+        for i in range(start, start + 500):
+            tx.create(f"{path}/{i:08x}__lock__", sequence=True)
+        assert all(isinstance(r, str) for r in tx.commit())
+    snap = read_tree(new_session(), Layout(zk_root), max_reads=1000)
+    assert snap.ok, snap.error
+    [key] = snap.keys
+    assert (dict(key.holders), dict(key.waiters)) == ({"write": 1}, {"write": 3999})

@@ -1,6 +1,18 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from celery_zklock.recipes.rules import EXCLUSIVE, READ, WRITE, Decision, semaphore
+from celery_zklock.recipes.rules import (
+    EXCLUSIVE,
+    READ,
+    RULES,
+    WRITE,
+    Decision,
+    contender,
+    semaphore,
+    sequence,
+    split_queue,
+)
 
 
 def n(kind: str, seq: int, who: str = "u") -> str:
@@ -43,3 +55,16 @@ def test_sequence_sort_is_numeric_across_kinds():
 def test_semaphore_limit_validation(bad):
     with pytest.raises(ValueError, match="limit"):
         semaphore(bad)
+
+
+@given(kinds=st.lists(st.sampled_from(["__lock__", "__rlock__", "__sem__", "junk"]), max_size=40),
+       limit=st.integers(min_value=1, max_value=4), seed=st.randoms())
+def test_split_queue_agrees_with_each_nodes_own_decision(kinds, limit, seed):
+    """split_queue counts in one pass what each contender's ``decide`` finds on its own."""
+    children = [f"n{i}" if kind == "junk" else f"u{i}{kind}{i:010d}" for i, kind in enumerate(kinds)]
+    seed.shuffle(children)  # as the server lists them: in no order
+    rules = {**RULES, "__sem__": semaphore(limit)}
+    holders, waiters = split_queue(children, rules.__getitem__)
+    nodes = sorted((c for c in children if contender(c)), key=sequence)
+    assert holders == [n for n in nodes if rules[contender(n)[0]].decide(children, n).holds]
+    assert waiters == [n for n in nodes if not rules[contender(n)[0]].decide(children, n).holds]
