@@ -98,14 +98,18 @@ def encode_key(key: str) -> str:
 
 
 def decode_key(name: str) -> Optional[str]:
-    """The key a ``k-`` name encodes; None for a hashed (``h-``) name or a foreign one.
+    """The key a ``k-`` name encodes; None for a hashed (``h-``) name or a foreign one (one
+    that encodes no text, written by someone else).
 
-    >>> decode_key(encode_key("é/x")), decode_key("h-abc~123"), decode_key("junk")
-    ('é/x', None, None)
+    >>> decode_key(encode_key("é/x")), decode_key("h-abc~123"), decode_key("junk"), decode_key("k-%ff")
+    ('é/x', None, None, None)
     """
     if not name.startswith("k-"):
         return None
-    return unquote_to_bytes(name[2:]).decode("utf-8", "surrogatepass")
+    try:
+        return unquote_to_bytes(name[2:]).decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
 
 
 def hashed_name(secret: bytes, key: str) -> str:

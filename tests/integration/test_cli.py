@@ -144,11 +144,16 @@ def test_junk_written_by_others_never_breaks_the_cli(cli_env, kazoo, zk_root):
     kazoo.create(f"{base}/y__rlock__0000000002", b"[1, 2]")
     kazoo.ensure_path(f"{zk_root}/beat/k-junk/election")
     kazoo.create(f"{zk_root}/beat/k-junk/election/z__lock__0000000000", b"\x00not json")
-    for args in (("status",), ("locks",), ("locks", "--json")):
+    # Names that encode no text: each read that decoded them failed whole.
+    kazoo.create(f"{zk_root}/locks/k-%ff/x__lock__0000000001", makepath=True)
+    kazoo.ensure_path(f"{zk_root}/beat/k-%ff/election")
+    kazoo.create(f"{zk_root}/queued/k-%ff", b"{}", makepath=True)
+    for args in (("status",), ("locks",), ("locks", "--json"), ("queued",)):
         out = cli(cli_env, *args)
         assert out.returncode == 0, out.stderr
-    [row] = locks_json(cli_env)["locks"]
-    assert row["key"] == "junk" and len(row["holders"]) == 1 and row["waiters"] == 1
+    rows = {row["key"]: row for row in locks_json(cli_env)["locks"]}
+    assert rows.keys() == {"junk", "k-%ff"}  # a name that is no key is shown as it is
+    assert len(rows["junk"]["holders"]) == 1 and rows["junk"]["waiters"] == 1
 
 
 def test_status_says_when_the_leader_holds_the_election_but_dispatches_nothing(cli_env, kazoo, zk_root, queue):  # noqa: F811
