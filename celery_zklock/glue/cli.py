@@ -30,16 +30,18 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, TypeVar
 
 import click
-from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NoNodeError
 
 from ..conf import Settings, beat_name, describe, did_you_mean
 from ..exceptions import ZkLockError
-from ..layout import LOCK_TREES, PARKED, Layout, decode_key, hashed_name, node_object
+from ..layout import LOCK_TREES, MEMBERS, PARKED, Layout, decode_key, hashed_name, node_object
 from ..recipes.lock import EVICTED_BY
 from ..recipes.marker import STARTED, read_marker
 from ..recipes.park import waiting as parked_copies
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session, check_acl
+from ..zk.deadlines import through_blips
+from ..zk.green import timeouts
 from ..zk.probe import addresses, four_letter_word, server_limits
 from ..zk.transport import peer_address
 from . import exporter
@@ -557,7 +559,7 @@ def _holders(session: Session, path: str, now: float) -> Tuple[List[Dict[str, An
     waiters behind), and its waiters' node names in queue order."""
     nodes, infos, holding, waiting = _queue(session, path)
     return [{**_contender(n, infos[n], nodes[n][1], now, "held_for"), "path": f"{path}/{n}",
-             "version": nodes[n][1].version, "waiters": len(waiting),
+             "version": nodes[n][1].version, "waiters": len(waiting), "owner": nodes[n][1].ephemeralOwner,
              "key": infos[n].get("key") if isinstance(infos[n].get("key"), str) else None}
             for n in holding], waiting
 
@@ -635,9 +637,13 @@ def _revoke(app: Any, task_id: str) -> List[str]:
     return lines
 
 
+#: What :func:`_ask` answers for a node gone after a connection loss lost its write's reply.
+ASKED_THEN_GONE = -1
+
+
 def _ask(session: Session, holder: Dict[str, Any]) -> Optional[int]:
     """Write an eviction request (who asks: host, pid, time) into the holder's node, keeping
-    its data; the node's new version, or None if it is gone.
+    its data; the node's new version, None if it was gone before, or ``ASKED_THEN_GONE``.
 
     Version-checked, as a preempt request is: a write of another meanwhile (a semaphore's
     touch, a preempt request) is read again and kept. A node of another creation there (not
@@ -645,22 +651,44 @@ def _ask(session: Session, holder: Dict[str, Any]) -> Optional[int]:
     """
     path = holder["path"]
     by = {"host": socket.gethostname(), "pid": os.getpid(), "time": round(time.time(), 3)}
-    for _ in range(5):
-        try:
-            data, stat = session.client.get(path)
-            if stat.czxid != holder["token"]:
-                raise click.ClickException(f"not evicted: {path} is another node now (token {stat.czxid}, "
-                                           f"not {holder['token']}); look again with `locks`")
-            return int(session.client.set(path, json.dumps({**node_object(data), EVICTED_BY: by}).encode(),
-                                          version=stat.version).version)
-        except NoNodeError:
-            return None
-        except BadVersionError:
-            continue
-        except NoAuthError:
-            raise click.ClickException(f"not evicted: ZooKeeper refused this client the write of {path} (NoAuth): "
-                                       "set zklock_auth to the credential the workers use") from None
-    raise click.ClickException(f"not evicted: {path} kept changing as we asked its holder to go; run evict again")
+    tries = 0
+
+    def step() -> Optional[int]:
+        nonlocal tries
+        tries += 1
+        for _ in range(5):
+            try:
+                data, stat = session.client.get(path)
+                if stat.czxid != holder["token"]:
+                    raise click.ClickException(f"not evicted: {path} is another node now (token {stat.czxid}, "
+                                               f"not {holder['token']}); look again with `locks`")
+                if node_object(data).get(EVICTED_BY) == by:
+                    return int(stat.version)  # written by a try whose reply the connection lost
+                return int(session.client.set(path, json.dumps({**node_object(data), EVICTED_BY: by}).encode(),
+                                              version=stat.version).version)
+            except NoNodeError:
+                # Gone; after a lost reply perhaps because our request was written and obeyed.
+                return ASKED_THEN_GONE if tries > 1 else None
+            except BadVersionError:
+                continue
+            except NoAuthError:
+                raise click.ClickException(f"not evicted: ZooKeeper refused this client the write of {path} "
+                                           "(NoAuth): set zklock_auth to the credential the workers use") from None
+        raise click.ClickException(f"not evicted: {path} kept changing as we asked its holder to go; run evict again")
+
+    return _through_blips(session, f"asking the holder of {path} to let go", step)
+
+
+def _through_blips(session: Session, doing: str, step: Callable[[], T]) -> T:
+    """``step()``, run again once connected after each connection loss (each step finds what a
+    try whose reply was lost did), for up to zklock_connect_timeout; then one line, not a
+    traceback: whether the last try took effect is not known, and ``locks`` shows it."""
+    try:
+        return through_blips(session, time.monotonic() + session.settings.connect_timeout, step)
+    except (ConnectionLoss, *timeouts()):
+        raise click.ClickException(f"the connection to ZooKeeper broke while {doing}, and did not come back within "
+                                   f"zklock_connect_timeout={session.settings.connect_timeout:g}s; what took effect "
+                                   "is not known: look with `celery zklock locks --waiters`") from None
 
 
 def _gone_within(session: Session, path: str, seconds: float) -> bool:
@@ -669,11 +697,12 @@ def _gone_within(session: Session, path: str, seconds: float) -> bool:
     while True:
         changed.clear()  # an earlier watch firing late only makes us look once more
         # A watch, not a poll: the delete is seen as it happens. Any event (a write too) looks again.
-        if session.client.exists(path, watch=lambda _event: changed.set()) is None:
+        if _through_blips(session, f"watching {path}",
+                          lambda: session.client.exists(path, watch=lambda _event: changed.set())) is None:
             return True
         left = until - time.monotonic()
         if left <= 0 or not changed.wait(left):
-            return session.client.exists(path) is None
+            return _through_blips(session, f"watching {path}", lambda: session.client.exists(path)) is None
 
 
 def _delete(session: Session, holder: Dict[str, Any]) -> bool:
@@ -686,24 +715,39 @@ def _delete(session: Session, holder: Dict[str, Any]) -> bool:
     that we do not understand: nothing is deleted then.
     """
     path, version = holder["path"], holder["version"]
-    for _ in range(5):
-        try:
-            session.client.delete(path, version=version)
-            return True
-        except NoNodeError:
-            return False
-        except BadVersionError:
-            stat = session.client.exists(path)
-            if stat is None:
-                return False
-            if stat.czxid != holder["token"]:
-                raise click.ClickException(f"not evicted: {path} is another node now (token {stat.czxid}, "
-                                           f"not {holder['token']}); look again with `locks`") from None
-            version = stat.version
-        except NoAuthError:
-            raise click.ClickException(f"not evicted: ZooKeeper refused this client the delete of {path} (NoAuth): "
-                                       "set zklock_auth to the credential the workers use") from None
-    raise click.ClickException(f"not evicted: {path} kept changing as we deleted it; run evict again")
+    tries = 0
+
+    def step() -> bool:
+        nonlocal tries, version
+        tries += 1
+        for _ in range(5):
+            try:
+                session.client.delete(path, version=version)
+                return True
+            except NoNodeError:
+                return tries > 1  # after a lost reply it may be our own delete that took it
+            except BadVersionError:
+                stat = session.client.exists(path)
+                if stat is None:
+                    return False
+                if stat.czxid != holder["token"]:
+                    raise click.ClickException(f"not evicted: {path} is another node now (token {stat.czxid}, "
+                                               f"not {holder['token']}); look again with `locks`") from None
+                version = stat.version
+            except NoAuthError:
+                raise click.ClickException(f"not evicted: ZooKeeper refused this client the delete of {path} "
+                                           "(NoAuth): set zklock_auth to the credential the workers use") from None
+        raise click.ClickException(f"not evicted: {path} kept changing as we deleted it; run evict again")
+
+    return _through_blips(session, f"deleting {path}", step)
+
+
+def _session_alive(session: Session, layout: Layout, owner: int) -> bool:
+    """Whether the ZooKeeper session ``owner`` still stands for a key-name scheme under the
+    root: every session that takes a lock does, with an ephemeral node of its own."""
+    members = f"{layout.root}/{MEMBERS}"
+    return any(m.endswith(f"-{owner:016x}") for m in _through_blips(
+        session, f"reading {members}", lambda: _children(session, members)))
 
 
 @zklock.command()
@@ -742,7 +786,8 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
         raise click.UsageError("give KEY or --node PATH, not both" if key is not None else "give KEY or --node PATH")
     _, session, app = _connect(ctx)
     try:
-        holder = _to_evict(session, layout_of(app), key, node)
+        layout = layout_of(app)
+        holder = _to_evict(session, layout, key, node)
         for line in _holder_lines(holder):
             click.echo(line)
         task_id = holder["task_id"] if revoke and isinstance(holder["task_id"], str) and holder["task_id"] else None
@@ -764,11 +809,20 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
             return
         click.echo(f"asked the holder to let go ({EVICTED_BY} written into its node); waiting up to {wait:g}s")
         started = time.monotonic()
-        if _gone_within(session, holder["path"], wait):
+        if version == ASKED_THEN_GONE or _gone_within(session, holder["path"], wait):
             took = time.monotonic() - started
-            click.echo(f"evicted: its holder let go of {holder['path']} after {took:.1f}s: it counted the lock as lost "
-                       '("deleted"), its body stopped as its on_lock_lost says (the default, "interrupt", '
-                       "raises LockLost in it), and only then did its node go")
+            if _session_alive(session, layout, holder["owner"]):
+                click.echo(f"evicted: its holder let go of {holder['path']} after {took:.1f}s: it counted the lock as "
+                           'lost ("deleted"), its body stopped as its on_lock_lost says (the default, "interrupt", '
+                           "raises LockLost in it), and only then did its node go")
+            else:
+                # A node that goes with its session says nothing of the body: a holder cut
+                # off, or paused past its session timeout, has not even seen the request.
+                click.echo(f"evicted: {holder['path']} went with its holder's ZooKeeper session after {took:.1f}s "
+                           "(the session ended: the holder was cut off, paused, killed or stopped), not because it "
+                           "let go")
+                click.echo("  its body may still be running, until its own clock counts the lock as lost; the "
+                           "fencing token is what protects the stores that check it")
         else:
             deleted = _delete(session, {**holder, "version": version})
             if not deleted:
@@ -778,7 +832,7 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
                 click.echo("  its body may still be running (it ignores the interrupt or never saw it, or its process "
                            "is hung, paused or cut off from ZooKeeper); the fencing token is what protects the "
                            "stores that check it")
-        click.echo(f"  the next holder's fencing token will be greater than {holder['token']}")
+        click.echo(f"  any later holder's fencing token is greater than {holder['token']}")
     finally:
         session.close()
 

@@ -17,6 +17,7 @@ from celery.result import AsyncResult
 
 from celery_zklock import LockLost
 from celery_zklock.layout import Layout
+from harness import Op, TcpProxy
 from tests.apps import worker_app
 from tests.util import children, events, send, wait_until
 
@@ -79,7 +80,7 @@ def test_evict_interrupts_the_holder_before_the_next_holder_starts(workers, cli_
     assert lines[9] == "asked the holder to let go (evicted_by written into its node); waiting up to 30s"
     assert lines[10].startswith(f"evicted: its holder let go of {path}/{node} after "), out.stdout
     assert "deleted " not in out.stdout  # it let go: evict deleted nothing
-    assert lines[11] == f"  the next holder's fencing token will be greater than {started['token']}"
+    assert lines[11] == f"  any later holder's fencing token is greater than {started['token']}"
 
     with pytest.raises(LockLost):
         holder.get(timeout=30)
@@ -107,7 +108,7 @@ def test_a_holder_that_does_not_let_go_has_its_node_deleted_after_the_wait(worke
     assert "asked the holder to let go (evicted_by written into its node); waiting up to 1s" in out.stdout
     assert "evicted: deleted " in out.stdout and ": its holder did not let go within 1s" in out.stdout, out.stdout
     assert "its body may still be running" in out.stdout and "the fencing token is what protects" in out.stdout
-    assert f"the next holder's fencing token will be greater than {started['token']}" in out.stdout
+    assert f"any later holder's fencing token is greater than {started['token']}" in out.stdout
     assert nxt.get(timeout=30) == "f"
     [body] = the(redis_server.url, "body", nxt.id)
     [flagged] = the(redis_server.url, "flagged", holder.id)
@@ -297,3 +298,42 @@ def test_what_happens_to_the_node_while_it_asks(meanwhile, cli_env, kazoo, zk_ro
         assert f"evicted: deleted {node}: its holder did not let go within 0.2s" in rest.decode()
     # Either way its waiter is untouched.
     assert sorted(children(kazoo, f"{zk_root}/locks/k-w:1")) == ["d__lock__0000000001", "garbage"]
+
+
+def test_a_holder_cut_off_whose_node_goes_with_its_session_is_not_said_to_have_let_go(
+        workers, cli_env, queue, redis_server, kazoo, zk_root, zk_server):
+    """Found by attacking evict: the node of a holder cut off goes as its session expires
+    (4 s, under --wait), and evict said the holder had let go and its body stopped: the body
+    ran on beside the next holder's."""
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", concurrency=1, ZKT_HOSTS=proxy.hosts)  # the holder's worker, behind the proxy
+        workers("w2", concurrency=1)  # the next holder's
+        holder, started = holding(redis_server.url, worker_app.flagged_body, queue, "q", 15)
+        path = Layout(zk_root).lock("k:q")
+        nxt = send(worker_app.exclusive, queue, "q", 0.01)
+        wait_until(lambda: len(children(kazoo, path)) == 2, timeout=30)
+        proxy.mode = "blackhole"
+        out = evict(cli_env, "k:q", "--yes", "--wait", "20")
+        assert out.returncode == 0, out.stderr
+        assert "its holder let go" not in out.stdout, out.stdout
+        assert f"evicted: {path}/" in out.stdout and "went with its holder's ZooKeeper session after" in out.stdout
+        assert "its body may still be running" in out.stdout
+        assert nxt.get(timeout=30) == "q"
+        proxy.mode = "pass"
+    [body] = the(redis_server.url, "body", nxt.id)
+    assert body["token"] > started["token"]
+
+
+def test_a_connection_lost_after_the_request_was_written_is_ridden_through(
+        workers, cli_env, queue, redis_server, kazoo, zk_root, zk_server):
+    """Found by attacking evict: a reply lost to a broken connection after the write had
+    taken effect gave a traceback and exit 1, though the holder was evicted."""
+    workers("w1", concurrency=2)
+    holder, started = holding(redis_server.url, worker_app.long_body, queue, "r", 60)
+    with TcpProxy(zk_server.port) as proxy:
+        proxy.cut_after(Op.SET_DATA)  # the write reaches the server; its reply is lost with the connection
+        out = evict({**cli_env, "ZKT_HOSTS": proxy.hosts}, "k:r", "--yes")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and "evicted: its holder let go" in out.stdout, out.stdout
+    with pytest.raises(LockLost):
+        holder.get(timeout=30)
