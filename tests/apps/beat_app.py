@@ -4,12 +4,16 @@ straight from the Redis broker's queue."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
+import redis
 from celery import Celery
 from celery.schedules import crontab
 from celery.signals import before_task_publish
+
+from celery_zklock import current_lock, zk_locked
 
 app = Celery("beat_app")
 app.conf.update(
@@ -33,6 +37,19 @@ app.conf.update(
 @app.task
 def tick() -> None:
     pass
+
+
+@app.task
+@zk_locked(key="job:{n}", timeout=60)
+def locked(n: int, seconds: float) -> None:
+    """A locked body for the workers that embed a beat (-B): its hold, and the ZooKeeper
+    session that held it, go into the history."""
+    lock = current_lock()
+    start = time.monotonic()
+    time.sleep(seconds)
+    redis.Redis.from_url(app.conf.broker_url).rpush("beat-app-holds", json.dumps({
+        "key": lock.key, "token": lock.fencing_token, "session": lock.session.client.client_id[0],
+        "start": start, "end": time.monotonic(), "who": os.getpid()}))
 
 
 @before_task_publish.connect

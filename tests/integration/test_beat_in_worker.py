@@ -5,14 +5,20 @@ workers consume another queue), and their zklock_beat headers are the history.""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import time
 from typing import List
 
 import pytest
+import redis
 
+from celery_zklock.layout import Layout
+from celery_zklock.recipes.rules import sequence
+from celery_zklock.testing import Hold, violations
 from harness import CeleryWorker
+from tests.apps import beat_app
 from tests.conftest import _started
 from tests.integration.test_beat import TIMEOUT, check_history, dispatches
 from tests.util import wait_until
@@ -63,6 +69,43 @@ def test_one_embedded_beat_dispatches_and_a_killed_workers_beat_stands_down_at_o
         assert took < 2.5, f"the next beat dispatched {took:.2f}s after the kill"
         assert "the worker that embedded this beat" in leader.log_text()
         print(f"next beat dispatched {took:.2f}s after its worker's SIGKILL; {len(history)} runs, none twice")
+    finally:
+        for worker in workers:
+            _started.remove(worker)
+            worker.stop(timeout=20)
+            worker.close()
+
+
+def test_the_embedded_beat_and_the_pools_locks_keep_to_sessions_of_their_own(env, queue, redis_server, kazoo,
+                                                                              zk_root):
+    """Locked tasks in the pools of three -B workers while one of their beats leads: each lock
+    is exclusive, the beat dispatches on, and no lock was held by the beat's session."""
+    history = redis.Redis.from_url(redis_server.url)
+    history.delete("beat-app-holds")
+    beat_app.app.conf.update(broker_url=redis_server.url)  # imported here before the env was known
+    workers: List[CeleryWorker] = []
+    try:
+        for i in range(3):
+            worker = CeleryWorker("tests.apps.beat_app", name=f"wl{i}", concurrency=2, env=env,
+                                  extra_args=["-B", "--scheduler", "zklock", "-Q", f"{queue}-work"])
+            workers.append(worker)
+            _started.append(worker)
+            worker.start(wait=False)
+        for worker in workers:
+            worker.start_wait()
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 2, timeout=30)
+        for n in range(24):
+            beat_app.locked.apply_async((n % 3, 0.05), queue=f"{queue}-work")
+        wait_until(lambda: history.llen("beat-app-holds") == 24, timeout=60)
+        holds = [json.loads(h) for h in history.lrange("beat-app-holds", 0, -1)]
+        assert violations([Hold(h["key"], "exclusive", h["token"], h["start"], h["end"], h["who"])
+                           for h in holds]) == []
+        election = Layout(zk_root).election("beat_app")
+        first = min(kazoo.get_children(election), key=sequence)
+        leader = kazoo.exists(f"{election}/{first}").ephemeralOwner
+        assert leader not in {h["session"] for h in holds}, "a lock was held by the beat's own session"
+        assert len({h["session"] for h in holds}) > 1  # the pools' sessions, one per process that ran some
+        check_history(dispatches(redis_server.url, queue), 1.0, max_gap=1.5)  # none twice, none skipped
     finally:
         for worker in workers:
             _started.remove(worker)
