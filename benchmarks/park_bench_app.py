@@ -6,6 +6,7 @@ Each body records its start and end (monotonic, shared by every process of the h
 import json
 import logging
 import os
+import threading
 import time
 from typing import Optional
 
@@ -25,7 +26,17 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
 )
-_redis: dict = {}
+#: Each process's marks not sent yet (by pid: a pool process inherits its parent's dict, not its thread).
+_marks: dict = {}
+_lock = threading.Lock()
+
+
+def _new_lock() -> None:
+    global _lock
+    _lock = threading.Lock()  # a fork while the parent's flusher held it must not leave it held
+
+
+os.register_at_fork(after_in_child=_new_lock)
 
 
 @after_setup_logger.connect
@@ -36,10 +47,32 @@ def _quiet(**kwargs):
 
 
 def _note(run: str, list_: str = "", **fields) -> None:
-    r = _redis.get(os.getpid())
-    if r is None:
-        r = _redis[os.getpid()] = redis.Redis.from_url(app.conf.broker_url)
-    r.rpush(f"bench:{run}{list_}", json.dumps(fields))
+    """Keep a mark in memory; a thread of this process sends them on every 50 ms.
+
+    Not a Redis round trip where the mark is made: a body's end mark sat inside every
+    hand-off measured, and the publish marks inside the publish, each a context switch to
+    Redis on the pinned core (1.5 ms a call in a profile of the sends).
+    """
+    pid = os.getpid()
+    with _lock:
+        marks = _marks.get(pid)
+        if marks is None:  # the first mark of this process (a pool process forks without our thread)
+            marks = _marks[pid] = []
+            threading.Thread(target=_flush, args=(marks,), daemon=True, name="bench-marks").start()
+        marks.append((f"bench:{run}{list_}", json.dumps(fields)))
+
+
+def _flush(marks: list) -> None:
+    r = redis.Redis.from_url(app.conf.broker_url)
+    while True:
+        time.sleep(0.05)
+        with _lock:
+            batch, marks[:] = marks[:], []
+        if batch:
+            pipe = r.pipeline(transaction=False)
+            for key, value in batch:
+                pipe.rpush(key, value)
+            pipe.execute()
 
 
 def _body(run: str, key: int, ms: float) -> None:
