@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {"none": None, "wait": tasks.keyed_wait, "retry": tasks.keyed_retry, "park": tasks.keyed_park}
 #: The same keyed tasks with no unrelated ones: park's hand-off with nothing queued ahead of a copy sent again.
 ALONE = "park, keyed only"
+#: Each key's copies as a relay with no lock: a body publishes the next as it ends. Park's floor:
+#: the same republish hand-off with no ZooKeeper request, under the same load (and with no unrelated).
+RELAY, RELAY_ALONE = "relay, no lock", "relay, keyed only"
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -47,9 +50,10 @@ def percentile(values: List[float], q: float) -> float:
 
 def run(policy: str, args: argparse.Namespace, r: redis.Redis) -> Dict[str, float]:
     name = f"{policy}-{uuid.uuid4().hex[:6]}".replace(" ", "").replace(",", "")
-    if policy == ALONE:
-        policy, args = "park", argparse.Namespace(**{**vars(args), "unrelated": 0})
-    keyed = POLICIES[policy]
+    if policy in (ALONE, RELAY_ALONE):
+        policy, args = {ALONE: "park", RELAY_ALONE: RELAY}[policy], argparse.Namespace(**{**vars(args),
+                                                                                           "unrelated": 0})
+    keyed = tasks.relay if policy == RELAY else POLICIES[policy]
     published: Dict[int, float] = {}
     first = time.monotonic()
     with tasks.app.producer_or_acquire() as producer:
@@ -59,7 +63,11 @@ def run(policy: str, args: argparse.Namespace, r: redis.Redis) -> Dict[str, floa
             # for one customer does (forty at once): the first quarter on one key, and so on.
             if keyed is not None and i * args.keyed // (args.keyed + args.unrelated) != \
                     (i + 1) * args.keyed // (args.keyed + args.unrelated):
-                keyed.apply_async((name, sent * args.keys // args.keyed, args.ms), producer=producer)
+                key = sent * args.keys // args.keyed
+                if keyed is not tasks.relay:
+                    keyed.apply_async((name, key, args.ms), producer=producer)
+                elif key * args.keyed // args.keys == sent:  # a relay's first copy: its body sends the rest
+                    keyed.apply_async((name, key, args.ms, args.keyed // args.keys), producer=producer)
                 sent += 1
             elif keyed is None and unrelated >= args.unrelated:
                 break
@@ -141,6 +149,8 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="ZooKeeper on CPU 1, everything else on CPU 0")
     parser.add_argument("--fsync", action="store_true", help="let the server fsync each write (production-like)")
     args = parser.parse_args()
+    if args.keyed % args.keys:
+        parser.error(f"--keyed {args.keyed}: must be a multiple of --keys {args.keys} (each key's relay sends as many)")
     if args.pin:
         os.sched_setaffinity(0, {0})  # inherited by Redis and the worker
     zk_server = ZooKeeperPeer(extra_config={"forceSync": "yes"} if args.fsync else {}, cpus="1" if args.pin else None,
@@ -152,9 +162,9 @@ def main() -> None:
         r = redis.Redis.from_url(rs.url)
         with CeleryWorker("benchmarks.park_bench_app", name="bench", concurrency=args.concurrency, env=env):
             warm = argparse.Namespace(**{**vars(args), "keyed": 20, "unrelated": 20})
-            for policy in POLICIES:  # connections, sessions, key nodes
+            for policy in [*POLICIES, RELAY]:  # connections, sessions, key nodes
                 run(policy, warm, r)
-            for policy in [*POLICIES, ALONE]:
+            for policy in [*POLICIES, ALONE, RELAY, RELAY_ALONE]:
                 results[policy] = run(policy, args, r)
             floor = broker_floor(r)
     where = "on CPU 1, all else on CPU 0" if args.pin else "sharing both CPUs"
@@ -162,7 +172,7 @@ def main() -> None:
           f"mixed with {args.unrelated} unrelated; Redis broker; ZooKeeper 3.8 {where}, "
           f"forceSync={'yes' if args.fsync else 'no'}")
     base: Optional[float] = results["none"]["p99"]
-    print(f"\n{'policy':<18}{'unrelated start p50':>21}{'p99':>11}{'p99 vs none':>13}"
+    print(f"\n{'policy':<19}{'unrelated start p50':>21}{'p99':>11}{'p99 vs none':>13}"
           f"{'keyed makespan':>16}{'vs bound':>10}{'hand-off p50':>14}{'p99':>11}")
     for policy, row in results.items():
         label = "no keyed tasks" if policy == "none" else policy
@@ -170,7 +180,7 @@ def main() -> None:
                  f"{row['gap50'] * 1000:>12.1f}ms{row['gap99'] * 1000:>9.1f}ms") if "makespan" in row else ""
         unrelated = (f"{row['p50'] * 1000:>19.1f}ms{row['p99'] * 1000:>9.1f}ms{row['p99'] / base:>12.2f}x"
                      if row["p50"] == row["p50"] else f"{'-':>21}{'-':>11}{'-':>13}")  # NaN: none ran
-        print(f"{label:<18}{unrelated}{keyed}")
+        print(f"{label:<19}{unrelated}{keyed}")
     for policy in ("park", ALONE):
         legs = results[policy].get("legs")
         if legs:

@@ -193,8 +193,12 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         try:
             stack.append(acquired)
             if guard is None:
+                _still_held(acquired)
                 return body()
             with guard:
+                # Inside the guard: a loss it was too early to hear of (during a received copy's
+                # take, a round trip) is seen here; one after is raised in the body.
+                _still_held(acquired)
                 return body()
         finally:
             if stack and stack[-1] is acquired:
@@ -205,9 +209,17 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         raise
     finally:
         took = bool(held)
+        if parking is not None and took:
+            parking.look()  # the queue's head, read before the release to be claimed with it
         release_all(task, held)
         if parking is not None and took:
             parking.released()  # hand the key on to its next parked copy
+
+
+def _still_held(locks: List[Lock]) -> None:
+    """Raise LockLost if any of ``locks`` was lost since it was taken: no body then."""
+    for one in locks:
+        one.ensure()
 
 
 def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session: Session, settings: Settings,

@@ -5,11 +5,12 @@ the queue's head is published again, with its own task id, and runs.
 A call's part, in the order :func:`.locking.run_locked` asks::
 
     parking = Parking(task, lock, session, settings, limit)
-    parking.before(until)      # a received copy claims its node (or drops: a second send);
+    parking.before(until)      # a received copy sends the claim on its node (read back below);
                                # a new copy parks behind a queue that is not empty
     parking.contended(until)   # could not hold at once: park (received: stay at the head)
     parking.holding(until)     # holds: a received copy takes its node (False: a second send)
-    parking.released()         # let go: send the head on
+    parking.look()             # about to let go: read the queue, so that...
+    parking.released()         # ...the head is claimed right behind the release, and sent on
 
 A copy that parks, or drops, raises Celery's ``Ignore``: its message is acknowledged and
 no result is stored under its id, which the copy sent again fills in.
@@ -37,7 +38,7 @@ from ..conf import Settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
-from ..recipes.park import MAX_PAYLOAD, Nudge, ParkedQueue, QueueWatch
+from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, QueueWatch
 from ..recipes.park import waiting as parked_copies
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import layout_of, rule_for, settings_of
@@ -96,6 +97,10 @@ class Parking:
         self.taken = False
         #: It handed the key on (see released): once is enough.
         self._handed_on = False
+        #: A received copy's receive, sent by before() and read by holding().
+        self._receiving: Any = None
+        #: What look() read just before the release, for released() to claim the head from.
+        self._looked: Optional[Looked] = None
         #: Our node's name, when this copy was sent again from this key's queue.
         self.received = posixpath.basename(header) if header and posixpath.dirname(header) == self.queue.path \
             else None
@@ -115,8 +120,8 @@ class Parking:
 
     def _before(self, until: Optional[float]) -> Optional[str]:
         if self.received is not None:
-            if not self.queue.receive(self.received, until):
-                self.dropped()
+            # Not waited for: the lock's create goes right behind it, and holding() reads it.
+            self._receiving = self.queue.receive_sent(self.received)
             self._watch()  # it may die before its take: someone must see its claim go
         elif self.queue.parked(until):
             return self.park(until)
@@ -127,6 +132,8 @@ class Parking:
         keeps its place at the head instead."""
         if self.received is None:
             return self.park(until)
+        if not self._received(until):
+            self.dropped()
         self.queue.decline(self.received, until)
         self.released()
         signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
@@ -176,9 +183,17 @@ class Parking:
         # as a failure (its caller told), not leave it dropped unrun (abandoned() keeps only
         # what is still parked). One landing before the commit ends it as a failure too, and
         # the node it left is sent again: told, then run once, never lost.
+        if not self._received(until):  # before it is taken: a failure here leaves it parked (abandoned())
+            return False
         self.taken = True
         self.taken = self.received is None or self.queue.take(self.received, until)
         return self.taken
+
+    def _received(self, until: Optional[float]) -> bool:
+        """The answer to before()'s receive, if it is still to be read: False when the copy's
+        node is gone, a second send of a copy already taken, which must not run."""
+        sent, self._receiving = self._receiving, None
+        return sent is None or self.received is None or self.queue.received(self.received, sent, until)
 
     def abandoned(self, exc: BaseException) -> bool:
         """``exc`` ends this call. True for a received copy that had not taken its node: it is
@@ -191,6 +206,17 @@ class Parking:
         _watch(self.queue.session, self.settings).give_up(self.queue, self.received, self._send)
         return True
 
+    def look(self) -> None:
+        """The key is about to be let go: read its queue now, so that :meth:`released` claims
+        the head in the release's own commit. Best effort: on any failure it reads after."""
+        node = self.lock.node
+        if node is None or self._handed_on or not self.queue.session.client.connected:
+            return
+        try:
+            self._looked = self.queue.look(node, deadline(self.settings.connect_timeout))
+        except Exception:  # noqa: BLE001 - released() reads after the release instead
+            self._looked = None
+
     def released(self) -> None:
         """The key was let go (or never taken): send the queue's head if it has room now.
         Once: the glue calls it from two nets, as it releases, so that an exception landing
@@ -200,7 +226,8 @@ class Parking:
         if self.received is not None and self.taken:
             self.queue.done(self.received)
         try:
-            if self.queue.nudge(self._send, deadline(self.settings.connect_timeout)) != Nudge.EMPTY:
+            looked, self._looked = self._looked, None
+            if self.queue.nudge(self._send, deadline(self.settings.connect_timeout), looked=looked) != Nudge.EMPTY:
                 self._watch()  # we may be the last one alive who knows of this queue
         except Exception as exc:  # noqa: BLE001 - the processes watching the queue send it instead
             logger.warning("%s: could not send the next parked copy of lock %r (%s); the processes watching "

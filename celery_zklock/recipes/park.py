@@ -21,7 +21,9 @@ taken, and drops itself. So
 a second send is harmless, and everyone who may have made room in the key or put a copy
 in the queue nudges after it: the releaser, the parker, a worker that declines a sent
 copy, and each process that watches the queue (:class:`QueueWatch`). Each writes first
-and reads after, so of a releaser and a parker racing, one sees the other.
+and reads after, so of a releaser and a parker racing, one sees the other. (A releaser
+also looks before it lets go, :meth:`ParkedQueue.look`, so that its claim on the head
+commits with its release; any answer from that look but a claim is read again after.)
 
 Example::
 
@@ -40,15 +42,16 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..exceptions import explain
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Nudge", "ParkedQueue", "QueueWatch", "parked_sequence", "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Looked", "Nudge", "ParkedQueue", "QueueWatch", "parked_sequence",
+           "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -60,8 +63,23 @@ CLAIM = "c-"
 #: (1 MiB by default), and the create's path and ACL travel with the data.
 MAX_PAYLOAD = 1_000_000
 
+#: Seconds a watch's event waits before the nudge it asks for. A hand-off fires five events in
+#: every process watching its queue (the release, the claim, the receive, the create, the take),
+#: while the releaser sends the head itself: a nudge for each cost every hand-off ~130 requests
+#: from four pool processes (6.5 a task under ``wait``), on the core the worker shares. A nudge
+#: after they settle costs one per process, and the kills and declines the watch is for are
+#: seen as late: the copy still goes within its claimant's session timeout and this.
+SETTLE = 0.05
+
+#: Each park writes a token of its own into the queue node's data, which keeps the newest
+#: _RING of them: a park whose reply was lost finds its token there even after its copy was
+#: sent, taken and run meanwhile (its node gone), and does not park it a second time.
+_TOKEN, _RING = 16, 256
+
 #: ``send(node path, payload)``: publish a parked copy again (the glue's part).
 Send = Callable[[str, bytes], None]
+#: What :meth:`ParkedQueue.look` found: the queue's children, and the key's contenders.
+Looked = Tuple[List[str], List[str]]
 
 
 class Nudge(str, enum.Enum):
@@ -159,10 +177,14 @@ class ParkedQueue:
         """
         if len(payload) > MAX_PAYLOAD:
             raise ValueError(f"{len(payload)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
-        # Run again after a lost reply, it finds its node by its prefix and makes no second one.
-        return through_blips(self.session, until, lambda: self._park_now(task_id, payload, limit, until))
+        # Run again after a lost reply, it finds its node by its prefix and makes no second one;
+        # or, where the copy was sent and taken meanwhile, finds this park's token in the ring.
+        token = uuid.uuid4().hex[:_TOKEN].encode()
+        first: List[int] = []  # the queue node's version under this park's latest try
+        return through_blips(self.session, until, lambda: self._park_now(task_id, payload, limit, until, token, first))
 
-    def _park_now(self, task_id: str, payload: bytes, limit: int, until: Optional[float]) -> Optional[str]:
+    def _park_now(self, task_id: str, payload: bytes, limit: int, until: Optional[float], token: bytes,
+                  first: List[int]) -> Optional[str]:
         client = self.session.client
         nodes = self.session.nodes
         prefix = _prefix(task_id)
@@ -178,7 +200,7 @@ class ParkedQueue:
             listed = client.get_children_async(self.path)
             try:
                 reply(synced, until)
-                _, stat = reply(read, until)
+                data, stat = reply(read, until)
                 parked = _parked(reply(listed, until))
             except NoNodeError:
                 nodes.container_gone(self.path)  # reaped since we last used it
@@ -187,10 +209,18 @@ class ParkedQueue:
             mine = [name for name in parked if name.startswith(prefix)]
             if mine:
                 return mine[0]
+            ring = [data[i:i + _TOKEN] for i in range(0, len(data), _TOKEN)]
+            if token in ring:
+                return prefix  # an earlier try of ours parked it, and it was taken since: it ran, or runs
+            if first and stat.version - first[0] > _RING:
+                raise RuntimeError(  # not expected: so many parks behind one lost reply
+                    f"parked queue {self.path}: {stat.version - first[0]} parks since this one's reply was "
+                    "lost; whether it parked cannot be told")
             if len(parked) >= limit:
                 return None
+            first[:] = [stat.version]  # a try whose reply is lost committed at this version, or not at all
             tx = client.transaction()
-            tx.set_data(self.path, b"", version=stat.version)
+            tx.set_data(self.path, (data + token)[-_RING * _TOKEN:], version=stat.version)
             tx.create(self.node_path(prefix), payload, sequence=True)
             results = reply(tx.commit_async(), until)
             if not _failed(results):
@@ -200,32 +230,66 @@ class ParkedQueue:
             # Another parker took a place first, or the queue was reaped: look again.
 
     # -- the hand-off ------------------------------------------------------------------------
-    def nudge(self, send: Send, until: Optional[float]) -> Nudge:
+    def look(self, leaving: str, until: Optional[float]) -> Optional[Looked]:
+        """Before a holder lets go: the queue and the key's contenders but ``leaving`` (its own
+        node), for :meth:`nudge` to claim the head right behind the release; None when nothing
+        is parked (the nudge then reads after the release, so that a copy parked meanwhile is seen).
+
+        Read first, the claim is sent with the release and committed with it, where read after,
+        it waited for the release's commit and then its own. What changed between the look and
+        the release only costs time: a head taken since fails the claim's check, and a copy
+        sent to a key that a newcomer holds declines it (it stays at the head).
+        """
+        client = self.session.client
+        synced = client.sync_async(self.path)
+        listed = client.get_children_async(self.path)
+        locked = client.get_children_async(self.lock_path)
+        try:
+            reply(synced, until)
+            children = reply(listed, until)
+            contenders = reply(locked, until)
+        except NoNodeError:
+            return None
+        return (children, [c for c in contenders if c != leaving]) if _parked(children) else None
+
+    def nudge(self, send: Send, until: Optional[float], watch: Optional[Callable[[Any], None]] = None,
+              looked: Optional[Looked] = None) -> Nudge:
         """Send the head again if the key has room for it and nobody claims it.
 
         ``send`` runs under our claim; if it raises, the claim goes (so that the next nudge
-        tries again) and the error is raised.
+        tries again) and the error is raised. ``watch`` is set on the queue's children and
+        the key's contenders by the reads the answer comes from: a change after them fires it.
+        ``looked`` is what :meth:`look` found before our release: the first try claims from it.
         """
         # A claim this call made, found again after a lost reply, is known by its token.
         token = b"sent:" + uuid.uuid4().hex.encode()
-        return through_blips(self.session, until, lambda: self._nudge_now(send, until, token))
+        first = [looked]
+        return through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, first))
 
-    def _nudge_now(self, send: Send, until: Optional[float], token: bytes) -> Nudge:
+    def _nudge_now(self, send: Send, until: Optional[float], token: bytes,
+                   watch: Optional[Callable[[Any], None]], first: List[Optional[Looked]]) -> Nudge:
         client = self.session.client
         while True:
-            synced = client.sync_async(self.path)
-            listed = client.get_children_async(self.path)
-            locked = client.get_children_async(self.lock_path)
-            try:
-                reply(synced, until)
-                children = reply(listed, until)
-            except NoNodeError:
-                return Nudge.EMPTY
-            try:
-                contenders = reply(locked, until)
-            except NoNodeError:
-                contenders = []
+            looked, first[0] = first[0], None  # once: a try after a lost reply, or a failed claim, reads afresh
+            if looked is not None:
+                children, contenders = looked
+            else:
+                synced = client.sync_async(self.path)
+                listed = client.get_children_async(self.path, watch=watch)
+                locked = client.get_children_async(self.lock_path, watch=watch)
+                try:
+                    reply(synced, until)
+                    children = reply(listed, until)
+                except NoNodeError:
+                    return Nudge.EMPTY
+                try:
+                    contenders = reply(locked, until)
+                except NoNodeError:
+                    contenders = []
             parked = _parked(children)
+            if looked is not None and not (parked and CLAIM + parked[0] not in children
+                                           and self.rule.has_room(contenders)):
+                continue  # only a claim may come of a look: any other answer is read after the release
             if not parked:
                 return Nudge.EMPTY
             head = parked[0]
@@ -273,6 +337,36 @@ class ParkedQueue:
         sent again if this worker dies before it takes it. False when its node is gone: a
         second send of a copy already taken, which must not run."""
         return through_blips(self.session, until, lambda: self._receive_now(name, until))
+
+    def receive_sent(self, name: str) -> Tuple[Any, Any]:
+        """:meth:`receive`'s two tries, sent together and not waited for: the claim replaced, or
+        made where there is none (the server runs them in order, so at most one commits).
+        The key's lock is asked for right behind them, and commits with them. Their answers
+        are read by :meth:`received`."""
+        client = self.session.client
+        node, claim = self.node_path(name), self.node_path(CLAIM + name)
+        sent = []
+        for ours in ((lambda tx: tx.delete(claim)), None):
+            tx = client.transaction()
+            tx.check(node, -1)
+            if ours is not None:
+                ours(tx)
+            tx.create(claim, b"", ephemeral=True)
+            sent.append(tx.commit_async())
+        return sent[0], sent[1]
+
+    def received(self, name: str, sent: Tuple[Any, Any], until: Optional[float]) -> bool:
+        """What :meth:`receive` answers, for the tries :meth:`receive_sent` sent: where neither
+        committed (the claim changed between them, or a reply was lost), receive runs in full."""
+        try:
+            tries = [reply(one, until) for one in sent]
+        except ConnectionLoss:
+            return self.receive(name, until)
+        if any(not _failed(results) for results in tries):
+            return True
+        if all(isinstance(results[0], NoNodeError) for results in tries):
+            return False  # the node is gone
+        return self.receive(name, until)
 
     def _receive_now(self, name: str, until: Optional[float]) -> bool:
         def replace(tx: Any, claim: str) -> None:
@@ -382,6 +476,8 @@ class QueueWatch:
         self._removals: List[Tuple[ParkedQueue, str]] = []
         #: Queues whose last nudge failed -> (when to try again, the backoff after that).
         self._backoff: Dict[str, Tuple[float, float]] = {}
+        #: Queues a watch fired for, whose nudge waits out SETTLE.
+        self._settling: Set[str] = set()
         self._lock = threading.Lock()
         self._todo: queue.Queue[Optional[str]] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -394,11 +490,26 @@ class QueueWatch:
         with self._lock:
             new = path not in self._queues
             if new:
-                self._queues[path] = (parked, send, lambda event: self._todo.put(path))
+                self._queues[path] = (parked, send, lambda event: self._settle(path))
             self._added[path] = self._added.get(path, 0) + 1
             self._start()
         if new or nudge:
             self._todo.put(path)
+
+    def _settle(self, path: str) -> None:
+        """A watch fired: nudge ``path`` after :data:`SETTLE`, once for every event until then."""
+        with self._lock:
+            if path in self._settling:
+                return
+            self._settling.add(path)
+        timer = threading.Timer(SETTLE, self._settled, (path,))
+        timer.daemon = True
+        timer.start()
+
+    def _settled(self, path: str) -> None:
+        with self._lock:
+            self._settling.discard(path)  # before the nudge: an event during it is nudged for again
+        self._todo.put(path)
 
     def give_up(self, parked: ParkedQueue, name: str, send: Send) -> None:
         """In the background: give back the claim on copy ``name`` (it was received and did not
@@ -468,11 +579,8 @@ class QueueWatch:
 
     def _nudge(self, parked: ParkedQueue, send: Send, fired: Callable[[Any], None]) -> Optional[Nudge]:
         try:
-            client = self.session.client
-            # Watches first, then the nudge: a change between the two fires them.
-            client.get_children_async(parked.lock_path, watch=fired)
-            client.get_children_async(parked.path, watch=fired)
-            return parked.nudge(send, deadline(self.timeout))
+            # The nudge's own reads set the watches: a change they do not see fires them.
+            return parked.nudge(send, deadline(self.timeout), watch=fired)
         except Exception as exc:  # noqa: BLE001 - the next event, or the session coming back, tries again
             logger.warning("parked copies at %s: could not send the head on (%s); trying again as the key "
                            "or the session changes", parked.path, explain(exc))

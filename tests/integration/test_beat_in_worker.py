@@ -9,7 +9,8 @@ import json
 import os
 import signal
 import time
-from typing import List
+from contextlib import contextmanager
+from typing import Dict, Iterator, List
 
 import pytest
 import redis
@@ -39,15 +40,29 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_one_embedded_beat_dispatches_and_a_killed_workers_beat_stands_down_at_once(env, queue, redis_server):
+@contextmanager
+def replicas(env: Dict[str, str], name: str, concurrency: int, queue: str) -> Iterator[List[CeleryWorker]]:
+    """Three ``worker -B --scheduler zklock`` replicas consuming ``queue``, started together."""
     workers: List[CeleryWorker] = []
     try:
         for i in range(3):
-            worker = CeleryWorker("tests.apps.beat_app", name=f"wb{i}", concurrency=1, env=env,
-                                  extra_args=["-B", "--scheduler", "zklock", "-Q", f"{queue}-not-the-beats"])
+            worker = CeleryWorker("tests.apps.beat_app", name=f"{name}{i}", concurrency=concurrency, env=env,
+                                  extra_args=["-B", "--scheduler", "zklock", "-Q", queue])
             workers.append(worker)
             _started.append(worker)
-            worker.start()
+            worker.start(wait=False)
+        for worker in workers:
+            worker.start_wait()
+        yield workers
+    finally:
+        for worker in workers:
+            _started.remove(worker)
+            worker.stop(timeout=20)
+            worker.close()
+
+
+def test_one_embedded_beat_dispatches_and_a_killed_workers_beat_stands_down_at_once(env, queue, redis_server):
+    with replicas(env, "wb", 1, f"{queue}-not-the-beats") as workers:
         wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 4, timeout=30)
         beat = dispatches(redis_server.url, queue)[-1]["pid"]
         assert {d["pid"] for d in dispatches(redis_server.url, queue)} == {beat}, "two beats dispatched"
@@ -69,11 +84,6 @@ def test_one_embedded_beat_dispatches_and_a_killed_workers_beat_stands_down_at_o
         assert took < 2.5, f"the next beat dispatched {took:.2f}s after the kill"
         assert "the worker that embedded this beat" in leader.log_text()
         print(f"next beat dispatched {took:.2f}s after its worker's SIGKILL; {len(history)} runs, none twice")
-    finally:
-        for worker in workers:
-            _started.remove(worker)
-            worker.stop(timeout=20)
-            worker.close()
 
 
 def test_the_embedded_beat_and_the_pools_locks_keep_to_sessions_of_their_own(env, queue, redis_server, kazoo,
@@ -83,16 +93,7 @@ def test_the_embedded_beat_and_the_pools_locks_keep_to_sessions_of_their_own(env
     history = redis.Redis.from_url(redis_server.url)
     history.delete("beat-app-holds")
     beat_app.app.conf.update(broker_url=redis_server.url)  # imported here before the env was known
-    workers: List[CeleryWorker] = []
-    try:
-        for i in range(3):
-            worker = CeleryWorker("tests.apps.beat_app", name=f"wl{i}", concurrency=2, env=env,
-                                  extra_args=["-B", "--scheduler", "zklock", "-Q", f"{queue}-work"])
-            workers.append(worker)
-            _started.append(worker)
-            worker.start(wait=False)
-        for worker in workers:
-            worker.start_wait()
+    with replicas(env, "wl", 2, f"{queue}-work"):
         wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 2, timeout=30)
         for n in range(24):
             beat_app.locked.apply_async((n % 3, 0.05), queue=f"{queue}-work")
@@ -106,11 +107,6 @@ def test_the_embedded_beat_and_the_pools_locks_keep_to_sessions_of_their_own(env
         assert leader not in {h["session"] for h in holds}, "a lock was held by the beat's own session"
         assert len({h["session"] for h in holds}) > 1  # the pools' sessions, one per process that ran some
         check_history(dispatches(redis_server.url, queue), 1.0, max_gap=1.5)  # none twice, none skipped
-    finally:
-        for worker in workers:
-            _started.remove(worker)
-            worker.stop(timeout=20)
-            worker.close()
 
 
 def test_dash_s_zklock_on_a_worker_is_refused(env, queue):

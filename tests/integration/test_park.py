@@ -227,3 +227,57 @@ def test_a_whole_worker_killed_leaves_its_parked_copies_to_the_next_worker(worke
     assert bodies == [r.id for r in rest], "each parked copy once, in order"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: queue_left(kazoo, zk_root, "dead") == [], timeout=10)
+
+
+def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo, zk_root, new_session, monkeypatch):
+    # The take is a round trip after the lock's last check: a loss heard during it came too
+    # early for the body's guard, which let the body run without its lock beside the next
+    # holder (the fuzzer's held replies: the session unproven during the take). Here the
+    # loss is placed there: the copy's lock node is deleted once its take returns.
+    from celery.app.trace import build_tracer
+
+    from celery_zklock import zk_locked
+    from celery_zklock.exceptions import LockLost
+    from celery_zklock.recipes.lock import Lock, LockState
+
+    celery_app.conf.zklock_root = zk_root
+    ran = []
+
+    @celery_app.task
+    @zk_locked(key="park:taken", on_contention="park")
+    def copy(n):
+        ran.append(n)
+        return n
+
+    celery_app.finalize()
+    lock_path, parked_path = f"{zk_root}/locks/k-park:taken", parked_queue(zk_root, "taken")
+    tracer = build_tracer(copy.name, copy, app=celery_app, eager=False, propagate=False)
+
+    def run(task_id: str, header: str = "") -> None:
+        request = {"id": task_id, "hostname": "test@here",
+                   "delivery_info": {"routing_key": f"nobody-reads-{zk_root[3:]}", "exchange": ""}}
+        if header:
+            request[parking.PARK_HEADER] = header
+        tracer(task_id, (1,), {}, request)
+
+    holder = Lock(new_session(), lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    run("copy-1")  # parks behind the holder
+    [node] = [c for c in children(kazoo, parked_path) if c.startswith("p-")]
+    holder.release()  # this process watches the queue: it sends the copy (to a queue no worker reads)
+    wait_until(lambda: f"c-{node}" in children(kazoo, parked_path), timeout=10)
+
+    taking = parking.Parking.holding
+
+    def holding_then_lost(self, until):
+        taken = taking(self, until)
+        kazoo.delete(f"{lock_path}/{self.lock.node}")
+        wait_until(lambda: self.lock.state == LockState.LOST, timeout=10)
+        return taken
+
+    monkeypatch.setattr(parking.Parking, "holding", holding_then_lost)
+    run("copy-1", f"{parked_path}/{node}")
+    assert ran == [], "the body ran after its lock was lost"
+    result = copy.AsyncResult("copy-1")
+    assert result.state == "FAILURE" and isinstance(result.result, LockLost), (result.state, result.result)
+    assert children(kazoo, lock_path) == [] and children(kazoo, parked_path) == []

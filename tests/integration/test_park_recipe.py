@@ -117,3 +117,26 @@ def test_the_limit_holds_against_parkers_racing_for_the_last_place(new_session, 
     thread.join(10)
     assert outcome == [None], "a third copy got a place in a queue of two"
     assert len(fast.parked(deadline(10))) == 2
+
+
+def test_a_park_whose_reply_was_lost_while_its_copy_ran_parks_no_second_copy(new_session, proxy, zk_root, kazoo):
+    """The fuzzer's held replies: a park committed, its reply held, and meanwhile its copy was
+    sent, received and taken elsewhere; the connection then broke. Run again, the park found
+    no node of its copy and parked it a second time, so the copy ran twice."""
+    queue_path, lock_path = paths(zk_root)
+    parker = ParkedQueue(new_session(hosts=proxy.hosts), queue_path, lock_path, EXCLUSIVE)
+    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    held = proxy.hold_reply(Op.MULTI)
+    parked: List[object] = []
+    thread = threading.Thread(target=lambda: parked.append(parker.park("copy-1", b"m1", 10, deadline(30))))
+    thread.start()
+    held.wait_matched()
+    sends = Sends()
+    assert other.nudge(sends, deadline(10)) == Nudge.SENT
+    [(node, _)] = sends.seen
+    name = node.rpartition("/")[2]
+    assert other.receive(name, deadline(10)) and other.take(name, deadline(10))  # it runs
+    proxy.reset()  # the held reply is lost with the connection
+    thread.join(20)
+    assert parked and parked[0] is not None
+    assert [c for c in kazoo.get_children(queue_path) if c.startswith("p-")] == [], "parked a second time"
