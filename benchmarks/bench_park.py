@@ -11,10 +11,14 @@ each policy:
   (the sum of the bodies on the busiest key);
 - the hand-off gap: from one holder's end to the next body's start on the same key, p50 and p99;
   under ``park``, also the median of each of its legs (end to send, send to delivery, delivery
-  to body), from marks the tasks' app records in the releasing and the receiving process.
+  to body), from marks the tasks' app records in the releasing and the receiving process;
+- the ZooKeeper requests the server received, per keyed task (all of the worker's, the watchers' too).
 
 With ``--pin`` ZooKeeper runs on CPU 1 and everything else on CPU 0; ``--fsync`` lets the
 server sync each write, as production servers do.
+
+A relay of the same keyed tasks with no lock (each body publishes its key's next copy as it
+ends) is the floor under park's hand-off: the broker's and the worker's part, under the same load.
 
     python -m benchmarks.bench_park [--keyed 200] [--unrelated 400] [--keys 4] [--ms 100] [--pin] [--fsync]
 """
@@ -165,7 +169,10 @@ def main() -> None:
             for policy in [*POLICIES, RELAY]:  # connections, sessions, key nodes
                 run(policy, warm, r)
             for policy in [*POLICIES, ALONE, RELAY, RELAY_ALONE]:
+                before = int(zk.mntr()["zk_packets_received"])
                 results[policy] = run(policy, args, r)
+                # A count, not a time: it does not drift with the machine's speed between runs.
+                results[policy]["requests"] = int(zk.mntr()["zk_packets_received"]) - before
             floor = broker_floor(r)
     where = "on CPU 1, all else on CPU 0" if args.pin else "sharing both CPUs"
     print(f"prefork -c {args.concurrency}: {args.keyed} keyed tasks ({args.ms:g} ms) on {args.keys} hot keys "
@@ -173,14 +180,15 @@ def main() -> None:
           f"forceSync={'yes' if args.fsync else 'no'}")
     base: Optional[float] = results["none"]["p99"]
     print(f"\n{'policy':<19}{'unrelated start p50':>21}{'p99':>11}{'p99 vs none':>13}"
-          f"{'keyed makespan':>16}{'vs bound':>10}{'hand-off p50':>14}{'p99':>11}")
+          f"{'keyed makespan':>16}{'vs bound':>10}{'hand-off p50':>14}{'p99':>11}{'ZK requests/keyed':>19}")
     for policy, row in results.items():
         label = "no keyed tasks" if policy == "none" else policy
         keyed = (f"{row['makespan']:>15.2f}s{row['makespan'] / row['bound']:>9.2f}x"
                  f"{row['gap50'] * 1000:>12.1f}ms{row['gap99'] * 1000:>9.1f}ms") if "makespan" in row else ""
         unrelated = (f"{row['p50'] * 1000:>19.1f}ms{row['p99'] * 1000:>9.1f}ms{row['p99'] / base:>12.2f}x"
                      if row["p50"] == row["p50"] else f"{'-':>21}{'-':>11}{'-':>13}")  # NaN: none ran
-        print(f"{label:<19}{unrelated}{keyed}")
+        requests = f"{row['requests'] / args.keyed:>19.1f}" if "makespan" in row else ""
+        print(f"{label:<19}{unrelated}{keyed}{requests}")
     for policy in ("park", ALONE):
         legs = results[policy].get("legs")
         if legs:
