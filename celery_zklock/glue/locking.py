@@ -217,9 +217,11 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
 
 
 def _still_held(locks: List[Lock]) -> None:
-    """Raise LockLost if any of ``locks`` was lost since it was taken: no body then."""
+    """Raise LockLost if any of ``locks`` was lost since it was taken: no body then. Lost, as
+    the guard would raise it in the body; not merely in doubt, which the body rides out."""
     for one in locks:
-        one.ensure()
+        if one.state == LockState.LOST:
+            raise LockLost(one.lost_message())
 
 
 def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session: Session, settings: Settings,

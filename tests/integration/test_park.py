@@ -260,9 +260,11 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
             request[parking.PARK_HEADER] = header
         tracer(task_id, (1,), {}, request)
 
+    # An id of its own: the suite's Redis keeps results, and Celery never overwrites a SUCCESS.
+    task_id = f"copy-{uuid.uuid4()}"
     holder = Lock(new_session(), lock_path, EXCLUSIVE)
     assert holder.acquire(timeout=10)
-    run("copy-1")  # parks behind the holder
+    run(task_id)  # parks behind the holder
     [node] = [c for c in children(kazoo, parked_path) if c.startswith("p-")]
     holder.release()  # this process watches the queue: it sends the copy (to a queue no worker reads)
     wait_until(lambda: f"c-{node}" in children(kazoo, parked_path), timeout=10)
@@ -276,8 +278,8 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
         return taken
 
     monkeypatch.setattr(parking.Parking, "holding", holding_then_lost)
-    run("copy-1", f"{parked_path}/{node}")
+    run(task_id, f"{parked_path}/{node}")
     assert ran == [], "the body ran after its lock was lost"
-    result = copy.AsyncResult("copy-1")
+    result = copy.AsyncResult(task_id)
     assert result.state == "FAILURE" and isinstance(result.result, LockLost), (result.state, result.result)
     assert children(kazoo, lock_path) == [] and children(kazoo, parked_path) == []
