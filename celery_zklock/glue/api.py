@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -106,6 +107,12 @@ _TASK_OPTIONS = ("key", "on_contention", "on_lock_lost", "retry_countdown", "ded
 _SET_BY_THE_LOCK = ("host", "pid")
 
 
+@functools.lru_cache(maxsize=256)
+def _option_hint(name: str) -> str:
+    # Cached: a locked task passes the same holder names on every run, and difflib costs ~0.1 ms.
+    return did_you_mean(name, _LOCK_OPTIONS + _TASK_OPTIONS)
+
+
 def lock(
     app: Any,
     key: str,
@@ -133,7 +140,7 @@ def lock(
             raise ConfigurationError(f"lock(): {name!r} is an option of locked tasks (@zk_locked), not of lock()")
         if name in _SET_BY_THE_LOCK:
             raise ConfigurationError(f"lock(): {name!r} is set in the holder's node data by the lock itself")
-        hint = did_you_mean(name, _LOCK_OPTIONS + _TASK_OPTIONS)
+        hint = _option_hint(name)
         if hint:
             raise ConfigurationError(f"lock(): unknown option {name!r}{hint} (other keyword arguments go into "
                                      "the holder's node data, but not one named like an option)")

@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, List, NoReturn, Optional
+from typing import Any, List, NoReturn, Optional, cast
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.exceptions import Ignore
@@ -119,19 +119,19 @@ class Parking:
                 f"({explain(exc)}), so the copy could neither park nor run") from None
 
     def _before(self, until: Optional[float]) -> Optional[str]:
-        if self.received is not None:
-            # Not waited for: the lock's create goes right behind it, and holding() reads it.
-            self._receiving = self.queue.receive_sent(self.received)
-            self._watch()  # it may die before its take: someone must see its claim go
-        elif self.queue.parked(until):
-            return self.park(until)
+        if self.received is None:
+            # One read decides: behind copies already parked it parks, else it tries the key.
+            return self.park(until, behind=True)
+        # Not waited for: the lock's create goes right behind it, and holding() reads it.
+        self._receiving = self.queue.receive_sent(self.received)
+        self._watch()  # it may die before its take: someone must see its claim go
         return None
 
     def contended(self, until: Optional[float]) -> str:
         """The key is held: park, or say why a full queue refused the copy. A received copy
         keeps its place at the head instead."""
         if self.received is None:
-            return self.park(until)
+            return cast(str, self.park(until))  # not behind: it parks (raises), or is refused
         if not self._received(until):
             self.dropped()
         self.queue.decline(self.received, until)
@@ -141,17 +141,17 @@ class Parking:
                     "key's parked queue", self.where, self.label)
         raise Ignore()
 
-    def park(self, until: Optional[float]) -> str:
+    def park(self, until: Optional[float], behind: bool = False) -> Optional[str]:
         """Put this copy at the back of the queue and free the slot (raises ``Ignore``), or say
-        why a full queue refused it (the caller refuses it as ``skip`` would)."""
-        if self.request.is_eager:
-            raise ConfigurationError(
-                f"task {self.task.name}: on_contention='park' needs a worker, which sends a parked copy "
-                "again through the broker; an eager call (apply(), task_always_eager) cannot park")
-        payload = self._payload()
+        why a full queue refused it (the caller refuses it as ``skip`` would). With ``behind``,
+        only behind copies already parked: None when there are none."""
         parked = False
         try:
-            if self.queue.park(self.request.id, payload, self.limit, until) is None:
+            # The message is built only to park: a copy that runs at once never pays for it.
+            found = self.queue.park(self.request.id, self._payload, self.limit, until, behind=behind)
+            if found == "":
+                return None
+            if found is None:
                 return f"the key's parked queue is full (park_limit={self.limit})"
             parked = True
             self._watch()
@@ -162,8 +162,11 @@ class Parking:
             # its reply is read: the copy is parked, and runs when its turn comes, so it ends
             # as a parked copy does, not as a failure; and it is watched, else a holder that
             # never hands on (a wait contender) would leave it waiting for ever.
-            if isinstance(exc, (SystemExit, KeyboardInterrupt)) or not (parked or self._parked_after_all(until)):
-                raise  # the process is going (a start's sweep finds the queue), or the copy never parked
+            if isinstance(exc, (SystemExit, KeyboardInterrupt, ConfigurationError, ParkedMessageTooLarge)) or not (
+                    parked or self._parked_after_all(until)):
+                # The process is going (a start's sweep finds the queue), the copy was refused
+                # before anything was written, or it never parked.
+                raise
             logger.warning("%s: %s as the copy parked; it stays parked, and runs when its turn comes", self.where,
                            explain(exc))
             _watch(self.queue.session, self.settings).add(self.queue, self._send, nudge=True)
@@ -245,6 +248,10 @@ class Parking:
     def _payload(self) -> bytes:
         """This copy's message as the task's retry would send it (its id, arguments, headers,
         routing, priority and canvas options), serialized with the task's serializer."""
+        if self.request.is_eager:
+            raise ConfigurationError(
+                f"task {self.task.name}: on_contention='park' needs a worker, which sends a parked copy "
+                "again through the broker; an eager call (apply(), task_always_eager) cannot park")
         signature = self.task.signature_from_request(self.request)
         options = signature.options
         options["headers"] = {k: v for k, v in (options.get("headers") or {}).items() if k != PARK_HEADER}

@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
@@ -59,6 +59,8 @@ logger = logging.getLogger("celery_zklock")
 PARKED = "p-"
 #: The claim on a parked copy in flight: this plus the copy's node name.
 CLAIM = "c-"
+#: A process watching the queue (:meth:`ParkedQueue.follow`): this, its watch's token, a sequence number.
+MEMBER = "w-"
 #: The most a parked copy's node may hold: ZooKeeper refuses a request over ``jute.maxbuffer``
 #: (1 MiB by default), and the create's path and ACL travel with the data.
 MAX_PAYLOAD = 1_000_000
@@ -89,6 +91,7 @@ class Nudge(str, enum.Enum):
     CLAIMED = "claimed"  # the head is in flight: its claimant's session lives
     BUSY = "busy"  # the key has no room: whoever holds it nudges as it lets go
     SENT = "sent"  # we claimed the head and sent it
+    FOLLOWING = "following"  # another process watches the queue for us (QueueWatch only)
 
 
 def _prefix(task_id: str) -> str:
@@ -102,9 +105,13 @@ def parked_sequence(name: str) -> int:
     >>> parked_sequence("p-0123456789abcdef-0000000007"), parked_sequence("c-p-x-0000000001"), parked_sequence("p-x-²")
     (7, -1, -1)
     """
+    return _sequence(name, PARKED)
+
+
+def _sequence(name: str, prefix: str) -> int:
     head, _, seq = name.rpartition("-")
     # isascii: str.isdigit() also passes '²', which int() refuses (junk written by others).
-    return int(seq) if name.startswith(PARKED) and head and seq.isascii() and seq.isdigit() else -1
+    return int(seq) if name.startswith(prefix) and head and seq.isascii() and seq.isdigit() else -1
 
 
 def _parked(children: List[str]) -> List[str]:
@@ -167,29 +174,46 @@ class ParkedQueue:
         return next((name for name in self.parked(until) if name.startswith(prefix)), None)
 
     # -- the parker ------------------------------------------------------------------------
-    def park(self, task_id: str, payload: bytes, limit: int, until: Optional[float]) -> Optional[str]:
+    def park(self, task_id: str, payload: Union[bytes, Callable[[], bytes]], limit: int, until: Optional[float],
+             behind: bool = False) -> Optional[str]:
         """Put copy ``task_id`` at the back of the queue: its node's name, or None when the
         queue holds ``limit`` copies already. A copy already parked (its message delivered
         again) keeps its place: its node's name is returned and no second node is made.
 
+        With ``behind``, the copy parks only behind copies already parked: ``""`` when there
+        are none (it did not park, and may try the key). ``payload`` may be a function, called
+        only to park (so a copy that does not park never builds its message).
+
         The limit holds exactly: each park bumps the queue node's version in the same
         transaction as its create, so two parkers never both take the last place.
         """
-        if len(payload) > MAX_PAYLOAD:
-            raise ValueError(f"{len(payload)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
+        built: List[bytes] = []
+
+        def message() -> bytes:
+            if not built:
+                data = payload if isinstance(payload, bytes) else payload()
+                if len(data) > MAX_PAYLOAD:
+                    raise ValueError(f"{len(data)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
+                built.append(data)
+            return built[0]
+
+        if not behind:
+            message()  # a message it cannot park is refused before anything is sent
         # Run again after a lost reply, it finds its node by its prefix and makes no second one;
         # or, where the copy was sent and taken meanwhile, finds this park's token in the ring.
         token = uuid.uuid4().hex[:_TOKEN].encode()
         first: List[int] = []  # the queue node's version under this park's latest try
-        return through_blips(self.session, until, lambda: self._park_now(task_id, payload, limit, until, token, first))
+        return through_blips(self.session, until,
+                             lambda: self._park_now(task_id, message, limit, until, token, first, behind))
 
-    def _park_now(self, task_id: str, payload: bytes, limit: int, until: Optional[float], token: bytes,
-                  first: List[int]) -> Optional[str]:
+    def _park_now(self, task_id: str, message: Callable[[], bytes], limit: int, until: Optional[float], token: bytes,
+                  first: List[int], behind: bool) -> Optional[str]:
         client = self.session.client
         nodes = self.session.nodes
         prefix = _prefix(task_id)
         while True:
-            made = nodes.ensure_container(self.path, None)
+            # Behind: no queue, no copy to park behind (and no container made for every key ever run).
+            made = None if behind else nodes.ensure_container(self.path, None)
             if made is not None:
                 try:
                     reply(made, until)
@@ -201,23 +225,30 @@ class ParkedQueue:
             try:
                 reply(synced, until)
                 data, stat = reply(read, until)
-                parked = _parked(reply(listed, until))
+                children = reply(listed, until)
             except NoNodeError:
+                if behind:
+                    return ""  # nothing parked (a park after this one finds the queue gone and makes it)
                 nodes.container_gone(self.path)  # reaped since we last used it
                 continue
             nodes.container_used(self.path)
+            # Not sorted: only our own node and the count matter here (a long queue is read per park).
+            parked = [name for name in children if parked_sequence(name) >= 0]
             mine = [name for name in parked if name.startswith(prefix)]
             if mine:
-                return mine[0]
+                return min(mine, key=parked_sequence)
             ring = [data[i:i + _TOKEN] for i in range(0, len(data), _TOKEN)]
             if token in ring:
                 return prefix  # an earlier try of ours parked it, and it was taken since: it ran, or runs
+            if behind and not parked:
+                return ""
             if first and stat.version - first[0] > _RING:
                 raise RuntimeError(  # not expected: so many parks behind one lost reply
                     f"parked queue {self.path}: {stat.version - first[0]} parks since this one's reply was "
                     "lost; whether it parked cannot be told")
             if len(parked) >= limit:
                 return None
+            payload = message()  # built once, and before anything is written: it may refuse the copy
             first[:] = [stat.version]  # a try whose reply is lost committed at this version, or not at all
             tx = client.transaction()
             tx.set_data(self.path, (data + token)[-_RING * _TOKEN:], version=stat.version)
@@ -228,6 +259,64 @@ class ParkedQueue:
             if not any(isinstance(r, (BadVersionError, NoNodeError)) for r in results):
                 raise next(r for r in results if isinstance(r, Exception))
             # Another parker took a place first, or the queue was reaped: look again.
+
+    # -- the watchers ------------------------------------------------------------------------
+    def follow(self, token: str, watch: Callable[[Any], None], until: Optional[float]) -> Optional[bool]:
+        """Herd-free watching, as in ZooKeeper's election recipe: each process that watches
+        the queue keeps a member node in it (``MEMBER`` + ``token``, ephemeral and sequential),
+        and only the first member nudges and watches the queue and the key. Each other member
+        watches the member before its own, and steps up when that one goes (it left, or its
+        session died). So a hand-off wakes one process, not every process with a copy parked.
+
+        True: we lead (the caller nudges, with its watches); False: we follow, and ``watch`` is
+        set on the member before ours; None: nothing is parked, and our member node goes.
+        """
+        return through_blips(self.session, until, lambda: self._follow_now(token, watch, until))
+
+    def _follow_now(self, token: str, watch: Callable[[Any], None], until: Optional[float]) -> Optional[bool]:
+        client, nodes = self.session.client, self.session.nodes
+        prefix = f"{MEMBER}{token}-"
+        while True:
+            synced = client.sync_async(self.path)
+            listed = client.get_children_async(self.path)
+            try:
+                reply(synced, until)
+                children = reply(listed, until)
+            except NoNodeError:
+                return None
+            members = sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
+            ours = [m for m in members if m.startswith(prefix)]
+            if not any(parked_sequence(c) >= 0 for c in children):
+                for member in ours:
+                    nodes.delete_later(self.node_path(member))
+                return None
+            if not ours:
+                try:
+                    reply(nodes.create_contender(self.node_path(prefix), b""), until)
+                except NoNodeError:
+                    return None
+                continue  # read again, with it (a create whose reply was lost is found by its token)
+            for extra in ours[1:]:  # made by a create whose reply was lost: one member each
+                nodes.delete_later(self.node_path(extra))
+            at = members.index(ours[0])
+            if at == 0:
+                return True
+            if reply(client.exists_async(self.node_path(members[at - 1]), watch=watch), until) is not None:
+                return False
+            # The member before ours went between our reads: read again.
+
+    def leave(self, token: str, until: Optional[float]) -> None:
+        """Our member node goes (we watch the queue no more): the member after ours steps up."""
+        through_blips(self.session, until, lambda: self._leave_now(token, until))
+
+    def _leave_now(self, token: str, until: Optional[float]) -> None:
+        try:
+            children = reply(self.session.client.get_children_async(self.path), until)
+        except NoNodeError:
+            return
+        for member in children:
+            if member.startswith(f"{MEMBER}{token}-"):
+                self.session.nodes.delete_later(self.node_path(member))
 
     # -- the hand-off ------------------------------------------------------------------------
     def look(self, leaving: str, until: Optional[float]) -> Optional[Looked]:
@@ -454,7 +543,9 @@ class ParkedQueue:
 
 class QueueWatch:
     """Nudges the queues one process parked copies in whenever their key's contenders change
-    or their own children do (a copy or a claim comes or goes), until a queue is empty.
+    or their own children do (a copy or a claim comes or goes), until a queue is empty. Of the
+    processes watching one queue, one does so at a time (:meth:`ParkedQueue.follow`): the others
+    wait for it to go.
 
     It sends the head when nobody else is left to: a holder killed before its hand-off
     (its node goes with its session, which fires the watch), a sender or receiver killed
@@ -478,6 +569,8 @@ class QueueWatch:
         self._backoff: Dict[str, Tuple[float, float]] = {}
         #: Queues a watch fired for, whose nudge waits out SETTLE.
         self._settling: Set[str] = set()
+        #: Names this process's member nodes (see ParkedQueue.follow), one per queue watched.
+        self.token = uuid.uuid4().hex[:16]
         self._lock = threading.Lock()
         self._todo: queue.Queue[Optional[str]] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -549,7 +642,7 @@ class QueueWatch:
                 retry_at, backoff = self._backoff.get(path, (0.0, 0.0))
             if entry is None or time.monotonic() < retry_at:
                 continue  # a timer nudges it then: a failing send must not spin on its own claim's delete
-            done = self._nudge(*entry)
+            done = self._follow(*entry)
             with self._lock:
                 if done is None:
                     backoff = min(max(2 * backoff, 0.5), 10.0)
@@ -559,8 +652,11 @@ class QueueWatch:
                     timer.start()
                     continue
                 self._backoff.pop(path, None)
-                if done == Nudge.EMPTY and self._added.get(path) == added:
-                    del self._queues[path], self._added[path]
+                if done == Nudge.EMPTY:
+                    if self._added.get(path) == added:
+                        del self._queues[path], self._added[path]
+                    else:
+                        self._todo.put(path)  # a copy parked since we left the queue's members: join again
 
     def _remove(self) -> None:
         with self._lock:
@@ -577,10 +673,19 @@ class QueueWatch:
                 timer.daemon = True
                 timer.start()
 
-    def _nudge(self, parked: ParkedQueue, send: Send, fired: Callable[[Any], None]) -> Optional[Nudge]:
+    def _follow(self, parked: ParkedQueue, send: Send, fired: Callable[[Any], None]) -> Optional[Nudge]:
         try:
+            until = deadline(self.timeout)
+            leads = parked.follow(self.token, fired, until)
+            if leads is None:
+                return Nudge.EMPTY
+            if not leads:
+                return Nudge.FOLLOWING
             # The nudge's own reads set the watches: a change they do not see fires them.
-            return parked.nudge(send, deadline(self.timeout), watch=fired)
+            done = parked.nudge(send, until, watch=fired)
+            if done == Nudge.EMPTY:
+                parked.leave(self.token, until)
+            return done
         except Exception as exc:  # noqa: BLE001 - the next event, or the session coming back, tries again
             logger.warning("parked copies at %s: could not send the head on (%s); trying again as the key "
                            "or the session changes", parked.path, explain(exc))

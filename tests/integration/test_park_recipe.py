@@ -140,3 +140,39 @@ def test_a_park_whose_reply_was_lost_while_its_copy_ran_parks_no_second_copy(new
     thread.join(20)
     assert parked and parked[0] is not None
     assert [c for c in kazoo.get_children(queue_path) if c.startswith("p-")] == [], "parked a second time"
+
+
+def test_one_process_watches_a_queue_and_the_next_steps_up_when_it_dies(new_session, zk_root, kazoo):
+    """The herd: every process with a copy parked watched the key and the queue, so each
+    hand-off woke them all (four pool processes: 160 requests a keyed task). One member of
+    the queue watches now; the others wait on the member before theirs."""
+    queue_path, lock_path = paths(zk_root)
+    holder = Lock(new_session(), lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    sessions = [new_session() for _ in range(3)]
+    queues = [ParkedQueue(s, queue_path, lock_path, EXCLUSIVE) for s in sessions]
+    name = queues[0].park("copy-1", b"m1", 10, deadline(10))
+    nudges = [0, 0, 0]
+    for i, queue in enumerate(queues):
+        def counted(*args: object, _nudge=queue.nudge, _i=i, **kwargs: object) -> Nudge:
+            nudges[_i] += 1
+            return _nudge(*args, **kwargs)  # type: ignore[arg-type]
+        queue.nudge = counted  # type: ignore[method-assign]
+    sends = [Sends() for _ in sessions]
+    watches = [QueueWatch(s, 10) for s in sessions]
+    try:
+        for watch, queue, sent in zip(watches, queues, sends):
+            watch.add(queue, sent)
+            wait_until(lambda: sum(c.startswith("w-" + watch.token) for c in kazoo.get_children(queue_path)), timeout=10)
+        # The first member nudges as it joins, and again as others join (its watch sees them).
+        assert nudges[0] >= 1 and nudges[1:] == [0, 0], "only the first member nudges"
+        holder.release()  # a holder that never hands on (a wait contender, kazoo's lock): the watch sends
+        wait_until(lambda: sends[0].seen, timeout=10)
+        assert sends[0].seen == [(queues[0].node_path(str(name)), b"m1")]
+        assert nudges[1:] == [0, 0], "a hand-off woke the processes that do not watch"
+        sessions[0].close()  # the sender dies before the copy is taken: its claim, and its member, go
+        wait_until(lambda: sends[1].seen, timeout=10)
+        assert sends[1].seen == sends[0].seen and not sends[2].seen, "the next member stepped up, alone"
+    finally:
+        for watch in watches:
+            watch.stop()
