@@ -5,6 +5,7 @@ meets a held key waits in ZooKeeper rather than in a worker's slot.
 
     <root>/parked/locks/<key>/p-<id hash>-<seq>      a parked copy's message (persistent, sequential)
     <root>/parked/locks/<key>/c-p-<id hash>-<seq>    the claim on the copy in flight (ephemeral)
+    <root>/parked/locks/<key>/w-<token>-<seq>        a process watching the queue (ephemeral, sequential)
 
 The queue is a container beside the key's lock, in sequence order. Its head is sent
 again by :meth:`ParkedQueue.nudge`, and only when the key has room for it and nobody
@@ -20,7 +21,7 @@ whose node is gone, with no mark of its own, is a second send of a copy already
 taken, and drops itself. So
 a second send is harmless, and everyone who may have made room in the key or put a copy
 in the queue nudges after it: the releaser, the parker, a worker that declines a sent
-copy, and each process that watches the queue (:class:`QueueWatch`). Each writes first
+copy, and the process that watches the queue (:class:`QueueWatch`, one at a time). Each writes first
 and reads after, so of a releaser and a parker racing, one sees the other. (A releaser
 also looks before it lets go, :meth:`ParkedQueue.look`, so that its claim on the head
 commits with its release; any answer from that look but a claim is read again after.)
