@@ -435,15 +435,13 @@ class ParkedQueue:
         are read by :meth:`received`."""
         client = self.session.client
         node, claim = self.node_path(name), self.node_path(CLAIM + name)
-        sent = []
-        for ours in ((lambda tx: tx.delete(claim)), None):
-            tx = client.transaction()
-            tx.check(node, -1)
-            if ours is not None:
-                ours(tx)
-            tx.create(claim, b"", ephemeral=True)
-            sent.append(tx.commit_async())
-        return sent[0], sent[1]
+        replace, make = client.transaction(), client.transaction()
+        replace.check(node, -1)
+        replace.delete(claim)
+        replace.create(claim, b"", ephemeral=True)
+        make.check(node, -1)
+        make.create(claim, b"", ephemeral=True)
+        return replace.commit_async(), make.commit_async()
 
     def received(self, name: str, sent: Tuple[Any, Any], until: Optional[float]) -> bool:
         """What :meth:`receive` answers, for the tries :meth:`receive_sent` sent: where neither

@@ -282,5 +282,6 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
     assert ran == [], "the body ran after its lock was lost"
     result = copy.AsyncResult(task_id)
     assert result.state == "FAILURE" and isinstance(result.result, LockLost), (result.state, result.result)
-    assert children(kazoo, lock_path) == [] and [c for c in children(kazoo, parked_path) if not c.startswith("w-")] == []
+    assert children(kazoo, lock_path) == []
+    assert [c for c in children(kazoo, parked_path) if not c.startswith("w-")] == []  # w-: its watcher, below
     wait_until(lambda: children(kazoo, parked_path) == [], timeout=10)  # and this process watches it no more

@@ -163,7 +163,8 @@ def test_one_process_watches_a_queue_and_the_next_steps_up_when_it_dies(new_sess
     try:
         for watch, queue, sent in zip(watches, queues, sends):
             watch.add(queue, sent)
-            wait_until(lambda: sum(c.startswith("w-" + watch.token) for c in kazoo.get_children(queue_path)), timeout=10)
+            member = "w-" + watch.token
+            wait_until(lambda m=member: any(c.startswith(m) for c in kazoo.get_children(queue_path)), timeout=10)
         # The first member nudges as it joins, and again as others join (its watch sees them).
         assert nudges[0] >= 1 and nudges[1:] == [0, 0], "only the first member nudges"
         holder.release()  # a holder that never hands on (a wait contender, kazoo's lock): the watch sends
