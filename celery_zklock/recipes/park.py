@@ -119,6 +119,15 @@ def _parked(children: List[str]) -> List[str]:
     return sorted((c for c in children if parked_sequence(c) >= 0), key=parked_sequence)
 
 
+def _untold(path: str, what: str) -> RuntimeError:
+    """A park whose reply was lost, re-run, cannot find out whether it parked: its token is in
+    the queue node's ring, and the queue node ``what`` since (not expected: a reaper's pass, or
+    hundreds of parks, within one lost reply). An error, not a guess: parking again could run
+    the copy twice, and not parking could lose it; this way its caller is told."""
+    return RuntimeError(f"parked queue {path} {what} since this park's reply was lost; whether it parked "
+                        "cannot be told")
+
+
 def _failed(results: List[Any]) -> bool:
     return any(isinstance(r, Exception) for r in results)
 
@@ -203,7 +212,7 @@ class ParkedQueue:
         # Run again after a lost reply, it finds its node by its prefix and makes no second one;
         # or, where the copy was sent and taken meanwhile, finds this park's token in the ring.
         token = uuid.uuid4().hex[:_TOKEN].encode()
-        first: List[int] = []  # the queue node's version under this park's latest try
+        first: List[int] = []  # the queue node's version and czxid under this park's latest try
         return through_blips(self.session, until,
                              lambda: self._park_now(task_id, message, limit, until, token, first, behind))
 
@@ -228,6 +237,8 @@ class ParkedQueue:
                 data, stat = reply(read, until)
                 children = reply(listed, until)
             except NoNodeError:
+                if first:
+                    raise _untold(self.path, "was reaped") from None
                 if behind:
                     return ""  # nothing parked (a park after this one finds the queue gone and makes it)
                 nodes.container_gone(self.path)  # reaped since we last used it
@@ -241,16 +252,17 @@ class ParkedQueue:
             ring = [data[i:i + _TOKEN] for i in range(0, len(data), _TOKEN)]
             if token in ring:
                 return prefix  # an earlier try of ours parked it, and it was taken since: it ran, or runs
+            if first and stat.czxid != first[1]:
+                raise _untold(self.path, "was reaped and made again")
+            if first and stat.version - first[0] > _RING:
+                raise _untold(self.path, f"took {stat.version - first[0]} parks")
             if behind and not parked:
                 return ""
-            if first and stat.version - first[0] > _RING:
-                raise RuntimeError(  # not expected: so many parks behind one lost reply
-                    f"parked queue {self.path}: {stat.version - first[0]} parks since this one's reply was "
-                    "lost; whether it parked cannot be told")
             if len(parked) >= limit:
                 return None
             payload = message()  # built once, and before anything is written: it may refuse the copy
-            first[:] = [stat.version]  # a try whose reply is lost committed at this version, or not at all
+            # A try whose reply is lost committed at this version of this queue node, or not at all.
+            first[:] = [stat.version, stat.czxid]
             tx = client.transaction()
             tx.set_data(self.path, (data + token)[-_RING * _TOKEN:], version=stat.version)
             tx.create(self.node_path(prefix), payload, sequence=True)
@@ -259,6 +271,7 @@ class ParkedQueue:
                 return posixpath.basename(results[1])
             if not any(isinstance(r, (BadVersionError, NoNodeError)) for r in results):
                 raise next(r for r in results if isinstance(r, Exception))
+            first[:] = []  # this try is answered: it did not commit
             # Another parker took a place first, or the queue was reaped: look again.
 
     # -- the watchers ------------------------------------------------------------------------
@@ -688,4 +701,10 @@ class QueueWatch:
         except Exception as exc:  # noqa: BLE001 - the next event, or the session coming back, tries again
             logger.warning("parked copies at %s: could not send the head on (%s); trying again as the key "
                            "or the session changes", parked.path, explain(exc))
+            # Step aside: a process that cannot send (its broker connection broken, say) must not
+            # keep the processes behind it from trying. It joins again, at the back, as it retries.
+            try:
+                parked.leave(self.token, deadline(self.timeout))
+            except Exception:  # noqa: BLE001 - then ZooKeeper is what fails: our member goes with our session
+                pass
             return None

@@ -177,3 +177,72 @@ def test_one_process_watches_a_queue_and_the_next_steps_up_when_it_dies(new_sess
     finally:
         for watch in watches:
             watch.stop()
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_a_park_whose_reply_was_lost_while_its_queue_was_reaped_says_so_and_parks_nothing(
+        new_session, proxy, zk_root, kazoo, behind):
+    """The ring of park tokens lives in the queue node's data, and goes with it: a park whose
+    reply was held while its copy ran and its queue was reaped found no token, and parked the
+    copy a second time (or, parking only behind others, answered that it had not parked, so the
+    glue ran it again). Whether it parked cannot be told then: it raises, and its caller is told."""
+    queue_path, lock_path = paths(zk_root)
+    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    parker = ParkedQueue(new_session(hosts=proxy.hosts), queue_path, lock_path, EXCLUSIVE)
+    assert other.park("copy-0", b"m0", 10, deadline(10))  # so that a park behind others parks
+    held = proxy.hold_reply(Op.MULTI)
+    outcome: List[object] = []
+
+    def park() -> None:
+        try:
+            outcome.append(parker.park("copy-1", b"m1", 10, deadline(30), behind=behind))
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=park)
+    thread.start()
+    held.wait_matched()
+    for _ in range(2):  # copy-0, then copy-1: each sent, received, taken and let go
+        sends = Sends()
+        assert other.nudge(sends, deadline(10)) == Nudge.SENT
+        name = sends.seen[0][0].rpartition("/")[2]
+        assert other.receive(name, deadline(10)) and other.take(name, deadline(10))
+        other.done(name)
+    wait_until(lambda: kazoo.exists(queue_path) is None, timeout=10)  # reaped, with its ring
+    proxy.reset()  # the held reply is lost with the connection
+    thread.join(20)
+    [answer] = outcome
+    assert isinstance(answer, RuntimeError) and "cannot be told" in str(answer), answer
+    assert kazoo.exists(queue_path) is None, "the copy, which ran, was parked a second time"
+
+
+def test_a_watcher_that_cannot_send_steps_aside_for_the_next(new_session, zk_root, kazoo):
+    """The first watcher of a queue claimed the head and failed to publish it, again and again
+    (its broker connection broken): it kept its place, and the watchers behind it, who could
+    have sent the copy, waited as long as it lived."""
+    queue_path, lock_path = paths(zk_root)
+    holder = Lock(new_session(), lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    first, second = new_session(), new_session()
+    queues = [ParkedQueue(s, queue_path, lock_path, EXCLUSIVE) for s in (first, second)]
+    name = queues[0].park("copy-1", b"m1", 10, deadline(10))
+    tries: List[str] = []
+
+    def broken(node: str, payload: bytes) -> None:
+        tries.append(node)
+        raise ConnectionError("the broker is unreachable from this process")
+
+    sends = Sends()
+    watches = [QueueWatch(first, 10), QueueWatch(second, 10)]
+    try:
+        watches[0].add(queues[0], broken)
+        wait_until(lambda: any(c.startswith("w-" + watches[0].token) for c in kazoo.get_children(queue_path)))
+        watches[1].add(queues[1], sends)
+        wait_until(lambda: any(c.startswith("w-" + watches[1].token) for c in kazoo.get_children(queue_path)))
+        holder.release()  # a holder that never hands on: the watchers send
+        wait_until(lambda: sends.seen, timeout=10)
+        assert tries, "the first watcher did not try"
+        assert sends.seen == [(queues[1].node_path(str(name)), b"m1")]
+    finally:
+        for watch in watches:
+            watch.stop()
