@@ -589,8 +589,9 @@ class QueueWatch:
         session.add_listener(self)
 
     def add(self, parked: ParkedQueue, send: Send, nudge: bool = False) -> None:
-        """Watch ``parked``; a queue not watched yet, or any with ``nudge``, is nudged once now
-        (which sets its watches: an add that an exception cut short may have set none)."""
+        """Watch ``parked``; a queue not watched yet, or any with ``nudge``, is looked at once now:
+        we join its watchers, and nudge it if we are the first (which sets the watches: an add
+        that an exception cut short may have set none). Else the first watcher nudges for us."""
         path = parked.path
         with self._lock:
             new = path not in self._queues
