@@ -374,6 +374,9 @@ def _on_state(task: Any, task_id: Optional[str], guard: Optional[BodyGuard], loc
     message = lock.lost_message()
     kind = Preempted if lock.preempted_by is not None else LockLost
     interrupted = guard.interrupt(f"task {task.name}: {message}", kind) if guard is not None else False
-    logger.warning("task %s[%s]: %s, while its body ran%s", task.name, task_id, message,
-                   f"; raising {kind.__name__} in the body" if interrupted else "")
+    # Not "while its body ran" unless it did: a loss may come before the body (it then does not
+    # start) or after it, and with on_lock_lost="ignore" the body is not told.
+    logger.warning("task %s[%s]: %s, %s", task.name, task_id, message,
+                   f"while its body ran; raising {kind.__name__} in the body" if interrupted
+                   else "as the task held it")
     signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted, reason=lock.lost_cause or "session")
