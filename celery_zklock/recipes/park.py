@@ -119,6 +119,11 @@ def _parked(children: List[str]) -> List[str]:
     return sorted((c for c in children if parked_sequence(c) >= 0), key=parked_sequence)
 
 
+def _member(token: str) -> str:
+    """The name of a watcher's member node, but its sequence number (see ParkedQueue.follow)."""
+    return f"{MEMBER}{token}-"
+
+
 def _untold(path: str, what: str) -> RuntimeError:
     """A park whose reply was lost, re-run, cannot find out whether it parked: its token is in
     the queue node's ring, and the queue node ``what`` since (not expected: a reaper's pass, or
@@ -288,8 +293,7 @@ class ParkedQueue:
         return through_blips(self.session, until, lambda: self._follow_now(token, watch, until))
 
     def _follow_now(self, token: str, watch: Callable[[Any], None], until: Optional[float]) -> Optional[bool]:
-        client, nodes = self.session.client, self.session.nodes
-        prefix = f"{MEMBER}{token}-"
+        client = self.session.client
         while True:
             synced = client.sync_async(self.path)
             listed = client.get_children_async(self.path)
@@ -299,19 +303,17 @@ class ParkedQueue:
             except NoNodeError:
                 return None
             members = sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
-            ours = [m for m in members if m.startswith(prefix)]
+            ours = [m for m in members if m.startswith(_member(token))]
             if not any(parked_sequence(c) >= 0 for c in children):
-                for member in ours:
-                    nodes.delete_later(self.node_path(member))
+                self._drop(ours)
                 return None
             if not ours:
                 try:
-                    reply(nodes.create_contender(self.node_path(prefix), b""), until)
+                    reply(self.session.nodes.create_contender(self.node_path(_member(token)), b""), until)
                 except NoNodeError:
                     return None
                 continue  # read again, with it (a create whose reply was lost is found by its token)
-            for extra in ours[1:]:  # made by a create whose reply was lost: one member each
-                nodes.delete_later(self.node_path(extra))
+            self._drop(ours[1:])  # made by a create whose reply was lost: one member each
             at = members.index(ours[0])
             if at == 0:
                 return True
@@ -328,9 +330,11 @@ class ParkedQueue:
             children = reply(self.session.client.get_children_async(self.path), until)
         except NoNodeError:
             return
-        for member in children:
-            if member.startswith(f"{MEMBER}{token}-"):
-                self.session.nodes.delete_later(self.node_path(member))
+        self._drop([member for member in children if member.startswith(_member(token))])
+
+    def _drop(self, members: List[str]) -> None:
+        for member in members:
+            self.session.nodes.delete_later(self.node_path(member))
 
     # -- the hand-off ------------------------------------------------------------------------
     def look(self, leaving: str, until: Optional[float]) -> Optional[Looked]:
