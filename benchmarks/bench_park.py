@@ -19,6 +19,9 @@ server sync each write, as production servers do.
 
 A relay of the same keyed tasks with no lock (each body publishes its key's next copy as it
 ends) is the floor under park's hand-off: the broker's and the worker's part, under the same load.
+The relay with arrivals adds the other keyed copies, published as park's are, to a task that
+only raises Celery's ``Ignore``: the floor under park's burst, what any park whose copies
+reach a worker's slot costs the unrelated tasks and the makespan, with no ZooKeeper request.
 
     python -m benchmarks.bench_park [--keyed 200] [--unrelated 400] [--keys 4] [--ms 100] [--pin] [--fsync]
 """
@@ -45,6 +48,9 @@ ALONE = "park, keyed only"
 #: Each key's copies as a relay with no lock: a body publishes the next as it ends. Park's floor:
 #: the same republish hand-off with no ZooKeeper request, under the same load (and with no unrelated).
 RELAY, RELAY_ALONE = "relay, no lock", "relay, keyed only"
+#: The relay, and each keyed copy it does not send published as park's are, to a task that only
+#: raises Celery's ``Ignore``: what any park whose copies reach a worker's slot costs at least.
+FLOOR = "relay + arrivals"
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -57,7 +63,7 @@ def run(policy: str, args: argparse.Namespace, r: redis.Redis) -> Dict[str, floa
     if policy in (ALONE, RELAY_ALONE):
         policy, args = {ALONE: "park", RELAY_ALONE: RELAY}[policy], argparse.Namespace(**{**vars(args),
                                                                                            "unrelated": 0})
-    keyed = tasks.relay if policy == RELAY else POLICIES[policy]
+    keyed = tasks.relay if policy in (RELAY, FLOOR) else POLICIES[policy]
     published: Dict[int, float] = {}
     first = time.monotonic()
     with tasks.app.producer_or_acquire() as producer:
@@ -72,6 +78,8 @@ def run(policy: str, args: argparse.Namespace, r: redis.Redis) -> Dict[str, floa
                     keyed.apply_async((name, key, args.ms), producer=producer)
                 elif key * args.keyed // args.keys == sent:  # a relay's first copy: its body sends the rest
                     keyed.apply_async((name, key, args.ms, args.keyed // args.keys), producer=producer)
+                elif policy == FLOOR:
+                    tasks.arrived.apply_async((name, key), producer=producer)
                 sent += 1
             elif keyed is None and unrelated >= args.unrelated:
                 break
@@ -166,9 +174,9 @@ def main() -> None:
         r = redis.Redis.from_url(rs.url)
         with CeleryWorker("benchmarks.park_bench_app", name="bench", concurrency=args.concurrency, env=env):
             warm = argparse.Namespace(**{**vars(args), "keyed": 20, "unrelated": 20})
-            for policy in [*POLICIES, RELAY]:  # connections, sessions, key nodes
+            for policy in [*POLICIES, RELAY, FLOOR]:  # connections, sessions, key nodes
                 run(policy, warm, r)
-            for policy in [*POLICIES, ALONE, RELAY, RELAY_ALONE]:
+            for policy in [*POLICIES, ALONE, RELAY, RELAY_ALONE, FLOOR]:
                 before = int(zk.mntr()["zk_packets_received"])
                 results[policy] = run(policy, args, r)
                 # A count, not a time: it does not drift with the machine's speed between runs.

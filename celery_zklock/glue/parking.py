@@ -8,8 +8,9 @@ A call's part, in the order :func:`.locking.run_locked` asks::
     parking.before(until)      # a received copy sends the claim on its node (read back below);
                                # a new copy parks behind a queue that is not empty
     parking.contended(until)   # could not hold at once: park (received: stay at the head)
-    parking.holding(until)     # holds: a received copy takes its node (False: a second send)
-    parking.look()             # about to let go: read the queue, so that...
+    parking.holding(until)     # holds: a received copy takes its node (False: a second send);
+                               # the queue is looked at, as the body starts...
+    parking.look()             # ...and read as it ends, so that...
     parking.released()         # ...the head is claimed right behind the release, and sent on
 
 A copy that parks, or drops, raises Celery's ``Ignore``: its message is acknowledged and
@@ -26,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, List, NoReturn, Optional, cast
+from typing import Any, Callable, List, NoReturn, Optional, cast
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.exceptions import Ignore
@@ -99,6 +100,8 @@ class Parking:
         self._handed_on = False
         #: A received copy's receive, sent by before() and read by holding().
         self._receiving: Any = None
+        #: The look at the queue sent as the body starts (holding()), read by look().
+        self._looking: Optional[Callable[[Optional[float]], Optional[Looked]]] = None
         #: What look() read just before the release, for released() to claim the head from.
         self._looked: Optional[Looked] = None
         #: Our node's name, when this copy was sent again from this key's queue.
@@ -190,7 +193,20 @@ class Parking:
             return False
         self.taken = True
         self.taken = self.received is None or self.queue.take(self.received, until)
+        if self.taken:
+            self._look_ahead()
         return self.taken
+
+    def _look_ahead(self) -> None:
+        """Send look()'s read now, as the body starts: its answer waits for the release, and
+        the hand-off does not wait for it. Best effort, as look() is."""
+        node = self.lock.node
+        if node is None or not self.queue.session.client.connected:
+            return
+        try:
+            self._looking = self.queue.look(node)
+        except Exception:  # noqa: BLE001 - look() sends it again
+            self._looking = None
 
     def _received(self, until: Optional[float]) -> bool:
         """The answer to before()'s receive, if it is still to be read: False when the copy's
@@ -210,13 +226,15 @@ class Parking:
         return True
 
     def look(self) -> None:
-        """The key is about to be let go: read its queue now, so that :meth:`released` claims
-        the head in the release's own commit. Best effort: on any failure it reads after."""
+        """The key is about to be let go: read its queue now (as looked at when the body
+        started), so that :meth:`released` claims the head in the release's own commit. Best
+        effort: on any failure it reads after."""
+        looking, self._looking = self._looking, None
         node = self.lock.node
         if node is None or self._handed_on or not self.queue.session.client.connected:
             return
         try:
-            self._looked = self.queue.look(node, deadline(self.settings.connect_timeout))
+            self._looked = (looking or self.queue.look(node))(deadline(self.settings.connect_timeout))
         except Exception:  # noqa: BLE001 - released() reads after the release instead
             self._looked = None
 

@@ -337,27 +337,34 @@ class ParkedQueue:
             self.session.nodes.delete_later(self.node_path(member))
 
     # -- the hand-off ------------------------------------------------------------------------
-    def look(self, leaving: str, until: Optional[float]) -> Optional[Looked]:
+    def look(self, leaving: str) -> Callable[[Optional[float]], Optional[Looked]]:
         """Before a holder lets go: the queue and the key's contenders but ``leaving`` (its own
         node), for :meth:`nudge` to claim the head right behind the release; None when nothing
         is parked (the nudge then reads after the release, so that a copy parked meanwhile is seen).
+        Sent now, and read by calling what this returns (by ``until``).
 
         Read first, the claim is sent with the release and committed with it, where read after,
-        it waited for the release's commit and then its own. What changed between the look and
-        the release only costs time: a head taken since fails the claim's check, and a copy
-        sent to a key that a newcomer holds declines it (it stays at the head).
+        it waited for the release's commit and then its own. So a holder sends the look as its
+        body starts, and the read costs the hand-off nothing. What changed between the look and
+        the release only costs time: a head taken or removed since fails the claim's check, a
+        contender that went since is read again after the release, and a copy sent to a key
+        that a newcomer holds declines it (it stays at the head).
         """
         client = self.session.client
         synced = client.sync_async(self.path)
         listed = client.get_children_async(self.path)
         locked = client.get_children_async(self.lock_path)
-        try:
-            reply(synced, until)
-            children = reply(listed, until)
-            contenders = reply(locked, until)
-        except NoNodeError:
-            return None
-        return (children, [c for c in contenders if c != leaving]) if _parked(children) else None
+
+        def read(until: Optional[float]) -> Optional[Looked]:
+            try:
+                reply(synced, until)
+                children = reply(listed, until)
+                contenders = reply(locked, until)
+            except NoNodeError:
+                return None
+            return (children, [c for c in contenders if c != leaving]) if _parked(children) else None
+
+        return read
 
     def nudge(self, send: Send, until: Optional[float], watch: Optional[Callable[[Any], None]] = None,
               looked: Optional[Looked] = None) -> Nudge:

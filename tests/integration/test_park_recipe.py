@@ -88,6 +88,26 @@ def test_two_nudges_racing_send_the_head_once(new_session, proxy, zk_root):
     assert sends.seen == [(fast.node_path(str(name)), b"m1")]
 
 
+def test_a_look_taken_as_the_body_started_and_stale_by_its_release_still_sends_the_head(new_session, zk_root):
+    """A holder looks at the queue as its body starts and reads the answer as it lets go: a
+    head taken out of the queue meanwhile (revoked) fails the claim's check, and the nudge
+    reads again and sends the head there is now, once."""
+    queue_path, lock_path = paths(zk_root)
+    holder = Lock(new_session(), lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    queue = ParkedQueue(holder.session, queue_path, lock_path, EXCLUSIVE)
+    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    first, second = (str(other.park(f"copy-{i}", f"m{i}".encode(), 10, deadline(10))) for i in (1, 2))
+    looking = queue.look(str(holder.node))  # the body starts
+    looked = looking(deadline(10))
+    assert looked is not None and first in looked[0] and looked[1] == []
+    other.remove(first, deadline(10))  # revoked during the body
+    holder.release()
+    sends = Sends()
+    assert queue.nudge(sends, deadline(10), looked=looked) == Nudge.SENT
+    assert sends.seen == [(queue.node_path(second), b"m2")]
+
+
 def test_a_second_send_of_a_taken_copy_can_neither_receive_nor_take_it(new_session, zk_root):
     queue_path, lock_path = paths(zk_root)
     queue = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
