@@ -8,11 +8,15 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist): the suite mostly waits (on servers starting, sessions
+# expiring, workers taking over), so two halve its wall time on two cores. Each test starts
+# its own servers on free ports. `make test PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: test test-oldest lint docs demo bench chaos system venv clean
 
 test: system venv $(BIN)/promtool
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The oldest Python, Celery and kazoo we support (tox env py39-celeryoldest): the unit tests and every
 # test whose behaviour depends on Celery's version (tasks, beat, CLI, interleavings), and the direct
