@@ -31,7 +31,7 @@ from typing import Any, Callable, List, NoReturn, Optional, cast
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.exceptions import Ignore
-from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
+from kazoo.exceptions import ConnectionLoss, KazooException, NoNodeError, SessionExpiredError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .. import signals
@@ -205,7 +205,7 @@ class Parking:
             return
         try:
             self._looking = self.queue.look(node)
-        except Exception:  # noqa: BLE001 - look() sends it again
+        except KazooException:  # look() sends it again; anything else (a soft time limit) is the caller's
             self._looking = None
 
     def _received(self, until: Optional[float]) -> bool:

@@ -285,3 +285,38 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
     assert children(kazoo, lock_path) == []
     assert [c for c in children(kazoo, parked_path) if not c.startswith("w-")] == []  # w-: its watcher, below
     wait_until(lambda: children(kazoo, parked_path) == [], timeout=10)  # and this process watches it no more
+
+
+def test_a_soft_time_limit_landing_as_a_holder_looks_at_its_queue_stops_the_body(celery_app, kazoo, zk_root,
+                                                                                   monkeypatch):
+    # A holder sends its look at the key's parked queue as its body starts. The look is best
+    # effort (one that fails is sent again as the key is let go), but a soft time limit landing
+    # as it is sent is no failed look: it was swallowed, and the body ran past its soft limit.
+    from billiard.exceptions import SoftTimeLimitExceeded
+    from celery.app.trace import build_tracer
+
+    from celery_zklock import zk_locked
+
+    celery_app.conf.zklock_root = zk_root
+    ran = []
+
+    @celery_app.task
+    @zk_locked(key="park:soft", on_contention="park")
+    def copy(n):
+        ran.append(n)
+        return n
+
+    celery_app.finalize()
+    tracer = build_tracer(copy.name, copy, app=celery_app, eager=False, propagate=False)
+
+    def landing(self, leaving):
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(ParkedQueue, "look", landing)
+    task_id = f"copy-{uuid.uuid4()}"  # the suite's Redis keeps results: an id of its own
+    tracer(task_id, (1,), {}, {"id": task_id, "hostname": "test@here",
+                               "delivery_info": {"routing_key": f"nobody-reads-{zk_root[3:]}", "exchange": ""}})
+    assert ran == [], "the body ran after its soft time limit was raised"
+    result = copy.AsyncResult(task_id)
+    assert result.state == "FAILURE" and isinstance(result.result, SoftTimeLimitExceeded), (result.state, result.result)
+    assert children(kazoo, f"{zk_root}/locks/k-park:soft") == []
