@@ -219,10 +219,11 @@ def session_facts() -> Dict[str, Any]:
 if not os.environ.get("ZKT_KEY_SECRET"):
     @app.task(bind=True, shared=False)
     @zk_locked(key="park:{key}", on_contention="park")
-    def parking(self, key: str, seconds: float, seq: int, blob: str = "") -> int:
-        """Records its start (so a test can kill it mid-body) and its hold; ``blob`` weighs its message."""
+    def parking(self, key: str, seconds: float, seq: int, blob: str = "", gated: bool = False) -> int:
+        """Records its start (so a test can kill it mid-body) and its hold; ``blob`` weighs its message.
+        A ``gated`` body holds until the test pushes to ``nobody-pushes:<its task id>`` (at most ``seconds``)."""
         note("start", key=key, seq=seq)
-        hold(seconds, key)
+        (hold_on_socket if gated else hold)(seconds, key)
         return seq
 
     @app.task(shared=False)

@@ -128,7 +128,9 @@ def test_a_revoked_parked_copy_leaves_the_queue_and_the_next_one_runs(workers, q
                                                                       zk_root, env):
     # ... and `celery zklock locks --waiters` lists the parked copies in order, first.
     workers("w1", concurrency=2)
-    first = send(worker_app.parking, queue, "rev", 2.0, 0)
+    # Gated: the key stays held until the listings and the revoke are done. A 2 s body did
+    # not always outlast two CLI runs on a loaded machine ("0 held, 0 parked").
+    first = send(worker_app.parking, queue, "rev", 60.0, 0, "", True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     rest = [send(worker_app.parking, queue, "rev", 0.1, i) for i in range(1, 4)]
     wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "rev") if n.startswith("p-")]) == 3, timeout=30)
@@ -140,7 +142,9 @@ def test_a_revoked_parked_copy_leaves_the_queue_and_the_next_one_runs(workers, q
     status = cli(env, "status")
     assert "Locks: 1 held, 0 waiting, 3 parked" in status.stdout, status.stdout
     assert [next(c for c in row if c in {r.id for r in rest}) for row in rows] == [r.id for r in rest]
-    worker_app.app.control.revoke(rest[0].id)
+    # Answered: the worker knows of the revoke before the key is let go and the copy sent again.
+    assert worker_app.app.control.revoke(rest[0].id, reply=True, limit=1, timeout=10)
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
     assert [first.get(timeout=30), rest[1].get(timeout=30), rest[2].get(timeout=30)] == [0, 2, 3]
     wait_until(lambda: rest[0].state == "REVOKED", timeout=10)
     assert rest[0].id not in [e["task_id"] for e in events(redis_server.url) if e["event"] == "start"]
