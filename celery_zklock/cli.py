@@ -1,5 +1,7 @@
-"""The old home of :mod:`celery_zklock.glue.cli`, the ``celery zklock`` command."""
+"""The old home of the ``celery zklock`` command (:mod:`celery_zklock.glue.cli`) and of its
+tree readers (:mod:`celery_zklock.glue.tree`)."""
 
-from .glue.cli import elections, locks, queued, server_info, zklock
+from .glue.cli import zklock
+from .glue.tree import elections, locks, queued, server_info
 
 __all__ = ["elections", "locks", "queued", "server_info", "zklock"]

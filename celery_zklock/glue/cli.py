@@ -16,201 +16,32 @@ reads; ``evict`` is the one that changes a lock, and refuses a node that is not 
 
 from __future__ import annotations
 
-import fnmatch
-import functools
 import json
 import logging
-import os
 import signal
-import socket
-import statistics
 import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, TypeVar
 
 import click
-from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NoNodeError
+from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 
 from ..conf import Settings, beat_name, describe, did_you_mean
 from ..exceptions import ZkLockError
-from ..layout import LOCK_TREES, MEMBERS, PARKED, Layout, decode_key, hashed_name, node_object
+from ..layout import Layout, node_object
 from ..recipes.lock import EVICTED_BY
-from ..recipes.marker import STARTED, read_marker
-from ..recipes.park import waiting as parked_copies
-from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session, check_acl
-from ..zk.deadlines import through_blips
-from ..zk.green import timeouts
 from ..zk.probe import addresses, four_letter_word, server_limits
-from ..zk.transport import peer_address
+from . import evict as eviction
 from . import exporter
 from .api import layout_of, metrics_of, settings_of
 from .options import problems
+from .tree import elections, locks, queued, server_info
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
 
 T = TypeVar("T")
-
-
-# -- reading the tree (no Celery here: these take a started Session) ---------------------------
-def _children(session: Session, path: str) -> List[str]:
-    try:
-        return session.client.get_children(path)
-    except NoNodeError:
-        return []
-
-
-def _read(session: Session, parent: str, names: List[str]) -> Dict[str, Any]:
-    """Data and stat of many children, fetched in one pipelined burst; vanished ones left out."""
-    pending = [(name, session.client.get_async(f"{parent}/{name}")) for name in names]
-    out = {}
-    for name, result in pending:
-        try:
-            out[name] = result.get(timeout=10)
-        except NoNodeError:
-            pass  # released while we looked
-    return out
-
-
-
-def _rule(kind: str, infos: List[Dict[str, Any]]) -> Rule:
-    rule = RULES[kind]
-    if rule.name != "semaphore":
-        return rule
-    # A semaphore's limit lives in its holders' data.
-    limits = [i["limit"] for i in infos if type(i.get("limit")) is int and i["limit"] > 0]
-    return semaphore(limits[0] if limits else 1)
-
-
-def locks(session: Session, root: str, pattern: Optional[str] = None,
-          secret: Optional[bytes] = None) -> List[Dict[str, Any]]:
-    """Every lock with a holder or a waiter under ``root``; ``pattern`` is a glob on the key.
-
-    Under hashed key names (``secret`` given) a name cannot be matched by a glob:
-    ``pattern`` is then one exact key, whose name is computed with the secret.
-
-    Example::
-
-        for row in locks(session, "/celery-zklock", "invoice:*"):
-            print(row["key"], row["holders"], row["waiters"])
-    """
-    now = time.time()
-    rows = []
-    wanted = hashed_name(secret, pattern) if secret is not None and pattern is not None else None
-    for tree in LOCK_TREES:
-        base = f"{root}/{tree}"
-        parked_base = f"{root}/{PARKED}/{tree}"
-        for name in sorted(set(_children(session, base)) | set(_children(session, parked_base))):
-            if wanted is not None and name != wanted:
-                continue
-            path = f"{base}/{name}"
-            nodes, infos, holding, waiting = _queue(session, path)
-            parked = [_parked(node, data, since, now, sent)
-                      for node, data, since, sent in parked_copies(session, f"{parked_base}/{name}", None)]
-            if not nodes and not parked:
-                continue
-            key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
-            if key is None:
-                key = pattern if wanted is not None and pattern is not None else decode_key(name) or name
-            if wanted is None and pattern is not None and not fnmatch.fnmatchcase(key, pattern):
-                continue
-            rule = _rule(semaphore(1).node_name, list(infos.values()))
-            holders = [_contender(n, infos[n], nodes[n][1], now, "held_for") for n in holding]
-            rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting),
-                         # In queue order: the next holder first.
-                         "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
-                         # Parked copies (on_contention="park"), head first: they hold no worker slot.
-                         "parked": parked,
-                         "limit": rule.leases if holders and holders[0]["mode"] == "semaphore" else None})
-    return rows
-
-
-def _queue(session: Session, path: str) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]], List[str], List[str]]:
-    """A key's contender nodes (data and stat), their data as objects, and its holders and
-    waiters, each in queue order, from one read of the key's node."""
-    nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
-    infos = {n: node_object(data) for n, (data, _) in nodes.items()}
-    holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values())))
-    return nodes, infos, holding, waiting
-
-
-def _parked(node: str, data: bytes, since: float, now: float, sent: bool) -> Dict[str, Any]:
-    """A parked copy, from its node: task and id are on its first line (the message follows)."""
-    info = node_object(data.partition(b"\n")[0])
-    return {"task": info.get("task"), "task_id": info.get("id"), "parked_for": round(max(0.0, now - since), 3),
-            "sent": sent, "node": node}
-
-
-def _contender(node: str, info: Dict[str, Any], stat: Any, now: float, age: str) -> Dict[str, Any]:
-    return {
-        "mode": info["mode"] if isinstance(info.get("mode"), str)
-        else _rule(contender(node)[0], []).name,  # type: ignore[index]
-        "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
-        "task_id": info.get("task_id"), "worker": info.get("worker"),
-        # From the node's creation: a holder's includes the time it waited first.
-        age: round(max(0.0, now - stat.ctime / 1000), 3),
-        "token": stat.czxid, "node": node,
-    }
-
-
-def queued(session: Session, root: str) -> List[Dict[str, Any]]:
-    """Every dedupe marker under ``root``: key (its name under hashed key names), task, task id, age, expiry."""
-    now = time.time()
-    base = Layout(root).queued_tree
-    rows = []
-    for name, (raw, stat) in sorted(_read(session, base, _children(session, base)).items()):
-        marker = read_marker(raw) or {}
-        expires = marker.get("expires")
-        enqueued = marker.get("enqueued")
-        running = bool(stat.numChildren)  # its worker's session holds it: no expiry applies
-        if expires == 0:
-            expires = None  # its queued life ended as its copy started (see start_running)
-        rows.append({"key": marker.get("key") if isinstance(marker.get("key"), str) else decode_key(name) or name,
-                     "task": marker.get("task"), "task_id": marker.get("task_id"),
-                     "age": round(now - enqueued, 3) if isinstance(enqueued, (int, float)) else None,
-                     "expires_in": round(expires - now, 3) if isinstance(expires, (int, float)) else None,
-                     "running": running, "started": marker.get(STARTED) is True,  # dedupe="latest"
-                     "version": stat.version, "path": f"{base}/{name}"})
-    return rows
-
-
-def elections(session: Session, root: str) -> List[Dict[str, Any]]:
-    """Each beat election under ``root``: its leader and standbys, as their nodes describe them."""
-    out = []
-    layout = Layout(root)
-    for name in sorted(_children(session, layout.beats)):
-        beat = decode_key(name)
-        path = layout.election(beat) if beat is not None else f"{layout.beats}/{name}/election"
-        nodes = _read(session, path, [c for c in _children(session, path) if contender(c)])
-        order = sorted(nodes, key=sequence)
-        candidates = [{**node_object(nodes[n][0]), "token": nodes[n][1].czxid} for n in order]
-        out.append({"name": beat if beat is not None else name, "path": path,
-                    "leader": candidates[0] if candidates else None, "standbys": candidates[1:]})
-    return out
-
-
-def server_info(session: Session, samples: int = 5) -> Dict[str, Any]:
-    """The server this session talks to: address, version, mode, and the median round trip."""
-    client = session.client
-    rtts = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        client.exists("/")
-        rtts.append((time.perf_counter() - t0) * 1000)
-    host, port = peer_address(client)
-    info: Dict[str, Any] = {"server": f"{host}:{port}", "session_id": f"0x{client.client_id[0]:x}",
-                            "rtt_ms": round(statistics.median(rtts), 3), "version": None, "mode": None}
-    try:
-        for line in client.command(b"srvr").splitlines():
-            if line.startswith("Zookeeper version:"):
-                # "3.8.0-<commit>, built on ...": the release is what matters here.
-                info["version"] = line.split(":", 1)[1].split(",")[0].strip().split("-")[0]
-            elif line.startswith("Mode:"):
-                info["mode"] = line.split(":", 1)[1].strip()
-    except Exception:
-        pass  # 'srvr' not in 4lw.commands.whitelist: version and mode stay unknown
-    return info
 
 
 # -- the click commands --------------------------------------------------------------------------
@@ -502,107 +333,7 @@ def clear_queued(ctx: click.Context, task_name: str, key: Optional[str]) -> None
                + (f"; {running} left: their copies are running" if running else ""))
 
 
-# -- evict: the one command that takes a lock away ----------------------------------------------
-def foreign(layout: Layout, path: str) -> str:
-    """Why ``path`` is not a contender node of ``layout``'s locks, which ``evict`` may delete
-    ("" when it is one). The names alone decide: no server.
-
-        >>> foreign(Layout("/r"), "/r/locks/k-a/0f3a__lock__0000000001")
-        ''
-        >>> foreign(Layout("/r"), "/r/beat/k-b/election/0f3a__lock__0000000001")
-        'it is not a contender node under /r/locks/*/ or /r/semaphores/*/ (evict takes locks and semaphores)'
-        >>> foreign(Layout("/r"), "/r/semaphores/k-a/junk")
-        "'junk' is not a contender node's name (__lock__, __rlock__ or __sem__ and a sequence number)"
-        >>> foreign(Layout("/r", secret=b"0123456789abcdef"), "/r/locks/k-a/0f3a__lock__0000000001")
-        "its key's name 'k-a' is a readable one, and this app names keys hashed (s-...): not this app's lock"
-    """
-    if not path.startswith(f"{layout.root}/"):
-        return f"it is outside zklock_root={layout.root}"
-    parts = path[len(layout.root) + 1:].split("/")
-    if len(parts) != 3 or parts[0] not in LOCK_TREES or not parts[1]:
-        return (f"it is not a contender node under {layout.lock_tree()}/*/ or {layout.lock_tree(True)}/*/ "
-                "(evict takes locks and semaphores)")
-    name, node = parts[1], parts[2]
-    if contender(node) is None:
-        return f"{node!r} is not a contender node's name (__lock__, __rlock__ or __sem__ and a sequence number)"
-    # A name of the other scheme is another app's (or this app's before a switch): its holders
-    # never exclude this app's, so taking their lock is not this app's call.
-    if layout.secret is not None and not name.startswith("s-"):
-        return f"its key's name {name[:40]!r} is a readable one, and this app names keys hashed (s-...): " \
-               "not this app's lock"
-    if layout.secret is None and name.startswith("s-"):
-        return f"its key's name {name[:40]!r} is a hashed one, and this app names keys readably: not this app's lock"
-    if layout.secret is None and not name.startswith(("k-", "h-")):
-        return f"its key's name {name[:40]!r} is not one celery-zklock makes (k-..., h-... or s-...)"
-    return ""
-
-
-def other_scheme(layout: Layout, recorded: Optional[str]) -> str:
-    """Why a root whose data records the key-name scheme ``recorded`` holds none of ``layout``'s
-    locks ("" when it may: the same scheme, or none recorded yet).
-
-        >>> other_scheme(Layout("/r"), "readable"), other_scheme(Layout("/r"), None)
-        ('', '')
-        >>> print(other_scheme(Layout("/r"), "hashed:0123456789abcdef"))
-        zklock_root=/r names keys hashed, this app readable: its locks are not this app's (evict with ...)
-    """
-    if recorded is None or recorded == layout.scheme:
-        return ""
-    kind, ours = recorded.split(":")[0], layout.scheme.split(":")[0]
-    other = " under another zklock_key_secret" if kind == ours else ""
-    return (f"zklock_root={layout.root} names keys {kind}{other}, this app {ours}: its locks are not this app's "
-            "(evict with the app that took them)")
-
-
-def _holders(session: Session, path: str, now: float) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """A key's holders, as ``locks`` shows them plus what evict needs (path, version, key,
-    waiters behind), and its waiters' node names in queue order."""
-    nodes, infos, holding, waiting = _queue(session, path)
-    return [{**_contender(n, infos[n], nodes[n][1], now, "held_for"), "path": f"{path}/{n}",
-             "version": nodes[n][1].version, "waiters": len(waiting), "owner": nodes[n][1].ephemeralOwner,
-             "key": infos[n].get("key") if isinstance(infos[n].get("key"), str) else None}
-            for n in holding], waiting
-
-
-def _to_evict(session: Session, layout: Layout, key: Optional[str], node: Optional[str]) -> Dict[str, Any]:
-    """The one holder to take the lock from, by KEY or by --node; a refusal (one line) otherwise."""
-    now = time.time()
-    try:
-        recorded = node_object(session.client.get(layout.root)[0]).get("key_names")
-    except NoNodeError:
-        recorded = None
-    why = other_scheme(layout, recorded if isinstance(recorded, str) else None)
-    if why:
-        raise click.ClickException(f"refusing to evict: {why}")
-    if node is not None:
-        why = foreign(layout, node)
-        if why:
-            raise click.ClickException(f"refusing to evict {node}: {why}")
-        path, name = node.rsplit("/", 1)
-        holders, waiting = _holders(session, path, now)
-        if name in waiting:
-            # Its node gone, a waiter would only queue again at the back: it holds nothing to take.
-            raise click.ClickException(
-                f"refusing to evict {node}: it is waiting (#{waiting.index(name) + 1} in line), not holding; evict "
-                "takes a lock from its holder, and a waiter holds none (to drop its task, revoke it)")
-        found = [h for h in holders if h["node"] == name]
-        if not found:
-            raise click.ClickException(f"nothing to evict: {node} is not there (its holder let go, or it never was)")
-        key_name = path.rsplit("/", 1)[1]
-        return {**found[0], "label": found[0]["key"] or decode_key(key_name) or key_name}
-    assert key is not None
-    # A key's lock and its semaphore are apart (see LOCK_TREES): its holders are in either.
-    holders = [h for tree in (False, True) for h in _holders(session, layout.lock(key, tree), now)[0]]
-    if not holders:
-        raise click.ClickException(f"nothing to evict: nothing holds {key!r}")
-    if len(holders) > 1:
-        modes = "/".join(sorted({str(h["mode"]) for h in holders}))
-        raise click.ClickException(
-            f"refusing to evict {key!r}: it has {len(holders)} holders at once ({modes}), and which one loses it is "
-            f"a choice; pick one with --node: {', '.join(h['path'] for h in holders)}")
-    return {**holders[0], "label": key}
-
-
+# -- evict: the one command that takes a lock away (its steps: .evict) --------------------
 def _holder_lines(holder: Dict[str, Any]) -> List[str]:
     """Who holds it, for the operator to confirm (str() everywhere: node data may hold anything)."""
     return [f"holder of {holder['label']!r} ({holder['mode']}):",
@@ -615,139 +346,6 @@ def _holder_lines(holder: Dict[str, Any]) -> List[str]:
             f"  node      {holder['path']}",
             f"  waiting   {holder['waiters']} behind it"]
 
-
-def _revoke(app: Any, task_id: str) -> List[str]:
-    """Revoke ``task_id`` on every worker that is up, with terminate; what they answered, as lines."""
-    try:
-        replies = app.control.revoke(task_id, terminate=True, reply=True, timeout=1.0) or []
-    except Exception as exc:  # the broker's: nothing is deleted yet, so nothing is left half done
-        raise click.ClickException(f"not evicted: the revoke of task {task_id} could not be sent "
-                                   f"({type(exc).__name__}: {exc}); without --revoke, evict only takes the lock") \
-            from None
-    answers = {name: answer for reply in replies for name, answer in reply.items() if isinstance(answer, dict)}
-    lines = [f"revoked task {task_id} ({len(answers)} worker(s) answered)"]
-    # A worker running it answers "terminate: <id>"; the others "terminate: tasks unknown".
-    lines += [f"  {name} terminated it" for name, a in sorted(answers.items()) if task_id in str(a.get("ok", ""))]
-    # The threads and solo pools implement no terminate: the worker's control command fails
-    # (after marking the id revoked), and says so in its answer.
-    lines += [f"  {name} could not terminate it ({a['error']}): its pool cannot, and the lost lock's interrupt "
-              "is what stops the body" for name, a in sorted(answers.items()) if "error" in a]
-    if len(lines) == 1:
-        lines.append("  no worker was running it (it had ended, or its worker did not answer within 1s)")
-    return lines
-
-
-#: What :func:`_ask` answers for a node gone after a connection loss lost its write's reply.
-ASKED_THEN_GONE = -1
-
-
-def _ask(session: Session, holder: Dict[str, Any]) -> Optional[int]:
-    """Write an eviction request (who asks: host, pid, time) into the holder's node, keeping
-    its data; the node's new version, None if it was gone before, or ``ASKED_THEN_GONE``.
-
-    Version-checked, as a preempt request is: a write of another meanwhile (a semaphore's
-    touch, a preempt request) is read again and kept. A node of another creation there (not
-    the token shown) is not asked: see :func:`_delete`.
-    """
-    path = holder["path"]
-    by = {"host": socket.gethostname(), "pid": os.getpid(), "time": round(time.time(), 3)}
-    tries = 0
-
-    def step() -> Optional[int]:
-        nonlocal tries
-        tries += 1
-        for _ in range(5):
-            try:
-                data, stat = session.client.get(path)
-                if stat.czxid != holder["token"]:
-                    raise click.ClickException(f"not evicted: {path} is another node now (token {stat.czxid}, "
-                                               f"not {holder['token']}); look again with `locks`")
-                if node_object(data).get(EVICTED_BY) == by:
-                    return int(stat.version)  # written by a try whose reply the connection lost
-                return int(session.client.set(path, json.dumps({**node_object(data), EVICTED_BY: by}).encode(),
-                                              version=stat.version).version)
-            except NoNodeError:
-                # Gone; after a lost reply perhaps because our request was written and obeyed.
-                return ASKED_THEN_GONE if tries > 1 else None
-            except BadVersionError:
-                continue
-            except NoAuthError:
-                raise click.ClickException(f"not evicted: ZooKeeper refused this client the write of {path} "
-                                           "(NoAuth): set zklock_auth to the credential the workers use") from None
-        raise click.ClickException(f"not evicted: {path} kept changing as we asked its holder to go; run evict again")
-
-    return _through_blips(session, f"asking the holder of {path} to let go", step)
-
-
-def _through_blips(session: Session, doing: str, step: Callable[[], T]) -> T:
-    """``step()``, run again once connected after each connection loss (each step finds what a
-    try whose reply was lost did), for up to zklock_connect_timeout; then one line, not a
-    traceback: whether the last try took effect is not known, and ``locks`` shows it."""
-    try:
-        return through_blips(session, time.monotonic() + session.settings.connect_timeout, step)
-    except (ConnectionLoss, *timeouts()):
-        raise click.ClickException(f"the connection to ZooKeeper broke while {doing}, and did not come back within "
-                                   f"zklock_connect_timeout={session.settings.connect_timeout:g}s; what took effect "
-                                   "is not known: look with `celery zklock locks --waiters`") from None
-
-
-def _gone_within(session: Session, path: str, seconds: float) -> bool:
-    """Wait up to ``seconds`` for ``path`` to be deleted; True once it is gone."""
-    until, changed = time.monotonic() + seconds, threading.Event()
-    while True:
-        changed.clear()  # an earlier watch firing late only makes us look once more
-        # A watch, not a poll: the delete is seen as it happens. Any event (a write too) looks again.
-        if _through_blips(session, f"watching {path}",
-                          lambda: session.client.exists(path, watch=lambda _event: changed.set())) is None:
-            return True
-        left = until - time.monotonic()
-        if left <= 0 or not changed.wait(left):
-            return _through_blips(session, f"watching {path}", lambda: session.client.exists(path)) is None
-
-
-def _delete(session: Session, holder: Dict[str, Any]) -> bool:
-    """Delete the holder's node if it is still the node that was shown; False if it is gone.
-
-    Its version may move meanwhile (a semaphore holder touches its node as it comes to hold, a
-    preempt request writes into it): then it is read again, and deleted if it is still the
-    same creation (its czxid, the token shown). A name is never made twice (a random prefix
-    and the key's sequence), so a node of another creation there means something changed
-    that we do not understand: nothing is deleted then.
-    """
-    path, version = holder["path"], holder["version"]
-    tries = 0
-
-    def step() -> bool:
-        nonlocal tries, version
-        tries += 1
-        for _ in range(5):
-            try:
-                session.client.delete(path, version=version)
-                return True
-            except NoNodeError:
-                return tries > 1  # after a lost reply it may be our own delete that took it
-            except BadVersionError:
-                stat = session.client.exists(path)
-                if stat is None:
-                    return False
-                if stat.czxid != holder["token"]:
-                    raise click.ClickException(f"not evicted: {path} is another node now (token {stat.czxid}, "
-                                               f"not {holder['token']}); look again with `locks`") from None
-                version = stat.version
-            except NoAuthError:
-                raise click.ClickException(f"not evicted: ZooKeeper refused this client the delete of {path} "
-                                           "(NoAuth): set zklock_auth to the credential the workers use") from None
-        raise click.ClickException(f"not evicted: {path} kept changing as we deleted it; run evict again")
-
-    return _through_blips(session, f"deleting {path}", step)
-
-
-def _session_alive(session: Session, layout: Layout, owner: int) -> bool:
-    """Whether the ZooKeeper session ``owner`` still stands for a key-name scheme under the
-    root: every session that takes a lock does, with an ephemeral node of its own."""
-    members = f"{layout.root}/{MEMBERS}"
-    return any(m.endswith(f"-{owner:016x}") for m in _through_blips(
-        session, f"reading {members}", lambda: _children(session, members)))
 
 
 @zklock.command()
@@ -787,7 +385,7 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
     _, session, app = _connect(ctx)
     try:
         layout = layout_of(app)
-        holder = _to_evict(session, layout, key, node)
+        holder = eviction.to_evict(session, layout, key, node)
         for line in _holder_lines(holder):
             click.echo(line)
         task_id = holder["task_id"] if revoke and isinstance(holder["task_id"], str) and holder["task_id"] else None
@@ -799,19 +397,19 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
         if task_id is not None:
             # Before the request: a prefork worker kills the body's process as it answers, and
             # a revoke that cannot be sent leaves the lock as it was.
-            for line in _revoke(app, task_id):
+            for line in eviction.revoke(app, task_id):
                 click.echo(line)
         # Ask, not delete: the delete is what hands the lock on, so a holder that deletes its
         # own node once its body has stopped orders the interrupt before the next start.
-        version = _ask(session, holder)
+        version = eviction.ask(session, holder)
         if version is None:
             click.echo(f"{holder['path']} is gone already: its holder let go before it was asked; nothing deleted")
             return
         click.echo(f"asked the holder to let go ({EVICTED_BY} written into its node); waiting up to {wait:g}s")
         started = time.monotonic()
-        if version == ASKED_THEN_GONE or _gone_within(session, holder["path"], wait):
+        if version == eviction.ASKED_THEN_GONE or eviction.gone_within(session, holder["path"], wait):
             took = time.monotonic() - started
-            if _session_alive(session, layout, holder["owner"]):
+            if eviction.session_alive(session, layout, holder["owner"]):
                 click.echo(f"evicted: its holder let go of {holder['path']} after {took:.1f}s: it counted the lock as "
                            'lost ("deleted"), its body stopped as its on_lock_lost says (the default, "interrupt", '
                            "raises LockLost in it), and only then did its node go")
@@ -824,7 +422,7 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
                 click.echo("  its body may still be running, until its own clock counts the lock as lost; the "
                            "fencing token is what protects the stores that check it")
         else:
-            deleted = _delete(session, {**holder, "version": version})
+            deleted = eviction.delete(session, {**holder, "version": version})
             if not deleted:
                 click.echo(f"evicted: its holder let go of {holder['path']} just as the {wait:g}s wait ended")
             else:
