@@ -42,7 +42,10 @@ from benchmarks import park_bench_app as tasks
 from harness import CeleryWorker, RedisServer, ZooKeeperPeer
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = {"none": None, "wait": tasks.keyed_wait, "retry": tasks.keyed_retry, "park": tasks.keyed_park}
+#: "park at publish": park_at_publish=True, whose publisher parks a copy whose key is held.
+AT_PUBLISH = "park at publish"
+POLICIES = {"none": None, "wait": tasks.keyed_wait, "retry": tasks.keyed_retry, "park": tasks.keyed_park,
+            AT_PUBLISH: tasks.keyed_park_at_publish}
 #: The same keyed tasks with no unrelated ones: park's hand-off with nothing queued ahead of a copy sent again.
 ALONE = "park, keyed only"
 #: Each key's copies as a relay with no lock: a body publishes the next as it ends. Park's floor:
@@ -197,7 +200,7 @@ def main() -> None:
                      if row["p50"] == row["p50"] else f"{'-':>21}{'-':>11}{'-':>13}")  # NaN: none ran
         requests = f"{row['requests'] / args.keyed:>19.1f}" if "makespan" in row else ""
         print(f"{label:<19}{unrelated}{keyed}{requests}")
-    for policy in ("park", ALONE):
+    for policy in ("park", AT_PUBLISH, ALONE):
         legs = results[policy].get("legs")
         if legs:
             print(f"\n{policy}: the hand-off's legs (medians): "

@@ -86,26 +86,26 @@ def _body(run: str, key: int, ms: float) -> None:
 # publish leaves), and its delivery (in the receiving pool process, before its lock is taken).
 @before_task_publish.connect
 def _sent(sender: str = "", headers: Optional[dict] = None, body: tuple = (), **kwargs) -> None:
-    if sender == keyed_park.name and headers and headers.get("zklock_parked"):
+    if sender.endswith(PARKING) and headers and headers.get("zklock_parked"):
         _note(body[0][0], ":legs", kind="sent", task_id=headers["id"], t=time.monotonic())
 
 
 @after_task_publish.connect
 def _published(sender: str = "", headers: Optional[dict] = None, body: tuple = (), **kwargs) -> None:
-    if sender == keyed_park.name and headers and headers.get("zklock_parked"):
+    if sender.endswith(PARKING) and headers and headers.get("zklock_parked"):
         _note(body[0][0], ":legs", kind="published", task_id=headers["id"], t=time.monotonic())
 
 
 @task_received.connect
 def _received(request=None, **kwargs) -> None:
     # In the worker's main process, as the consumer takes the message from the broker.
-    if request is not None and request.name == keyed_park.name and request.args:
+    if request is not None and request.name.endswith(PARKING) and request.args:
         _note(request.args[0], ":legs", kind="received", task_id=request.id, t=time.monotonic())
 
 
 @task_prerun.connect
 def _delivered(sender=None, task_id: str = "", args: tuple = (), **kwargs) -> None:
-    if sender is not None and sender.name == keyed_park.name:
+    if sender is not None and sender.name.endswith(PARKING):
         _note(args[0], ":legs", kind="prerun", task_id=task_id, t=time.monotonic())
 
 
@@ -125,6 +125,16 @@ def keyed_retry(self, run: str, key: int, ms: float) -> None:
 @zk_locked(key="hot:{run}:{key}", on_contention="park", park_limit=10_000)
 def keyed_park(run: str, key: int, ms: float) -> None:
     _body(run, key, ms)
+
+
+@app.task
+@zk_locked(key="hot:{run}:{key}", on_contention="park", park_limit=10_000, park_at_publish=True)
+def keyed_park_at_publish(run: str, key: int, ms: float) -> None:
+    _body(run, key, ms)
+
+
+#: The park tasks whose hand-offs are marked.
+PARKING = ("park_bench_app.keyed_park", "park_bench_app.keyed_park_at_publish")
 
 
 @app.task

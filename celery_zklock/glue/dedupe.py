@@ -35,6 +35,7 @@ from ..conf import Settings
 from ..exceptions import AlreadyQueued, ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..recipes.marker import claim, reap, release, requeue, start_latest, start_running, supersede
 from ..zk import Session, session_for, timeouts
+from . import parking
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
 from .locking import SKIPPED
@@ -71,7 +72,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     is queued (or running); any other task is published as it is."""
     spec = _dedupe_spec(task)
     if spec is None:
-        return original(task, args, kwargs, **options)  # every other task pays only the lookup above
+        return parking.publish(task, original, args, kwargs, options)  # a park at publish, or as it is
     running = current_task()
     if running is not None and options.get("task_id") == running.request.id:
         return original(task, args, kwargs, **options)  # a retry: the same copy, it keeps its marker

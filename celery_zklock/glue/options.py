@@ -75,6 +75,7 @@ class LockOptions(TypedDict, total=False):
     timeout: Optional[float]
     retry_countdown: float
     park_limit: int
+    park_at_publish: bool
     on_lock_lost: LockLostPolicy
     lock: bool
     dedupe: Optional[DedupeMode]
@@ -105,6 +106,8 @@ class LockSpec:
     retry_countdown: float = 5.0
     #: How many copies the key's parked queue holds (``on_contention="park"``).
     park_limit: Union[int, Literal[FromSettings.DEFAULT]] = DEFAULT
+    #: A publisher that finds the key held parks the copy itself (``on_contention="park"``).
+    park_at_publish: bool = False
     on_lock_lost: LockLostPolicy = "interrupt"
     #: Take the execution lock (False: dedupe only).
     lock: bool = True
@@ -150,6 +153,11 @@ class LockSpec:
             positive_int(f"{where}: park_limit", park_limit)
             if policy not in ("park", DEFAULT):
                 raise ConfigurationError(f"{where}: park_limit applies only with on_contention='park'")
+        at_publish = get("park_at_publish")
+        if not isinstance(at_publish, bool):
+            raise ConfigurationError(f"{where}: park_at_publish must be True or False, not {at_publish!r}")
+        if at_publish and policy not in ("park", DEFAULT):
+            raise ConfigurationError(f"{where}: park_at_publish applies only with on_contention='park'")
         # An option the policy never reads would be silently ignored: refused instead.
         if timeout is not DEFAULT and policy not in WAITING + (DEFAULT,):
             raise ConfigurationError(f"{where}: timeout applies only with on_contention='wait' or 'preempt' (how long "
@@ -163,6 +171,7 @@ class LockSpec:
             raise ConfigurationError(problem)
         return cls(where=where, parts=parts, mode=mode, limit=limit,
                    on_contention=policy, timeout=timeout, retry_countdown=countdown, park_limit=park_limit,
+                   park_at_publish=at_publish,
                    on_lock_lost=choice(f"{where}: on_lock_lost", get("on_lock_lost"), LOCK_LOST_POLICIES),
                    **_dedupe_options(where, options, get))
 
@@ -280,7 +289,8 @@ _DEFAULTS: Dict[str, Any] = {"key": None, **{f.name: f.default for f in dataclas
 #: The options that mean something only with ``dedupe``.
 _DEDUPE_ONLY = ("on_duplicate", "dedupe_ttl", "dedupe_on_unavailable")
 #: The options that mean something only with the lock.
-_LOCK_ONLY = ("mode", "limit", "on_contention", "timeout", "retry_countdown", "park_limit", "on_lock_lost")
+_LOCK_ONLY = ("mode", "limit", "on_contention", "timeout", "retry_countdown", "park_limit", "park_at_publish",
+              "on_lock_lost")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,10 +27,11 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, List, NoReturn, Optional, cast
+from typing import Any, Callable, Dict, List, NoReturn, Optional, cast
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.exceptions import Ignore
+from celery.utils import uuid
 from kazoo.exceptions import ConnectionLoss, KazooException, NoNodeError, SessionExpiredError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
@@ -39,14 +40,15 @@ from ..conf import Settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
-from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, QueueWatch
+from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkInDoubt, QueueWatch
 from ..recipes.park import waiting as parked_copies
 from ..zk import Session, deadline, reply, session_for, timeouts
-from .api import layout_of, rule_for, settings_of
+from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
+from .celery_internals import current_task
 from .options import spec_of
 
 __all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "encode", "lost", "parked_header",
-           "received", "revoked", "send", "sweep"]
+           "publish", "received", "revoked", "send", "sweep"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -327,6 +329,81 @@ def send(app: Any, node: str, payload: bytes) -> None:
                     accept=prepare_accept_content(app.conf.accept_content))
     signature = app.signature(message)
     signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node})
+
+
+#: Publish options of this process alone: used here, never stored with a parked copy.
+_LOCAL = ("add_to_parent", "producer")
+#: The publish options a copy parked as it is published may carry: each travels in its message
+#: and means the same when the copy is sent again. Any other (a countdown, an eta or expiry,
+#: which would count from the later send; a canvas; a producer) sends it as usual: a worker parks it.
+_PLAIN = frozenset({"task_id", "queue", "routing_key", "exchange", "priority", "headers", "time_limit",
+                    "soft_time_limit", "shadow", "ignore_result", "serializer", "compression", *_LOCAL})
+
+
+def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any]) -> Any:
+    """``Task.apply_async`` of a task with ``on_contention="park"`` and ``park_at_publish``: a copy
+    whose key is held, or whose key's queue has copies parked, is parked by its publisher, and
+    no worker ever receives it; any other copy is published as usual. Every other task is
+    published as it is.
+
+    The publisher parks only where someone will send the copy on: a process of a worker must
+    already watch the key's queue (:meth:`ParkedQueue.park` with ``guarded``). Else, and
+    whenever ZooKeeper does not answer before anything is written, the copy is published as
+    usual, and the worker it reaches parks it. A park sent and never answered may have parked
+    the copy: the caller gets ``ZooKeeperUnavailable``, and the copy is not published as well.
+    """
+    spec = spec_of(task)
+    if spec is None or not spec.park_at_publish:
+        return original(task, args, kwargs, **options)  # every other task pays only the lookup above
+    app = task.app
+    defaults = task_defaults(app)
+    running = current_task()
+    headers = options.get("headers") or {}
+    if spec.contention(defaults) != "park" or not set(options) <= _PLAIN or PARK_HEADER in headers \
+            or app.conf.task_always_eager or (running is not None and options.get("task_id") == running.request.id):
+        # A copy sent again, an eager call, a retry of the running copy: as usual.
+        return original(task, args, kwargs, **options)
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    task_id = options.get("task_id") or uuid()
+    options = {**options, "task_id": task_id}
+    layout = layout_of(app)
+    try:
+        keys = spec.keys(task.name, task.run, args, kwargs, False, layout.secret is not None)
+    except (TypeError, ZkLockError):
+        keys = []  # arguments the key cannot be built from: Celery's publish, or the worker, says why
+    if len(keys) != 1 or layout.secret is not None:
+        return original(task, args, kwargs, **options)  # the worker refuses it, with the reason
+    settings = settings_of(app)
+    key = keys[0]
+    wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
+    signature = task.signature(args, kwargs, **{k: v for k, v in options.items() if k not in _LOCAL})
+    parked: Optional[str] = None
+    try:
+        session = session_for(settings, wait)
+        if not session.client.connected:
+            raise ZooKeeperUnavailable("the session is reconnecting")
+        claim_scheme(session, layout, wait)
+        queue = ParkedQueue(session, layout.parked(key, spec.limit is not None), lock_path(app, key, spec.limit),
+                            rule_for(spec.mode, spec.limit))
+        parked = queue.park(task_id, lambda: encode(task, task_id, signature), spec.parked_limit(defaults),
+                            deadline(wait), guarded=True)
+    except ParkInDoubt as exc:
+        raise ZooKeeperUnavailable(
+            f"task {task.name}[{task_id}]: {exc}. It was not published as well: if it parked, it runs in its "
+            "turn (`celery zklock locks --waiters` lists it); if not, it never runs") from None
+    except (ZkLockError, KazooException, ValueError, *timeouts()) as exc:
+        # Nothing was written: the copy goes to a worker, which parks it (or refuses it: too
+        # large, its queue full) as it would without park_at_publish.
+        logger.debug("task %s[%s]: not parked as it was published (%s); published as usual", task.name, task_id,
+                     explain(exc))
+    if not parked:
+        return original(task, args, kwargs, **options)
+    logger.info("task %s[%s] parked as it was published: lock %r is held; the copy runs when its turn comes",
+                task.name, task_id, key)
+    result = task.AsyncResult(task_id)
+    if options.get("add_to_parent", True) and running is not None:
+        running.add_trail(result)  # as Celery's own publish does from inside a task
+    return result
 
 
 def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:

@@ -49,10 +49,10 @@ from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, N
 
 from ..exceptions import explain
 from ..zk import Liveness, Session, deadline, reply, through_blips
-from .rules import Rule
+from .rules import Rule, contender, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Looked", "Nudge", "ParkedQueue", "QueueWatch", "parked_sequence",
-           "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Looked", "Nudge", "ParkInDoubt", "ParkedQueue", "QueueWatch",
+           "parked_sequence", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -124,6 +124,10 @@ def _member(token: str) -> str:
     return f"{MEMBER}{token}-"
 
 
+class ParkInDoubt(Exception):
+    """A publisher's park (``guarded``) sent its write and got no answer: the copy may be parked."""
+
+
 def _untold(path: str, what: str) -> RuntimeError:
     """A park whose reply was lost, re-run, cannot find out whether it parked: its token is in
     the queue node's ring, and the queue node ``what`` since (not expected: a reaper's pass, or
@@ -190,7 +194,7 @@ class ParkedQueue:
 
     # -- the parker ------------------------------------------------------------------------
     def park(self, task_id: str, payload: Union[bytes, Callable[[], bytes]], limit: int, until: Optional[float],
-             behind: bool = False) -> Optional[str]:
+             behind: bool = False, guarded: bool = False) -> Optional[str]:
         """Put copy ``task_id`` at the back of the queue: its node's name, or None when the
         queue holds ``limit`` copies already. A copy already parked (its message delivered
         again) keeps its place: its node's name is returned and no second node is made.
@@ -198,6 +202,9 @@ class ParkedQueue:
         With ``behind``, the copy parks only behind copies already parked: ``""`` when there
         are none (it did not park, and may try the key). ``payload`` may be a function, called
         only to park (so a copy that does not park never builds its message).
+
+        With ``guarded`` (a publisher's park, :meth:`park_guarded`'s rule), the copy parks only
+        where somebody will send it on: ``""`` otherwise.
 
         The limit holds exactly: each park bumps the queue node's version in the same
         transaction as its create, so two parkers never both take the last place.
@@ -218,17 +225,25 @@ class ParkedQueue:
         # or, where the copy was sent and taken meanwhile, finds this park's token in the ring.
         token = uuid.uuid4().hex[:_TOKEN].encode()
         first: List[int] = []  # the queue node's version and czxid under this park's latest try
-        return through_blips(self.session, until,
-                             lambda: self._park_now(task_id, message, limit, until, token, first, behind))
+        try:
+            return through_blips(self.session, until,
+                                 lambda: self._park_now(task_id, message, limit, until, token, first, behind, guarded))
+        except Exception as exc:
+            if guarded and first:
+                # A try went out and was never answered: it may have parked the copy. A publisher
+                # must not then publish it too (it could run twice), nor say it parked.
+                raise ParkInDoubt(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
+                                  "parked cannot be told") from exc
+            raise
 
     def _park_now(self, task_id: str, message: Callable[[], bytes], limit: int, until: Optional[float], token: bytes,
-                  first: List[int], behind: bool) -> Optional[str]:
+                  first: List[int], behind: bool, guarded: bool) -> Optional[str]:
         client = self.session.client
         nodes = self.session.nodes
         prefix = _prefix(task_id)
         while True:
-            # Behind: no queue, no copy to park behind (and no container made for every key ever run).
-            made = None if behind else nodes.ensure_container(self.path, None)
+            # Behind or guarded: no queue, no copy to park behind (and no container made for every key ever run).
+            made = None if behind or guarded else nodes.ensure_container(self.path, None)
             if made is not None:
                 try:
                     reply(made, until)
@@ -237,6 +252,7 @@ class ParkedQueue:
             synced = client.sync_async(self.path)
             read = client.get_async(self.path)
             listed = client.get_children_async(self.path)
+            locked = client.get_children_async(self.lock_path) if guarded else None
             try:
                 reply(synced, until)
                 data, stat = reply(read, until)
@@ -244,11 +260,17 @@ class ParkedQueue:
             except NoNodeError:
                 if first:
                     raise _untold(self.path, "was reaped") from None
-                if behind:
+                if behind or guarded:
                     return ""  # nothing parked (a park after this one finds the queue gone and makes it)
                 nodes.container_gone(self.path)  # reaped since we last used it
                 continue
             nodes.container_used(self.path)
+            contenders: List[str] = []
+            if locked is not None:
+                try:
+                    contenders = reply(locked, until)
+                except NoNodeError:
+                    pass
             # Not sorted: only our own node and the count matter here (a long queue is read per park).
             parked = [name for name in children if parked_sequence(name) >= 0]
             mine = [name for name in parked if name.startswith(prefix)]
@@ -263,6 +285,9 @@ class ParkedQueue:
                 raise _untold(self.path, f"took {stat.version - first[0]} parks")
             if behind and not parked:
                 return ""
+            guards = self._guards(children, parked, contenders) if guarded else []
+            if guarded and not guards:
+                return ""
             if len(parked) >= limit:
                 return None
             payload = message()  # built once, and before anything is written: it may refuse the copy
@@ -271,6 +296,8 @@ class ParkedQueue:
             tx = client.transaction()
             tx.set_data(self.path, (data + token)[-_RING * _TOKEN:], version=stat.version)
             tx.create(self.node_path(prefix), payload, sequence=True)
+            for guard in guards:  # gone by the commit: read again and decide again
+                tx.check(guard, -1)
             results = reply(tx.commit_async(), until)
             if not _failed(results):
                 return posixpath.basename(results[1])
@@ -278,6 +305,34 @@ class ParkedQueue:
                 raise next(r for r in results if isinstance(r, Exception))
             first[:] = []  # this try is answered: it did not commit
             # Another parker took a place first, or the queue was reaped: look again.
+
+    def _guards(self, children: List[str], parked: List[str], contenders: List[str]) -> List[str]:
+        """What a publisher's park commits on (nodes that must still be there), or ``[]`` where
+        it must not park: the copy is published as it is, and a worker decides.
+
+        - The queue's first watcher (:meth:`follow`): someone must send the copy on should its
+          key's holder die before its hand-off. A publisher cannot (it may be a web request
+          that is gone by then), so with no watcher the copy goes to a worker, which parks it
+          and watches. The watcher may leave once the commit is in; a watcher that leaves
+          reads the queue again after its node is gone, and so sees the copy (:meth:`follow`).
+        - What keeps the copy from running now: a contender the key has no room beside (the
+          holder hands the key on as it lets go), or else the head of the queue, in flight or
+          about to be (its taker hands it on). With neither, the key has room and nothing is
+          parked: the copy may run at once.
+
+        Both are for the decision, not for safety: a park whose guard went is tried again.
+        """
+        members = sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
+        if not members:
+            return []
+        if not self.rule.has_room(contenders):
+            blocking = [c for c in contenders if (parsed := contender(c)) and parsed[0] in self.rule.blocked_by]
+            behind = f"{self.lock_path}/{min(blocking, key=sequence)}"
+        elif parked:
+            behind = self.node_path(min(parked, key=parked_sequence))
+        else:
+            return []
+        return [self.node_path(members[0]), behind]
 
     # -- the watchers ------------------------------------------------------------------------
     def follow(self, token: str, watch: Callable[[Any], None], until: Optional[float]) -> Optional[bool]:
@@ -305,8 +360,12 @@ class ParkedQueue:
             members = sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
             ours = [m for m in members if m.startswith(_member(token))]
             if not any(parked_sequence(c) >= 0 for c in children):
-                self._drop(ours)
-                return None
+                if not ours:
+                    return None
+                # Gone first, then read again: a publisher's park that committed while our
+                # member stood (it checks the first one: _guards) is seen, and we stay.
+                self._delete_now(ours, until)
+                continue
             if not ours:
                 try:
                     reply(self.session.nodes.create_contender(self.node_path(_member(token)), b""), until)
@@ -321,20 +380,32 @@ class ParkedQueue:
                 return False
             # The member before ours went between our reads: read again.
 
-    def leave(self, token: str, until: Optional[float]) -> None:
-        """Our member node goes (we watch the queue no more): the member after ours steps up."""
-        through_blips(self.session, until, lambda: self._leave_now(token, until))
+    def leave(self, token: str, until: Optional[float]) -> bool:
+        """Our member node goes (we watch the queue no more): the member after ours steps up.
+        True when copies are parked once it is gone: one parked as we left (a publisher's
+        park checked our member), which we must watch on."""
+        return through_blips(self.session, until, lambda: self._leave_now(token, until))
 
-    def _leave_now(self, token: str, until: Optional[float]) -> None:
+    def _leave_now(self, token: str, until: Optional[float]) -> bool:
         try:
             children = reply(self.session.client.get_children_async(self.path), until)
         except NoNodeError:
-            return
-        self._drop([member for member in children if member.startswith(_member(token))])
+            return False
+        self._delete_now([member for member in children if member.startswith(_member(token))], until)
+        return bool(self.parked(until))
 
     def _drop(self, members: List[str]) -> None:
         for member in members:
             self.session.nodes.delete_later(self.node_path(member))
+
+    def _delete_now(self, members: List[str], until: Optional[float]) -> None:
+        """Delete our member nodes and wait for it (each try finds what a lost one did)."""
+        deletes = [self.session.client.delete_async(self.node_path(member)) for member in members]
+        for deleted in deletes:
+            try:
+                reply(deleted, until)
+            except NoNodeError:
+                pass
 
     # -- the hand-off ------------------------------------------------------------------------
     def look(self, leaving: str) -> Callable[[Optional[float]], Optional[Looked]]:
@@ -707,8 +778,9 @@ class QueueWatch:
                 return Nudge.FOLLOWING
             # The nudge's own reads set the watches: a change they do not see fires them.
             done = parked.nudge(send, until, watch=fired)
-            if done == Nudge.EMPTY:
-                parked.leave(self.token, until)
+            if done == Nudge.EMPTY and parked.leave(self.token, until):
+                self._todo.put(parked.path)  # a copy parked as we left: we join again and watch on
+                return Nudge.FOLLOWING
             return done
         except Exception as exc:  # noqa: BLE001 - the next event, or the session coming back, tries again
             logger.warning("parked copies at %s: could not send the head on (%s); trying again as the key "

@@ -137,6 +137,12 @@ def parked(key: str, ms: float) -> None:
 
 
 @app.task(shared=False)
+@zk_locked(key="k:{key}", on_contention="park", park_at_publish=True)
+def parked_at_publish(key: str, ms: float) -> None:
+    body(key, ms, token=current_lock().fencing_token)
+
+
+@app.task(shared=False)
 @zk_locked(key="k:{key}", on_contention="preempt")
 def preempting(key: str, ms: float) -> None:
     body(key, ms, token=current_lock().fencing_token)

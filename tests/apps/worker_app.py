@@ -226,6 +226,14 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         (hold_on_socket if gated else hold)(seconds, key)
         return seq
 
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="park:{key}", on_contention="park", park_at_publish=True)
+    def parking_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """``parking``, whose publishers park a copy themselves where a worker's process watches its key's queue."""
+        note("start", key=key, seq=seq)
+        (hold_on_socket if gated else hold)(seconds, key)
+        return seq
+
     @app.task(shared=False)
     @zk_locked(key="park:{key}", on_contention="park", park_limit=2)
     def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
@@ -236,7 +244,8 @@ if not os.environ.get("ZKT_KEY_SECRET"):
 @task_postrun.connect
 def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: Any) -> None:
     # Every delivery of a parking copy as it ends, with its outcome: a second send drops itself (IGNORED).
-    if sender is not None and sender.name == "tests.apps.worker_app.parking":
+    if sender is not None and sender.name in ("tests.apps.worker_app.parking",
+                                              "tests.apps.worker_app.parking_at_publish"):
         history().rpush("history", json.dumps({"event": "delivered", "task_id": task_id, "state": state,
                                                "time": time.monotonic()}))
 

@@ -7,7 +7,8 @@ from a recorded seed, each round's history checked by :func:`harness.dedupe.dedu
     ZKLOCK_FUZZ_DEDUPE_FAULTS=child_paused ...                                      # one fault's rounds
 
 A round draws a mode (``queued``, ``queued_or_running``, ``queued_or_running`` with a lock
-and a retry, ``latest``, with or without a lock, ``park`` or ``preempt``), two keys, two
+and a retry, ``latest``, with or without a lock, ``park`` (its copies parked by the worker, or
+with ``park_at_publish`` by their publishers) or ``preempt``), two keys, two
 publishing threads, and up to three faults, each at a drawn moment: the publishers' or the
 worker's ZooKeeper link reset or dark for a while, the reply to a publisher's create (or
 multi, or delete) lost or held back, a pool process SIGKILLed mid-body, a copy revoked, a publisher process SIGKILLed
@@ -21,7 +22,8 @@ rounds, ``park`` and ``preempt`` (a lock's ``on_contention``, with no dedupe), a
 :func:`harness.dedupe.contention_violations`: no body ran twice, a parked copy was neither
 lost nor doubled, a preempted one was told, fencing tokens rose, and no two bodies of a key
 overlapped but for a preempted holder's. Their publishes do not touch ZooKeeper, so their
-lost and held replies strike the worker's link, where the hand-offs and requests travel.
+lost and held replies strike the worker's link, where the hand-offs and requests travel; but
+for ``park_publish`` rounds, whose publishers park, where they strike the link a round draws.
 
 The worker and the publishers reach ZooKeeper through their own proxies; the worker's
 marker lifetime is 4 s (``ZKT_DEDUPE_TTL``), the sessions' timeout 4 s.
@@ -62,7 +64,7 @@ FIRST_SEED = int(os.environ.get("ZKLOCK_FUZZ_SEED", "0")) or random.SystemRandom
 TTL = 4.0
 MODES = {"queued": ("debounced", 1), "queued_or_running": ("singleton", 1), "retried": ("retried", 2),
          "latest": ("newest", 1), "latest_locked": ("newest_locked", 1), "park": ("parked", 1),
-         "preempt": ("preempting", 1)}
+         "park_publish": ("parked_at_publish", 1), "preempt": ("preempting", 1)}
 #: Modes that publish without ZooKeeper: their faults of replies strike the worker's link instead.
 CONTENTION = ("park", "preempt")
 #: ZKLOCK_FUZZ_DEDUPE_MODES=latest,latest_locked draws only those modes (a long run of one feature).
@@ -145,7 +147,8 @@ class Round:
         self.mode_name = self.rng.choice(DRAWN)
         self.task = getattr(dedupe_app, MODES[self.mode_name][0])
         self.mode = self.mode_name if self.mode_name in ("queued", "latest") + CONTENTION else \
-            "latest" if self.mode_name == "latest_locked" else "queued_or_running"
+            "latest" if self.mode_name == "latest_locked" else "park" if self.mode_name == "park_publish" else \
+            "queued_or_running"
         self.keys = [f"s{seed}-{i}" for i in range(2)]
         self.faults = sorted((self.rng.uniform(0.0, 1.5), self.rng.choice(FAULTS_DRAWN), self.rng.uniform(0.3, 2.5))
                              for _ in range(self.rng.randrange(4)))
@@ -156,7 +159,9 @@ class Round:
         self.first_event = 0  # the index of this round's first run event (see history)
         self.lock = threading.Lock()
         #: Where a lost or held reply strikes: the link whose requests the mode's promise rides on.
-        self.replies = rig.worker_proxy if self.mode_name in CONTENTION else rig.publisher_proxy
+        # A publisher's park (park_publish) rides on the publisher's link, and its hand-offs on the worker's.
+        self.replies = rig.worker_proxy if self.mode_name in CONTENTION else rig.publisher_proxy \
+            if self.mode_name != "park_publish" else self.rng.choice((rig.publisher_proxy, rig.worker_proxy))
 
     def args(self, rng: random.Random, key: str) -> tuple:
         return (key,) if self.mode_name == "retried" else (key, rng.uniform(20, 300))
@@ -197,7 +202,7 @@ class Round:
                 fresh = [p["asked"] for p in self.publishes if p["got"] == p["asked"]]
             if fresh:
                 dedupe_app.app.control.revoke(rng.choice(fresh))
-        elif name == "publisher_killed" and self.mode_name not in ("retried",) + CONTENTION:  # it sends (key, ms)
+        elif name == "publisher_killed" and self.mode_name != "retried" and self.mode not in CONTENTION:  # (key, ms)
             name = self.task.name.rsplit(".")[-1]
             dying = subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", name, "1", "0"],
                                      env={**rig.env, "ZKT_DIE_AFTER_MARKER": "1", "ZKT_KEY": self.keys[0]})

@@ -3,8 +3,11 @@ held key waits in the key's parked queue, not in a worker slot, and runs once, i
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from typing import List
@@ -62,6 +65,41 @@ def test_parked_copies_free_the_slots_and_run_once_each_in_publish_order(workers
         "each keyed copy runs once, in publish order"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: queue_left(kazoo, zk_root, "hot") == [], timeout=10)
+
+
+def test_a_publisher_parks_a_copy_itself_and_no_worker_receives_it_before_its_turn(workers, queue, redis_server,
+                                                                                  kazoo, zk_root, env):
+    # park_at_publish: the publisher parks a copy whose key is held, where a worker's process
+    # watches the key's queue; the copy reaches a worker once, to run. With no watcher yet, a
+    # copy goes to the worker as usual, which parks it and watches.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking_at_publish, queue, "pub", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    second = send(worker_app.parking_at_publish, queue, "pub", 0.2, 1)
+    wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "pub")), timeout=30)
+    rest = [send(worker_app.parking_at_publish, queue, "pub", 0.2, i) for i in range(2, 9)]
+    # A script that publishes and exits: its app is never finalized, and the task's definition
+    # is what routes the publish through us (it went out unparked before that).
+    script = subprocess.run(
+        [sys.executable, "-c", "from tests.apps import worker_app; import os; print(worker_app.parking_at_publish."
+         "apply_async(('pub', 0.2, 9), queue=os.environ['ZKT_QUEUE']).id)"],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert script.returncode == 0, script.stderr
+    rest.append(AsyncResult(script.stdout.strip(), app=worker_app.app))
+    parked = [n for n in queue_left(kazoo, zk_root, "pub") if n.startswith("p-")]
+    assert len(parked) == 9, "each publish parked its copy before it returned"
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    keyed = [first, second, *rest]
+    assert [r.get(timeout=60) for r in keyed] == list(range(10)), "every caller gets its own copy's result"
+    history = events(redis_server.url)
+    deliveries = collections.Counter(e["task_id"] for e in history if e["event"] == "delivered")
+    assert deliveries[second.id] == 2, "the worker parked it, then ran it"
+    assert [deliveries[r.id] for r in rest] == [1] * 8, "a copy parked as it was published reached a worker to run"
+    bodies = [e for e in history if e["event"] == "body"]
+    assert [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])] == [r.id for r in keyed], \
+        "each keyed copy runs once, in publish order"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "pub") == [], timeout=10)
 
 
 def test_a_holder_killed_before_its_hand_off_still_hands_the_key_on(workers, queue, redis_server, kazoo, zk_root):

@@ -4,12 +4,13 @@ Celery here, a send is a call recorded in a list."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import List, Tuple
 
 import pytest
 
 from celery_zklock.recipes import EXCLUSIVE, Lock
-from celery_zklock.recipes.park import Nudge, ParkedQueue, QueueWatch
+from celery_zklock.recipes.park import SETTLE, Nudge, ParkedQueue, ParkInDoubt, QueueWatch
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
 from tests.util import wait_until
@@ -266,3 +267,91 @@ def test_a_watcher_that_cannot_send_steps_aside_for_the_next(new_session, zk_roo
     finally:
         for watch in watches:
             watch.stop()
+
+
+# -- a publisher's park (park_at_publish): guarded ---------------------------------------------
+def test_a_publisher_parks_only_where_a_watcher_will_send_the_copy_on(new_session, zk_root, kazoo):
+    """A publisher cannot send a copy later (it may be a web request, gone by then): it parks
+    only behind a holder or a parked head, and only while a process watches the queue. Each
+    refusal writes nothing, and the copy is published as usual."""
+    queue_path, lock_path = paths(zk_root)
+    publisher = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    assert publisher.park("pub-0", b"m", 10, deadline(10), guarded=True) == "", "no queue at all"
+    holder = Lock(new_session(), lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    worker_session = new_session()
+    parked_by_worker = ParkedQueue(worker_session, queue_path, lock_path, EXCLUSIVE)
+    assert parked_by_worker.park("copy-0", b"m0", 10, deadline(10))
+    assert publisher.park("pub-1", b"m", 10, deadline(10), guarded=True) == "", "nobody watches the queue"
+    watch = QueueWatch(worker_session, 10)
+    sends = Sends()
+    try:
+        watch.add(parked_by_worker, sends)
+        wait_until(lambda: any(c.startswith("w-") for c in kazoo.get_children(queue_path)), timeout=10)
+        name = publisher.park("pub-2", b"m2", 10, deadline(10), guarded=True)
+        assert name and name.startswith("p-"), "held, and watched: it parks"
+        assert publisher.park("pub-2", b"m2", 10, deadline(10), guarded=True) == name, "parked once"
+        holder.release()  # a holder that never hands on: the watcher sends the head, then the next
+        wait_until(lambda: len(sends.seen) == 1, timeout=10)
+        assert [payload for _, payload in sends.seen] == [b"m0"]
+        # The head is in flight and the key free: a new copy parks behind it, never ahead.
+        behind = publisher.park("pub-3", b"m3", 10, deadline(10), guarded=True)
+        assert behind and behind.startswith("p-")
+        parked = sorted((c for c in kazoo.get_children(queue_path) if c.startswith("p-")),
+                        key=lambda c: int(c.rsplit("-", 1)[1]))
+        assert parked[-2:] == [name, behind]
+    finally:
+        watch.stop()
+
+
+def test_a_watcher_that_leaves_as_a_publisher_parks_reads_again_and_watches_on(new_session, proxy, zk_root, kazoo):
+    """A publisher's park checks that the queue's first watcher is there as it commits; the
+    watcher, finding the queue empty a moment before, then leaves. Had it left unseeing, no
+    one would send the copy if its holder died: a watcher now reads again once its member is
+    gone, sees the copy, and watches on. Fails with the read after the delete taken out."""
+    queue_path, lock_path = paths(zk_root)
+    holder_session = new_session()
+    holder = Lock(holder_session, lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    first = other.park("copy-0", b"m0", 10, deadline(10))
+    watcher_session = new_session(hosts=proxy.hosts)
+    watched = ParkedQueue(watcher_session, queue_path, lock_path, EXCLUSIVE)
+    watch = QueueWatch(watcher_session, 10)
+    sends = Sends()
+    try:
+        watch.add(watched, sends)
+        wait_until(lambda: any(c.startswith("w-") for c in kazoo.get_children(queue_path)), timeout=10)
+        time.sleep(SETTLE * 4)  # its nudge's reads are answered (its watches set), nothing else is due
+        held = proxy.hold_reply(Op.GET_CHILDREN)  # the read that finds the queue empty
+        other.remove(str(first), deadline(10))  # its watch fires: it reads, finds no copy, and leaves
+        held.wait_matched()
+        publisher = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+        name = publisher.park("pub-1", b"m1", 10, deadline(10), guarded=True)
+        assert name and name.startswith("p-"), "the watcher's member was still there as the park committed"
+        held.release()
+        holder_session.close()  # the holder dies before any hand-off: only a watcher can send the copy
+        wait_until(lambda: sends.seen, timeout=10)
+        assert sends.seen == [(watched.node_path(name), b"m1")]
+    finally:
+        watch.stop()
+
+
+def test_a_publishers_park_whose_reply_never_came_says_it_cannot_tell(new_session, proxy, zk_root, kazoo):
+    """The park's write went and its answer did not come in time: the copy may be parked, so
+    the publisher must neither publish it too nor say it parked."""
+    queue_path, lock_path = paths(zk_root)
+    holder = Lock(new_session(), lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    worker_session = new_session()
+    parked_by_worker = ParkedQueue(worker_session, queue_path, lock_path, EXCLUSIVE)
+    assert parked_by_worker.park("copy-0", b"m0", 10, deadline(10))
+    assert parked_by_worker.follow("token", lambda event: None, deadline(10)) is True
+    publisher = ParkedQueue(new_session(hosts=proxy.hosts), queue_path, lock_path, EXCLUSIVE)
+    held = proxy.hold_reply(Op.MULTI)
+    try:
+        with pytest.raises(ParkInDoubt, match="whether it parked cannot be told"):
+            publisher.park("pub-1", b"m1", 10, deadline(1), guarded=True)
+    finally:
+        held.release()
+    assert len([c for c in kazoo.get_children(queue_path) if c.startswith("p-")]) == 2, "it did park"
