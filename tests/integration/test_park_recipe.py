@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import List, Tuple
+from typing import Callable, List, Tuple
 
 import pytest
 
@@ -13,6 +13,7 @@ from celery_zklock.recipes import EXCLUSIVE, Lock
 from celery_zklock.recipes.park import SETTLE, Nudge, ParkedQueue, ParkInDoubt, QueueWatch
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
+from harness.proxy import Fault
 from tests.util import wait_until
 
 
@@ -355,3 +356,55 @@ def test_a_publishers_park_whose_reply_never_came_says_it_cannot_tell(new_sessio
     finally:
         held.release()
     assert len([c for c in kazoo.get_children(queue_path) if c.startswith("p-")]) == 2, "it did park"
+
+
+def test_a_watcher_whose_nudge_finds_the_queue_empty_as_a_publisher_parks_watches_on(new_session, proxy, zk_root,
+                                                                                     kazoo):
+    """The other way a watcher leaves: its nudge finds the queue empty, and a publisher's park
+    commits before its member's delete. Its leave reads the queue again once the member is
+    gone, sees the copy, and it watches on. Fails with leave's read taken out."""
+    queue_path, lock_path = paths(zk_root)
+    holder_session = new_session()
+    holder = Lock(holder_session, lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    first = other.park("copy-0", b"m0", 10, deadline(10))
+    watcher_session = new_session(hosts=proxy.hosts)
+    watched = ParkedQueue(watcher_session, queue_path, lock_path, EXCLUSIVE)
+    watch = QueueWatch(watcher_session, 10)
+    sends = Sends()
+    listings: List[int] = []
+
+    def counted(xid: int, op: int) -> bool:  # armed first, so it sees each request once; never matches
+        if op == Op.GET_CHILDREN:
+            listings.append(op)
+        return False
+
+    def listing(n: int) -> Callable[[int, int], bool]:
+        # The watcher's n-th listing from now on: 1 its follow's, 2 its nudge's of the queue,
+        # 3 the nudge's of the key, 4 its leave's.
+        return lambda xid, op: op == Op.GET_CHILDREN and len(listings) == n
+
+    try:
+        watch.add(watched, sends)
+        wait_until(lambda: any(c.startswith("w-") for c in kazoo.get_children(queue_path)), timeout=10)
+        time.sleep(SETTLE * 4)  # its nudge's reads are answered (its watches set), nothing else is due
+        proxy.arm(Fault("request", counted, "hold", count=10**9, describe="a count of listings"))
+        nudge_read = proxy.arm(Fault("request", listing(2), "hold", describe="the nudge's listing"))
+        leave_read = proxy.arm(Fault("request", listing(4), "hold", describe="the leave's listing"))
+        second = other.park("copy-1", b"m1", 10, deadline(10))  # its watch fires: it follows, and leads
+        nudge_read.wait_matched()
+        for name in (first, second):  # gone before its nudge reads: it finds the queue empty, and leaves
+            other.remove(str(name), deadline(10))
+        nudge_read.release()
+        leave_read.wait_matched()
+        publisher = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+        name = publisher.park("pub-1", b"p1", 10, deadline(10), guarded=True)
+        assert name and name.startswith("p-"), "the watcher's member was still there as the park committed"
+        leave_read.release()
+        holder_session.close()  # the holder dies before any hand-off: only a watcher can send the copy
+        wait_until(lambda: sends.seen, timeout=10)
+        assert sends.seen == [(watched.node_path(name), b"p1")]
+    finally:
+        proxy.disarm()
+        watch.stop()
