@@ -119,6 +119,11 @@ def _parked(children: List[str]) -> List[str]:
     return sorted((c for c in children if parked_sequence(c) >= 0), key=parked_sequence)
 
 
+def _members(children: List[str]) -> List[str]:
+    """The watchers' member nodes among a queue's children, first first."""
+    return sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
+
+
 def _member(token: str) -> str:
     """The name of a watcher's member node, but its sequence number (see ParkedQueue.follow)."""
     return f"{MEMBER}{token}-"
@@ -203,8 +208,8 @@ class ParkedQueue:
         are none (it did not park, and may try the key). ``payload`` may be a function, called
         only to park (so a copy that does not park never builds its message).
 
-        With ``guarded`` (a publisher's park, :meth:`park_guarded`'s rule), the copy parks only
-        where somebody will send it on: ``""`` otherwise.
+        With ``guarded`` (a publisher's park), the copy parks only where somebody will send it
+        on (see :meth:`_guards`): ``""`` otherwise, and nothing is written.
 
         The limit holds exactly: each park bumps the queue node's version in the same
         transaction as its create, so two parkers never both take the last place.
@@ -314,7 +319,8 @@ class ParkedQueue:
           key's holder die before its hand-off. A publisher cannot (it may be a web request
           that is gone by then), so with no watcher the copy goes to a worker, which parks it
           and watches. The watcher may leave once the commit is in; a watcher that leaves
-          reads the queue again after its node is gone, and so sees the copy (:meth:`follow`).
+          reads the queue again after its node is gone, and so sees the copy (:meth:`follow`,
+          :meth:`leave`).
         - What keeps the copy from running now: a contender the key has no room beside (the
           holder hands the key on as it lets go), or else the head of the queue, in flight or
           about to be (its taker hands it on). With neither, the key has room and nothing is
@@ -322,7 +328,7 @@ class ParkedQueue:
 
         Both are for the decision, not for safety: a park whose guard went is tried again.
         """
-        members = sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
+        members = _members(children)
         if not members:
             return []
         if not self.rule.has_room(contenders):
@@ -357,7 +363,7 @@ class ParkedQueue:
                 children = reply(listed, until)
             except NoNodeError:
                 return None
-            members = sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
+            members = _members(children)
             ours = [m for m in members if m.startswith(_member(token))]
             if not any(parked_sequence(c) >= 0 for c in children):
                 if not ours:
