@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 __all__ = ["AlreadyQueued", "ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "NoCurrentLock",
-           "Preempted", "ZkLockError", "ZooKeeperUnavailable"]
+           "ParkInDoubt", "Preempted", "ZkLockError", "ZooKeeperUnavailable"]
 
 
 class ZkLockError(Exception):
@@ -39,6 +39,22 @@ class AlreadyQueued(ZkLockError):
     """A dedupe task was not published: a copy with the same key is queued (or running).
 
     ``task_id`` is that copy's id.
+    """
+
+    def __init__(self, message: str, task_id: str) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+
+    def __reduce__(self) -> tuple:  # picklable, for result backends
+        return type(self), (str(self), self.task_id)
+
+
+class ParkInDoubt(ZkLockError):
+    """A publisher's park (``park_at_publish``) was sent and never answered: the copy may be
+    parked, and then runs in its turn, or not. It was not published as well. Not a
+    ``ZooKeeperUnavailable``: a caller that publishes again on that would run it twice.
+
+    ``task_id`` is the copy's id (``celery zklock locks --waiters`` lists it if it parked).
     """
 
     def __init__(self, message: str, task_id: str) -> None:

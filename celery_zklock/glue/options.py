@@ -235,6 +235,9 @@ def policy_problem(where: str, spec: LockSpec, defaults: TaskDefaults, keys: int
     ``keys`` keys (None: it can). A task's own policy was checked as it was defined; the
     default is checked as the app is finalized, and again by each call."""
     policy = spec.contention(defaults)
+    if spec.park_at_publish and policy != "park":  # a task's own policy refused it as it was defined
+        return f"{where}: park_at_publish applies only with on_contention='park', and this task's policy is " \
+               f"{spec.contention_source(defaults)}"
     if policy not in ONE_KEY:
         return None  # the rest, at every publish, pays this look only
     source = spec.contention_source(defaults)

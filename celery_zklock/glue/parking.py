@@ -37,15 +37,15 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .. import signals
 from ..conf import Settings
-from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
+from ..exceptions import ConfigurationError, ParkInDoubt, ZkLockError, ZooKeeperUnavailable, explain
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
-from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkInDoubt, QueueWatch
+from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch
 from ..recipes.park import waiting as parked_copies
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task
-from .options import spec_of
+from .options import policy_problem, spec_of
 
 __all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "encode", "lost", "parked_header",
            "publish", "received", "revoked", "send", "sweep"]
@@ -335,9 +335,10 @@ def send(app: Any, node: str, payload: bytes) -> None:
 _LOCAL = ("add_to_parent", "producer")
 #: The publish options a copy parked as it is published may carry: each travels in its message
 #: and means the same when the copy is sent again. Any other (a countdown, an eta or expiry,
-#: which would count from the later send; a canvas; a producer) sends it as usual: a worker parks it.
+#: which would count from the later send; a canvas; a retry policy) sends it as usual: a worker parks it.
 _PLAIN = frozenset({"task_id", "queue", "routing_key", "exchange", "priority", "headers", "time_limit",
-                    "soft_time_limit", "shadow", "ignore_result", "serializer", "compression", *_LOCAL})
+                    "soft_time_limit", "shadow", "ignore_result", "serializer", "compression", "reply_to",
+                    "root_id", "parent_id", *_LOCAL})
 
 
 def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any]) -> Any:
@@ -359,8 +360,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     defaults = task_defaults(app)
     running = current_task()
     headers = options.get("headers") or {}
-    if spec.contention(defaults) != "park" or not set(options) <= _PLAIN or PARK_HEADER in headers \
-            or app.conf.task_always_eager or (running is not None and options.get("task_id") == running.request.id):
+    problem = policy_problem(f"task {task.name}", spec, defaults, 1)
+    if problem:
+        raise ConfigurationError(problem)  # park_at_publish under a default policy that is not park
+    if not set(options) <= _PLAIN or PARK_HEADER in headers or app.conf.task_always_eager \
+            or (running is not None and options.get("task_id") == running.request.id):
         # A copy sent again, an eager call, a retry of the running copy: as usual.
         return original(task, args, kwargs, **options)
     args, kwargs = tuple(args or ()), dict(kwargs or {})
@@ -376,7 +380,18 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     settings = settings_of(app)
     key = keys[0]
     wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
-    signature = task.signature(args, kwargs, **{k: v for k, v in options.items() if k not in _LOCAL})
+    stored = {k: v for k, v in options.items() if k not in _LOCAL}
+    # What Celery's publish adds itself, as the copy would have carried it: the caller's reply
+    # queue (an rpc:// result goes there) and, from inside a task, its parent and root. Sent
+    # again without them, the copy took the releasing process's.
+    stored.setdefault("reply_to", app.thread_oid)
+    parent = app.current_worker_task
+    if parent is not None:
+        stored.setdefault("root_id", parent.request.root_id or parent.request.id)
+        stored.setdefault("parent_id", parent.request.id)
+        if app.conf.task_inherit_parent_priority:
+            stored.setdefault("priority", parent.request.delivery_info.get("priority"))
+    signature = task.signature(args, kwargs, **stored)
     parked: Optional[str] = None
     try:
         session = session_for(settings, wait)
@@ -387,22 +402,25 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                             rule_for(spec.mode, spec.limit))
         parked = queue.park(task_id, lambda: encode(task, task_id, signature), spec.parked_limit(defaults),
                             deadline(wait), guarded=True)
-    except ParkInDoubt as exc:
-        raise ZooKeeperUnavailable(
+    except ParkUntold as exc:
+        raise ParkInDoubt(
             f"task {task.name}[{task_id}]: {exc}. It was not published as well: if it parked, it runs in its "
-            "turn (`celery zklock locks --waiters` lists it); if not, it never runs") from None
-    except (ZkLockError, KazooException, ValueError, *timeouts()) as exc:
-        # Nothing was written: the copy goes to a worker, which parks it (or refuses it: too
-        # large, its queue full) as it would without park_at_publish.
-        logger.debug("task %s[%s]: not parked as it was published (%s); published as usual", task.name, task_id,
-                     explain(exc))
+            "turn (`celery zklock locks --waiters` lists it); if not, it never runs. Publishing it again may run "
+            "it twice", task_id) from None
+    except ValueError as exc:  # its message is too large for a node: the worker refuses it, naming the size
+        logger.debug("task %s[%s]: not parked as it was published (%s)", task.name, task_id, explain(exc))
+    except (ZkLockError, KazooException, *timeouts()) as exc:
+        # Nothing was written: the copy goes to a worker, which parks it (or refuses it: its
+        # queue full) as it would without park_at_publish.
+        logger.warning("task %s[%s]: not parked as it was published (%s); published as usual", task.name, task_id,
+                       explain(exc))
     if not parked:
         return original(task, args, kwargs, **options)
     logger.info("task %s[%s] parked as it was published: lock %r is held; the copy runs when its turn comes",
                 task.name, task_id, key)
     result = task.AsyncResult(task_id)
-    if options.get("add_to_parent", True) and running is not None:
-        running.add_trail(result)  # as Celery's own publish does from inside a task
+    if options.get("add_to_parent", True) and parent is not None:
+        parent.add_trail(result)  # as Celery's own publish does from inside a task
     return result
 
 

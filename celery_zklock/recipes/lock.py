@@ -155,6 +155,15 @@ class Lock:
         return (self.state == LockState.HELD and held is not None
                 and self.session.generation == held.generation and self.session.is_alive())
 
+    def wait_held(self, until: Optional[float]) -> bool:
+        """:attr:`is_held`, after waiting up to ``until`` where only the session's proof is
+        missing (:meth:`Session.wait_alive`: just after a reconnect). A lock lost for good
+        (its session's generation changed) is answered at once."""
+        held = self._held
+        if self.state == LockState.HELD and held is not None and self.session.generation == held.generation:
+            self.session.wait_alive(until)
+        return self.is_held
+
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is held beyond doubt (call before a side effect)."""
         if not self.is_held:

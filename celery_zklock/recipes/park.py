@@ -51,7 +51,7 @@ from ..exceptions import explain
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, contender, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Looked", "Nudge", "ParkInDoubt", "ParkedQueue", "QueueWatch",
+__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch",
            "parked_sequence", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
@@ -129,7 +129,7 @@ def _member(token: str) -> str:
     return f"{MEMBER}{token}-"
 
 
-class ParkInDoubt(Exception):
+class ParkUntold(Exception):
     """A publisher's park (``guarded``) sent its write and got no answer: the copy may be parked."""
 
 
@@ -237,7 +237,7 @@ class ParkedQueue:
             if guarded and first:
                 # A try went out and was never answered: it may have parked the copy. A publisher
                 # must not then publish it too (it could run twice), nor say it parked.
-                raise ParkInDoubt(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
+                raise ParkUntold(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
                                   "parked cannot be told") from exc
             raise
 

@@ -41,6 +41,7 @@ from ..conf import Settings
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from . import green
 from .clock import Liveness, LivenessClock
+from .deadlines import remaining
 from .nodes import Nodes
 from .probe import addresses, four_letter_word, server_limits
 from .transport import DirectClient, PollHandler, drift, on_connect_reply
@@ -79,6 +80,8 @@ class Session:
         self._stopped = threading.Event()
         self._wakeup = threading.Event()
         self._lock = threading.RLock()
+        #: Notified at each answer to a heartbeat and each change of kazoo's state (see wait_alive).
+        self._answers = threading.Condition(self._lock)
         self._watchdog: Optional[threading.Thread] = None
 
     # -- life cycle -------------------------------------------------------
@@ -167,6 +170,7 @@ class Session:
                 logger.debug("error while closing the ZooKeeper session", exc_info=True)
         with self._lock:
             changed = self.clock.expired(time.monotonic())
+            self._answers.notify_all()
         self._after(changed)
 
     # -- listeners ----------------------------------------------------------
@@ -201,6 +205,22 @@ class Session:
         """True when connected and the server answered recently enough to vouch for our nodes."""
         return self.clock.liveness(time.monotonic()) == Liveness.HELD
 
+    def wait_alive(self, until: Optional[float]) -> bool:
+        """Wait until the session vouches for its nodes (:meth:`is_alive`); False at ``until``.
+
+        Just after a reconnect to the same session whose clock ran out (a server restart
+        renews every session it had), its answers prove nothing until a heartbeat sent a
+        tick later is answered too (:mod:`.clock`): for a few seconds a node made then,
+        a lock just taken, exists but cannot be vouched for yet.
+        """
+        with self._answers:
+            while not self.is_alive():
+                left = remaining(until)
+                if (left is not None and left <= 0) or self._stopped.is_set():
+                    return False
+                self._answers.wait(left)
+        return True
+
     def _on_connect_reply(self, sent: float, timeout: float) -> None:
         # Before kazoo says CONNECTED (and so before start() returns): the clock
         # knows the granted timeout, and what the connect proves, from the first moment.
@@ -230,6 +250,7 @@ class Session:
                 if self.clock.connected(now, sid, self._connect_sent):
                     notify = Liveness.HELD
             lost = self.clock.generation != generation
+            self._answers.notify_all()
         self._after(lost, notify)
         self._wakeup.set()
 
@@ -250,6 +271,7 @@ class Session:
                 return
             with self._lock:
                 revived = self.clock.answered(sent, time.monotonic(), client.connected)
+                self._answers.notify_all()
             if revived:
                 self._notify(Liveness.HELD)
 

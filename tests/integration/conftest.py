@@ -24,6 +24,8 @@ def env(redis_server, zk_server, zk_root, queue) -> Dict[str, str]:
     redis.Redis.from_url(redis_server.url).delete("history")
     worker_app.app.conf.update(broker_url=redis_server.url, result_backend=redis_server.url,
                                zklock_hosts=zk_server.hosts, zklock_root=zk_root)
+    # Read once per app: a publish in this process (park_at_publish) must see this test's root.
+    worker_app.app.__dict__.pop("_zklock_settings", None)
     return {"ZKT_BROKER": redis_server.url, "ZKT_HOSTS": zk_server.hosts, "ZKT_ROOT": zk_root,
             "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": "4", "PYTHONPATH": os.getcwd()}
 

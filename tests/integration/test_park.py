@@ -4,6 +4,7 @@ held key waits in the key's parked queue, not in a worker slot, and runs once, i
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import redis
 from billiard.exceptions import WorkerLostError
 from celery.result import AsyncResult
+from kombu.serialization import loads
 
 from celery_zklock import skipped
 from celery_zklock.glue import parking
@@ -100,6 +102,30 @@ def test_a_publisher_parks_a_copy_itself_and_no_worker_receives_it_before_its_tu
         "each keyed copy runs once, in publish order"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: queue_left(kazoo, zk_root, "pub") == [], timeout=10)
+
+
+def test_a_copy_parked_at_publish_keeps_its_publishers_reply_to(workers, queue, redis_server, kazoo, zk_root):
+    # Celery's publish adds the caller's reply queue (where an rpc:// result goes) itself: a
+    # copy parked at publish was stored without it, and sent again with the releasing
+    # process's (found by an attack on park_at_publish). A copy parked by a worker kept it.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking_at_publish, queue, "rt", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    second = send(worker_app.parking_at_publish, queue, "rt", 0.2, 1)  # parked by the worker
+    wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "rt")), timeout=30)
+    third = send(worker_app.parking_at_publish, queue, "rt", 0.2, 2)  # parked at publish
+    path, options = parked_queue(zk_root, "rt"), {}
+    parked = [n for n in kazoo.get_children(path) if n.startswith("p-")]
+    assert len(parked) == 2, f"the third copy parked as it was published: {parked}"
+    for name in parked:
+        meta, _, body = kazoo.get(f"{path}/{name}")[0].partition(b"\n")
+        info = json.loads(meta)
+        options[info["id"]] = loads(body, info["content_type"], info["content_encoding"])["options"]
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    assert [r.get(timeout=60) for r in (first, second, third)] == [0, 1, 2]
+    assert set(options) == {second.id, third.id}, (options, second.id, third.id)
+    assert options[second.id].get("reply_to") == worker_app.app.thread_oid
+    assert options[third.id].get("reply_to") == worker_app.app.thread_oid
 
 
 def test_a_holder_killed_before_its_hand_off_still_hands_the_key_on(workers, queue, redis_server, kazoo, zk_root):

@@ -10,7 +10,7 @@ from typing import Callable, List, Tuple
 import pytest
 
 from celery_zklock.recipes import EXCLUSIVE, Lock
-from celery_zklock.recipes.park import SETTLE, Nudge, ParkedQueue, ParkInDoubt, QueueWatch
+from celery_zklock.recipes.park import SETTLE, Nudge, ParkedQueue, ParkUntold, QueueWatch
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
 from harness.proxy import Fault
@@ -351,7 +351,7 @@ def test_a_publishers_park_whose_reply_never_came_says_it_cannot_tell(new_sessio
     publisher = ParkedQueue(new_session(hosts=proxy.hosts), queue_path, lock_path, EXCLUSIVE)
     held = proxy.hold_reply(Op.MULTI)
     try:
-        with pytest.raises(ParkInDoubt, match="whether it parked cannot be told"):
+        with pytest.raises(ParkUntold, match="whether it parked cannot be told"):
             publisher.park("pub-1", b"m1", 10, deadline(1), guarded=True)
     finally:
         held.release()

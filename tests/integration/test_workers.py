@@ -13,7 +13,7 @@ import pytest
 
 from celery_zklock import ZooKeeperUnavailable, skipped
 from celery_zklock.testing import max_concurrency, violations
-from harness import CeleryWorker, TcpProxy, free_port
+from harness import CeleryWorker, TcpProxy, ZooKeeperPeer, free_port
 from tests.apps import worker_app
 from tests.util import children, events, holds, send, wait_until
 
@@ -227,3 +227,20 @@ def test_with_zookeeper_unreachable_every_policy_says_so_and_none_says_skipped(e
                                match=rf"^task {task.name}: .*(the task did not run|could neither park nor run)"):
                 result.get(timeout=90)
         assert "skipped" not in worker.log_text()
+
+
+@pytest.mark.slow
+def test_a_lock_taken_as_a_restarted_server_renews_the_session_waits_for_proof_and_runs(workers, queue):
+    # A restarted server renews every session it had: the worker reconnects to its own, whose
+    # clock ran out during the outage. Its first answers prove nothing until a heartbeat sent
+    # a tick later is answered too (zk/clock.py). A lock taken in that moment was held all
+    # right, and its task failed with LockLost ("in doubt: no answer from ZooKeeper for 9s"),
+    # its body never run: a new user lost four tasks so. It waits for the proof now.
+    with ZooKeeperPeer() as own:
+        workers("w1", concurrency=1, ZKT_HOSTS=own.hosts)
+        assert send(worker_app.exclusive, queue, "before", 0.01).get(timeout=30) == "before"
+        own.stop()
+        time.sleep(6)  # the outage, past the 4 s session timeout: the fault itself, not a wait for something
+        own.start()
+        after = [send(worker_app.exclusive, queue, f"after-{i}", 0.01) for i in range(3)]
+        assert [r.get(timeout=60) for r in after] == ["after-0", "after-1", "after-2"]

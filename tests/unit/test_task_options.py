@@ -116,6 +116,9 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"on_contention": "wait", "park_limit": 5}, "park_limit applies only with on_contention='park'"),
     ({"on_contention": "park", "dedupe": "queued"}, "on_contention='park' and dedupe='queued' do not go together"),
     ({"dedupe": "queued", "lock": False, "park_limit": 5}, "park_limit applies only with the lock"),
+    ({"on_contention": "wait", "park_at_publish": True}, "park_at_publish applies only with on_contention='park'"),
+    ({"on_contention": "park", "park_at_publish": "yes"}, "park_at_publish must be True or False, not 'yes'"),
+    ({"dedupe": "queued", "lock": False, "park_at_publish": True}, "park_at_publish applies only with the lock"),
     # The new-user trial: these were refused only by each call on the worker, or not at all.
     ({"key": ["a:{x}", "b:{x}"], "on_contention": "park"},
      "on_contention='park' parks a copy in one key's queue, and this call has 2 keys; use one key"),
@@ -416,6 +419,10 @@ def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
      "takes a read lock"),
     ({"zklock_default_on_contention": "park"}, {"key": "a:{x}", "dedupe": "queued"},
      "zklock_default_on_contention='park' and dedupe='queued' do not go together yet"),
+    # The new-user trial: a task that left its policy to a default other than park published unparked.
+    ({}, {"key": "a:{x}", "park_at_publish": True},
+     "park_at_publish applies only with on_contention='park', and this task's policy is "
+     "zklock_default_on_contention='wait'"),
 ])
 def test_a_default_policy_a_task_cannot_take_is_a_problem_naming_the_setting(settings, options, message):
     # The new-user trial: such a task passed `zklock check` and every call failed on the worker,
