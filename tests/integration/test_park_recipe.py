@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import pytest
 
@@ -305,35 +305,53 @@ def test_a_publisher_parks_only_where_a_watcher_will_send_the_copy_on(new_sessio
         watch.stop()
 
 
+def a_watched_queue(new_session: Callable[..., Any], proxy: TcpProxy, zk_root: str, kazoo: Any) -> Tuple[Any, ...]:
+    """A held key with one copy parked, and one process watching its queue through ``proxy``,
+    its watches set: (the holder's session, the copy's parker, the copy's node name, the
+    watched queue, the watch, its sends)."""
+    queue_path, lock_path = paths(zk_root)
+    holder_session = new_session()
+    assert Lock(holder_session, lock_path, EXCLUSIVE).acquire(timeout=10)
+    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    first = other.park("copy-0", b"m0", 10, deadline(10))
+    watcher_session = new_session(hosts=proxy.hosts)
+    watched = ParkedQueue(watcher_session, queue_path, lock_path, EXCLUSIVE)
+    watch, sends = QueueWatch(watcher_session, 10), Sends()
+    watch.add(watched, sends)
+    try:
+        wait_until(lambda: any(c.startswith("w-") for c in kazoo.get_children(queue_path)), timeout=10)
+        time.sleep(SETTLE * 4)  # its nudge's reads are answered (its watches set), nothing else is due
+    except BaseException:
+        watch.stop()
+        raise
+    return holder_session, other, first, watched, watch, sends
+
+
+def park_as_it_leaves(new_session: Callable[..., Any], zk_root: str, held: Fault, holder_session: Any,
+                      watched: ParkedQueue, sends: Sends) -> None:
+    """With the watcher's read ``held`` (its member still there), a publisher parks a copy; then
+    the read goes on, and the holder dies before any hand-off: only a watcher can send the copy."""
+    queue_path, lock_path = paths(zk_root)
+    publisher = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    name = publisher.park("pub-1", b"p1", 10, deadline(10), guarded=True)
+    assert name and name.startswith("p-"), "the watcher's member was still there as the park committed"
+    held.release()
+    holder_session.close()
+    wait_until(lambda: sends.seen, timeout=10)
+    assert sends.seen == [(watched.node_path(name), b"p1")]
+
+
 def test_a_watcher_that_leaves_as_a_publisher_parks_reads_again_and_watches_on(new_session, proxy, zk_root, kazoo):
     """A publisher's park checks that the queue's first watcher is there as it commits; the
     watcher, finding the queue empty a moment before, then leaves. Had it left unseeing, no
     one would send the copy if its holder died: a watcher now reads again once its member is
     gone, sees the copy, and watches on. Fails with the read after the delete taken out."""
-    queue_path, lock_path = paths(zk_root)
-    holder_session = new_session()
-    holder = Lock(holder_session, lock_path, EXCLUSIVE)
-    assert holder.acquire(timeout=10)
-    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
-    first = other.park("copy-0", b"m0", 10, deadline(10))
-    watcher_session = new_session(hosts=proxy.hosts)
-    watched = ParkedQueue(watcher_session, queue_path, lock_path, EXCLUSIVE)
-    watch = QueueWatch(watcher_session, 10)
-    sends = Sends()
+    holder_session, other, first, watched, watch, sends = a_watched_queue(new_session, proxy, zk_root, kazoo)
     try:
-        watch.add(watched, sends)
-        wait_until(lambda: any(c.startswith("w-") for c in kazoo.get_children(queue_path)), timeout=10)
-        time.sleep(SETTLE * 4)  # its nudge's reads are answered (its watches set), nothing else is due
         held = proxy.hold_reply(Op.GET_CHILDREN)  # the read that finds the queue empty
         other.remove(str(first), deadline(10))  # its watch fires: it reads, finds no copy, and leaves
         held.wait_matched()
-        publisher = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
-        name = publisher.park("pub-1", b"m1", 10, deadline(10), guarded=True)
-        assert name and name.startswith("p-"), "the watcher's member was still there as the park committed"
-        held.release()
-        holder_session.close()  # the holder dies before any hand-off: only a watcher can send the copy
-        wait_until(lambda: sends.seen, timeout=10)
-        assert sends.seen == [(watched.node_path(name), b"m1")]
+        park_as_it_leaves(new_session, zk_root, held, holder_session, watched, sends)
     finally:
         watch.stop()
 
@@ -363,16 +381,7 @@ def test_a_watcher_whose_nudge_finds_the_queue_empty_as_a_publisher_parks_watche
     """The other way a watcher leaves: its nudge finds the queue empty, and a publisher's park
     commits before its member's delete. Its leave reads the queue again once the member is
     gone, sees the copy, and it watches on. Fails with leave's read taken out."""
-    queue_path, lock_path = paths(zk_root)
-    holder_session = new_session()
-    holder = Lock(holder_session, lock_path, EXCLUSIVE)
-    assert holder.acquire(timeout=10)
-    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
-    first = other.park("copy-0", b"m0", 10, deadline(10))
-    watcher_session = new_session(hosts=proxy.hosts)
-    watched = ParkedQueue(watcher_session, queue_path, lock_path, EXCLUSIVE)
-    watch = QueueWatch(watcher_session, 10)
-    sends = Sends()
+    holder_session, other, first, watched, watch, sends = a_watched_queue(new_session, proxy, zk_root, kazoo)
     listings: List[int] = []
 
     def counted(xid: int, op: int) -> bool:  # armed first, so it sees each request once; never matches
@@ -386,9 +395,6 @@ def test_a_watcher_whose_nudge_finds_the_queue_empty_as_a_publisher_parks_watche
         return lambda xid, op: op == Op.GET_CHILDREN and len(listings) == n
 
     try:
-        watch.add(watched, sends)
-        wait_until(lambda: any(c.startswith("w-") for c in kazoo.get_children(queue_path)), timeout=10)
-        time.sleep(SETTLE * 4)  # its nudge's reads are answered (its watches set), nothing else is due
         proxy.arm(Fault("request", counted, "hold", count=10**9, describe="a count of listings"))
         nudge_read = proxy.arm(Fault("request", listing(2), "hold", describe="the nudge's listing"))
         leave_read = proxy.arm(Fault("request", listing(4), "hold", describe="the leave's listing"))
@@ -398,13 +404,7 @@ def test_a_watcher_whose_nudge_finds_the_queue_empty_as_a_publisher_parks_watche
             other.remove(str(name), deadline(10))
         nudge_read.release()
         leave_read.wait_matched()
-        publisher = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
-        name = publisher.park("pub-1", b"p1", 10, deadline(10), guarded=True)
-        assert name and name.startswith("p-"), "the watcher's member was still there as the park committed"
-        leave_read.release()
-        holder_session.close()  # the holder dies before any hand-off: only a watcher can send the copy
-        wait_until(lambda: sends.seen, timeout=10)
-        assert sends.seen == [(watched.node_path(name), b"p1")]
+        park_as_it_leaves(new_session, zk_root, leave_read, holder_session, watched, sends)
     finally:
         proxy.disarm()
         watch.stop()
