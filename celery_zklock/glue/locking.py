@@ -183,11 +183,12 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
             if parking is not None:
                 return _refused(task, one, parking.contended(until), until)
             return _contended(task, spec, policy, timeout, one, held, until)
+        proven = deadline(settings.connect_timeout)
         for one in held:
             # Taken just after a reconnect, a lock is held before its session can vouch for it
             # again (a tick later): wait for that, not fail the task (a new user lost four so).
-            one.wait_held(deadline(settings.connect_timeout))
-            one.ensure()  # one may have been lost while we waited for another: no body then
+            if not one.wait_held(proven):
+                one.ensure()  # one may have been lost while we waited for another: no body then
         if parking is not None and not parking.holding(until):  # after ensure: a copy taken must run
             release_all(task, held)
             parking.released()

@@ -351,7 +351,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     already watch the key's queue (:meth:`ParkedQueue.park` with ``guarded``). Else, and
     whenever ZooKeeper does not answer before anything is written, the copy is published as
     usual, and the worker it reaches parks it. A park sent and never answered may have parked
-    the copy: the caller gets ``ZooKeeperUnavailable``, and the copy is not published as well.
+    the copy: the caller gets ``ParkInDoubt``, and the copy is not published as well.
     """
     spec = spec_of(task)
     if spec is None or not spec.park_at_publish:

@@ -159,6 +159,8 @@ class Lock:
         """:attr:`is_held`, after waiting up to ``until`` where only the session's proof is
         missing (:meth:`Session.wait_alive`: just after a reconnect). A lock lost for good
         (its session's generation changed) is answered at once."""
+        if self.is_held:
+            return True  # the common case: no wait, nor the session's lock
         held = self._held
         if self.state == LockState.HELD and held is not None and self.session.generation == held.generation:
             self.session.wait_alive(until)

@@ -49,7 +49,7 @@ from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, N
 
 from ..exceptions import explain
 from ..zk import Liveness, Session, deadline, reply, through_blips
-from .rules import Rule, contender, sequence
+from .rules import Rule, sequence
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch",
            "parked_sequence", "waiting"]
@@ -332,8 +332,7 @@ class ParkedQueue:
         if not members:
             return []
         if not self.rule.has_room(contenders):
-            blocking = [c for c in contenders if (parsed := contender(c)) and parsed[0] in self.rule.blocked_by]
-            behind = f"{self.lock_path}/{min(blocking, key=sequence)}"
+            behind = f"{self.lock_path}/{min(self.rule.blockers(contenders), key=sequence)}"
         elif parked:
             behind = self.node_path(min(parked, key=parked_sequence))
         else:
@@ -404,9 +403,10 @@ class ParkedQueue:
         for member in members:
             self.session.nodes.delete_later(self.node_path(member))
 
-    def _delete_now(self, members: List[str], until: Optional[float]) -> None:
-        """Delete our member nodes and wait for it (each try finds what a lost one did)."""
-        deletes = [self.session.client.delete_async(self.node_path(member)) for member in members]
+    def _delete_now(self, names: List[str], until: Optional[float]) -> None:
+        """Delete these children of the queue, in order, and wait for it (gone already is done:
+        each try finds what a lost one did)."""
+        deletes = [self.session.client.delete_async(self.node_path(name)) for name in names]
         for deleted in deletes:
             try:
                 reply(deleted, until)
@@ -620,14 +620,7 @@ class ParkedQueue:
         through_blips(self.session, until, lambda: self._remove_now(name, until))
 
     def _remove_now(self, name: str, until: Optional[float]) -> None:
-        client = self.session.client
-        deleted = client.delete_async(self.node_path(CLAIM + name))
-        node = client.delete_async(self.node_path(name))
-        for result in (deleted, node):
-            try:
-                reply(result, until)
-            except NoNodeError:
-                pass
+        self._delete_now([CLAIM + name, name], until)
 
     def decline(self, name: str, until: Optional[float]) -> None:
         """A received copy could not hold the key (a contender that never parked came first):

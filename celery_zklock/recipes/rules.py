@@ -92,6 +92,14 @@ class Rule:
                 f"contender leaves, the server removes its node and the next one sets the limit"
             )
 
+    def blockers(self, children: Iterable[str]) -> List[str]:
+        """The contenders among ``children`` that a newcomer of this rule would wait behind.
+
+        >>> READ.blockers(["a__rlock__0000000001", "b__lock__0000000002", "junk"])
+        ['b__lock__0000000002']
+        """
+        return [c for c in children if (parsed := contender(c)) and parsed[0] in self.blocked_by]
+
     def has_room(self, children: Iterable[str]) -> bool:
         """Whether a contender that came now would hold at once: a parked copy is sent again
         only then (every node of a blocking kind is ahead of a newcomer).
@@ -99,7 +107,7 @@ class Rule:
         >>> EXCLUSIVE.has_room(["a__rlock__0000000001"]), READ.has_room(["a__rlock__0000000001", "junk"])
         (False, True)
         """
-        return sum(1 for c in children if (parsed := contender(c)) and parsed[0] in self.blocked_by) < self.leases
+        return len(self.blockers(children)) < self.leases
 
     def decide(self, children: Iterable[str], me: str) -> Decision:
         """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch."""

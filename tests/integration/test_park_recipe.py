@@ -4,13 +4,12 @@ Celery here, a send is a call recorded in a list."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable, List, Tuple
 
 import pytest
 
 from celery_zklock.recipes import EXCLUSIVE, Lock
-from celery_zklock.recipes.park import SETTLE, Nudge, ParkedQueue, ParkUntold, QueueWatch
+from celery_zklock.recipes.park import Nudge, ParkedQueue, ParkUntold, QueueWatch
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
 from harness.proxy import Fault
@@ -317,10 +316,20 @@ def a_watched_queue(new_session: Callable[..., Any], proxy: TcpProxy, zk_root: s
     watcher_session = new_session(hosts=proxy.hosts)
     watched = ParkedQueue(watcher_session, queue_path, lock_path, EXCLUSIVE)
     watch, sends = QueueWatch(watcher_session, 10), Sends()
+    nudged: List[Nudge] = []
+    nudge = watched.nudge
+
+    def recorded(*args: Any, **kwargs: Any) -> Nudge:
+        done = nudge(*args, **kwargs)
+        nudged.append(done)
+        return done
+
+    watched.nudge = recorded  # type: ignore[method-assign]
     watch.add(watched, sends)
     try:
-        wait_until(lambda: any(c.startswith("w-") for c in kazoo.get_children(queue_path)), timeout=10)
-        time.sleep(SETTLE * 4)  # its nudge's reads are answered (its watches set), nothing else is due
+        # It joined, led, and found the key held: its nudge's reads set its watches.
+        wait_until(lambda: nudged == [Nudge.BUSY], timeout=10)
+        assert any(c.startswith("w-") for c in kazoo.get_children(queue_path))
     except BaseException:
         watch.stop()
         raise
