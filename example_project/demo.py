@@ -505,7 +505,8 @@ def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Opti
     lane = {key: len(names) + 0.6 + len(keys) - 1 - i for i, key in enumerate(keys)}
     lane.update({name: len(names) - 1 - i for i, name in enumerate(names)})
     end = max(e.get("end", e["time"]) for e in history)
-    left = -0.4
+    # From the first run a beat sent, if that was before the burst (not much: a beat dispatches every 2 s).
+    left = min([-0.4, *(x(e["sent"]) - 0.3 for e in history if e["event"] == "beat" and e["sent"])])
     fig, ax = plt.subplots(figsize=(14, 0.62 * len(lane) + 2.6))
 
     def bar(start: float, stop: float, y: float, height: float, **style: Any) -> None:
@@ -583,6 +584,9 @@ def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Opti
             bar(dead, min(took) if took else end, y - 0.2, 0.4, facecolors="none", edgecolor="red",
                 hatch="xx", linewidth=0.5)
             ax.plot(x(dead), y, marker="X", color="red", markersize=12)
+            if took:
+                ax.text((x(dead) + x(min(took))) / 2, y, f"its session holds the election {min(took) - dead:.1f} s",
+                        ha="center", va="center", fontsize="small", bbox=dict(facecolor="white", linewidth=0))
     notes.update({b.name: f"pid {b.pid}" for b in beats})
     pids = {b.pid: b.name for b in beats}
     for e in history:
@@ -591,8 +595,6 @@ def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Opti
     ax.axvline(x(t_kill), color="red", linestyle="--", linewidth=1)
     if takeover is not None:
         ax.axvline(x(t_kill + takeover), color="green", linestyle=":")
-        ax.annotate(f"first run sent by the standby: {takeover:.1f} s after the SIGKILL",
-                    (x(t_kill + takeover / 2), len(names) - 0.5), ha="center", va="top", fontsize="small")
     ax.set_yticks(list(lane.values()), [f"{k}\n{notes[k]}" for k in lane], fontsize="small")
     ax.set_ylim(-0.7, max(lane.values()) + 0.6)
     ax.set_xlim(left, x(end) + 0.3)
@@ -614,7 +616,7 @@ def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Opti
                 Line2D([], [], marker="X", color="red", linestyle="--", label="leading beat SIGKILLed"),
                 Patch(facecolor="none", edgecolor="red", hatch="xx",
                       label="dead leader's session still\nholds the election"),
-                Line2D([], [], color="green", linestyle=":", label="standby's first run")]
+                Line2D([], [], color="green", linestyle=":", label="standby's first run: the\nsummary's takeover")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small",
               title="w1/w2: the worker holding", title_fontsize="small")
     ax.set_title("celery-zklock demo: who holds each key, how each waited for it, and which beat leads")
@@ -662,21 +664,24 @@ def plot_metrics(series: Dict[str, List[Any]], t0: float, t_kill: float) -> None
         return [p[0] for p in points], [p[1] for p in points]
 
     def stacked(ax: Any, parts: List[Tuple[str, Any]], counted: bool = False) -> None:
-        """Each part's band above the ones before it, on the times of the first (missing: its last value).
-        A counter's legend says its last value, which the summary's rows match."""
-        if not parts or not parts[0][1][0]:
+        """Each part's band above the ones before it, at every scrape of any part (a part not scraped
+        then: its last value). A counter's legend says its last value, which the summary's rows match."""
+        times = sorted({t for _, (ts, _) in parts for t in ts})
+        if not times:
             return
-        times = parts[0][1][0]
         bottom = [0.0] * len(times)
+        gone = False
         for label, (ts, vs) in parts:
             top = [b + _at(ts, vs, t) for b, t in zip(bottom, times)]
             if counted and ts:
-                gone = ts[-1] < times[-1] - 1  # a process that stopped answering: a SIGKILLed beat
-                label += f": {int(vs[-1])}" + (" at its last scrape" if gone else "")
+                # A process that stopped answering (the SIGKILLed beat): what it counted after its last scrape is lost.
+                label += f": {int(vs[-1])}" + (" at its last scrape" if ts[-1] < times[-1] - 1 else "")
+                gone = gone or ts[-1] < times[-1] - 1
             ax.fill_between(times, bottom, top, step="post", alpha=0.75, label=label, linewidth=0)
             bottom = top
         ax.step(times, bottom, where="post", color="black", linewidth=0.8,
-                label=f"total: {int(bottom[-1])}" if counted else "total")
+                label=(f"total scraped: {int(bottom[-1])}" if gone else f"total: {int(bottom[-1])}") if counted
+                else "total")
 
     workers = [n for n in series if n.startswith("worker")]
     beats = [n for n in series if n.startswith("beat")]
@@ -719,8 +724,10 @@ def plot_metrics(series: Dict[str, List[Any]], t0: float, t_kill: float) -> None
     for ax in axes.flat:
         ax.axvline(t_kill - t0, color="red", linestyle="--", linewidth=0.8)
         ax.grid(alpha=0.3)
-        if ax is not axes[2][0]:
-            ax.legend(fontsize="x-small", loc="upper right")
+    for ax in (axes[0][0], axes[0][1]):
+        ax.legend(fontsize="x-small", loc="upper right")
+    for ax in (axes[1][0], axes[1][1], axes[2][1]):  # counters: they start at 0, on the left
+        ax.legend(fontsize="x-small", loc="upper left")
     for ax in axes[2]:
         ax.set_xlabel("seconds since the burst was sent (red: the leading beat SIGKILLed)")
     fig.suptitle("celery-zklock demo: the metrics its workers, beats and exporter served, scraped twice a second")
@@ -741,8 +748,8 @@ def _at(times: List[float], values: List[float], t: float) -> float:
 
 
 def _summed(parts: List[Any]) -> Any:
-    """Several (times, values) series summed on the first one's times."""
-    times = parts[0][0] if parts else []
+    """Several (times, values) series summed at every scrape of any of them."""
+    times = sorted({t for ts, _ in parts for t in ts})
     return times, [sum(_at(ts, vs, t) for ts, vs in parts) for t in times]
 
 
