@@ -1,9 +1,10 @@
-"""Every promise of celery-zklock, shown on real servers in about a minute.
+"""Every promise of celery-zklock, shown on real servers in about half a minute.
 
 Starts ZooKeeper and Redis on private loopback ports, two prefork workers
 (concurrency 3) and two beats, sends a burst of contending tasks, prints a
-per-key timeline as it runs, SIGKILLs the leading beat to show the standby
-take over, then checks the recorded history and prints a summary. Each
+timeline as it runs (each lock held, skip, park, deduplicated publish, beat
+run and leader), SIGKILLs the leading beat to show the standby take over,
+then checks the recorded history and prints a summary whose parts add up. Each
 worker and beat serves its Prometheus metrics, and ``celery zklock exporter``
 serves ZooKeeper's state; the demo prints where, and scrapes them as it runs.
 With matplotlib installed (``pip install 'celery-zklock[plot]'``) it also draws
@@ -505,13 +506,14 @@ def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Opti
     lane = {key: len(names) + 0.6 + len(keys) - 1 - i for i, key in enumerate(keys)}
     lane.update({name: len(names) - 1 - i for i, name in enumerate(names)})
     end = max(e.get("end", e["time"]) for e in history)
-    # From the first run a beat sent, if that was before the burst (not much: a beat dispatches every 2 s).
+    # Wide enough for a run a beat sent just before the burst (its leadership began earlier: clipped).
     left = min([-0.4, *(x(e["sent"]) - 0.3 for e in history if e["event"] == "beat" and e["sent"])])
     fig, ax = plt.subplots(figsize=(14, 0.62 * len(lane) + 2.6))
 
     def bar(start: float, stop: float, y: float, height: float, **style: Any) -> None:
         ax.broken_barh([(max(x(start), left), x(stop) - max(x(start), left))], (y, height), **style)
 
+    takes = {(e["task_id"], e["key"]): e for e in history if e["event"] == "take"}
     notes = {}
     for key in keys:
         y = lane[key]
@@ -525,7 +527,6 @@ def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Opti
             ax.text((x(e["start"]) + x(e["end"])) / 2, y + 0.02 + (row + 0.45) * height, _worker(e["who"]),
                     ha="center", va="center", fontsize=5.5 if height > 0.1 else 4.5, color="white")
         # Under them, what came before each hold: parked (no slot), or waiting in a slot.
-        takes = {(e["task_id"], e["key"]): e for e in history if e["event"] == "take"}
         before = []
         for c in contended:
             take = takes.get((c["task_id"], key))
@@ -552,7 +553,7 @@ def plot(history: List[Dict[str, Any]], t0: float, t_kill: float, takeover: Opti
             if run is not None:
                 ax.plot([x(e["time"]), x(run["start"])], [py, y + 0.2], color="black", linewidth=0.6,
                         linestyle=":")
-        for run in {runs[e["task_id"]]["task_id"]: runs[e["task_id"]] for e in mine if e["task_id"] in runs}.values():
+        for run in {e["task_id"]: runs[e["task_id"]] for e in mine if e["task_id"] in runs}.values():
             bar(run["start"], run["end"], y + 0.02, 0.38, facecolors=MODE_COLORS[None], edgecolor="black",
                 linewidth=0.5)
             ax.text((x(run["start"]) + x(run["end"])) / 2, y + 0.21, _worker(run["who"]), ha="center",
