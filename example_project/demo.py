@@ -141,19 +141,22 @@ class Timeline(threading.Thread):
         while not self.stopped.wait(0.1):
             self.flush(settled=0.5)
 
-    def flush(self, settled: float = 0.0) -> None:
-        """Print, in time order, the events not printed yet that are older than ``settled`` seconds.
+    def flush(self, settled: float = 0.0) -> List[Dict[str, Any]]:
+        """Print, in time order, the events not printed yet that are older than ``settled`` seconds;
+        return the history it read (with ``settled=0``: all of it printed).
 
         Worker processes append to the history concurrently, so the list is in arrival
         order; holding each event back half a second lets a slower writer's earlier
         event be printed first.
         """
         cutoff = time.time() - settled
-        ready = sorted(((e["time"], i, e) for i, e in enumerate(self.events())
+        events = self.events()
+        ready = sorted(((e["time"], i, e) for i, e in enumerate(events)
                         if self._id(i, e) not in self.printed and e["time"] <= cutoff), key=lambda x: x[:2])
         for _, i, e in ready:
             self.printed.add(self._id(i, e))
             self._print(e)
+        return events
 
     @staticmethod
     def _id(i: int, e: Dict[str, Any]) -> Any:
@@ -309,11 +312,10 @@ def main() -> int:
         time.sleep(3)
         timeline.stopped.set()
         timeline.join()
-        timeline.flush()
+        history = timeline.flush()  # what it printed is what the summary counts: an event arriving now is in neither
         scraper.stopped.set()
         scraper.join()
 
-        history = timeline.events()
         rows, broken = summarize(publishes, outcomes, history, scraper.series, beats, takeover)
         print("\nsummary (each line indented under a total is one of its parts: the parts add up to it)")
         for level, name, value in rows:
