@@ -15,10 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Tuple[subprocess.CompletedProcess, Path]:
-    """One run of the demo (about 30 s) for every test here: (its output, the directory it drew in)."""
-    where = tmp_path_factory.mktemp("demo")
+@pytest.fixture
+def demo(tmp_path: Path) -> Tuple[subprocess.CompletedProcess, Path]:
+    """One run of the demo (about 30 s): (its output, the directory it drew in). One test reads it, so
+    that pytest-xdist cannot run the demo once per worker, as a module fixture shared by two tests may."""
+    where = tmp_path
     out = subprocess.run([sys.executable, "-m", "example_project.demo"], cwd=where, capture_output=True, text=True,
                          timeout=90, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return out, where
@@ -40,6 +41,7 @@ def test_demo_runs_and_keeps_every_promise(demo):
     assert urls == [*(f"{p}'s metrics" for p in ("worker1", "worker2", "beat1", "beat2")),
                     "ZooKeeper's state (celery zklock exporter)"], out.stdout[:2000]
     assert (where / "demo-metrics.png").stat().st_size > 10_000
+    summary_adds_up(out)
 
 
 def summary(stdout: str) -> List[Tuple[int, str, str]]:
@@ -54,11 +56,9 @@ def summary(stdout: str) -> List[Tuple[int, str, str]]:
     return rows
 
 
-@pytest.mark.slow
-def test_demo_summary_adds_up(demo):
+def summary_adds_up(out: subprocess.CompletedProcess) -> None:
     """Every total is the sum of its parts, each thing is counted the same wherever it shows (the
     summary, the timeline's lines, the workers' metrics), and each feature happened at least once."""
-    out, _ = demo
     rows = summary(out.stdout)
     value: Dict[str, int] = {}
     totals = 0
