@@ -17,9 +17,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, List
 
+import click
 import pytest
 
 from celery_zklock.conf import DEFAULTS, DESCRIPTIONS
+from tests import doc_commands
+from tests.doc_commands import Command, parsed, printed_commands
 from tests.doc_examples import EXAMPLES, PROBLEMS, ROOT, Example, documents
 
 
@@ -126,3 +129,56 @@ def test_no_page_states_the_suites_size_or_duration():
     found = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in documents()
              for m in pattern.finditer(path.read_text(encoding="utf-8"))]
     assert found == []
+
+
+# -- the commands they print -----------------------------------------------------------------------------
+PRINTED = printed_commands()
+
+
+def test_the_printed_commands_are_found():
+    # The ones the alert runbooks give, in every form they are printed in (folded YAML, Markdown, fenced blocks).
+    found = {" ".join(c.words) for c in PRINTED}
+    assert {"-A proj control terminate SIGTERM TASK_ID", "-A proj zklock evict KEY", "-A proj zklock locks --waiters",
+            "-A proj zklock clear-queued --task proj.sync --key sync:7", "worker -B --scheduler zklock"} <= found
+    assert len({c.where.split(":")[0] for c in PRINTED}) > 10
+
+
+@pytest.mark.parametrize("command", PRINTED, ids=str)
+def test_every_printed_command_is_accepted_by_celerys_command_line(command: Command):
+    # The runbooks told operators `celery -A proj control revoke --terminate TASK_ID`, which Celery 5 refuses
+    # ("No such option '--terminate'"): each command printed anywhere is parsed as `celery` itself parses it.
+    try:
+        parsed(command.argv())
+    except click.ClickException as e:
+        pytest.fail(f"{command}\n  celery refuses it: {e.format_message()}")
+
+
+def test_celerys_command_line_refuses_what_it_should():
+    refused = ["-A proj control revoke --terminate TASK_ID", "-A proj control kill TASK_ID", "-A proj inspect revoke",
+               "-A proj zklock evict KEY --nod PATH", "-A proj zklock evicts KEY", "-A proj zklock exporter --port N0",
+               "-A proj control rate_limit proj.sync 5/s extra"]
+    for words in refused:
+        with pytest.raises(click.ClickException):
+            parsed(Command("here", tuple(words.split())).argv())
+            pytest.fail(f"accepted: celery {words}")
+
+
+def test_doc_commands_docstring_examples():
+    result = doctest.testmod(doc_commands)
+    assert result.failed == 0 and result.attempted > 0
+
+
+# -- troubleshooting -------------------------------------------------------------------------------------
+def troubleshooting_entry(title: str) -> str:
+    """The text of one entry (a ``- **title**...`` item) of the troubleshooting page."""
+    page = (ROOT / "docs" / "operations" / "troubleshooting.md").read_text(encoding="utf-8")
+    items = re.split(r"^- ", page, flags=re.MULTILINE)
+    [item] = [i for i in items if i.startswith(f"**{title}**")]
+    return " ".join(item.split())
+
+
+def test_a_stuck_lock_is_freed_by_ending_its_task_then_by_evict_and_it_says_when_evict_is_safe():
+    entry = troubleshooting_entry("A lock seems stuck")
+    commands = [c.group(1) for c in re.finditer(r"`(celery [^`]+)`", entry)]
+    assert commands[1:] == ["celery -A proj control terminate SIGTERM TASK_ID", "celery -A proj zklock evict KEY"]
+    assert "When that is safe" in entry and "fencing token" in entry and "--node PATH" in entry
