@@ -18,8 +18,12 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import click
+from celery import Celery
 
 from tests.doc_examples import ROOT, documents
+
+#: What ``-A proj`` loads when a command is parsed (:func:`parsed`).
+app = Celery("proj", set_as_current=False)
 
 #: A placeholder a command is printed with -> a value of its kind, as an operator would type it.
 PLACEHOLDERS = {
@@ -116,16 +120,16 @@ def parsed(words: List[str]) -> click.Context:
     Traceback (most recent call last):
     click.exceptions.NoSuchOption: No such option '--terminate'.
     """
-    from celery import Celery
     from celery.bin import control as remote
     from celery.bin.base import CLIContext
     from celery.bin.celery import celery as cli
 
-    # Celery's options read the app from the context (ctx.obj) as they parse; any app will do.
-    obj = CLIContext(app=Celery("proj", set_as_current=False), no_color=True, workdir=None, quiet=True)
+    # Celery's options read the app from the context (ctx.obj) as they parse, and Celery 5.3 imports -A's
+    # module as it parses -A: this module's app stands for the reader's proj.
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
     command: click.Command = cli
     ctx: Optional[click.Context] = None
-    name, args = "celery", list(words)
+    name, args = "celery", [__name__ if i and words[i - 1] in ("-A", "--app") else w for i, w in enumerate(words)]
     while True:
         if not args and ctx is not None:
             return ctx  # a command's name alone, and it resolved
