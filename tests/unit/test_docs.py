@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Dict, List
 
 import click
@@ -22,6 +22,7 @@ import pytest
 
 from celery_zklock.conf import DEFAULTS, DESCRIPTIONS
 from tests import doc_commands
+from tests.browser import browser, measured, screenshot
 from tests.doc_commands import Command, parsed, printed_commands
 from tests.doc_examples import EXAMPLES, PROBLEMS, ROOT, Example, documents
 
@@ -92,13 +93,27 @@ def test_every_setting_has_a_type_and_a_description():
         assert kind and meaning.strip(), name
 
 
-def test_the_settings_reference_is_rendered_from_the_code():
+SETTINGS_PAGE = ROOT / "docs" / "reference" / "settings.md"
+
+
+def test_the_settings_table_is_in_the_pages_file_and_is_the_codes():
+    # In the file itself: a repository host shows the raw Markdown, and no build hook runs there.
     settings = hook("settings")
-    page = (ROOT / "docs" / "reference" / "settings.md").read_text(encoding="utf-8")
-    assert settings.MARKER in page
-    rendered = settings.on_page_markdown(page)
+    page = SETTINGS_PAGE.read_text(encoding="utf-8")
+    assert settings.table_in(page) == settings.settings_table(), "write it again: python docs/hooks/settings.py"
     for name in DEFAULTS:
-        assert f"| `{name}` |" in rendered
+        assert f"\n| `{name}` |" in page
+    assert settings.with_table(page) == page
+
+
+def test_the_sites_build_refuses_a_settings_table_that_is_not_the_codes():
+    settings = hook("settings")
+    page = SETTINGS_PAGE.read_text(encoding="utf-8")
+    settings_page = SimpleNamespace(file=SimpleNamespace(src_uri="reference/settings.md"))
+    assert settings.on_page_markdown(page, page=settings_page) == page
+    stale = page.replace("| `zklock_root` |", "| `zklock_rot` |")
+    with pytest.raises(ValueError, match=r"not celery_zklock\.conf's; write it again with: python docs/hooks/settings"):
+        settings.on_page_markdown(stale, page=settings_page)
 
 
 @pytest.mark.parametrize("name", ["include", "settings"])
@@ -182,3 +197,42 @@ def test_a_stuck_lock_is_freed_by_ending_its_task_then_by_evict_and_it_says_when
     commands = [c.group(1) for c in re.finditer(r"`(celery [^`]+)`", entry)]
     assert commands[1:] == ["celery -A proj control terminate SIGTERM TASK_ID", "celery -A proj zklock evict KEY"]
     assert "When that is safe" in entry and "fencing token" in entry and "--node PATH" in entry
+
+
+# -- the built site, as a browser lays it out ---------------------------------------------------------
+def built_site(into: Path) -> Path:
+    """The site built from this tree with mkdocs (about 3 s), or else the one `make docs` left in site/."""
+    if importlib.util.find_spec("mkdocs") is None:
+        assert (ROOT / "site" / "index.html").exists(), "no mkdocs to build the site, and no site/: run `make docs`"
+        return ROOT / "site"
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(into)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode == 0, result.stderr
+    return into
+
+
+def test_the_site_in_chromium_keeps_names_whole_and_code_blocks_in_sight(tmp_path: Path):
+    # A reader saw setting names cut mid-word ("zklock_sess/ion_timeou/t") and code blocks cut off at the
+    # right (overlay scrollbars show no sign of the rest). Measured in the laid-out pages: a name in a
+    # table is on one line, and no code block's text is wider than its box.
+    if browser() is None:
+        pytest.skip("Chromium is not installed (`make system` installs Debian's chromium): the site's layout "
+                    "is not checked")
+    site = built_site(tmp_path / "site")
+    pages = sorted(p.parent.relative_to(site).as_posix() + "/" for p in site.rglob("index.html")
+                   if p.parent != site and p.parent.name not in ("search", "assets"))
+    frames = [(page or "home", page, 1280) for page in ["", *pages]]
+    frames.append(("phone: reference/settings/", "reference/settings/", 390))
+    found = measured(site, frames)
+    # Each setting's name and default were measured, and the metric families'.
+    assert found["reference/settings/"]["names"] >= len(DEFAULTS) + 10, found["reference/settings/"]
+    assert found["operations/metrics/"]["names"] > 20
+    assert sum(page["blocks"] for page in found.values()) > 20
+    problems = [f"{page}: {name!r} broken over lines" for page, seen in found.items() for name in seen["broken_names"]]
+    problems += [f"{page}: code block cut off at the right: {line[:80]!r}" for page, seen in found.items()
+                 for line in seen["hidden_blocks"]]
+    if problems:
+        screenshot(site, "reference/settings/", tmp_path / "settings.png")
+        problems.append(f"(the settings page as drawn: {tmp_path / 'settings.png'})")
+    assert problems == [], "\n".join(problems)
