@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the package is in the repository
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run as a script, from anywhere: the package is in the repository
 
 from celery_zklock.conf import DEFAULTS, DESCRIPTIONS  # noqa: E402
 
