@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+DOCS_STAMP = $(VENV)/.docs-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 # Two pytest workers (pytest-xdist): the suite mostly waits (on servers starting, sessions
@@ -15,7 +16,8 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: test test-oldest lint docs demo bench chaos system venv clean
 
-test: system venv $(BIN)/promtool
+# The docs tools too: a unit test builds the site and lays it out in Chromium.
+test: system venv $(DOCS_STAMP) $(BIN)/promtool
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The oldest Python, Celery and kazoo we support (tox env py39-celeryoldest): the unit tests and every
@@ -37,8 +39,7 @@ lint: venv
 
 # The documentation site, built into site/ (gitignored). --strict turns every warning (a broken link,
 # a page left out of the nav) into a failure; NO_MKDOCS_2_WARNING quiets Material's end-of-life banner.
-# Its own stamp: `make test` needs no docs tools.
-DOCS_STAMP = $(VENV)/.docs-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# Its own stamp (DOCS_STAMP, above): the lint and the demo need no docs tools.
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
@@ -60,13 +61,16 @@ bench: system venv
 chaos: system venv
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
 
-# Java, ZooKeeper and Redis (and openssl for the TLS test's CA) from the distribution, only when missing.
+# Java, ZooKeeper and Redis (and openssl for the TLS test's CA, chromium for the test that lays out the
+# docs site in a browser) from the distribution, only when missing.
 system:
 	@missing=""; \
 	command -v java >/dev/null 2>&1 || missing="$$missing default-jre-headless"; \
 	[ -n "$$ZOOKEEPER_HOME" ] || [ -e /usr/share/java/zookeeper.jar ] || missing="$$missing zookeeper"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
+	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+	  || command -v google-chrome >/dev/null 2>&1 || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing from the distribution:$$missing"; \
 	  if ! command -v apt-get >/dev/null 2>&1; then \

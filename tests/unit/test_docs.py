@@ -14,12 +14,16 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Dict, List
 
+import click
 import pytest
 
 from celery_zklock.conf import DEFAULTS, DESCRIPTIONS
+from tests import doc_commands
+from tests.browser import browser, measured, screenshot
+from tests.doc_commands import Command, parsed, printed_commands
 from tests.doc_examples import EXAMPLES, PROBLEMS, ROOT, Example, documents
 
 
@@ -89,13 +93,27 @@ def test_every_setting_has_a_type_and_a_description():
         assert kind and meaning.strip(), name
 
 
-def test_the_settings_reference_is_rendered_from_the_code():
+SETTINGS_PAGE = ROOT / "docs" / "reference" / "settings.md"
+
+
+def test_the_settings_table_is_in_the_pages_file_and_is_the_codes():
+    # In the file itself: a repository host shows the raw Markdown, and no build hook runs there.
     settings = hook("settings")
-    page = (ROOT / "docs" / "reference" / "settings.md").read_text(encoding="utf-8")
-    assert settings.MARKER in page
-    rendered = settings.on_page_markdown(page)
+    page = SETTINGS_PAGE.read_text(encoding="utf-8")
+    assert settings.table_in(page) == settings.settings_table(), "write it again: python docs/hooks/settings.py"
     for name in DEFAULTS:
-        assert f"| `{name}` |" in rendered
+        assert f"\n| `{name}` |" in page
+    assert settings.with_table(page) == page
+
+
+def test_the_sites_build_refuses_a_settings_table_that_is_not_the_codes():
+    settings = hook("settings")
+    page = SETTINGS_PAGE.read_text(encoding="utf-8")
+    settings_page = SimpleNamespace(file=SimpleNamespace(src_uri="reference/settings.md"))
+    assert settings.on_page_markdown(page, page=settings_page) == page
+    stale = page.replace("| `zklock_root` |", "| `zklock_rot` |")
+    with pytest.raises(ValueError, match=r"not celery_zklock\.conf's; write it again with: python docs/hooks/settings"):
+        settings.on_page_markdown(stale, page=settings_page)
 
 
 @pytest.mark.parametrize("name", ["include", "settings"])
@@ -126,3 +144,95 @@ def test_no_page_states_the_suites_size_or_duration():
     found = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in documents()
              for m in pattern.finditer(path.read_text(encoding="utf-8"))]
     assert found == []
+
+
+# -- the commands they print -----------------------------------------------------------------------------
+PRINTED = printed_commands()
+
+
+def test_the_printed_commands_are_found():
+    # The ones the alert runbooks give, in every form they are printed in (folded YAML, Markdown, fenced blocks).
+    found = {" ".join(c.words) for c in PRINTED}
+    assert {"-A proj control terminate SIGTERM TASK_ID", "-A proj zklock evict KEY", "-A proj zklock locks --waiters",
+            "-A proj zklock clear-queued --task proj.sync --key sync:7", "worker -B --scheduler zklock"} <= found
+    assert len({c.where.split(":")[0] for c in PRINTED}) > 10
+
+
+@pytest.mark.parametrize("command", PRINTED, ids=str)
+def test_every_printed_command_is_accepted_by_celerys_command_line(command: Command):
+    # The runbooks told operators `celery -A proj control revoke --terminate TASK_ID`, which Celery 5 refuses
+    # ("No such option '--terminate'"): each command printed anywhere is parsed as `celery` itself parses it.
+    try:
+        parsed(command.argv())
+    except click.ClickException as e:
+        pytest.fail(f"{command}\n  celery refuses it: {e.format_message()}")
+
+
+def test_celerys_command_line_refuses_what_it_should():
+    refused = ["-A proj control revoke --terminate TASK_ID", "-A proj control kill TASK_ID", "-A proj inspect revoke",
+               "-A proj zklock evict KEY --nod PATH", "-A proj zklock evicts KEY", "-A proj zklock exporter --port N0",
+               "-A proj control rate_limit proj.sync 5/s extra"]
+    for words in refused:
+        with pytest.raises(click.ClickException):
+            parsed(Command("here", tuple(words.split())).argv())
+            pytest.fail(f"accepted: celery {words}")
+
+
+def test_doc_commands_docstring_examples():
+    result = doctest.testmod(doc_commands)
+    assert result.failed == 0 and result.attempted > 0
+
+
+# -- troubleshooting -------------------------------------------------------------------------------------
+def troubleshooting_entry(title: str) -> str:
+    """The text of one entry (a ``- **title**...`` item) of the troubleshooting page."""
+    page = (ROOT / "docs" / "operations" / "troubleshooting.md").read_text(encoding="utf-8")
+    items = re.split(r"^- ", page, flags=re.MULTILINE)
+    [item] = [i for i in items if i.startswith(f"**{title}**")]
+    return " ".join(item.split())
+
+
+def test_a_stuck_lock_is_freed_by_ending_its_task_then_by_evict_and_it_says_when_evict_is_safe():
+    entry = troubleshooting_entry("A lock seems stuck")
+    commands = [c.group(1) for c in re.finditer(r"`(celery [^`]+)`", entry)]
+    assert commands[1:] == ["celery -A proj control terminate SIGTERM TASK_ID", "celery -A proj zklock evict KEY"]
+    assert "When that is safe" in entry and "fencing token" in entry and "--node PATH" in entry
+
+
+# -- the built site, as a browser lays it out ---------------------------------------------------------
+def built_site(into: Path) -> Path:
+    """The site built from this tree with mkdocs (about 3 s), or else the one `make docs` left in site/."""
+    if importlib.util.find_spec("mkdocs") is None:
+        assert (ROOT / "site" / "index.html").exists(), "no mkdocs to build the site, and no site/: run `make docs`"
+        return ROOT / "site"
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(into)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode == 0, result.stderr
+    return into
+
+
+def test_the_site_in_chromium_keeps_names_whole_and_code_blocks_in_sight(tmp_path: Path):
+    # A reader saw setting names cut mid-word ("zklock_sess/ion_timeou/t") and code blocks cut off at the
+    # right (overlay scrollbars show no sign of the rest). Measured in the laid-out pages: a name in a
+    # table is on one line, and no code block's text is wider than its box.
+    if browser() is None:
+        pytest.skip("Chromium is not installed (`make system` installs Debian's chromium): the site's layout "
+                    "is not checked")
+    site = built_site(tmp_path / "site")
+    pages = sorted(p.parent.relative_to(site).as_posix() + "/" for p in site.rglob("index.html")
+                   if p.parent != site and p.parent.name not in ("search", "assets"))
+    frames = [(page or "home", page, 1280) for page in ["", *pages]]
+    frames.append(("phone: reference/settings/", "reference/settings/", 390))
+    found = measured(site, frames)
+    # Each setting's name and default were measured, and the metric families'.
+    assert found["reference/settings/"]["names"] >= len(DEFAULTS) + 10, found["reference/settings/"]
+    assert found["operations/metrics/"]["names"] > 20
+    assert sum(page["blocks"] for page in found.values()) > 20
+    problems = [f"{page}: {name!r} broken over lines" for page, seen in found.items() for name in seen["broken_names"]]
+    problems += [f"{page}: code block cut off at the right: {line[:80]!r}" for page, seen in found.items()
+                 for line in seen["hidden_blocks"]]
+    if problems:
+        screenshot(site, "reference/settings/", tmp_path / "settings.png")
+        problems.append(f"(the settings page as drawn: {tmp_path / 'settings.png'})")
+    assert problems == [], "\n".join(problems)
