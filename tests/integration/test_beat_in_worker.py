@@ -22,6 +22,7 @@ from harness import CeleryWorker, free_port
 from tests.apps import beat_app
 from tests.conftest import _started
 from tests.integration.test_beat import TIMEOUT, check_history, dispatches
+from tests.integration.test_cli import cli
 from tests.integration.test_metrics import scrape, total
 from tests.util import wait_until
 
@@ -118,8 +119,16 @@ def test_embedded_beats_with_metrics_dispatch_each_run_once_and_the_leaders_work
         check_history(history, 1.0, max_gap=1.5)  # every run sent once, none skipped
         for worker in workers:
             assert "Traceback" not in worker.log_text(), worker.log_tail()
-        # The standby's beat stands by, alive, behind the leader.
-        assert "standby; the leader is" in workers[1 - leader].log_text(), workers[1 - leader].log_tail()
+        # The standby's beat stands by, behind the leader, which it names by its worker.
+        assert (f"standby; the leader is the beat of worker {workers[leader].name}@{os.uname().nodename} (pid {beat} "
+                in workers[1 - leader].log_text()), workers[1 - leader].log_tail()
+        # An operator is told which worker's beat leads, not only a pid nobody started.
+        status = cli({**os.environ, **env}, "status", "--beat", app="tests.apps.beat_app")
+        assert status.returncode == 0, status.stdout
+        host = os.uname().nodename
+        assert (f"beat_app (this app): leader worker {workers[leader].name}@{host} (its beat: {host}/{beat}) since"
+                in status.stdout), status.stdout
+        assert (f"standby worker {workers[1 - leader].name}@{host} (its beat: {host}/" in status.stdout), status.stdout
 
 
 def test_the_embedded_beat_and_the_pools_locks_keep_to_sessions_of_their_own(env, queue, redis_server, kazoo,
