@@ -352,7 +352,7 @@ def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
 @click.pass_context
 def queued_command(ctx: click.Context, as_json: bool) -> None:
-    """Dedupe markers: each key with a copy queued (or running), its task id, age and expiry."""
+    """Dedupe markers: each key with a copy queued, running, or (``latest``) started; its task id, age and expiry."""
     settings, _, rows = _reading(ctx, lambda session, settings, _: queued(session, settings.root))
     if as_json:
         click.echo(json.dumps({"root": settings.root, "queued": rows}, indent=2))
@@ -360,12 +360,22 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
     if not rows:
         click.echo("  (no copy is queued under dedupe)")
         return
-    click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}")
+    click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}  STATE")
     for r in rows:
-        expires = "running" if r["running"] else "started" if r["started"] else "expired" \
-            if r["expires_in"] is None or r["expires_in"] <= 0 else _age(r["expires_in"])
+        expires = "-" if r["running"] or r["expires_in"] is None or r["expires_in"] <= 0 else _age(r["expires_in"])
         click.echo(f"  {_cell(r['key'], 32)} {_cell(r['task'] or '-', 28)} {str(r['task_id'] or '-'):<36} "
-                   f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
+                   f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}  {_STATES[r['state']]}")
+
+
+#: ``queued``'s STATE column: what each marker stands for (see tree.marker_state).
+_STATES = {
+    "queued": "queued",
+    "running": "running",
+    # A latest marker is not a queued copy: it outlives its run, to turn older copies away.
+    "started": 'started (dedupe="latest"; it may have ended): kept until it expires, to skip older copies',
+    "expired": "expired: stands for nothing (the next publish of its key takes it over, or a publisher's sweep "
+               "deletes it)",
+}
 
 
 @zklock.command(name="clear-queued")
