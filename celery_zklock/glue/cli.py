@@ -180,7 +180,7 @@ def zklock() -> None:
 STATUS_OK, STATUS_ATTENTION = 0, 2
 
 
-def leader_scheduler(app: Any) -> Optional[str]:
+def _leader_scheduler(app: Any) -> Optional[str]:
     """The app's ``beat_scheduler`` if it is leader-elected (``zklock``, LeaderScheduler, a
     ``leader_only`` class), else None (Celery's own, another, or one that cannot be loaded here)."""
     from celery.beat import Scheduler
@@ -219,14 +219,17 @@ def _status(session: Session, settings: Settings, app: Any, beat: bool = False) 
         elif stalled.startswith("STUCK"):
             problems.append(f"beat election {e['name']}: {stalled}")
         found.append({**e, "this_app": e["path"] == ours, "stalled": stalled or None})
-    expected = leader_scheduler(app) if not beat else "--beat"
+    scheduler = _leader_scheduler(app)
+    expected = "status --beat" if beat else f"beat_scheduler={scheduler!r}" if scheduler is not None else None
+    missing = None
     if expected is not None and not any(e["this_app"] for e in found):
         # A beat that stopped as it started (a bad setting, a crash) leaves no election behind.
-        problems.append(f"beat election {name}: none, but this app's scheduler is leader-elected "
-                        f"({'status --beat' if beat else f'beat_scheduler={expected!r}'}): no beat of it has "
-                        "joined the election (its beat is not running, or stopped as it started: its log says why)")
+        missing = (f"none, but this app's scheduler is leader-elected ({expected}): no beat of it has joined the "
+                   "election (its beat is not running, or stopped as it started: its log says why)")
+        problems.append(f"beat election {name}: {missing}")
     rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"] or r.get("parked")]
-    return {"server": server_info(session), "root": settings.root, "beat": name, "elections": found,
+    return {"server": server_info(session), "root": settings.root, "beat": name, "beat_missing": missing,
+            "elections": found,
             # The table's WAITERS and PARKED columns, summed.
             "counts": {"held": sum(len(r["holders"]) for r in rows), "waiting": sum(r["waiters"] for r in rows),
                        "parked": sum(len(r.get("parked", [])) for r in rows)},
@@ -255,15 +258,11 @@ def status(ctx: click.Context, as_json: bool, beat: bool) -> None:
         click.echo(f"ZooKeeper {server['server']} (session {server['session_id']}, mode {server['mode'] or '?'}, "
                    f"round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
         # This app's election missing, though it should have one: said where it would be listed.
-        prefix = f"beat election {report['beat']}: "
-        missing = [p[len(prefix):] for p in report["problems"] if p.startswith(prefix + "none")]
+        missing = report["beat_missing"]
         if report["elections"]:
-            click.echo("Beat election:")
-            for why in missing:
-                click.echo(f"  {report['beat']} (this app): {why}")
+            click.echo("Beat election:" + (f"\n  {report['beat']} (this app): {missing}" if missing else ""))
         else:
-            click.echo(f"Beat election: {missing[0]}" if missing else "Beat election: none (no LeaderScheduler has "
-                       "run here)")
+            click.echo(f"Beat election: {missing or 'none (no LeaderScheduler has run here)'}")
         for e in report["elections"]:
             mark = " (this app)" if e["this_app"] else ""
             leader = e["leader"]

@@ -42,7 +42,9 @@ def busy(cli_env, queue, redis_server) -> Iterator[dict]:  # noqa: F811
     history = redis.Redis.from_url(redis_server.url)
     beat = CeleryBeat("tests.apps.beat_app", name="b1", env={**cli_env, "ZKT_QUEUE": f"{queue}-beat"}).start()
     try:
-        holder = worker_app.long_body.apply_async(("a", 30), queue=queue)
+        # Longer than the test by far (the worker is killed after it): under load, its dozen CLI
+        # runs took over 30 s, and the lock was gone before the last ones looked.
+        holder = worker_app.long_body.apply_async(("a", 300), queue=queue)
         # Only once the holder holds: sent together, the two tasks race for the lock in two
         # pool processes, and a waiter that wins runs 10 ms and leaves nobody waiting.
         wait_until(lambda: any(json.loads(e)["event"] == "started" for e in history.lrange("history", 0, -1)),
@@ -231,14 +233,16 @@ def test_locks_and_status_show_parked_copies_as_parked_and_an_unheld_keys_parked
         queue.park(f"copy-{n}", json.dumps({"task": "t.parked", "id": f"copy-{n}"}).encode() + b"\nmessage", 10,
                    deadline(10))
 
-    def row(*args: str) -> str:
+    def lines(*args: str) -> list:
         out = cli(cli_env, *args)
         assert out.returncode == 0, out.stderr
-        [line] = [line for line in out.stdout.splitlines() if line.startswith("  k:p ")]
+        return out.stdout.splitlines()
+
+    def row(*args: str) -> str:
+        [line] = [line for line in lines(*args) if line.startswith("  k:p ")]
         return line
 
-    header = [line for line in cli(cli_env, "locks").stdout.splitlines() if "KEY" in line][0]
-    assert header.split()[-3:] == ["WAITERS", "PARKED", "TOKEN"]
+    assert lines("locks")[0].split()[-3:] == ["WAITERS", "PARKED", "TOKEN"]
     assert re.search(r" t\.hold .* 0 +2  \d+$", row("locks")), row("locks")  # none waits in a slot; 2 parked
     status = cli(cli_env, "status")
     assert "Locks: 1 held, 0 waiting, 2 parked" in status.stdout and status.returncode == 0
