@@ -102,6 +102,8 @@ class _Leadership(Scheduler):
         session = session_for(settings)  # ZooKeeperUnavailable within zklock_connect_timeout
         self._info = {"host": socket.gethostname(), "pid": os.getpid(),
                       "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        if _worker is not None and _worker[0] == os.getppid():
+            self._info["worker"] = _worker[1]  # embedded (-B): `status` names the worker, not our pid
         self.election = Election(session, self.layout.election(self.beat_name), json.dumps(self._info).encode())
         self.election.start()
 
@@ -167,6 +169,19 @@ class _Leadership(Scheduler):
             if self.election is not None:
                 self.election.close()  # deletes our node: a standby takes over at once
             metrics.stop()
+
+
+#: (pid, nodename) of the worker of this process, from ``worker_init``: a beat it embeds (a
+#: forked child) names itself by that worker, which an operator knows, beside its own pid.
+_worker: Optional[Tuple[int, str]] = None
+
+
+def worker_named(sender: Any = None, **kwargs: Any) -> None:
+    """A ``worker_init`` receiver: keep the worker's nodename (``w1@host``) for a beat it embeds."""
+    global _worker
+    hostname = getattr(sender, "hostname", None)
+    if isinstance(hostname, str):
+        _worker = (os.getpid(), hostname)
 
 
 def embedded(sender: Any = None, **kwargs: Any) -> None:

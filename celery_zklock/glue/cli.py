@@ -77,34 +77,67 @@ def _cell(value: Any, width: int) -> str:
 
 
 def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
-    """The table of ``locks`` (and ``status``): a row per holder, and per waiter with ``waiters``."""
+    """The table of ``locks`` (and ``status``): a row per holder, and per waiter and parked copy
+    with ``waiters``. WAITERS counts the contenders that wait in a worker's slot, PARKED the
+    copies parked in ZooKeeper, which hold no slot."""
     if not rows:
         return ["  (no lock is held or waited for)"]
     lines = [f"  {'KEY':<28} {'MODE':<9} {'HELD':>5} {'HOLDER':<22} {'WORKER':<20} {'TASK':<28} "
-             f"{'TASK ID':<36} {'FOR':>7} {'WAITERS':>7}  TOKEN"]
+             f"{'TASK ID':<36} {'FOR':>7} {'WAITERS':>7} {'PARKED':>6}  TOKEN"]
 
-    def line(key: str, who: Dict[str, Any], held: str, age: str, waiting: str) -> str:
+    def line(key: str, who: Dict[str, Any], held: str, age: str, waiting: str, parked: str) -> str:
         # str() everywhere: node data may hold anything.
-        # A parked copy has no process yet: no holder to name.
         holder = f"{who.get('host')}/{who.get('pid')}" if who.get("host") is not None or who.get("pid") else "-"
         return (f"  {_cell(key, 28)} {str(who.get('mode', '-')):<9} {held:>5} {_cell(holder, 22)} "
                 f"{_cell(who.get('worker') or '-', 20)} {_cell(who.get('task') or '-', 28)} "
-                f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7}  {who.get('token', '-')}")
+                f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7} {parked:>6}  {who.get('token', '-')}")
 
     for row in rows:
         count = len(row["holders"])
         held = f"{count}/{row['limit']}" if row.get("limit") else str(count)
-        for h in row["holders"] or [{}]:
-            lines.append(line(row["key"], h, held, _age(h["held_for"]) if h else "-",
-                              str(row["waiters"] + len(row.get("parked", [])))))
+        parked = row.get("parked", [])
+        for h in row["holders"]:
+            lines.append(line(row["key"], h, held, _age(h["held_for"]), str(row["waiters"]), str(len(parked))))
+        if not row["holders"]:
+            # Nobody holds it: say why the key is listed, where a holder's columns would be.
+            lines.append(f"  {_cell(row['key'], 28)} {'-':<9} {held:>5} {_cell(_unheld(row), 117)} "
+                         f"{row['waiters']:>7} {len(parked):>6}  -")
         if waiters:
             for place, w in enumerate(row.get("waiting", []), 1):
-                lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), ""))
-            for place, p in enumerate(row.get("parked", []), 1):
-                lines.append(line(f"  parked #{place}" + (" (sent)" if p["sent"] else ""),
+                lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), "", ""))
+            for place, p in enumerate(parked, 1):
+                lines.append(line(f"  parked #{place}" + (" (in flight)" if p["sent"] else ""),
                                   {"mode": "parked", "task": p["task"], "task_id": p["task_id"]}, "",
-                                  _age(p["parked_for"]), ""))
+                                  _age(p["parked_for"]), "", ""))
     return lines
+
+
+def _unheld(row: Dict[str, Any]) -> str:
+    """Why a key that nobody holds is listed: a parked head in flight, parked copies, or a waiter
+    between two holders.
+
+    >>> _unheld({"waiters": 0, "parked": [{"sent": True, "task_id": "abc"}, {"sent": False}]})
+    'no holder: head in flight (parked copy abc, sent to be run; 1 more parked)'
+    """
+    parked = row.get("parked", [])
+    if parked and parked[0].get("sent"):
+        more = f"; {len(parked) - 1} more parked" if len(parked) > 1 else ""
+        return f"no holder: head in flight (parked copy {parked[0].get('task_id')}, sent to be run{more})"
+    if row["waiters"]:
+        return "no holder: its next waiter is taking it"
+    return f"no holder: {len(parked)} parked, the head not sent yet (a worker watching the queue sends it)"
+
+
+def _beat_who(candidate: Dict[str, Any]) -> str:
+    """A beat candidate as an operator knows it: a ``celery beat`` by host/pid, a beat that a
+    worker embeds (``-B``) by that worker's name first (its pid is a child's nobody started).
+
+    >>> _beat_who({"host": "vm", "pid": 7}), _beat_who({"host": "vm", "pid": 8, "worker": "w1@vm"})
+    ('vm/7', 'worker w1@vm (its beat: vm/8)')
+    """
+    process = f"{candidate.get('host')}/{candidate.get('pid')}"
+    worker = candidate.get("worker")
+    return f"worker {worker} (its beat: {process})" if worker else process
 
 
 def _stalled(leader: Dict[str, Any], now: float) -> str:
@@ -147,10 +180,33 @@ def zklock() -> None:
 STATUS_OK, STATUS_ATTENTION = 0, 2
 
 
-def _status(session: Session, settings: Settings, app: Any) -> Dict[str, Any]:
-    """What ``status`` reports, as one document (``--json`` prints it whole)."""
+def _leader_scheduler(app: Any) -> Optional[str]:
+    """The app's ``beat_scheduler`` if it is leader-elected (``zklock``, LeaderScheduler, a
+    ``leader_only`` class), else None (Celery's own, another, or one that cannot be loaded here)."""
+    from celery.beat import Scheduler
+    from celery.utils.imports import load_extension_class_names, symbol_by_name
+
+    from .beat import _Leadership
+
+    name = app.conf.beat_scheduler
+    if not isinstance(name, str):
+        cls = name
+    else:
+        try:
+            cls = symbol_by_name(name, aliases=dict(load_extension_class_names("celery.beat_schedulers")))
+        except Exception:  # noqa: BLE001 - a scheduler whose library is not here says nothing either way
+            return None
+    if isinstance(cls, type) and issubclass(cls, Scheduler) and issubclass(cls, _Leadership):
+        return name if isinstance(name, str) else f"{cls.__module__}:{cls.__qualname__}"
+    return None
+
+
+def _status(session: Session, settings: Settings, app: Any, beat: bool = False) -> Dict[str, Any]:
+    """What ``status`` reports, as one document (``--json`` prints it whole). ``beat``: this
+    app runs a leader-elected beat, whatever its ``beat_scheduler`` says."""
     now = time.time()
-    ours = Layout(settings.root).election(beat_name(app.conf, app.main))
+    name = beat_name(app.conf, app.main)
+    ours = Layout(settings.root).election(name)
     problems = []
     found = []
     # An empty election is another app's leftover, unless it is this app's.
@@ -163,9 +219,18 @@ def _status(session: Session, settings: Settings, app: Any) -> Dict[str, Any]:
         elif stalled.startswith("STUCK"):
             problems.append(f"beat election {e['name']}: {stalled}")
         found.append({**e, "this_app": e["path"] == ours, "stalled": stalled or None})
+    scheduler = _leader_scheduler(app)
+    expected = "status --beat" if beat else f"beat_scheduler={scheduler!r}" if scheduler is not None else None
+    missing = None
+    if expected is not None and not any(e["this_app"] for e in found):
+        # A beat that stopped as it started (a bad setting, a crash) leaves no election behind.
+        missing = (f"none, but this app's scheduler is leader-elected ({expected}): no beat of it has joined the "
+                   "election (its beat is not running, or stopped as it started: its log says why)")
+        problems.append(f"beat election {name}: {missing}")
     rows = [r for r in locks(session, settings.root) if r["holders"] or r["waiters"] or r.get("parked")]
-    return {"server": server_info(session), "root": settings.root, "elections": found,
-            # The same counts as the table's WAITERS column, which counts parked copies too.
+    return {"server": server_info(session), "root": settings.root, "beat": name, "beat_missing": missing,
+            "elections": found,
+            # The table's WAITERS and PARKED columns, summed.
             "counts": {"held": sum(len(r["holders"]) for r in rows), "waiting": sum(r["waiters"] for r in rows),
                        "parked": sum(len(r.get("parked", [])) for r in rows)},
             "locks": rows, "problems": problems}
@@ -173,31 +238,40 @@ def _status(session: Session, settings: Settings, app: Any) -> Dict[str, Any]:
 
 @zklock.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts and monitors.")
+@click.option("--beat", is_flag=True,
+              help="This app runs a leader-elected beat (for one named on the command line, as "
+                   "`worker -B --scheduler zklock`): exit 2 when its election has no leader or does not exist.")
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
+def status(ctx: click.Context, as_json: bool, beat: bool) -> None:
     """The beat election, the held locks, and the server asked.
 
     Exit status: 0 when all is well; 2 when a beat election wants attention (this app's has
-    no leader, or a leader holds an election but has stopped ticking); 1 when ZooKeeper
-    cannot be asked.
+    no leader, or a leader holds an election but has stopped ticking, or the app's
+    scheduler is leader-elected, or --beat is given, and no beat of it has joined the
+    election); 1 when ZooKeeper cannot be asked.
     """
-    settings, _, report = _reading(ctx, _status)
+    settings, _, report = _reading(ctx, lambda session, settings, app: _status(session, settings, app, beat))
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         server = report["server"]
         click.echo(f"ZooKeeper {server['server']} (session {server['session_id']}, mode {server['mode'] or '?'}, "
                    f"round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
-        click.echo("Beat election:" if report["elections"] else "Beat election: none (no LeaderScheduler has run here)")
+        # This app's election missing, though it should have one: said where it would be listed.
+        missing = report["beat_missing"]
+        if report["elections"]:
+            click.echo("Beat election:" + (f"\n  {report['beat']} (this app): {missing}" if missing else ""))
+        else:
+            click.echo(f"Beat election: {missing or 'none (no LeaderScheduler has run here)'}")
         for e in report["elections"]:
             mark = " (this app)" if e["this_app"] else ""
             leader = e["leader"]
             click.echo(f"  {e['name']}{mark}: " + (
-                f"leader {leader.get('host')}/{leader.get('pid')} since {leader.get('leader_since', '?')} "
+                f"leader {_beat_who(leader)} since {leader.get('leader_since', '?')} "
                 f"(token {leader['token']})" + (f" -- {e['stalled']}" if e["stalled"] else "")
                 if leader else "no leader"))
             for s in e["standbys"]:
-                click.echo(f"    standby {s.get('host')}/{s.get('pid')} waiting since {s.get('since', '?')}")
+                click.echo(f"    standby {_beat_who(s)} waiting since {s.get('since', '?')}")
         counts = report["counts"]
         click.echo(f"Locks: {counts['held']} held, {counts['waiting']} waiting, {counts['parked']} parked")
         for line in _lock_lines(report["locks"]):
@@ -277,7 +351,7 @@ def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
 @click.pass_context
 def queued_command(ctx: click.Context, as_json: bool) -> None:
-    """Dedupe markers: each key with a copy queued (or running), its task id, age and expiry."""
+    """Dedupe markers: each key with a copy queued, running, or (``latest``) started; its task id, age and expiry."""
     settings, _, rows = _reading(ctx, lambda session, settings, _: queued(session, settings.root))
     if as_json:
         click.echo(json.dumps({"root": settings.root, "queued": rows}, indent=2))
@@ -285,12 +359,22 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
     if not rows:
         click.echo("  (no copy is queued under dedupe)")
         return
-    click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}")
+    click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}  STATE")
     for r in rows:
-        expires = "running" if r["running"] else "started" if r["started"] else "expired" \
-            if r["expires_in"] is None or r["expires_in"] <= 0 else _age(r["expires_in"])
+        expires = "-" if r["running"] or r["expires_in"] is None or r["expires_in"] <= 0 else _age(r["expires_in"])
         click.echo(f"  {_cell(r['key'], 32)} {_cell(r['task'] or '-', 28)} {str(r['task_id'] or '-'):<36} "
-                   f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}")
+                   f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}  {_STATES[r['state']]}")
+
+
+#: ``queued``'s STATE column: what each marker stands for (see tree.marker_state).
+_STATES = {
+    "queued": "queued",
+    "running": "running",
+    # A latest marker is not a queued copy: it outlives its run, to turn older copies away.
+    "started": 'started (dedupe="latest"; it may have ended): kept until it expires, to skip older copies',
+    "expired": "expired: stands for nothing (the next publish of its key takes it over, or a publisher's sweep "
+               "deletes it)",
+}
 
 
 @zklock.command(name="clear-queued")

@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from .. import signals
 from ..conf import MetricsSettings
@@ -118,14 +118,18 @@ def serve(settings: MetricsSettings, what: str) -> None:
 
     ``what`` names the process in errors (``worker``, ``beat``). A process forked from one
     that serves (a pool process, an embedded beat) counts into its parent's directory and
-    serves nothing itself.
+    serves nothing itself; one that calls this (an embedded beat) counts through values
+    of its own, opened after the fork (see :func:`_afresh`).
     """
     global _families, _serving
     if settings.port is None:
         return
     with _lock:
         if _serving is not None:
-            return  # this process serves already, or was forked from one that does: its endpoint covers us
+            # This process serves already, or was forked from one that does: its endpoint covers us.
+            if _serving["pid"] != os.getpid():
+                _afresh()
+            return
         try:
             import prometheus_client  # noqa: F401 - the extra is there
         except ImportError:
@@ -182,6 +186,35 @@ def process_ended() -> None:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(os.getpid(), serving["path"])
+
+
+#: What a process forked from the serving one inherited and must neither use nor close (see _afresh).
+_inherited: List[Any] = []
+#: The pid whose values and families were made afresh (see _afresh).
+_afresh_in: Optional[int] = None
+
+
+def _afresh() -> None:
+    """Values and families of this process's own, in a process forked from the serving one.
+
+    prometheus_client notices a fork at a value's next use (its pid changed), closes the
+    files it inherited, and opens this process's own. A beat embedded by ``celery worker
+    -B`` is forked from the worker and closes every descriptor it inherited as it starts
+    (Celery's ``close_open_fds``): that close raised EBADF at the beat's first count, and
+    the beat died before it joined its election. Worse, a descriptor number opened again
+    since (a socket) would be closed under its new owner. So what was made before the fork
+    is kept here, never used, closed or collected, and this process counts through a
+    value class and families made now, which open their files after the fork.
+    """
+    global _families, _afresh_in
+    if _afresh_in == os.getpid():
+        return
+    from prometheus_client import values
+
+    _inherited.append((values.ValueClass, _families))
+    values.ValueClass = values.get_value_class()  # a fresh pid and file table: nothing inherited
+    _families = Families()
+    _afresh_in = os.getpid()
 
 
 def _multiprocess_values() -> None:

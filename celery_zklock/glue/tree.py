@@ -26,7 +26,8 @@ from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_q
 from ..zk import Session
 from ..zk.transport import peer_address
 
-__all__ = ["children", "elections", "holders_of", "locks", "queue_of", "queued", "read_many", "server_info"]
+__all__ = ["children", "elections", "holders_of", "locks", "marker_state", "queue_of", "queued", "read_many",
+           "server_info"]
 
 
 def children(session: Session, path: str) -> List[str]:
@@ -141,13 +142,30 @@ def queued(session: Session, root: str) -> List[Dict[str, Any]]:
         running = bool(stat.numChildren)  # its worker's session holds it: no expiry applies
         if expires == 0:
             expires = None  # its queued life ended as its copy started (see start_running)
+        expires_in = round(expires - now, 3) if isinstance(expires, (int, float)) else None
+        started = marker.get(STARTED) is True  # dedupe="latest": its copy started; the marker stays
         rows.append({"key": marker.get("key") if isinstance(marker.get("key"), str) else decode_key(name) or name,
                      "task": marker.get("task"), "task_id": marker.get("task_id"),
                      "age": round(now - enqueued, 3) if isinstance(enqueued, (int, float)) else None,
-                     "expires_in": round(expires - now, 3) if isinstance(expires, (int, float)) else None,
-                     "running": running, "started": marker.get(STARTED) is True,  # dedupe="latest"
+                     "expires_in": expires_in, "running": running, "started": started,
+                     "state": marker_state(running, started, expires_in),
                      "version": stat.version, "path": f"{base}/{name}"})
     return rows
+
+
+def marker_state(running: bool, started: bool, expires_in: Optional[float]) -> str:
+    """What a dedupe marker stands for: ``running`` (its worker's session holds it), ``started``
+    (a ``dedupe="latest"`` copy began, and may have ended: the marker stays until it expires, so
+    that an older copy delivered late is skipped), ``expired``, or ``queued`` (in the broker).
+
+    >>> marker_state(False, True, 3000.0), marker_state(False, False, 5.0), marker_state(False, True, -1.0)
+    ('started', 'queued', 'expired')
+    """
+    if running:
+        return "running"
+    if expires_in is None or expires_in <= 0:
+        return "expired"
+    return "started" if started else "queued"
 
 
 def elections(session: Session, root: str) -> List[Dict[str, Any]]:

@@ -30,7 +30,8 @@ it looks at each task Celery makes from a function as it is made. Then:
    ``task_revoked`` (a revoked copy's marker), ``task_failure`` (the marker of a copy
    whose pool process died), ``task_postrun`` (the marker of a copy whose own run was cut
    short before it gave it back), ``worker_init`` (refuse a worker whose
-   locked tasks or settings are wrong; serve its metrics, before the pool forks),
+   locked tasks or settings are wrong; serve its metrics, before the pool forks; keep
+   its name for a beat it embeds),
    ``worker_ready`` (say which ZooKeeper it uses, where its metrics are, and which
    keys ZooKeeper shows in clear), ``beat_embedded_init`` (a ``-B`` beat follows its
    worker: see :func:`~celery_zklock.glue.beat.embedded`), ``worker_process_init``
@@ -106,6 +107,7 @@ def install() -> None:
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
         worker_ready.connect(_tell_where, weak=False)
         beat_embedded_init.connect(beat.embedded, weak=False)
+        worker_init.connect(beat.worker_named, weak=False)
         worker_ready.connect(_tell_about_readable_arguments, weak=False)
         worker_ready.connect(lambda **kwargs: metrics.announce(), weak=False)
         worker_process_init.connect(_open_session, weak=False)

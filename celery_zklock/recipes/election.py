@@ -251,6 +251,8 @@ def who(data: str) -> str:
 
     >>> who('{"host": "h1", "pid": 7, "since": "2026-01-01T00:00:00+00:00"}')
     'pid 7 on host h1 (a candidate since 2026-01-01T00:00:00+00:00)'
+    >>> who('{"host": "h1", "pid": 7, "worker": "w1@h1"}')
+    'the beat of worker w1@h1 (pid 7 on host h1)'
     >>> who("junk")
     "'junk'"
     """
@@ -259,4 +261,7 @@ def who(data: str) -> str:
         return repr(data)
     since = info.get("leader_since") or info.get("since")
     what = "leading since" if "leader_since" in info else "a candidate since"
-    return f"pid {info.get('pid')} on host {info.get('host')}" + (f" ({what} {since})" if since else "")
+    process = f"pid {info.get('pid')} on host {info.get('host')}"
+    if info.get("worker"):  # a beat embedded in a worker (-B): the worker is what an operator knows
+        return f"the beat of worker {info['worker']} ({process}" + (f", {what} {since})" if since else ")")
+    return process + (f" ({what} {since})" if since else "")

@@ -25,6 +25,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
     beat_max_loop_interval=1,
+    # What `celery zklock status` reads to know the app runs an elected beat (the harness's beats name theirs with -S).
+    beat_scheduler=os.environ.get("ZKT_BEAT_SCHEDULER", "celery.beat:PersistentScheduler"),
     zklock_metrics_port=int(os.environ["ZKT_METRICS_PORT"]) if os.environ.get("ZKT_METRICS_PORT") else None,
     beat_schedule={} if os.environ.get("ZKT_EMPTY_SCHEDULE") else {
         "every-second": {"task": "tests.apps.beat_app.tick", "schedule": 1.0},

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 import redis
@@ -18,10 +18,12 @@ import redis
 from celery_zklock.layout import Layout
 from celery_zklock.recipes.rules import sequence
 from celery_zklock.testing import Hold, violations
-from harness import CeleryWorker
+from harness import CeleryWorker, free_port
 from tests.apps import beat_app
 from tests.conftest import _started
 from tests.integration.test_beat import TIMEOUT, check_history, dispatches
+from tests.integration.test_cli import cli
+from tests.integration.test_metrics import scrape, total
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
@@ -41,12 +43,15 @@ def _gone(pid: int) -> bool:
 
 
 @contextmanager
-def replicas(env: Dict[str, str], name: str, concurrency: int, queue: str) -> Iterator[List[CeleryWorker]]:
-    """Three ``worker -B --scheduler zklock`` replicas consuming ``queue``, started together."""
+def replicas(env: Dict[str, str], name: str, concurrency: int, queue: str, count: int = 3,
+             each: Optional[Callable[[int], Dict[str, str]]] = None) -> Iterator[List[CeleryWorker]]:
+    """``count`` ``worker -B --scheduler zklock`` replicas consuming ``queue``, started together;
+    ``each(i)`` adds to replica i's environment."""
     workers: List[CeleryWorker] = []
     try:
-        for i in range(3):
-            worker = CeleryWorker("tests.apps.beat_app", name=f"{name}{i}", concurrency=concurrency, env=env,
+        for i in range(count):
+            worker = CeleryWorker("tests.apps.beat_app", name=f"{name}{i}", concurrency=concurrency,
+                                  env={**env, **(each(i) if each else {})},
                                   extra_args=["-B", "--scheduler", "zklock", "-Q", queue])
             workers.append(worker)
             _started.append(worker)
@@ -84,6 +89,46 @@ def test_one_embedded_beat_dispatches_and_a_killed_workers_beat_stands_down_at_o
         assert took < 2.5, f"the next beat dispatched {took:.2f}s after the kill"
         assert "the worker that embedded this beat" in leader.log_text()
         print(f"next beat dispatched {took:.2f}s after its worker's SIGKILL; {len(history)} runs, none twice")
+
+
+def test_embedded_beats_with_metrics_dispatch_each_run_once_and_the_leaders_worker_serves_the_beats_families(
+        env, queue, redis_server):
+    """Issue 41: with zklock_metrics_port set, each embedded beat (a child the worker forks, which
+    Celery strips of its inherited descriptors) died at its first count, and nothing was scheduled."""
+    ports = [free_port(), free_port()]
+    with replicas(env, "wm", 1, f"{queue}-not-the-beats", count=2,
+                  each=lambda i: {"ZKT_METRICS_PORT": str(ports[i])}) as workers:
+        try:
+            wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 4, timeout=30)
+        except AssertionError:
+            raise AssertionError("no beat dispatched:\n" + "\n".join(w.log_tail(30) for w in workers)) from None
+        beat = dispatches(redis_server.url, queue)[-1]["pid"]
+        [leader] = [i for i, w in enumerate(workers) if w.pid == _ppid(beat)]
+        before = scrape(ports[leader])
+        mine = sum(d["pid"] == beat for d in dispatches(redis_server.url, queue))
+        after = scrape(ports[leader])
+        counted = [total(s, "celery_zklock_beat_dispatched_total", entry="every-second") for s in (before, after)]
+        assert counted[0] <= mine <= counted[1], (counted, mine)
+        assert total(after, "celery_zklock_beat_dispatch_lag_seconds_count") == counted[1]
+        assert (total(after, "celery_zklock_beat_leader"), total(after, "celery_zklock_beat_takeovers_total")) == (1, 1)
+        standby = scrape(ports[1 - leader])
+        assert (total(standby, "celery_zklock_beat_leader"), total(standby, "celery_zklock_beat_takeovers_total"),
+                total(standby, "celery_zklock_beat_dispatched_total")) == (0, 0, 0)
+        history = dispatches(redis_server.url, queue)
+        assert {d["pid"] for d in history} == {beat}, "two beats dispatched"
+        check_history(history, 1.0, max_gap=1.5)  # every run sent once, none skipped
+        for worker in workers:
+            assert "Traceback" not in worker.log_text(), worker.log_tail()
+        # The standby's beat stands by, behind the leader, which it names by its worker.
+        assert (f"standby; the leader is the beat of worker {workers[leader].name}@{os.uname().nodename} (pid {beat} "
+                in workers[1 - leader].log_text()), workers[1 - leader].log_tail()
+        # An operator is told which worker's beat leads, not only a pid nobody started.
+        status = cli({**os.environ, **env}, "status", "--beat", app="tests.apps.beat_app")
+        assert status.returncode == 0, status.stdout
+        host = os.uname().nodename
+        assert (f"beat_app (this app): leader worker {workers[leader].name}@{host} (its beat: {host}/{beat}) since"
+                in status.stdout), status.stdout
+        assert (f"standby worker {workers[1 - leader].name}@{host} (its beat: {host}/" in status.stdout), status.stdout
 
 
 def test_the_embedded_beat_and_the_pools_locks_keep_to_sessions_of_their_own(env, queue, redis_server, kazoo,

@@ -13,6 +13,10 @@ from typing import Dict, Iterator
 import pytest
 import redis
 
+from celery_zklock.layout import Layout
+from celery_zklock.recipes import EXCLUSIVE, Lock
+from celery_zklock.recipes.park import ParkedQueue
+from celery_zklock.zk import deadline
 from harness import CeleryBeat, CeleryWorker, free_port
 from tests.apps import worker_app
 from tests.util import wait_until
@@ -38,7 +42,9 @@ def busy(cli_env, queue, redis_server) -> Iterator[dict]:  # noqa: F811
     history = redis.Redis.from_url(redis_server.url)
     beat = CeleryBeat("tests.apps.beat_app", name="b1", env={**cli_env, "ZKT_QUEUE": f"{queue}-beat"}).start()
     try:
-        holder = worker_app.long_body.apply_async(("a", 30), queue=queue)
+        # Longer than the test by far (the worker is killed after it): under load, its dozen CLI
+        # runs took over 30 s, and the lock was gone before the last ones looked.
+        holder = worker_app.long_body.apply_async(("a", 300), queue=queue)
         # Only once the holder holds: sent together, the two tasks race for the lock in two
         # pool processes, and a waiter that wins runs 10 ms and leaves nobody waiting.
         wait_until(lambda: any(json.loads(e)["event"] == "started" for e in history.lrange("history", 0, -1)),
@@ -210,3 +216,81 @@ def test_schedule_shows_each_entrys_runs_last_run_and_next_run(cli_env, redis_se
     assert low <= row["runs"] <= high + 1, (low, row["runs"], high)
     assert row["task"] == "tests.apps.beat_app.tick" and "1.00 second" in row["schedule"]
     assert -1.0 <= row["due_in"] <= 1.0, row  # a 1 s entry: due a second after its last run, or overdue by < 1 s
+
+
+def test_locks_and_status_show_parked_copies_as_parked_and_an_unheld_keys_parked_head_in_flight(
+        cli_env, new_session, zk_root):
+    """Issue 41: parked copies were counted as WAITERS, and a key whose parked head was in flight
+    (nobody holding it) was a row of dashes. The queue is the recipe's own, as a worker parks."""
+    layout = Layout(zk_root)
+    lock_path, queue_path = layout.lock("k:p"), layout.parked("k:p")
+    session = new_session()
+    holder = Lock(session, lock_path, EXCLUSIVE, data=json.dumps({"key": "k:p", "mode": "exclusive", "pid": 1,
+                                                                   "host": "h", "task": "t.hold"}).encode())
+    assert holder.acquire(timeout=10)
+    queue = ParkedQueue(session, queue_path, lock_path, EXCLUSIVE)
+    for n in range(2):
+        queue.park(f"copy-{n}", json.dumps({"task": "t.parked", "id": f"copy-{n}"}).encode() + b"\nmessage", 10,
+                   deadline(10))
+
+    def lines(*args: str) -> list:
+        out = cli(cli_env, *args)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    def row(*args: str) -> str:
+        [line] = [line for line in lines(*args) if line.startswith("  k:p ")]
+        return line
+
+    assert lines("locks")[0].split()[-3:] == ["WAITERS", "PARKED", "TOKEN"]
+    assert re.search(r" t\.hold .* 0 +2  \d+$", row("locks")), row("locks")  # none waits in a slot; 2 parked
+    status = cli(cli_env, "status")
+    assert "Locks: 1 held, 0 waiting, 2 parked" in status.stdout and status.returncode == 0
+    assert re.search(r" 0 +2  \d+$", row("status"))
+
+    holder.release()  # nobody sends the head (no worker here): it waits to be sent
+    assert "no holder: 2 parked, the head not sent yet" in row("locks")
+    sent: list = []
+    queue.nudge(lambda node, payload: sent.append(node), deadline(10))  # the head goes, claimed, not yet taken
+    assert sent == [queue.node_path(queue.parked(deadline(10))[0])]
+    in_flight = row("locks")
+    assert "no holder: head in flight (parked copy copy-0, sent to be run; 1 more parked)" in in_flight, in_flight
+    assert re.search(r" 0 +2  -$", in_flight), in_flight
+    waiters = cli(cli_env, "locks", "--waiters").stdout
+    assert re.search(r"parked #1 \(in flight\) +parked .* copy-0 ", waiters), waiters
+    assert re.search(r"parked #2 +parked .* copy-1 ", waiters), waiters
+
+
+@pytest.mark.parametrize("scheduler, args", [
+    ("zklock", ()), ("celery_zklock.beat:LeaderScheduler", ()), ("tests.apps.beat_app:LeaderOnlyPersistent", ()),
+    ("celery.beat:PersistentScheduler", ("--beat",)),  # named on the command line: -B --scheduler zklock
+])
+def test_status_fails_when_the_apps_scheduler_is_elected_and_no_beat_of_it_has_joined(cli_env, kazoo, zk_root,
+                                                                                     scheduler, args):
+    """Issue 41: a worker's embedded beat died as it started, and status said "Beat election: none"
+    and exited 0, though the app's scheduler is LeaderScheduler."""
+    environ = {**cli_env, "ZKT_BEAT_SCHEDULER": scheduler}
+    out = cli(environ, "status", *args, app="tests.apps.beat_app")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    [line] = [line for line in out.stdout.splitlines() if line.startswith("Beat election")]
+    assert line.startswith("Beat election: none, but this app's scheduler is leader-elected ("), line
+    assert line.endswith("no beat of it has joined the election (its beat is not running, or stopped as it "
+                         "started: its log says why)"), line
+    if scheduler != "zklock":
+        return
+    # Another app's leader does not stand for this app's.
+    kazoo.create(f"{zk_root}/beat/k-other_app/election/x__lock__0000000000", b'{"host": "h", "pid": 1}',
+                 makepath=True)
+    out = cli(environ, "status", "--json", *args, app="tests.apps.beat_app")
+    assert out.returncode == 2
+    [problem] = json.loads(out.stdout)["problems"]
+    assert problem.startswith("beat election beat_app: none, but this app's scheduler is leader-elected")
+    text = cli(environ, "status", *args, app="tests.apps.beat_app").stdout
+    assert "  beat_app (this app): none, but this app's scheduler is leader-elected" in text
+    assert "  other_app: leader h/1 since ?" in text
+
+
+def test_status_passes_without_an_election_when_the_apps_scheduler_is_not_elected(cli_env):
+    out = cli({**cli_env, "ZKT_BEAT_SCHEDULER": "celery.beat:PersistentScheduler"}, "status", app="tests.apps.beat_app")
+    assert out.returncode == 0, out.stdout
+    assert "Beat election: none (no LeaderScheduler has run here)" in out.stdout

@@ -8,6 +8,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -670,6 +671,29 @@ def test_zookeeper_unavailable_at_publish(policy, env, caplog):
             assert "published without dedupe, ZooKeeper is unavailable" in caplog.text
         took.append(time.monotonic() - began)
     assert took[0] < 2.0 and max(took[1:]) < 0.5, [round(t, 2) for t in took]
+
+
+def test_operators_see_a_latest_copy_that_started_as_started_until_its_marker_expires(env, workers, redis_server,
+                                                                                      monkeypatch):
+    """Issue 41: a dedupe="latest" marker stays after its copy ran (an older copy delivered late
+    must read that a newer one began), and `queued` listed it for its whole life as if its copy
+    were queued, with "started" in the EXPIRES IN column."""
+    dedupe_app.app.conf.zklock_dedupe_ttl = 600  # the marker outlives the run by minutes, as the default's hour
+    monkeypatch.delattr(dedupe_app.app, "_zklock_settings", raising=False)
+    monkeypatch.delattr(dedupe_app.app, "_zklock_task_defaults", raising=False)
+    workers("w1", concurrency=1)
+    ran = dedupe_app.newest.delay("cli-latest", 1)
+    ran.get(timeout=30)
+    cli = [sys.executable, "-m", "celery", "-A", "tests.apps.dedupe_app", "zklock", "queued"]
+    out = subprocess.run(cli + ["--json"], env=env, capture_output=True, text=True, timeout=60)
+    [row] = [r for r in json.loads(out.stdout)["queued"] if r["key"] == "k:cli-latest"]
+    assert (row["task_id"], row["state"], row["running"]) == (ran.id, "started", False)
+    assert 500 < row["expires_in"] <= 600
+    text = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60).stdout
+    [line] = [line for line in text.splitlines() if "k:cli-latest" in line]
+    assert re.search(r" \d+\.\dm  started \(dedupe=\"latest\"; it may have ended\): kept until it expires, to skip "
+                     r"older copies$", line), line
+    assert text.splitlines()[0].split()[-1] == "STATE"
 
 
 def test_eager_mode_dedupes_nothing_it_runs_at_once_and_leaves_no_marker(env):
