@@ -37,7 +37,14 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .. import signals
 from ..conf import Settings
-from ..exceptions import ConfigurationError, ParkInDoubt, ZkLockError, ZooKeeperUnavailable, explain
+from ..exceptions import (
+    ConfigurationError,
+    ParkedMessageTooLarge,
+    ParkInDoubt,
+    ZkLockError,
+    ZooKeeperUnavailable,
+    explain,
+)
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
 from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch
@@ -54,10 +61,6 @@ logger = logging.getLogger("celery_zklock")
 
 #: The header of a parked copy sent again: its node's path in its key's parked queue.
 PARK_HEADER = "zklock_parked"
-
-
-class ParkedMessageTooLarge(ZkLockError):
-    """A copy to park is larger than a ZooKeeper node may hold; the message names the task and the size."""
 
 
 def parked_header(request: Any) -> Optional[str]:
@@ -109,6 +112,8 @@ class Parking:
         #: Our node's name, when this copy was sent again from this key's queue.
         self.received = posixpath.basename(header) if header and posixpath.dirname(header) == self.queue.path \
             else None
+        #: This copy's message as it would park, built by before() (see _payload).
+        self._message: Optional[bytes] = None
 
     # -- before, or instead of, holding ------------------------------------------------------
     def before(self, until: Optional[float]) -> Optional[str]:
@@ -125,6 +130,11 @@ class Parking:
 
     def _before(self, until: Optional[float]) -> Optional[str]:
         if self.received is None:
+            if not self.request.is_eager:
+                # Built now, whether it parks or not: a copy too large to park fails every time,
+                # not only when its key is held (ParkedMessageTooLarge). An eager call cannot
+                # park at all, and says so if it must (_payload).
+                self._message = self._payload()
             # One read decides: behind copies already parked it parks, else it tries the key.
             return self.park(until, behind=True)
         # Not waited for: the lock's create goes right behind it, and holding() reads it.
@@ -152,7 +162,6 @@ class Parking:
         only behind copies already parked: None when there are none."""
         parked = False
         try:
-            # The message is built only to park: a copy that runs at once never pays for it.
             found = self.queue.park(self.request.id, self._payload, self.limit, until, behind=behind)
             if found == "":
                 return None
@@ -267,7 +276,9 @@ class Parking:
     # -- the message -----------------------------------------------------------------------
     def _payload(self) -> bytes:
         """This copy's message as the task's retry would send it (its id, arguments, headers,
-        routing, priority and canvas options), serialized with the task's serializer."""
+        routing, priority and canvas options), serialized with the task's serializer; built once."""
+        if self._message is not None:
+            return self._message
         if self.request.is_eager:
             raise ConfigurationError(
                 f"task {self.task.name}: on_contention='park' needs a worker, which sends a parked copy "
