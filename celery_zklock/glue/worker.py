@@ -104,6 +104,7 @@ def install() -> None:
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
+        worker_init.connect(parking.started_when_held, weak=False)
         worker_ready.connect(_tell_where, weak=False)
         beat_embedded_init.connect(beat.embedded, weak=False)
         worker_ready.connect(_tell_about_readable_arguments, weak=False)

@@ -215,6 +215,28 @@ def test_a_revoked_parked_copy_leaves_the_queue_and_the_next_one_runs(workers, q
     wait_until(lambda: queue_left(kazoo, zk_root, "rev") == [], timeout=10)
 
 
+def test_a_parked_copy_reads_pending_while_it_waits_and_started_once_it_runs(workers, queue, redis_server, kazoo,
+                                                                             zk_root):
+    # With track_started, Celery stored STARTED as each copy arrived: a parked copy read as
+    # running all the while it waited. It is stored once the copy holds its key instead.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking_tracked, queue, "trk", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    assert first.state == "STARTED", "the holder's body runs"
+    second = send(worker_app.parking_tracked, queue, "trk", 60.0, 1, True)
+    wait_until(lambda: any(n.startswith("p-") for n in queue_left(kazoo, zk_root, "trk")), timeout=30)
+    wait_until(lambda: any(e["event"] == "delivered" and e["task_id"] == second.id for e in events(redis_server.url)),
+               timeout=30)  # the delivery that parked it is over: whatever it stores is stored
+    assert second.state == "PENDING", "a parked copy waits; it does not run"
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    wait_until(lambda: started(redis_server.url, second.id), timeout=30)
+    assert second.state == "STARTED", "sent again, it holds the key and runs"
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{second.id}", "go")
+    assert [first.get(timeout=30), second.get(timeout=30)] == [0, 1]
+    assert (first.state, second.state) == ("SUCCESS", "SUCCESS")
+    wait_until(lambda: queue_left(kazoo, zk_root, "trk") == [], timeout=10)
+
+
 def test_a_message_too_large_to_park_fails_whether_the_key_is_held_or_not(workers, queue, redis_server):
     # A copy that could never park fails every time, as its worker starts it: it ran when
     # its key happened to be free, and failed only under contention.
