@@ -30,7 +30,8 @@ it looks at each task Celery makes from a function as it is made. Then:
    ``task_revoked`` (a revoked copy's marker), ``task_failure`` (the marker of a copy
    whose pool process died), ``task_postrun`` (the marker of a copy whose own run was cut
    short before it gave it back), ``worker_init`` (refuse a worker whose
-   locked tasks or settings are wrong; serve its metrics, before the pool forks),
+   locked tasks or settings are wrong; serve its metrics, before the pool forks;
+   a parking task's STARTED state waits for its copy to hold the key),
    ``worker_ready`` (say which ZooKeeper it uses, where its metrics are, and which
    keys ZooKeeper shows in clear), ``beat_embedded_init`` (a ``-B`` beat follows its
    worker: see :func:`~celery_zklock.glue.beat.embedded`), ``worker_process_init``
