@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 __all__ = ["AlreadyQueued", "ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "NoCurrentLock",
-           "ParkInDoubt", "Preempted", "ZkLockError", "ZooKeeperUnavailable"]
+           "ParkInDoubt", "ParkedMessageTooLarge", "Preempted", "ZkLockError", "ZooKeeperUnavailable"]
 
 
 class ZkLockError(Exception):
@@ -63,6 +63,13 @@ class ParkInDoubt(ZkLockError):
 
     def __reduce__(self) -> tuple:  # picklable, for result backends
         return type(self), (str(self), self.task_id)
+
+
+class ParkedMessageTooLarge(ZkLockError):
+    """A copy of an ``on_contention="park"`` task whose message is larger than a ZooKeeper node
+    may hold (1,000,000 bytes), so it could never park: it fails as its worker starts it,
+    before it tries the key, whether the key is held or not. The message names the task and
+    the size."""
 
 
 class LockLost(ZkLockError):

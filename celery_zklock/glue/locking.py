@@ -189,10 +189,12 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
             # again (a tick later): wait for that, not fail the task (a new user lost four so).
             if not one.wait_held(proven):
                 one.ensure()  # one may have been lost while we waited for another: no body then
-        if parking is not None and not parking.holding(until):  # after ensure: a copy taken must run
-            release_all(task, held)
-            parking.released()
-            parking.dropped()
+        if parking is not None:
+            if not parking.holding(until):  # after ensure: a copy taken must run
+                release_all(task, held)
+                parking.released()
+                parking.dropped()
+            parking.started()  # its STARTED state, which a parked copy must not show
         acquired = list(held)
         try:
             stack.append(acquired)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import posixpath
 import threading
 import time
@@ -30,6 +31,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, NoReturn, Optional, cast
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from celery import states
 from celery.exceptions import Ignore
 from celery.utils import uuid
 from kazoo.exceptions import ConnectionLoss, KazooException, NoNodeError, SessionExpiredError
@@ -37,7 +39,14 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .. import signals
 from ..conf import Settings
-from ..exceptions import ConfigurationError, ParkInDoubt, ZkLockError, ZooKeeperUnavailable, explain
+from ..exceptions import (
+    ConfigurationError,
+    ParkedMessageTooLarge,
+    ParkInDoubt,
+    ZkLockError,
+    ZooKeeperUnavailable,
+    explain,
+)
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
 from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch
@@ -45,19 +54,15 @@ from ..recipes.park import waiting as parked_copies
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task
-from .options import policy_problem, spec_of
+from .options import locked_tasks, policy_problem, spec_of
 
 __all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "encode", "lost", "parked_header",
-           "publish", "received", "revoked", "send", "sweep"]
+           "publish", "received", "revoked", "send", "started_when_held", "sweep"]
 
 logger = logging.getLogger("celery_zklock")
 
 #: The header of a parked copy sent again: its node's path in its key's parked queue.
 PARK_HEADER = "zklock_parked"
-
-
-class ParkedMessageTooLarge(ZkLockError):
-    """A copy to park is larger than a ZooKeeper node may hold; the message names the task and the size."""
 
 
 def parked_header(request: Any) -> Optional[str]:
@@ -67,6 +72,41 @@ def parked_header(request: Any) -> Optional[str]:
     found = getattr(request, PARK_HEADER, None) or (getattr(request, "headers", None) or {}).get(PARK_HEADER) \
         or (getattr(request, "request_dict", None) or {}).get(PARK_HEADER)
     return found if isinstance(found, str) else None
+
+
+#: The tasks whose STARTED state is stored once a copy holds its key (see started_when_held).
+_started_when_held: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def started_when_held(sender: Any = None, **kwargs: Any) -> None:
+    """A ``worker_init`` receiver: a parking task with ``track_started`` (``task_track_started``)
+    stores STARTED once a copy holds its key and its body starts, not as the copy arrives.
+
+    Celery stores it before the body is called; a copy that then parks leaves with
+    ``Ignore``, which stores nothing, so it read as running all the while it waited. Now it
+    reads PENDING while parked, as a copy still in the broker does. Before any tracer is
+    built (in each pool process, or as the consumer starts), which may read the flag once.
+    """
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    try:
+        defaults = task_defaults(app)
+    except ConfigurationError:
+        return  # the worker refuses to start, saying why (worker._validate)
+    for name, locking in locked_tasks(app).items():
+        task = app.tasks.get(name)
+        spec = locking.spec
+        if task is not None and spec is not None and spec.lock and spec.contention(defaults) == "park" \
+                and task.track_started:
+            task.track_started = False
+            _started_when_held.add(task)
+
+
+def _ignores_result(task: Any, request: Any) -> bool:
+    """Whether this call stores no result: its own ``ignore_result`` option, else its task's."""
+    own = getattr(request, "ignore_result", None)
+    return bool(task.ignore_result if own is None else own)
 
 
 #: One watch over parked queues per session, so per process (see QueueWatch).
@@ -109,6 +149,8 @@ class Parking:
         #: Our node's name, when this copy was sent again from this key's queue.
         self.received = posixpath.basename(header) if header and posixpath.dirname(header) == self.queue.path \
             else None
+        #: This copy's message as it would park, built by before() (see _payload).
+        self._message: Optional[bytes] = None
 
     # -- before, or instead of, holding ------------------------------------------------------
     def before(self, until: Optional[float]) -> Optional[str]:
@@ -125,6 +167,11 @@ class Parking:
 
     def _before(self, until: Optional[float]) -> Optional[str]:
         if self.received is None:
+            if not self.request.is_eager:
+                # Built now, whether it parks or not: a copy too large to park fails every time,
+                # not only when its key is held (ParkedMessageTooLarge). An eager call cannot
+                # park at all, and says so if it must (_payload).
+                self._message = self._payload()
             # One read decides: behind copies already parked it parks, else it tries the key.
             return self.park(until, behind=True)
         # Not waited for: the lock's create goes right behind it, and holding() reads it.
@@ -152,7 +199,6 @@ class Parking:
         only behind copies already parked: None when there are none."""
         parked = False
         try:
-            # The message is built only to park: a copy that runs at once never pays for it.
             found = self.queue.park(self.request.id, self._payload, self.limit, until, behind=behind)
             if found == "":
                 return None
@@ -198,6 +244,19 @@ class Parking:
         if self.taken:
             self._look_ahead()
         return self.taken
+
+    def started(self) -> None:
+        """The copy holds its key and its body starts: store STARTED now, where Celery's
+        ``track_started`` would have stored it as the copy arrived (see :func:`started_when_held`).
+        Best effort, as the body must run: it was taken."""
+        task, request = self.task, self.request
+        if task not in _started_when_held or request.is_eager or _ignores_result(task, request):
+            return
+        try:
+            task.backend.store_result(request.id, {"pid": os.getpid(), "hostname": request.hostname}, states.STARTED,
+                                      request=request)
+        except Exception as exc:  # noqa: BLE001 - the body runs; its result is stored as it ends
+            logger.warning("%s: could not store its STARTED state (%s); the body runs", self.where, explain(exc))
 
     def _look_ahead(self) -> None:
         """Send look()'s read now, as the body starts: its answer waits for the release, and
@@ -267,7 +326,9 @@ class Parking:
     # -- the message -----------------------------------------------------------------------
     def _payload(self) -> bytes:
         """This copy's message as the task's retry would send it (its id, arguments, headers,
-        routing, priority and canvas options), serialized with the task's serializer."""
+        routing, priority and canvas options), serialized with the task's serializer; built once."""
+        if self._message is not None:
+            return self._message
         if self.request.is_eager:
             raise ConfigurationError(
                 f"task {self.task.name}: on_contention='park' needs a worker, which sends a parked copy "

@@ -40,6 +40,7 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional
 
 from kazoo.exceptions import NoNodeError
 
+from ..exceptions import LockNotAcquired
 from ..layout import node_object
 from ..zk import Session
 from .lock import Lock, LockState
@@ -104,8 +105,12 @@ class Election:
 
     @property
     def token(self) -> Optional[int]:
-        """The fencing token of our leadership (our node's czxid)."""
-        return self._lock.fencing_token if self._lock is not None else None
+        """The fencing token of our leadership (our node's czxid); None before we first lead."""
+        lock = self._lock
+        try:
+            return lock.fencing_token if lock is not None else None
+        except LockNotAcquired:  # never held yet
+            return None
 
     def leadership(self) -> Optional[Leadership]:
         """Our token and election node, read at one moment, while we lead; else None.
@@ -117,10 +122,11 @@ class Election:
         lock = self._lock
         if lock is None:
             return None
-        node, token = lock.node, lock.fencing_token
+        node = lock.node
         # Both are fixed while the lock is held: still leading after reading them means they match.
-        if node is None or token is None or not (self.state == ElectionState.LEADER and lock.is_held):
+        if node is None or not (self.state == ElectionState.LEADER and lock.is_held):
             return None
+        token = lock.fencing_token  # held: it has one
         if lock is not self._lock or lock.node != node:
             return None
         return Leadership(token, f"{self.path}/{node}")

@@ -133,6 +133,8 @@ class Lock:
         self.preempted_by: Optional[Dict[str, Any]] = None
         self._engine = Engine(session, path, rule, data, observer)
         self._held: Optional[Held] = None
+        #: The fencing token of the current hold, or of the last one once released.
+        self._token: Optional[int] = None
         #: The node whose delete we sent (its watch event is then our own doing).
         self._deleting: Optional[str] = None
         self._mutex = threading.Lock()
@@ -144,9 +146,22 @@ class Lock:
         return self._engine.node
 
     @property
-    def fencing_token(self) -> Optional[int]:
-        """Our latest node's czxid: strictly increases from one holder of a key to the next."""
-        return self._engine.token
+    def fencing_token(self) -> int:
+        """The token of this lock's hold (its node's czxid), kept after release: it strictly
+        increases from one holder of a key to the next. An ``int`` wherever the lock has been
+        held, as inside a locked task's body; a lock never held has none, and raises
+        :class:`~celery_zklock.LockNotAcquired` (a contender that waits or gave up is not
+        handed a token higher than the holder's).
+
+        Example::
+
+            with Lock(session, path) as held:
+                store.write(data, fence=held.fencing_token)
+        """
+        token = self._token
+        if token is None:
+            raise LockNotAcquired(f"lock {self.path} has no fencing token: it has never been held")
+        return token
 
     @property
     def is_held(self) -> bool:
@@ -238,6 +253,7 @@ class Lock:
     def _hold(self, held: Held) -> bool:
         with self._mutex:
             self._held = held
+            self._token = held.token
             self.held_since = time.monotonic()
             self.state = LockState.HELD
         self._watch_own_node()
@@ -287,7 +303,7 @@ class Lock:
         self.release()
 
     def __repr__(self) -> str:
-        return f"<Lock {self.path} {self.mode} {self.state} token={self.fencing_token}>"
+        return f"<Lock {self.path} {self.mode} {self.state} token={self._token}>"
 
     # -- the hold-watch --------------------------------------------------------------------
     def _watch_own_node(self) -> None:
@@ -348,7 +364,7 @@ class Lock:
             self.preempted_by = by
             self.lost_reason = f"a newer contender preempted it ({describe(by)})"
             self.lost_cause = "preempted"
-        logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
+        logger.warning("%s (token %s)", self.lost_message(), self._token)
         self._leave()
         if self.on_state is not None:
             self.on_state(self, LockState.LOST)
@@ -365,7 +381,7 @@ class Lock:
             self.lost_reason = (f"an operator evicted it (celery zklock evict, pid {by.get('pid')} "
                                 f"on host {by.get('host')})")
             self.lost_cause = "deleted"  # how metrics count it: its node goes by another's hand
-        logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
+        logger.warning("%s (token %s)", self.lost_message(), self._token)
         if self.on_state is not None:
             self.on_state(self, LockState.LOST)
 
@@ -423,7 +439,7 @@ class Lock:
             self.state = LockState.LOST
             self.lost_reason = f"its node {node} was deleted by someone else"
             self.lost_cause = "deleted"
-        logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
+        logger.warning("%s (token %s)", self.lost_message(), self._token)
         if self.on_state is not None:
             self.on_state(self, LockState.LOST)
 
@@ -447,7 +463,7 @@ class Lock:
                 self.lost_reason = (f"its session was lost (no answer from ZooKeeper within the "
                                     f"{self.session.timeout:g}s session timeout, or the session expired)")
         if new == LockState.LOST:
-            logger.warning("%s (token %s)", self.lost_message(), self.fencing_token)
+            logger.warning("%s (token %s)", self.lost_message(), self._token)
             # If the session survives after all, our node must not block others forever.
             self._leave()
         if self.on_state is not None:

@@ -234,6 +234,14 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         (hold_on_socket if gated else hold)(seconds, key)
         return seq
 
+    @app.task(bind=True, shared=False, track_started=True)
+    @zk_locked(key="park:{key}", on_contention="park")
+    def parking_tracked(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """``parking`` with Celery's ``track_started``: a parked copy must not read STARTED while it waits."""
+        note("start", key=key, seq=seq)
+        (hold_on_socket if gated else hold)(seconds, key)
+        return seq
+
     @app.task(shared=False)
     @zk_locked(key="park:{key}", on_contention="park", park_limit=2)
     def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
@@ -245,7 +253,8 @@ if not os.environ.get("ZKT_KEY_SECRET"):
 def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: Any) -> None:
     # Every delivery of a parking copy as it ends, with its outcome: a second send drops itself (IGNORED).
     if sender is not None and sender.name in ("tests.apps.worker_app.parking",
-                                              "tests.apps.worker_app.parking_at_publish"):
+                                              "tests.apps.worker_app.parking_at_publish",
+                                              "tests.apps.worker_app.parking_tracked"):
         history().rpush("history", json.dumps({"event": "delivered", "task_id": task_id, "state": state,
                                                "time": time.monotonic()}))
 

@@ -19,7 +19,7 @@ from billiard.exceptions import WorkerLostError
 from celery.result import AsyncResult
 from kombu.serialization import loads
 
-from celery_zklock import skipped
+from celery_zklock import ParkedMessageTooLarge, skipped
 from celery_zklock.glue import parking
 from celery_zklock.recipes import EXCLUSIVE
 from celery_zklock.recipes.park import ParkedQueue
@@ -215,15 +215,42 @@ def test_a_revoked_parked_copy_leaves_the_queue_and_the_next_one_runs(workers, q
     wait_until(lambda: queue_left(kazoo, zk_root, "rev") == [], timeout=10)
 
 
-def test_a_message_too_large_to_park_fails_naming_the_task_and_its_size(workers, queue, redis_server):
+def test_a_parked_copy_reads_pending_while_it_waits_and_started_once_it_runs(workers, queue, redis_server, kazoo,
+                                                                             zk_root):
+    # With track_started, Celery stored STARTED as each copy arrived: a parked copy read as
+    # running all the while it waited. It is stored once the copy holds its key instead.
     workers("w1", concurrency=2)
+    first = send(worker_app.parking_tracked, queue, "trk", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    assert first.state == "STARTED", "the holder's body runs"
+    second = send(worker_app.parking_tracked, queue, "trk", 60.0, 1, True)
+    wait_until(lambda: any(n.startswith("p-") for n in queue_left(kazoo, zk_root, "trk")), timeout=30)
+    wait_until(lambda: any(e["event"] == "delivered" and e["task_id"] == second.id for e in events(redis_server.url)),
+               timeout=30)  # the delivery that parked it is over: whatever it stores is stored
+    assert second.state == "PENDING", "a parked copy waits; it does not run"
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    wait_until(lambda: started(redis_server.url, second.id), timeout=30)
+    assert second.state == "STARTED", "sent again, it holds the key and runs"
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{second.id}", "go")
+    assert [first.get(timeout=30), second.get(timeout=30)] == [0, 1]
+    assert (first.state, second.state) == ("SUCCESS", "SUCCESS")
+    wait_until(lambda: queue_left(kazoo, zk_root, "trk") == [], timeout=10)
+
+
+def test_a_message_too_large_to_park_fails_whether_the_key_is_held_or_not(workers, queue, redis_server):
+    # A copy that could never park fails every time, as its worker starts it: it ran when
+    # its key happened to be free, and failed only under contention.
+    workers("w1", concurrency=2)
+    blob = "x" * 1_200_000
+    free = worker_app.parking.apply_async(args=("big", 0.1, 1), kwargs={"blob": blob}, queue=queue)
+    with pytest.raises(ParkedMessageTooLarge, match=r"task tests\.apps\.worker_app\.parking: .* bytes, over the"):
+        free.get(timeout=30)
+    assert not started(redis_server.url, free.id), "its body never ran"
     first = send(worker_app.parking, queue, "big", 2.0, 0)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
-    big = worker_app.parking.apply_async(args=("big", 0.1, 1), kwargs={"blob": "x" * 1_200_000}, queue=queue)
-    with pytest.raises(Exception) as failed:
-        big.get(timeout=30)
-    assert "tests.apps.worker_app.parking" in str(failed.value) and "bytes" in str(failed.value)
-    assert type(failed.value).__name__ == "ParkedMessageTooLarge"
+    held = worker_app.parking.apply_async(args=("big", 0.1, 2), kwargs={"blob": blob}, queue=queue)
+    with pytest.raises(ParkedMessageTooLarge, match=r"task tests\.apps\.worker_app\.parking: .* bytes, over the"):
+        held.get(timeout=30)
     assert first.get(timeout=30) == 0
 
 
