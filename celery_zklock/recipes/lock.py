@@ -220,6 +220,12 @@ class Lock:
         """Whether the last :meth:`acquire` found the key held and had to wait (or give up)."""
         return self._engine.blocked
 
+    @property
+    def published(self) -> Optional[int]:
+        """The place in the order of publishes of the copy this contender stands for, as its node
+        carries it (``on_contention="preempt"``: see :mod:`.order`); None when it carries none."""
+        return published(self.data)
+
     def cancel(self) -> None:
         """Make a waiting :meth:`acquire` (in another thread) give up and return False."""
         self._engine.cancel()

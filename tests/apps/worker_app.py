@@ -319,7 +319,8 @@ def render(self, key: str, n: int, seconds: float) -> int:
     """Version ``n`` of a report: writes ``n`` to the store under its token as it starts, then
     works ``seconds``; a newer version preempts it (``Preempted`` ends the body here)."""
     token = current_lock().fencing_token
-    note("start", key=key, token=token, n=n, accepted=fenced_write(f"render:{key}", n, token))
+    note("start", key=key, token=token, n=n, place=current_lock().published,
+         accepted=fenced_write(f"render:{key}", n, token))
     try:
         time.sleep(seconds)
     except BaseException as exc:

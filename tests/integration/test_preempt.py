@@ -11,10 +11,13 @@ import uuid
 from typing import Dict, List
 
 import pytest
+from celery import Celery
+from celery.signals import before_task_publish
 
-from celery_zklock import skipped
+from celery_zklock import ZooKeeperUnavailable, skipped, zk_locked
+from celery_zklock.glue.preempt import PUBLISHED_HEADER
 from celery_zklock.recipes import EXCLUSIVE
-from harness import TcpProxy
+from harness import TcpProxy, free_port
 from tests.apps import worker_app
 from tests.util import events, send, wait_until
 
@@ -109,7 +112,8 @@ def newest_won(sent: Dict[str, List], results: Dict[str, object], history: List[
 
     The newest version ran to its end and its value is the store's; every older one ended
     with a record naming a newer version; no version's body began after a newer one's had
-    begun; fencing tokens rose with each body."""
+    begun; each body's place in the order of publishes (``current_lock().published``) and
+    fencing token rose with each body."""
     problems = []
     for key, copies in sent.items():
         n_of = {c.id: n for n, c in enumerate(copies, 1)}
@@ -124,6 +128,9 @@ def newest_won(sent: Dict[str, List], results: Dict[str, object], history: List[
         order = [e["n"] for e in starts]
         if order != sorted(set(order)):
             problems.append(f"{key}: bodies began in the order {order}: an older version after a newer one")
+        places = [e["place"] for e in starts]
+        if None in places or places != sorted(set(places)):
+            problems.append(f"{key}: the bodies' places in the order of publishes, {places}, did not rise")
         tokens = [e["token"] for e in starts]
         if tokens != sorted(set(tokens)):
             problems.append(f"{key}: fencing tokens {tokens} did not rise")
@@ -143,7 +150,7 @@ def test_the_newest_published_version_wins(backlog, workers, queue, redis_server
         wait_until(lambda: len({e["pid"] for e in events(redis_server.url) if e["event"] == "tick"}) == 4, timeout=30)
     sent = {key: [send(worker_app.render, queue, key, n, 0.5) for n in range(1, 5)]
             for key in (f"{queue}-{i}" for i in range(3))}
-    results = {c.id: c.get(timeout=60) for copies in sent.values() for c in copies}
+    results = {c.id: c.get(timeout=60, propagate=False) for copies in sent.values() for c in copies}
     if backlog:
         assert [b.get(timeout=30) > 0 for b in busy] == [True] * 4
     assert newest_won(sent, results, events(redis_server.url)) == []
@@ -177,3 +184,39 @@ def test_an_older_copy_that_comes_later_ends_naming_the_newer_one(newer_is, work
     assert newer.get(timeout=30) == 2
     assert [e["n"] for e in events(redis_server.url) if e["event"] == "start"] == [2]
     assert store(f"render:{key}")["value"] == "2"
+
+
+def test_each_copy_takes_its_place_as_it_is_published_and_none_is_sent_without_one(zk_server, zk_root, kazoo):
+    """Each publish writes one persistent node, whose zxid orders it after every publish that
+    ended before it began; a publish whose place ZooKeeper does not give is not sent at all."""
+    places: List[object] = []
+
+    def seen(sender: str = "", headers: Dict[str, object] = None, **kwargs: object) -> None:
+        if sender.endswith(".render_places"):
+            places.append((headers or {}).get(PUBLISHED_HEADER))
+
+    before_task_publish.connect(seen, weak=False)
+    try:
+        for hosts in (zk_server.hosts, f"127.0.0.1:{free_port()}"):
+            app = Celery("places", broker="memory://", set_as_current=False)
+            app.conf.update(zklock_hosts=hosts, zklock_root=zk_root, zklock_dedupe_publish_timeout=1)
+
+            @app.task(shared=False)
+            @zk_locked(key="r:{x}", on_contention="preempt")
+            def render_places(x: int) -> None:
+                pass
+
+            if hosts == zk_server.hosts:
+                for x in range(3):
+                    render_places.delay(x)
+                assert len(places) == 3 and all(isinstance(p, int) for p in places), places
+                assert places == sorted(set(places)), places  # each later publish, a higher place
+                data, stat = kazoo.get(f"{zk_root}/publish-order")
+                assert (data, stat.ephemeralOwner, stat.numChildren, stat.mzxid) == (b"", 0, 0, places[-1])
+            else:
+                with pytest.raises(ZooKeeperUnavailable, match=r"task .*render_places: not published: ZooKeeper "
+                                   r"at zklock_hosts=.* did not give this on_contention='preempt' copy its place"):
+                    render_places.delay(9)
+                assert len(places) == 3, "a copy without a place was sent"
+    finally:
+        before_task_publish.disconnect(seen)
