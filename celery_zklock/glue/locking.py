@@ -201,22 +201,25 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
             parking.released()
             parking.dropped()
         acquired = list(held)
+        began = False
         try:
             stack.append(acquired)
             if guard is None:
                 _still_held(acquired)
+                began = True
                 return body()
             with guard:
                 # Inside the guard: a loss it was too early to hear of (during a received copy's
                 # take, a round trip) is seen here; one after is raised in the body.
                 _still_held(acquired)
+                began = True
                 return body()
         except Preempted:
             # What preempt is for, not a failure: the copy ends with a record naming the newer one.
             asked = next((one for one in acquired if one.preempted_by is not None), None)
             if asked is None:
                 raise
-            return _preempted(task, asked, ran=True)
+            return _preempted(task, asked, ran=began)
         finally:
             if stack and stack[-1] is acquired:
                 stack.pop()
@@ -234,11 +237,12 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
 
 
 def _still_held(locks: List[Lock]) -> None:
-    """Raise LockLost if any of ``locks`` was lost since it was taken: no body then. Lost, as
-    the guard would raise it in the body; not merely in doubt, which the body rides out."""
+    """Raise LockLost (Preempted, if a newer copy asked) if any of ``locks`` was lost since it was
+    taken: no body then. Lost, as the guard would raise it in the body; not merely in doubt,
+    which the body rides out."""
     for one in locks:
         if one.state == LockState.LOST:
-            raise LockLost(one.lost_message())
+            raise (Preempted if one.preempted_by is not None else LockLost)(one.lost_message())
 
 
 def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session: Session, settings: Settings,

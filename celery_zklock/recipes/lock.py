@@ -49,12 +49,12 @@ from ..zk import Liveness, Session, deadline, reply
 from ..zk.transport import run_inline
 from . import queue
 from .engine import ContenderObserver, Engine, Held
-from .order import may_preempt, published
+from .order import PUBLISHED, may_preempt, published
 from .rules import EXCLUSIVE, READ, RULES, WRITE, Decision, Rule, contender, semaphore, sequence, split_queue
 
 __all__ = ["EVICTED_BY", "EXCLUSIVE", "HOLD_STATE", "PREEMPTED_BY", "READ", "RULES", "WRITE", "Decision", "Lock",
-           "LockState", "Newer", "Rule", "check_timeout", "contender", "describe", "evict_request", "preempt_request",
-           "semaphore", "sequence", "split_queue", "to_the_end"]
+           "LockState", "PreemptLook", "Rule", "check_timeout", "contender", "describe", "evict_request",
+           "preempt_request", "semaphore", "sequence", "split_queue", "to_the_end"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -394,11 +394,11 @@ class Lock:
             self._after_preempted(node, by)
         return self.preempted_by is not None
 
-    def preempt_ahead(self, by: Dict[str, Any], timeout: Optional[float] = None) -> Newer:
+    def preempt_ahead(self, by: Dict[str, Any], timeout: Optional[float] = None) -> PreemptLook:
         """Ask every contender ahead of ours to go, unless one of them is newer than ``by``.
 
-        ``by`` describes our copy, with its place in the order of publishes (``"published"``:
-        see :func:`~.order.may_preempt`). When a contender ahead is newer, nobody is marked,
+        ``by`` describes our copy, with its place in the order of publishes (under
+        :data:`~.order.PUBLISHED`; see :func:`~.order.may_preempt`). When a contender ahead is newer, nobody is marked,
         and the newest such one is returned: our copy is the stale one, and should give up.
         Otherwise each holder loses the lock at once and gives its node back, and a waiter does
         so as it comes to hold. Marks each one once, version-checked (a contender that changed
@@ -406,7 +406,7 @@ class Lock:
         ``blocked``): each wake marks any new one."""
         node = self.node
         if node is None:
-            return Newer(0, None)
+            return PreemptLook(0, None)
         client, until = self.session.client, deadline(timeout)
         ours = sequence(node)
         ahead = [c for c in reply(client.get_children_async(self.path), until) if 0 <= sequence(c) < ours]
@@ -418,11 +418,11 @@ class Lock:
             except NoNodeError:
                 continue  # gone already
             found.append((name, data, stat))
-        place = by.get("published")
+        place = by.get(PUBLISHED)
         newer = [(published(data) or 0, node_object(data)) for _, data, _ in found
                  if not may_preempt(place, published(data))]
         if newer:
-            return Newer(0, max(newer, key=lambda pair: pair[0])[1])  # the newest: the one that will hold
+            return PreemptLook(0, max(newer, key=lambda pair: pair[0])[1])  # the newest of them
         marks = [client.set_async(f"{self.path}/{name}", json.dumps({**node_object(data), PREEMPTED_BY: by}).encode(),
                                   version=stat.version)
                  for name, data, stat in found if preempt_request(data) is None]
@@ -433,7 +433,7 @@ class Lock:
                 done += 1
             except (BadVersionError, NoNodeError):
                 pass  # it went, or its data changed (a promotion touch): the next look marks it
-        return Newer(done, None)
+        return PreemptLook(done, None)
 
     def _after_node_gone(self, node: str) -> None:
         with self._mutex:
@@ -477,8 +477,8 @@ class Lock:
 PREEMPTED_BY = "preempted_by"
 
 
-class Newer(NamedTuple):
-    """What :meth:`Lock.preempt_ahead` did: how many contenders it marked, or the newer one it met."""
+class PreemptLook(NamedTuple):
+    """What one look of :meth:`Lock.preempt_ahead` did: how many contenders it marked, or the newer one it met."""
 
     #: Contenders ahead asked to go by this look.
     marked: int
