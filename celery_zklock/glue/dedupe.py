@@ -69,7 +69,8 @@ def _dedupe_spec(task: Any) -> Optional[LockSpec]:
 
 def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any]) -> Any:
     """``Task.apply_async`` for every task: a dedupe task publishes only if no copy with its key
-    is queued (or running); any other task is published as it is."""
+    is queued (or running); a preempt copy takes its place in the order of publishes as it is
+    sent (:func:`.preempt.stamped`); any other task is published as it is."""
     spec = _dedupe_spec(task)
     original = preempt.stamped(task, original)  # a preempt copy takes its place as it is sent
     if spec is None:

@@ -10,7 +10,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Dict, Optional
 
 from kazoo.exceptions import KazooException
@@ -23,8 +22,6 @@ from .celery_internals import current_task
 from .options import spec_of
 
 __all__ = ["PUBLISHED_HEADER", "preempts", "published_header", "stamped"]
-
-logger = logging.getLogger("celery_zklock")
 
 #: The message header that carries a preempt copy's place in the order of publishes (a zxid).
 PUBLISHED_HEADER = "zklock_published"
