@@ -307,7 +307,8 @@ class Looks(ContenderObserver):
 
 def test_a_contender_asks_only_older_ones_to_go_and_names_a_newer_one_ahead(new_session, zk_root, kazoo):
     """preempt_ahead goes by places in the order of publishes: behind a newer holder it marks
-    nobody and names it; behind an older one it asks it to go."""
+    nobody and names it (a copy with no place counts as the oldest); behind an older one it
+    asks it to go."""
     path = f"{zk_root}/locks/k-placed"
     session = new_session()
     holder = Lock(session, path, EXCLUSIVE, data=b'{"task_id": "v2", "published": 20}')
@@ -316,6 +317,10 @@ def test_a_contender_asks_only_older_ones_to_go_and_names_a_newer_one_ahead(new_
     older_looks = Looks(older, {"task_id": "v1", "published": 10})
     assert not older.acquire(blocking=False)  # one look from behind the holder, then it leaves
     assert [(look.marked, (look.newer or {}).get("task_id")) for look in older_looks.looks] == [(0, "v2")]
+    unplaced = Lock(session, path, EXCLUSIVE, data=b'{"task_id": "v0"}')  # an older publisher's copy: oldest
+    unplaced_looks = Looks(unplaced, {"task_id": "v0"})
+    assert not unplaced.acquire(blocking=False)
+    assert [(look.marked, (look.newer or {}).get("task_id")) for look in unplaced_looks.looks] == [(0, "v2")]
     assert b"preempted_by" not in kazoo.get(f"{path}/{holder.node}")[0] and holder.is_held
     newer = Lock(session, path, EXCLUSIVE, data=b'{"task_id": "v3", "published": 30}')
     newer_looks = Looks(newer, {"task_id": "v3", "published": 30})
