@@ -330,6 +330,16 @@ def render(self, key: str, n: int, seconds: float) -> int:
     return n
 
 
+@app.task(bind=True, max_retries=1)
+@zk_locked(key="render:{key}", on_contention="preempt", timeout=60)
+def render_retried(self, key: str) -> int:
+    """Notes its place in the order of publishes, and retries once: the retry is the same publish."""
+    note("start", key=key, place=current_lock().published, retries=self.request.retries)
+    if not self.request.retries:
+        raise self.retry(countdown=0)
+    return self.request.retries
+
+
 @app.task
 def unrelated(n: int) -> int:
     note("unrelated", n=n)

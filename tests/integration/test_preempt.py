@@ -220,3 +220,10 @@ def test_each_copy_takes_its_place_as_it_is_published_and_none_is_sent_without_o
                 assert len(places) == 3, "a copy without a place was sent"
     finally:
         before_task_publish.disconnect(seen)
+
+
+def test_a_retry_keeps_the_place_its_copy_was_published_with(workers, queue, redis_server):
+    workers("w1", concurrency=1)
+    assert send(worker_app.render_retried, queue, "retried").get(timeout=30) == 1
+    runs = [(e["retries"], e["place"]) for e in events(redis_server.url) if e["event"] == "start"]
+    assert [r for r, _ in runs] == [0, 1] and isinstance(runs[0][1], int) and runs[0][1] == runs[1][1], runs
