@@ -21,6 +21,7 @@ until an app that uses it is finalized, beyond refusing a task made with a stray
     glue/locking.py             a body under its locks: take them in one order, run, give back on every
                                 path; current_lock(), current_locks(), skipped()
     glue/dedupe.py              enqueue-time dedupe: the publish hook, the revoke receiver, the running copy's marker
+    glue/preempt.py             on_contention="preempt" at publish: each copy's place in the order of publishes
     glue/worker.py              install(): every hook in Celery, once, when an app that uses us is finalized;
                                 the worker's checks, sessions per process
     glue/beat.py                LeaderScheduler and leader_only(): a singleton beat, fenced dispatch
@@ -40,6 +41,7 @@ until an app that uses it is finalized, beyond refusing a task made with a stray
     recipes/queue.py            the read-only view of a key's queue: holders and contenders
     recipes/election.py         leader election on the lock, as an explicit state machine
     recipes/marker.py           one dedupe marker per key: atomic create, versioned take-over and delete
+    recipes/order.py            the order of publishes: a place is one write's zxid; who may preempt whom
     zk/session.py               the kazoo client and one session per process (fork-safe)
     zk/clock.py                 LivenessClock: when a session's nodes count as lost (pure)
     zk/nodes.py                 persistent paths, key containers, deferred deletes, the root's key-name scheme

@@ -137,8 +137,10 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                "`None` waits forever."),
     "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "
                                       "ZooKeeper, a session and its marker, before `dedupe_on_unavailable` "
-                                      "applies; and how long a `park_at_publish` publish waits for ZooKeeper "
-                                      "before it publishes the copy as usual. After a failed attempt, publishes "
+                                      "applies; how long a `park_at_publish` publish waits for ZooKeeper "
+                                      "before it publishes the copy as usual; and how long a `preempt` publish "
+                                      "waits for its place in the order of publishes before it raises "
+                                      "`ZooKeeperUnavailable`, unsent. After a failed attempt, publishes "
                                       "apply it at once for a few seconds rather than try again."),
     "zklock_dedupe_ttl": ("seconds", "Life of a dedupe marker whose message was lost (a call's `expires` "
                           "shortens it; `countdown` and `eta` add their delay)."),

@@ -7,6 +7,7 @@
     <zklock_root>/locks/<encoded key>/<uuid>__lock__|__rlock__<seq>   read/write and exclusive locks
     <zklock_root>/semaphores/<encoded key>/<uuid>__sem__<seq>         counting semaphores
     <zklock_root>/queued/<encoded task name and key>                  enqueue-time dedupe markers
+    <zklock_root>/publish-order                                       each write's zxid orders a preempt publish
     <zklock_root>/parked/locks|semaphores/<encoded key>/p-<hash>-<seq>  parked copies (on_contention="park")
     <zklock_root>/beat/<encoded beat name>/election/<uuid>__lock__<seq>
     <zklock_root>/beat/<encoded beat name>/entries/<encoded entry name>
@@ -145,6 +146,12 @@ class Layout:
     def label(self, key: str) -> str:
         """How logs, errors and results name a key: the key itself, or under hashed names its name."""
         return key if self.secret is None else self.name(key)
+
+    @property
+    def publish_order(self) -> str:
+        """The persistent node whose every write orders one publish of an ``on_contention="preempt"``
+        copy: the write's zxid (its mzxid) is the copy's place in the order of publishes."""
+        return f"{self.root}/publish-order"
 
     @property
     def queued_tree(self) -> str:

@@ -213,11 +213,14 @@ def contention_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, 
     - no copy ran its body twice;
     - ``park``: every sent copy ran its body, unless it was killed, revoked or failed (its
       caller is told): a parked copy is neither lost nor doubled;
-    - ``preempt``: a copy that ran no body was told why: preempted before its body (its
-      result is a skip record naming ``preempted_by``), or it failed, or was revoked;
+    - ``preempt``: a copy that ran no body was told why: preempted before its body, or
+      older than a copy ahead of it (its result is a skip record naming ``preempted_by``),
+      or it failed, or was revoked; and no body began while the body of a newer copy of
+      its key (one whose publish began after its own publish ended) ran: newest wins;
     - per key, each body's fencing token is higher than every token before it;
     - per key, no body began before the one ahead of it ended, except after a
-      ``Preempted`` holder: that one is asked to go as the newer one comes, and the
+      ``Preempted`` holder (it failed with ``Preempted``, or its result is a record naming
+      ``preempted_by``): that one is asked to go as the newer one comes, and the
       newer one's higher token is what a store checks (the body still running is
       interrupted, and its late write refused).
 
@@ -266,8 +269,23 @@ def contention_violations(publishes: List[Dict[str, Any]], runs: List[Dict[str, 
                 times = first[a["task_id"]]
                 ended = min((times[e]["time"] for e in ("end", "interrupted", "killed", "failed") if e in times),
                             default=float("inf"))
-                preempted = "Preempted" in times.get("failed", {}).get("error", "")
+                record = results.get(a["task_id"])
+                record = record.get("zklock_skipped") if isinstance(record, dict) else None
+                preempted = "Preempted" in times.get("failed", {}).get("error", "") or bool(
+                    record and record.get("preempted_by"))
                 if b["time"] < ended and not (policy == "preempt" and preempted):
                     problems.append(f"key {key!r}: {b['task_id']} began at {b['time']:.3f}, before "
                                     f"{a['task_id']} (not preempted) ended at {ended:.3f}")
+    if policy == "preempt":
+        published = {p["asked"]: p for p in publishes if p["got"] is not None and "t0" in p}
+        for key, bodies in by_key.items():
+            for i, b in enumerate(bodies):
+                for a in bodies[:i]:
+                    pa, pb = published.get(a["task_id"]), published.get(b["task_id"])
+                    times = first[a["task_id"]]
+                    ended = min((times[e]["time"] for e in ("end", "interrupted", "killed", "failed") if e in times),
+                                default=float("inf"))
+                    if pa is not None and pb is not None and pb["t1"] < pa["t0"] and b["time"] < ended:
+                        problems.append(f"key {key!r}: {b['task_id']} began at {b['time']:.3f}, while "
+                                        f"{a['task_id']}, published after it, ran: an older copy preempted a newer")
     return problems

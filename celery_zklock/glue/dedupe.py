@@ -35,7 +35,7 @@ from ..conf import Settings
 from ..exceptions import AlreadyQueued, ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..recipes.marker import claim, reap, release, requeue, start_latest, start_running, supersede
 from ..zk import Session, session_for, timeouts
-from . import parking
+from . import parking, preempt
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task
 from .locking import SKIPPED
@@ -69,8 +69,10 @@ def _dedupe_spec(task: Any) -> Optional[LockSpec]:
 
 def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any]) -> Any:
     """``Task.apply_async`` for every task: a dedupe task publishes only if no copy with its key
-    is queued (or running); any other task is published as it is."""
+    is queued (or running); a preempt copy takes its place in the order of publishes as it is
+    sent (:func:`.preempt.stamped`); any other task is published as it is."""
     spec = _dedupe_spec(task)
+    original = preempt.stamped(task, original)  # a preempt copy takes its place as it is sent
     if spec is None:
         return parking.publish(task, original, args, kwargs, options)  # a park at publish, or as it is
     running = current_task()
@@ -271,13 +273,14 @@ def _in_a_canvas(options: Dict[str, Any]) -> bool:
 
 def send_by_name(app: Any, original: Callable[..., Any], name: str, args: Any, kwargs: Any,
                  options: Dict[str, Any]) -> Any:
-    """``Celery.send_task``: a dedupe task this app has registered is published as ``delay()`` would
-    publish it, marker and all; any other name is sent as it is (its dedupe, if any, is unknown here)."""
+    """``Celery.send_task``: a dedupe or preempt task this app has registered is published as ``delay()``
+    would publish it, marker or place and all; any other name is sent as it is (its dedupe, if any,
+    is unknown here)."""
     try:
         task = app.tasks.get(name)
     except RuntimeError:  # autofinalize off and not finalized: nothing registered to go by
         task = None
-    if task is None or _dedupe_spec(task) is None:
+    if task is None or (_dedupe_spec(task) is None and not preempt.preempts(task)):
         return original(app, name, args, kwargs, **options)
     return task.apply_async(args, kwargs, **options)
 

@@ -36,12 +36,14 @@ from ..layout import node_object
 from ..recipes import Lock, LockState
 from ..recipes.engine import ContenderObserver
 from ..recipes.lock import describe
+from ..recipes.order import PUBLISHED
 from ..zk import Session, deadline, remaining, session_for, timeouts
 from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .options import PARK_HASHED, LockSpec, policy_problem
 from .parking import Parking, abandon_received
+from .preempt import published_header
 
 __all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
 
@@ -132,10 +134,14 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
     on_state = functools.partial(_on_state, task, request.id, guard)
     session: Optional[Session] = None
+    # Under preempt, the copy's place in the order of publishes, in its node for newer and
+    # older copies to compare with (None: its publisher took none).
+    place = published_header(request) if policy == "preempt" else None
+    placed = {} if place is None else {PUBLISHED: place}
     try:
         session = session_for(settings)
         locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
-                      task=task.name, task_id=request.id, worker=request.hostname)
+                      task=task.name, task_id=request.id, worker=request.hostname, **placed)
                  for _, key in ordered]
     except ZooKeeperUnavailable as exc:
         if session is not None and policy == "park" and abandon_received(task, session, settings, spec, exc):
@@ -151,8 +157,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     parking = _parking(task, spec, policy, locks, session, settings, defaults)
     if parking is not None:
         parkings.append(parking)
-    if policy == "preempt":
-        _preempting(task, spec, locks, settings, defaults)
+    preempter = _preempting(task, spec, locks, settings, defaults, place) if policy == "preempt" else None
     try:
         refused = parking.before(until) if parking is not None else None
         if refused:
@@ -172,6 +177,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                     return _preempted(task, one)
                 continue
             held.pop()
+            if preempter is not None and preempter.newer is not None:
+                return _superseded(task, one, preempter.newer, until)
             if not session.is_alive():
                 # No answer is not a held key: no policy may take it for one (skip would
                 # report success for work that never ran).
@@ -196,16 +203,25 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 parking.dropped()
             parking.started()  # its STARTED state, which a parked copy must not show
         acquired = list(held)
+        began = False
         try:
             stack.append(acquired)
             if guard is None:
                 _still_held(acquired)
+                began = True
                 return body()
             with guard:
                 # Inside the guard: a loss it was too early to hear of (during a received copy's
                 # take, a round trip) is seen here; one after is raised in the body.
                 _still_held(acquired)
+                began = True
                 return body()
+        except Preempted:
+            # What preempt is for, not a failure: the copy ends with a record naming the newer one.
+            asked = next((one for one in acquired if one.preempted_by is not None), None)
+            if asked is None:
+                raise
+            return _preempted(task, asked, ran=began)
         finally:
             if stack and stack[-1] is acquired:
                 stack.pop()
@@ -223,11 +239,12 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
 
 
 def _still_held(locks: List[Lock]) -> None:
-    """Raise LockLost if any of ``locks`` was lost since it was taken: no body then. Lost, as
-    the guard would raise it in the body; not merely in doubt, which the body rides out."""
+    """Raise LockLost (Preempted, if a newer copy asked) if any of ``locks`` was lost since it was
+    taken: no body then. Lost, as the guard would raise it in the body; not merely in doubt,
+    which the body rides out."""
     for one in locks:
         if one.state == LockState.LOST:
-            raise LockLost(one.lost_message())
+            raise (Preempted if one.preempted_by is not None else LockLost)(one.lost_message())
 
 
 def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session: Session, settings: Settings,
@@ -244,20 +261,34 @@ def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session:
     return Parking(task, locks[0], session, settings, spec.parked_limit(defaults))
 
 
-def _preempting(task: Any, spec: LockSpec, locks: List[Lock], settings: Settings, defaults: TaskDefaults) -> None:
-    """Under ``on_contention="preempt"``: while this copy waits, each look it takes at its key
-    asks every contender ahead of it to go (see :meth:`Lock.preempt_ahead`)."""
+class _Preempter(ContenderObserver):
+    """While a preempt copy waits, each look it takes at its key asks every contender ahead of it
+    to go (see :meth:`Lock.preempt_ahead`), or finds one published after it, and gives up."""
+
+    def __init__(self, lock: Lock, by: Dict[str, Any], timeout: float) -> None:
+        self.lock, self.by, self.timeout = lock, by, timeout
+        #: The node data of a newer copy met ahead (None: none was); the acquire then gives up.
+        self.newer: Optional[Dict[str, Any]] = None
+
+    def blocked(self, watching: Tuple[str, ...]) -> None:
+        found = self.lock.preempt_ahead(self.by, self.timeout).newer
+        if found is not None:
+            self.newer = found
+            self.lock.cancel()
+
+
+def _preempting(task: Any, spec: LockSpec, locks: List[Lock], settings: Settings, defaults: TaskDefaults,
+                place: Optional[int]) -> _Preempter:
+    """Under ``on_contention="preempt"``: the observer of this copy's wait (see :class:`_Preempter`)."""
     problem = policy_problem(f"task {task.name}", spec, defaults, len(locks))
     if problem:
         raise ConfigurationError(problem)
     one, request = locks[0], task.request
-    by = {"task": task.name, "task_id": request.id, "worker": request.hostname}
-
-    class Preempter(ContenderObserver):
-        def blocked(self, watching: Tuple[str, ...]) -> None:
-            one.preempt_ahead(by, settings.connect_timeout)
-
-    one.observe(Preempter())
+    by = {"task": task.name, "task_id": request.id, "worker": request.hostname,
+          **({} if place is None else {PUBLISHED: place})}
+    preempter = _Preempter(one, by, settings.connect_timeout)
+    one.observe(preempter)
+    return preempter
 
 
 def _asked_to_go(task: Any, lock: Lock, settings: Settings) -> bool:
@@ -271,13 +302,27 @@ def _asked_to_go(task: Any, lock: Lock, settings: Settings) -> bool:
             "run") from None
 
 
-def _preempted(task: Any, lock: Lock) -> Dict[str, Any]:
-    """A copy a newer one preempted while it waited: it ends unrun, as ``skip`` would, saying why."""
+def _preempted(task: Any, lock: Lock, ran: bool = False) -> Dict[str, Any]:
+    """A copy a newer one preempted, while it waited (it ends unrun, as ``skip`` would) or while its
+    body ran (the body got ``Preempted`` and let it through): a record saying so, logged at INFO."""
     by = lock.preempted_by or {}
-    reason = f"preempted by a newer copy ({describe(by)}) before it started"
-    logger.info("task %s[%s] skipped: lock %r (%s): %s", task.name, task.request.id, lock.label, lock.mode, reason)
+    reason = f"preempted by a newer copy ({describe(by)}) " + ("while its body ran" if ran else "before it started")
+    logger.info("task %s[%s] %s: lock %r (%s): %s", task.name, task.request.id, "preempted" if ran else "skipped",
+                lock.label, lock.mode, reason)
     return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": [], "reason": reason,
                       "preempted_by": by.get("task_id")}}
+
+
+def _superseded(task: Any, lock: Lock, newer: Dict[str, Any], until: Optional[float]) -> Dict[str, Any]:
+    """A copy that met, ahead of it on its key, a copy published after it: it ends unrun, as
+    ``skip`` would, naming the newer copy (and the holders, as a skip record does)."""
+    signals.lock_contended.send(sender=task, lock=lock, policy="preempt", outcome="skipped")
+    holders, who = _holders(lock, until)
+    reason = f"a newer copy ({describe(newer)}), published after this one, is ahead of it"
+    logger.info("task %s[%s] skipped: lock %r (%s) is held by %s, and %s", task.name, task.request.id, lock.label,
+                lock.mode, who or "another contender (it has just let go)", reason)
+    return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders, "reason": reason,
+                      "preempted_by": newer.get("task_id")}}
 
 
 def release_all(task: Any, held: List[Lock]) -> None:
@@ -339,7 +384,8 @@ def skipped(result: Any) -> Optional[Dict[str, Any]]:
     """What stopped a task, if ``result`` is a skipped task's result; None for any other result.
 
     A skip returns ``{"zklock_skipped": {"key", "mode", "holders"}}`` (and ``"reason"`` when a full
-    parked queue refused the copy) rather than None, so a
+    parked queue refused the copy; ``"reason"`` and ``"preempted_by"``, the newer copy's task id,
+    when a preempt copy ended for a newer one) rather than None, so a
     caller can tell it from a body that returned None; it serializes with every Celery serializer.
 
     >>> skipped({"zklock_skipped": {"key": "sync:42", "mode": "exclusive", "holders": []}})["key"]
@@ -382,7 +428,8 @@ def _on_state(task: Any, task_id: Optional[str], guard: Optional[BodyGuard], loc
     interrupted = guard.interrupt(f"task {task.name}: {message}", kind) if guard is not None else False
     # Not "while its body ran" unless it did: a loss may come before the body (it then does not
     # start) or after it, and with on_lock_lost="ignore" the body is not told.
-    logger.warning("task %s[%s]: %s, %s", task.name, task_id, message,
-                   f"while its body ran; raising {kind.__name__} in the body" if interrupted
-                   else "as the task held it")
+    # A preemption is what preempt is for: INFO. Any other loss is trouble: WARNING.
+    logger.log(logging.INFO if kind is Preempted else logging.WARNING, "task %s[%s]: %s, %s", task.name, task_id,
+               message, f"while its body ran; raising {kind.__name__} in the body" if interrupted
+               else "as the task held it")
     signals.lock_lost.send(sender=task, lock=lock, interrupted=interrupted, reason=lock.lost_cause or "session")

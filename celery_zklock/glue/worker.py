@@ -147,11 +147,13 @@ def _release_log_handlers() -> None:
 def task_defined(spec: Optional[LockSpec]) -> None:
     """A locked task was defined: install now if the finalize look would come too late (rule 2).
 
-    A dedupe task publishes through us before any app may be finalized, and so does one
-    that parks at publish; so does a task whose options are wrong (``spec`` None), which may
+    A dedupe task publishes through us before any app may be finalized, and so do one
+    that parks at publish and one that preempts (it takes its place in the order of
+    publishes); so does a task whose options are wrong (``spec`` None), which may
     have asked for either: published unchecked, it would go out without it.
     """
-    if not _installed and (spec is None or spec.dedupe is not None or spec.park_at_publish or finalized_apps()):
+    if not _installed and (spec is None or spec.dedupe is not None or spec.park_at_publish
+                           or spec.on_contention == "preempt" or finalized_apps()):
         install()
 
 

@@ -5,7 +5,8 @@
 - :mod:`.lock`: the handle users hold (:class:`Lock`), watching over its hold;
 - :mod:`.queue`: a read-only view of a key's queue (holders, contenders);
 - :mod:`.election`: leader election on the lock, as a state machine;
-- :mod:`.marker`: one dedupe marker per key.
+- :mod:`.marker`: one dedupe marker per key;
+- :mod:`.order`: the order of publishes, which ``preempt`` goes by.
 """
 
 from .election import Election, ElectionState

@@ -38,22 +38,23 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from kazoo.exceptions import BadVersionError, NoNodeError
 from kazoo.protocol.states import Callback, EventType
 
-from ..exceptions import LockLost, LockNotAcquired
+from ..exceptions import LockLost, LockNotAcquired, Preempted
 from ..layout import node_object
 from ..zk import Liveness, Session, deadline, reply
 from ..zk.transport import run_inline
 from . import queue
 from .engine import ContenderObserver, Engine, Held
+from .order import PUBLISHED, may_preempt, published
 from .rules import EXCLUSIVE, READ, RULES, WRITE, Decision, Rule, contender, semaphore, sequence, split_queue
 
 __all__ = ["EVICTED_BY", "EXCLUSIVE", "HOLD_STATE", "PREEMPTED_BY", "READ", "RULES", "WRITE", "Decision", "Lock",
-           "LockState", "Rule", "check_timeout", "contender", "describe", "evict_request", "preempt_request",
-           "semaphore", "sequence", "split_queue", "to_the_end"]
+           "LockState", "PreemptLook", "Rule", "check_timeout", "contender", "describe", "evict_request",
+           "preempt_request", "semaphore", "sequence", "split_queue", "to_the_end"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -182,9 +183,10 @@ class Lock:
         return self.is_held
 
     def ensure(self) -> None:
-        """Raise :class:`LockLost` unless the lock is held beyond doubt (call before a side effect)."""
+        """Raise :class:`LockLost` unless the lock is held beyond doubt (call before a side effect):
+        :class:`Preempted` when a newer contender asked it to go."""
         if not self.is_held:
-            raise LockLost(self.lost_message())
+            raise (Preempted if self.preempted_by is not None else LockLost)(self.lost_message())
 
     def lost_message(self) -> str:
         """Why this lock is not held beyond doubt, naming its key and path (for LockLost and logs)."""
@@ -232,6 +234,12 @@ class Lock:
     def waited(self) -> bool:
         """Whether the last :meth:`acquire` found the key held and had to wait (or give up)."""
         return self._engine.blocked
+
+    @property
+    def published(self) -> Optional[int]:
+        """The place in the order of publishes of the copy this contender stands for, as its node
+        carries it (``on_contention="preempt"``: see :mod:`.order`); None when it carries none."""
+        return published(self.data)
 
     def cancel(self) -> None:
         """Make a waiting :meth:`acquire` (in another thread) give up and return False."""
@@ -364,7 +372,8 @@ class Lock:
             self.preempted_by = by
             self.lost_reason = f"a newer contender preempted it ({describe(by)})"
             self.lost_cause = "preempted"
-        logger.warning("%s (token %s)", self.lost_message(), self._token)
+        # INFO: what preempt is for, not trouble (a lost lock of any other cause is a WARNING).
+        logger.info("%s (token %s)", self.lost_message(), self._token)
         self._leave()
         if self.on_state is not None:
             self.on_state(self, LockState.LOST)
@@ -401,28 +410,38 @@ class Lock:
             self._after_preempted(node, by)
         return self.preempted_by is not None
 
-    def preempt_ahead(self, by: Dict[str, Any], timeout: Optional[float] = None) -> int:
-        """Ask every contender ahead of ours to go: each holder loses the lock at once and gives
-        its node back; a waiter does so as it comes to hold. Marks each one once, version-checked
-        (a contender that changed its data meanwhile is read again next time); how many were
-        marked now. Call while waiting (an observer's ``blocked``): each wake marks any new one."""
+    def preempt_ahead(self, by: Dict[str, Any], timeout: Optional[float] = None) -> PreemptLook:
+        """Ask every contender ahead of ours to go, unless one of them is newer than ``by``.
+
+        ``by`` describes our copy, with its place in the order of publishes (under
+        :data:`~.order.PUBLISHED`; see :func:`~.order.may_preempt`). When a contender ahead is newer, nobody is marked,
+        and the newest such one is returned: our copy is the stale one, and should give up.
+        Otherwise each holder loses the lock at once and gives its node back, and a waiter does
+        so as it comes to hold. Marks each one once, version-checked (a contender that changed
+        its data meanwhile is read again next time). Call while waiting (an observer's
+        ``blocked``): each wake marks any new one."""
         node = self.node
         if node is None:
-            return 0
+            return PreemptLook(0, None)
         client, until = self.session.client, deadline(timeout)
         ours = sequence(node)
         ahead = [c for c in reply(client.get_children_async(self.path), until) if 0 <= sequence(c) < ours]
         reads = [(c, client.get_async(f"{self.path}/{c}")) for c in ahead]
-        marks = []
+        found = []
         for name, read in reads:
             try:
                 data, stat = reply(read, until)
             except NoNodeError:
                 continue  # gone already
-            if preempt_request(data) is None:
-                marked = {**node_object(data), PREEMPTED_BY: by}
-                marks.append(client.set_async(f"{self.path}/{name}", json.dumps(marked).encode(),
-                                              version=stat.version))
+            found.append((name, data, stat))
+        place = by.get(PUBLISHED)
+        newer = [(published(data) or 0, node_object(data)) for _, data, _ in found
+                 if not may_preempt(place, published(data))]
+        if newer:
+            return PreemptLook(0, max(newer, key=lambda pair: pair[0])[1])  # the newest of them
+        marks = [client.set_async(f"{self.path}/{name}", json.dumps({**node_object(data), PREEMPTED_BY: by}).encode(),
+                                  version=stat.version)
+                 for name, data, stat in found if preempt_request(data) is None]
         done = 0
         for result in marks:
             try:
@@ -430,7 +449,7 @@ class Lock:
                 done += 1
             except (BadVersionError, NoNodeError):
                 pass  # it went, or its data changed (a promotion touch): the next look marks it
-        return done
+        return PreemptLook(done, None)
 
     def _after_node_gone(self, node: str) -> None:
         with self._mutex:
@@ -472,6 +491,15 @@ class Lock:
 
 #: The key of a contender's node data that asks it to go: who asked (see :meth:`Lock.preempt_ahead`).
 PREEMPTED_BY = "preempted_by"
+
+
+class PreemptLook(NamedTuple):
+    """What one look of :meth:`Lock.preempt_ahead` did: how many contenders it marked, or the newer one it met."""
+
+    #: Contenders ahead asked to go by this look.
+    marked: int
+    #: The node data of the newest contender ahead that was published after ours (None: none was).
+    newer: Optional[Dict[str, Any]]
 
 
 def preempt_request(data: bytes) -> Optional[Dict[str, Any]]:

@@ -322,6 +322,33 @@ def preempting(self, key: str, seconds: float, n: int) -> int:
     return n
 
 
+@app.task(bind=True)
+@zk_locked(key="render:{key}", on_contention="preempt", timeout=60)
+def render(self, key: str, n: int, seconds: float) -> int:
+    """Version ``n`` of a report: writes ``n`` to the store under its token as it starts, then
+    works ``seconds``; a newer version preempts it (``Preempted`` ends the body here)."""
+    token = current_lock().fencing_token
+    note("start", key=key, token=token, n=n, place=current_lock().published,
+         accepted=fenced_write(f"render:{key}", n, token))
+    try:
+        time.sleep(seconds)
+    except BaseException as exc:
+        note("interrupted", key=key, token=token, n=n, error=type(exc).__name__)
+        raise
+    note("end", key=key, token=token, n=n)
+    return n
+
+
+@app.task(bind=True, max_retries=1)
+@zk_locked(key="render:{key}", on_contention="preempt", timeout=60)
+def render_retried(self, key: str) -> int:
+    """Notes its place in the order of publishes, and retries once: the retry is the same publish."""
+    note("start", key=key, place=current_lock().published, retries=self.request.retries)
+    if not self.request.retries:
+        raise self.retry(countdown=0)
+    return self.request.retries
+
+
 @app.task
 def unrelated(n: int) -> int:
     note("unrelated", n=n)

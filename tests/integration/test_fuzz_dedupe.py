@@ -20,9 +20,10 @@ is not over). A ``latest`` round is checked by :func:`harness.dedupe.latest_viol
 instead: every result resolved, no stale copy ran, nothing was lost. The per-key queues'
 rounds, ``park`` and ``preempt`` (a lock's ``on_contention``, with no dedupe), are checked by
 :func:`harness.dedupe.contention_violations`: no body ran twice, a parked copy was neither
-lost nor doubled, a preempted one was told, fencing tokens rose, and no two bodies of a key
-overlapped but for a preempted holder's. Their publishes do not touch ZooKeeper, so their
-lost and held replies strike the worker's link, where the hand-offs and requests travel; but
+lost nor doubled, a preempted one was told, fencing tokens rose, no two bodies of a key
+overlapped but for a preempted holder's, and no preempt body began while a newer-published
+copy's ran. Their publishes touch ZooKeeper only for a preempt copy's place (one write), so
+their lost and held replies strike the worker's link, where the hand-offs and requests travel; but
 for ``park_publish`` rounds, whose publishers park, where they strike the link a round draws.
 
 The worker and the publishers reach ZooKeeper through their own proxies; the worker's
@@ -65,7 +66,8 @@ TTL = 4.0
 MODES = {"queued": ("debounced", 1), "queued_or_running": ("singleton", 1), "retried": ("retried", 2),
          "latest": ("newest", 1), "latest_locked": ("newest_locked", 1), "park": ("parked", 1),
          "park_publish": ("parked_at_publish", 1), "preempt": ("preempting", 1)}
-#: Modes that publish without ZooKeeper: their faults of replies strike the worker's link instead.
+#: Modes whose promise rides on the worker's link (a preempt publish writes only its place): their
+#: faults of replies strike the worker's link instead.
 CONTENTION = ("park", "preempt")
 #: ZKLOCK_FUZZ_DEDUPE_MODES=latest,latest_locked draws only those modes (a long run of one feature).
 DRAWN = sorted(os.environ.get("ZKLOCK_FUZZ_DEDUPE_MODES", "").split(",") if os.environ.get(

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import List
+from typing import Dict, List, Tuple
 
 import pytest
 
 import celery_zklock
 from celery_zklock import Lock, LockNotAcquired
+from celery_zklock.recipes import ContenderObserver
 from celery_zklock.recipes.lock import EXCLUSIVE, READ, WRITE, semaphore
 from celery_zklock.zk import Session
 from tests.util import WaitLog, children, wait_until
@@ -290,3 +291,40 @@ def test_an_eviction_request_loses_the_lock_and_its_node_stays_until_release(new
     assert kazoo.exists(node) is not None and lock.preempted_by is None
     assert lock.release()
     wait_until(lambda: kazoo.exists(node) is None)
+
+
+
+class Looks(ContenderObserver):
+    """A preempting contender's looks: each time it is blocked, it asks those ahead to go."""
+
+    def __init__(self, lock: Lock, by: Dict[str, object]) -> None:
+        self.lock, self.by, self.looks = lock, by, []
+        lock.observe(self)
+
+    def blocked(self, watching: Tuple[str, ...]) -> None:
+        self.looks.append(self.lock.preempt_ahead(self.by, timeout=10))
+
+
+def test_a_contender_asks_only_older_ones_to_go_and_names_a_newer_one_ahead(new_session, zk_root, kazoo):
+    """preempt_ahead goes by places in the order of publishes: behind a newer holder it marks
+    nobody and names it (a copy with no place counts as the oldest); behind an older one it
+    asks it to go."""
+    path = f"{zk_root}/locks/k-placed"
+    session = new_session()
+    holder = Lock(session, path, EXCLUSIVE, data=b'{"task_id": "v2", "published": 20}')
+    assert holder.acquire(timeout=10) and holder.published == 20
+    older = Lock(session, path, EXCLUSIVE, data=b'{"task_id": "v1", "published": 10}')
+    older_looks = Looks(older, {"task_id": "v1", "published": 10})
+    assert not older.acquire(blocking=False)  # one look from behind the holder, then it leaves
+    assert [(look.marked, (look.newer or {}).get("task_id")) for look in older_looks.looks] == [(0, "v2")]
+    unplaced = Lock(session, path, EXCLUSIVE, data=b'{"task_id": "v0"}')  # an older publisher's copy: oldest
+    unplaced_looks = Looks(unplaced, {"task_id": "v0"})
+    assert not unplaced.acquire(blocking=False)
+    assert [(look.marked, (look.newer or {}).get("task_id")) for look in unplaced_looks.looks] == [(0, "v2")]
+    assert b"preempted_by" not in kazoo.get(f"{path}/{holder.node}")[0] and holder.is_held
+    newer = Lock(session, path, EXCLUSIVE, data=b'{"task_id": "v3", "published": 30}')
+    newer_looks = Looks(newer, {"task_id": "v3", "published": 30})
+    assert not newer.acquire(blocking=False)
+    assert newer_looks.looks == [(1, None)]
+    wait_until(lambda: holder.state == "lost" and holder.preempted_by == {"task_id": "v3", "published": 30})
+    holder.release()
