@@ -38,6 +38,7 @@ from . import exporter
 from .api import layout_of, metrics_of, settings_of
 from .options import problems
 from .tree import elections, locks, queued, server_info
+from .worker import reports_itself
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
 
@@ -493,11 +494,12 @@ def exporter_command(ctx: click.Context, port: int, address: Optional[str], inte
 def check(ctx: click.Context) -> None:
     """Validate the settings and the tasks' lock options, ask the servers, connect; exit 1 on any problem."""
     app = ctx.obj.app
+    reports_itself(app)  # each problem once, as an Error line below, not logged again as the app finalizes
+    failures = problems(app)  # every wrong setting, each named, and every wrong task option
     try:
         settings = settings_of(app)
-    except ZkLockError as exc:
-        _check_failed([str(exc)], app.conf)
-    failures = problems(app)
+    except ZkLockError:
+        _check_failed(failures, app.conf)  # problems() named each wrong setting
     limits: Dict[str, Optional[int]] = {}
     ticks: List[float] = []  # each server's tickTime, in seconds
     if not settings.use_ssl:  # four-letter words are not served on ZooKeeper's TLS port

@@ -13,7 +13,8 @@ it looks at each task Celery makes from a function as it is made. Then:
    ``ZkLockedTask``, with valid options or not) or carries a ``zklock`` option, or when
    its configuration sets a ``zklock_*`` setting. Each app is looked at once, when it is
    finalized and has made its tasks (``on_after_finalize``); for an app that uses
-   celery-zklock, its problems (and unknown settings) are logged, its tasks with a stray
+   celery-zklock, its problems (every wrong or unknown setting too) are logged in one message, each
+   once (a worker that refuses to start does not repeat them), its tasks with a stray
    ``zklock`` option are made to refuse every call, and :func:`install` runs. Every
    finalized app, used or not, gets the ``worker_init`` check: a task with a stray
    option defined after the look would otherwise reach a worker unchecked.
@@ -51,7 +52,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Set
 
 from celery.signals import (
     beat_embedded_init,
@@ -66,7 +67,6 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from ..conf import unknown_settings
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
 from . import beat, dedupe, metrics, parking
@@ -81,7 +81,7 @@ from .celery_internals import (
 )
 from .options import LockSpec, locked_tasks, problems, stray, strays, uses_zklock
 
-__all__ = ["install", "task_defined", "uses_zklock"]
+__all__ = ["install", "listed", "reports_itself", "task_defined", "uses_zklock"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -166,10 +166,32 @@ def _look(sender: Any, **kwargs: Any) -> None:
         return
     # Celery swallows exceptions raised here: log, and make the calls fail. The
     # worker and the beat refuse to start (_validate, beat._join).
-    for problem in problems(sender) + unknown_settings(sender.conf):
-        logger.error("celery-zklock: %s", problem)
+    found = problems(sender)
+    if found and not getattr(sender, "_zklock_reports_itself", False):
+        logger.error("celery-zklock: %s", listed(found))
+        _told(sender).update(found)
     _refuse_stray_calls(sender)
     install()
+
+
+def listed(found: List[str]) -> str:
+    """Problems as one message: the one, or each on a line of its own under how many there are."""
+    return found[0] if len(found) == 1 else f"{len(found)} problems:" + "".join(f"\n  {p}" for p in found)
+
+
+def _told(app: Any) -> Set[str]:
+    """The problems of ``app`` its finalize logged already: a worker that refuses to start for
+    them says so without repeating them (a worker finalizes its app just before worker_init)."""
+    told = getattr(app, "_zklock_told", None)
+    if told is None:
+        told = set()
+        app._zklock_told = told
+    return told
+
+
+def reports_itself(app: Any) -> None:
+    """The caller reports ``app``'s problems itself (``celery zklock check``): its finalize logs none."""
+    app._zklock_reports_itself = True
 
 
 def _refuse_stray_calls(app: Any) -> None:
@@ -213,7 +235,7 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
         # `-B -S zklock` ran Celery's own scheduler beside the elected one: every entry twice.
         found.append("celery worker -S zklock names a state file (-S is --statedb on celery worker), not the "
                      "scheduler: for a beat inside this worker, use -B --scheduler zklock")
-    if locked_tasks(app):
+    if not found and locked_tasks(app):  # problems() named any wrong setting: no connecting with it
         try:
             found += _check_scheme(app, settings_of(app))
         except ZkLockError as exc:
@@ -223,10 +245,12 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
             # Before the pool forks: its processes count into the directory this sets up.
             metrics.serve(metrics_of(app), "worker")
         except ConfigurationError as exc:
-            found.append(str(exc))
+            found += exc.problems
     if found:
-        for problem in found:
-            logger.critical("celery-zklock: %s", problem)
+        # One message, each problem once: those the app's finalize logged are not repeated.
+        untold = [problem for problem in found if problem not in _told(app)]
+        logger.critical("celery-zklock: the worker does not start: %s",
+                        listed(untold) if untold else "see what is logged above")
         # SystemExit, not an Exception: Celery logs and swallows Exceptions from signal handlers.
         raise SystemExit(1)
 
@@ -256,8 +280,11 @@ def _tell_where(sender: Any = None, **kwargs: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or not uses_zklock(app):
         return
-    logger.info("celery-zklock: ZooKeeper at %s (%s), root %s", settings_of(app).hosts, hosts_source(app),
-                settings_of(app).root)
+    try:
+        settings = settings_of(app)
+    except ConfigurationError:
+        return  # _validate refused such a worker at worker_init; a signal handler that raises logs a traceback
+    logger.info("celery-zklock: ZooKeeper at %s (%s), root %s", settings.hosts, hosts_source(app), settings.root)
 
 
 def hosts_source(app: Any) -> str:
