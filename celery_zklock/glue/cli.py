@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, TypeVar
 import click
 from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 
-from ..conf import Settings, beat_name, describe, did_you_mean
+from ..conf import SECRET_SETTINGS, Settings, beat_name, describe, did_you_mean
 from ..exceptions import ZkLockError
 from ..layout import Layout, node_object
 from ..recipes.lock import EVICTED_BY
@@ -36,6 +36,7 @@ from ..zk.probe import addresses, four_letter_word, server_limits
 from . import evict as eviction
 from . import exporter
 from .api import layout_of, metrics_of, settings_of
+from .celery_internals import hide_in_reports
 from .options import problems
 from .tree import elections, locks, queued, server_info
 from .worker import reports_itself
@@ -43,6 +44,10 @@ from .worker import reports_itself
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
 
 T = TypeVar("T")
+
+# Celery imports this module for every `celery` command (our celery.commands entry point): so
+# `celery report`, which prints the app's configuration, masks our secrets too.
+hide_in_reports(SECRET_SETTINGS)
 
 
 # -- the click commands --------------------------------------------------------------------------

@@ -67,6 +67,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from ..conf import SECRET_SETTINGS
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
 from . import beat, dedupe, metrics, parking
@@ -75,6 +76,7 @@ from .celery_internals import (
     connect_on_app_finalize,
     current_app,
     finalized_apps,
+    hide_in_reports,
     on_task_made,
     wrap_apply_async,
     wrap_send_task,
@@ -96,6 +98,7 @@ def install() -> None:
         if _installed:
             return
         wrap_apply_async(dedupe.publish)
+        hide_in_reports(SECRET_SETTINGS)  # `celery inspect report` asks a worker for its configuration
         wrap_send_task(dedupe.send_by_name)
         task_revoked.connect(dedupe.revoked, weak=False)
         task_revoked.connect(parking.revoked, weak=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +26,13 @@ SECRET = "s3cret"
 PEM = f"-----BEGIN PRIVATE KEY-----\nMIIB{SECRET}pem\n-----END PRIVATE KEY-----\n"
 
 
-def cli(environ: Dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "celery", "-A", APP, "zklock", *args], env=environ,
+def celery(environ: Dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", APP, *args], env=environ,
                           capture_output=True, text=True, timeout=60)
+
+
+def cli(environ: Dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return celery(environ, "zklock", *args)
 
 
 @pytest.fixture
@@ -127,18 +132,13 @@ def test_secrets_in_use_are_never_printed(cli_env, start_worker):
     assert check.returncode == 0 and status.returncode == 0, everything(check, status)
     # The pool process's session has sent its credential: kazoo logs that request at DEBUG.
     wait_until(lambda: "Auth(scheme='digest'" in worker.log_text(), timeout=30)
+    # Celery's own reports of the configuration, here and asked of the worker over the broker.
+    report = celery(environ, "report")
+    remote = celery(environ, "inspect", "report", "-d", f"{worker.name}@{socket.gethostname()}", "-t", "10")
     worker.stop(timeout=30)
     assert "digest user worker" in check.stdout
-    assert SECRET not in everything(check, status, worker.log_text())
-
-
-def test_an_app_with_no_locked_task_starts_without_an_error(cli_env, start_worker):
-    worker = start_worker({"zklock_beat_name": "settings-beat"}, locked=False)
-    worker.start_wait()
-    worker.stop(timeout=30)
-    log = worker.log_text()
-    assert "celery-zklock: ZooKeeper at" in log
-    assert "ERROR" not in log and "Traceback" not in log, log
+    assert "zklock_auth: '********'" in report.stdout and "zklock_auth" in remote.stdout, everything(report, remote)
+    assert SECRET not in everything(check, status, report, remote, worker.log_text())
 
 
 TWO_WRONG = {"zklock_session_timeout": "10s", "zklock_acl": "closed", "zklock_dedupe_ttl": -5}
