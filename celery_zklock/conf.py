@@ -127,7 +127,8 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
     "zklock_ca": ("path", "PEM file of the CA(s) that signed the servers' certificates (needs `zklock_use_ssl`)."),
     "zklock_certfile": ("path", "PEM client certificate, for servers with `ssl.clientAuth=need` (set together "
                         "with `zklock_keyfile`)."),
-    "zklock_keyfile": ("path", "PEM private key of `zklock_certfile`."),
+    "zklock_keyfile": ("path", "PEM private key of `zklock_certfile`: its path, which is shown; its contents "
+                       "never are (PEM text given here instead of a path is refused without being echoed)."),
     "zklock_verify_certs": ("bool", "Verify the server's certificate against `zklock_ca` (and the system CAs)."),
     "zklock_default_on_contention": ("str", "Policy of locked tasks that do not set `on_contention`: `wait`, "
                                      "`skip`, `retry`, `raise`, `park` or `preempt`."),

@@ -37,7 +37,7 @@ from ..recipes.election import Election, Leadership
 from ..zk import Session, session_for
 from . import metrics
 from .api import layout_of, metrics_of, settings_of
-from .options import problems, uses_zklock
+from .options import problems, refusal, uses_zklock
 
 __all__ = ["LeaderScheduler", "leader_only"]
 
@@ -83,16 +83,19 @@ class _Leadership(Scheduler):
     def setup_schedule(self) -> None:
         try:
             self._join()
+        except ConfigurationError as exc:
+            logger.critical("celery-zklock: %s", refusal(self.app, list(exc.problems), "beat"))
+            raise SystemExit(1) from None  # one clear message, not a traceback
         except ZkLockError as exc:
             logger.critical("celery-zklock: %s", exc)
-            raise SystemExit(1) from None  # one clear line, not a traceback
+            raise SystemExit(1) from None
 
     def _join(self) -> None:
         app = self.app
-        settings = settings_of(app)
-        found = problems(app)
+        found = problems(app)  # every wrong setting too, each named
         if found:
-            raise ConfigurationError("; ".join(found))
+            raise ConfigurationError(*found)
+        settings = settings_of(app)
         self.layout, self.beat_name = layout_of(app), beat_name(app.conf, app.main)
         self.beat_path = self.layout.beat(self.beat_name)
         super().setup_schedule()

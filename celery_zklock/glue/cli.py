@@ -37,9 +37,8 @@ from . import evict as eviction
 from . import exporter
 from .api import layout_of, metrics_of, settings_of
 from .celery_internals import hide_in_reports
-from .options import problems
+from .options import problems, reports_itself
 from .tree import elections, locks, queued, server_info
-from .worker import reports_itself
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import sys
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, TypedDict, Union
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple, TypedDict, Union
 
 from ..conf import (
     CONTENTION_POLICIES,
@@ -405,6 +405,32 @@ def problems(app: Any) -> List[str]:
             found += [problem for problem in (contention_problem(app, f"task {name}", spec_of(task), defaults)
                                               for name, task in sorted(app.tasks.items())) if problem]
     return found
+
+
+def listed(found: List[str]) -> str:
+    """Problems as one message: the one, or each on a line of its own under how many there are."""
+    return found[0] if len(found) == 1 else f"{len(found)} problems:" + "".join(f"\n  {p}" for p in found)
+
+
+def told(app: Any) -> Set[str]:
+    """The problems of ``app`` that its finalize logged already: a worker or a beat, which finalizes
+    its app just before it checks it, refuses to start for them without repeating them."""
+    found = getattr(app, "_zklock_told", None)
+    if found is None:
+        found = set()
+        app._zklock_told = found
+    return found
+
+
+def refusal(app: Any, found: List[str], who: str) -> str:
+    """The one message of a ``who`` (worker, beat) that refuses to start for ``found``: each problem once."""
+    untold = [problem for problem in found if problem not in told(app)]
+    return f"the {who} does not start: " + (listed(untold) if untold else "see what is logged above")
+
+
+def reports_itself(app: Any) -> None:
+    """The caller reports ``app``'s problems itself (``celery zklock check``): its finalize logs none."""
+    app._zklock_reports_itself = True
 
 
 def uses_zklock(app: Any) -> bool:

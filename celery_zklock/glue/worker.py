@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, List, Optional, Set
+from typing import Any, List, Optional
 
 from celery.signals import (
     beat_embedded_init,
@@ -81,9 +81,9 @@ from .celery_internals import (
     wrap_apply_async,
     wrap_send_task,
 )
-from .options import LockSpec, locked_tasks, problems, stray, strays, uses_zklock
+from .options import LockSpec, listed, locked_tasks, problems, refusal, stray, strays, told, uses_zklock
 
-__all__ = ["install", "listed", "reports_itself", "task_defined", "uses_zklock"]
+__all__ = ["install", "task_defined", "uses_zklock"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -172,29 +172,9 @@ def _look(sender: Any, **kwargs: Any) -> None:
     found = problems(sender)
     if found and not getattr(sender, "_zklock_reports_itself", False):
         logger.error("celery-zklock: %s", listed(found))
-        _told(sender).update(found)
+        told(sender).update(found)
     _refuse_stray_calls(sender)
     install()
-
-
-def listed(found: List[str]) -> str:
-    """Problems as one message: the one, or each on a line of its own under how many there are."""
-    return found[0] if len(found) == 1 else f"{len(found)} problems:" + "".join(f"\n  {p}" for p in found)
-
-
-def _told(app: Any) -> Set[str]:
-    """The problems of ``app`` its finalize logged already: a worker that refuses to start for
-    them says so without repeating them (a worker finalizes its app just before worker_init)."""
-    told = getattr(app, "_zklock_told", None)
-    if told is None:
-        told = set()
-        app._zklock_told = told
-    return told
-
-
-def reports_itself(app: Any) -> None:
-    """The caller reports ``app``'s problems itself (``celery zklock check``): its finalize logs none."""
-    app._zklock_reports_itself = True
 
 
 def _refuse_stray_calls(app: Any) -> None:
@@ -250,10 +230,7 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
         except ConfigurationError as exc:
             found += exc.problems
     if found:
-        # One message, each problem once: those the app's finalize logged are not repeated.
-        untold = [problem for problem in found if problem not in _told(app)]
-        logger.critical("celery-zklock: the worker does not start: %s",
-                        listed(untold) if untold else "see what is logged above")
+        logger.critical("celery-zklock: %s", refusal(app, found, "worker"))
         # SystemExit, not an Exception: Celery logs and swallows Exceptions from signal handlers.
         raise SystemExit(1)
 

@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List
 
 import pytest
 
-from harness import CeleryWorker
+from harness import CeleryBeat, CeleryWorker
 from tests.conftest import _started
 from tests.util import wait_until
 
@@ -162,3 +162,20 @@ def test_a_starting_worker_names_every_wrong_setting_once(start_worker):
     for said in TWO_WRONG_SAID:
         assert log.count(said) == 1, log
     assert "Traceback" not in log
+
+
+def test_a_starting_beat_names_every_wrong_setting_once(cli_env):
+    schedule = {"beat_schedule": {"every-second": {"task": f"{APP}.plain", "schedule": 1.0, "args": [1]}}}
+    beat = CeleryBeat(APP, name="settings-beat",
+                      env={**cli_env, "ZKT_SETTINGS": json.dumps({**TWO_WRONG, **schedule}), "ZKT_LOCKED": "1"})
+    _started.append(beat)
+    try:
+        beat.start(wait=False)
+        assert beat.proc is not None and beat.proc.wait(30) != 0
+        log = beat.log_text()
+        for said in TWO_WRONG_SAID:
+            assert log.count(said) == 1, log
+        assert "Traceback" not in log
+    finally:
+        _started.remove(beat)
+        beat.close()
