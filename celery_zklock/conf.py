@@ -371,8 +371,7 @@ _FIELDS: Mapping[str, Tuple[str, Callable[[Any], Any]]] = {
 def _read_settings(raw: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     """Each field read from ``raw`` (field -> value), and every problem: of each value, then of
     the values that are fine alone but not together (a value wrong alone is not judged again)."""
-    values, found = _each({f: functools.partial(read, raw[f]) for f, (_, read) in _FIELDS.items()})
-    v = values
+    v, found = _each({f: functools.partial(read, raw[f]) for f, (_, read) in _FIELDS.items()})
 
     def have(*fields: str) -> bool:
         return all(f in v for f in fields)
@@ -398,7 +397,7 @@ def _read_settings(raw: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     if have("certfile", "keyfile") and (v["certfile"] is None) != (v["keyfile"] is None):
         # kazoo silently skips the client certificate unless it has both.
         found.append("zklock_certfile and zklock_keyfile must be set together")
-    return values, found
+    return v, found
 
 
 @dataclass(frozen=True)

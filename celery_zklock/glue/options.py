@@ -413,8 +413,8 @@ def listed(found: List[str]) -> str:
 
 
 def told(app: Any) -> Set[str]:
-    """The problems of ``app`` that its finalize logged already: a worker or a beat, which finalizes
-    its app just before it checks it, refuses to start for them without repeating them."""
+    """The problems of ``app`` said already: by its finalize, so that a worker or a beat, which
+    finalizes its app just before it checks it, refuses to start without repeating them."""
     found = getattr(app, "_zklock_told", None)
     if found is None:
         found = set()
@@ -422,15 +422,20 @@ def told(app: Any) -> Set[str]:
     return found
 
 
+class _Everything(Set[str]):
+    def __contains__(self, problem: object) -> bool:
+        return True
+
+
+def reports_itself(app: Any) -> None:
+    """The caller says every problem of ``app`` itself (``celery zklock check``): its finalize logs none."""
+    app._zklock_told = _Everything()
+
+
 def refusal(app: Any, found: List[str], who: str) -> str:
     """The one message of a ``who`` (worker, beat) that refuses to start for ``found``: each problem once."""
     untold = [problem for problem in found if problem not in told(app)]
     return f"the {who} does not start: " + (listed(untold) if untold else "see what is logged above")
-
-
-def reports_itself(app: Any) -> None:
-    """The caller reports ``app``'s problems itself (``celery zklock check``): its finalize logs none."""
-    app._zklock_reports_itself = True
 
 
 def uses_zklock(app: Any) -> bool:

@@ -98,8 +98,8 @@ def install() -> None:
         if _installed:
             return
         wrap_apply_async(dedupe.publish)
-        hide_in_reports(SECRET_SETTINGS)  # `celery inspect report` asks a worker for its configuration
         wrap_send_task(dedupe.send_by_name)
+        hide_in_reports(SECRET_SETTINGS)  # `celery inspect report` asks a worker for its configuration
         task_revoked.connect(dedupe.revoked, weak=False)
         task_revoked.connect(parking.revoked, weak=False)
         task_received.connect(parking.received, weak=False)
@@ -169,10 +169,10 @@ def _look(sender: Any, **kwargs: Any) -> None:
         return
     # Celery swallows exceptions raised here: log, and make the calls fail. The
     # worker and the beat refuse to start (_validate, beat._join).
-    found = problems(sender)
-    if found and not getattr(sender, "_zklock_reports_itself", False):
-        logger.error("celery-zklock: %s", listed(found))
-        told(sender).update(found)
+    untold = [problem for problem in problems(sender) if problem not in told(sender)]
+    if untold:
+        logger.error("celery-zklock: %s", listed(untold))
+        told(sender).update(untold)
     _refuse_stray_calls(sender)
     install()
 
