@@ -83,18 +83,16 @@ class _Leadership(Scheduler):
     def setup_schedule(self) -> None:
         try:
             self._join()
-        except ConfigurationError as exc:
-            logger.critical("celery-zklock: %s", refusal(self.app, list(exc.problems), "beat"))
-            raise SystemExit(1) from None  # one clear message, not a traceback
         except ZkLockError as exc:
             logger.critical("celery-zklock: %s", exc)
-            raise SystemExit(1) from None
+            raise SystemExit(1) from None  # one clear line, not a traceback
 
     def _join(self) -> None:
         app = self.app
         found = problems(app)  # every wrong setting too, each named
         if found:
-            raise ConfigurationError(*found)
+            logger.critical("celery-zklock: %s", refusal(app, found, "beat"))  # each once
+            raise SystemExit(1)
         settings = settings_of(app)
         self.layout, self.beat_name = layout_of(app), beat_name(app.conf, app.main)
         self.beat_path = self.layout.beat(self.beat_name)
