@@ -9,21 +9,22 @@ Example::
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Literal, Mapping, Optional, Tuple, TypeVar, get_args
+from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional, Tuple, TypeVar, get_args
 
 from .exceptions import ConfigurationError
 
 __all__ = [
     "ACL_POLICIES", "CONTENTION_POLICIES", "DEDUPE_MODES", "DEFAULTS", "DESCRIPTIONS", "DUPLICATE_POLICIES",
-    "KEY_NAMES", "LOCK_LOST_POLICIES", "LOCK_MODES", "MIN_SECRET", "UNAVAILABLE_POLICIES", "AclPolicy",
-    "MetricsSettings",
+    "KEY_NAMES", "LOCK_LOST_POLICIES", "LOCK_MODES", "MIN_SECRET", "SECRET_SETTINGS", "UNAVAILABLE_POLICIES",
+    "AclPolicy", "MetricsSettings",
     "ContentionPolicy", "DedupeMode", "DuplicatePolicy", "KeyNames", "LockLostPolicy", "LockMode", "Settings",
     "TaskDefaults", "UnavailablePolicy", "beat_name", "choice", "describe", "did_you_mean", "optional_seconds",
-    "positive_int", "unknown_settings",
+    "positive_int", "shown", "unknown_settings",
 ]
 
 # Each set of values is a Literal type, for type checkers, and the tuple of its values, for the
@@ -126,7 +127,8 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
     "zklock_ca": ("path", "PEM file of the CA(s) that signed the servers' certificates (needs `zklock_use_ssl`)."),
     "zklock_certfile": ("path", "PEM client certificate, for servers with `ssl.clientAuth=need` (set together "
                         "with `zklock_keyfile`)."),
-    "zklock_keyfile": ("path", "PEM private key of `zklock_certfile`."),
+    "zklock_keyfile": ("path", "PEM private key of `zklock_certfile`: its path, which is shown; its contents "
+                       "never are (PEM text given here instead of a path is refused without being echoed)."),
     "zklock_verify_certs": ("bool", "Verify the server's certificate against `zklock_ca` (and the system CAs)."),
     "zklock_default_on_contention": ("str", "Policy of locked tasks that do not set `on_contention`: `wait`, "
                                      "`skip`, `retry`, `raise`, `park` or `preempt`."),
@@ -198,6 +200,54 @@ def unknown_settings(conf: Mapping[str, Any]) -> List[str]:
 
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(:(\d{1,5}))?$")
 
+_HIDDEN = "<hidden>"
+
+
+def _hide_hosts(value: str) -> str:
+    # A connect string with 'user:password@' in it: the servers are worth seeing, the rest is not.
+    return repr("***@" + value.rpartition("@")[2]) if "@" in value else repr(value)
+
+
+def _hide_auth(value: str) -> str:
+    user, colon, _ = value.partition(":")
+    return repr(user + ":***") if colon and user else _HIDDEN  # no user: the whole value may be the password
+
+
+def _pem_text(value: str) -> bool:
+    # A path is no secret, but the PEM text pasted where its path belongs is (a private key).
+    return "-----BEGIN" in value or "\n" in value
+
+
+def _hide_pem(value: str) -> str:
+    return "<PEM text, hidden>" if _pem_text(value) else repr(value)
+
+
+#: The settings whose values can hold a secret, each with how a str value of it is shown.
+#: Every message and listing that shows a setting's value asks :func:`shown`, so this is the
+#: one place that decides what is printed; a value of another type is shown by its type only.
+SECRET_SETTINGS: Mapping[str, Callable[[str], str]] = {
+    "zklock_hosts": _hide_hosts,
+    "zklock_auth": _hide_auth,
+    "zklock_key_secret": lambda value: _HIDDEN,
+    "zklock_ca": _hide_pem,
+    "zklock_certfile": _hide_pem,
+    "zklock_keyfile": _hide_pem,
+}
+
+
+def shown(name: str, value: Any) -> str:
+    """``repr(value)`` of setting ``name``, fit to print: what may be a secret is hidden.
+
+    >>> shown("zklock_auth", "app:s3cret"), shown("zklock_hosts", "app:s3cret@zk1:2181")
+    ("'app:***'", "'***@zk1:2181'")
+    >>> shown("zklock_key_secret", "s3cret-s3cret-s3cret"), shown("zklock_session_timeout", "10s")
+    ('<hidden>', "'10s'")
+    """
+    hide = SECRET_SETTINGS.get(name)
+    if hide is None or value is None:
+        return repr(value)
+    return hide(value) if isinstance(value, str) else f"<{type(value).__name__}, hidden>"
+
 
 def positive_seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -218,7 +268,8 @@ def _tick(value: Any) -> Optional[float]:
 def _hosts(value: Any) -> str:
     name = "zklock_hosts"
     if not isinstance(value, str) or not value.strip():
-        raise ConfigurationError(f"{name} must be a non-empty connect string like 'zk1:2181,zk2:2181', not {value!r}")
+        raise ConfigurationError(f"{name} must be a non-empty connect string like 'zk1:2181,zk2:2181', "
+                                 f"not {shown(name, value)}")
     if "@" in value:
         # Not echoed: whatever precedes the '@' is probably a password.
         raise ConfigurationError(f"{name} must not hold credentials (user:password@host); put them in zklock_auth")
@@ -271,11 +322,84 @@ def _flag(name: str, value: Any) -> bool:
 def _file(name: str, value: Any) -> Optional[str]:
     if value is None:
         return None
+    if isinstance(value, str) and _pem_text(value):
+        raise ConfigurationError(f"{name} holds PEM text: it takes the path of a PEM file (value not shown)")
     if not isinstance(value, str) or not value:
-        raise ConfigurationError(f"{name} must be the path of a PEM file, not {value!r}")
+        raise ConfigurationError(f"{name} must be the path of a PEM file, not {shown(name, value)}")
     if not os.path.isfile(value) or not os.access(value, os.R_OK):
         raise ConfigurationError(f"{name} names {value!r}, which is not a readable file")
     return value
+
+
+def _each(reads: Mapping[str, Callable[[], Any]]) -> Tuple[Dict[str, Any], List[str]]:
+    """Run every read, so that one pass finds every wrong setting: the values of those that
+    passed, and the messages of those that did not."""
+    values: Dict[str, Any] = {}
+    found: List[str] = []
+    for field_name, read in reads.items():
+        try:
+            values[field_name] = read()
+        except ConfigurationError as exc:
+            found += exc.problems
+    return values, found
+
+
+def _all_or_raise(reads: Mapping[str, Callable[[], Any]]) -> Dict[str, Any]:
+    values, found = _each(reads)
+    if found:
+        raise ConfigurationError(*found)
+    return values
+
+
+#: Settings field -> (its setting, the read that checks a value and gives the field's).
+_FIELDS: Mapping[str, Tuple[str, Callable[[Any], Any]]] = {
+    "hosts": ("zklock_hosts", _hosts),
+    "root": ("zklock_root", lambda v: _znode_path("zklock_root", v)),
+    "session_timeout": ("zklock_session_timeout", lambda v: positive_seconds("zklock_session_timeout", v)),
+    "connect_timeout": ("zklock_connect_timeout", lambda v: positive_seconds("zklock_connect_timeout", v)),
+    "server_tick_time": ("zklock_server_tick_time", _tick),
+    "auth": ("zklock_auth", _auth),
+    "acl": ("zklock_acl", lambda v: choice("zklock_acl", v, ACL_POLICIES)),
+    "key_names": ("zklock_key_names", lambda v: choice("zklock_key_names", v, KEY_NAMES)),
+    "key_secret": ("zklock_key_secret", _secret),
+    "use_ssl": ("zklock_use_ssl", lambda v: _flag("zklock_use_ssl", v)),
+    "ca": ("zklock_ca", lambda v: _file("zklock_ca", v)),
+    "certfile": ("zklock_certfile", lambda v: _file("zklock_certfile", v)),
+    "keyfile": ("zklock_keyfile", lambda v: _file("zklock_keyfile", v)),
+    "verify_certs": ("zklock_verify_certs", lambda v: _flag("zklock_verify_certs", v)),
+}
+
+
+def _read_settings(raw: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """Each field read from ``raw`` (field -> value), and every problem: of each value, then of
+    the values that are fine alone but not together (a value wrong alone is not judged again)."""
+    v, found = _each({f: functools.partial(read, raw[f]) for f, (_, read) in _FIELDS.items()})
+
+    def have(*fields: str) -> bool:
+        return all(f in v for f in fields)
+
+    tick, timeout = v.get("server_tick_time"), v.get("session_timeout")
+    if tick is not None and timeout is not None and tick > timeout / 2:
+        hint = (f" (it is in seconds: zoo.cfg's tickTime={tick:g} is {tick / 1000:g})" if tick >= 100 else
+                "; raise zklock_session_timeout")
+        found.append(f"zklock_server_tick_time={tick:g} is more than half of zklock_session_timeout={timeout:g}: "
+                     "a heartbeat proves the session only a tick after its answer, too late to keep it; ZooKeeper "
+                     f"itself grants no session shorter than two ticks by default{hint}")
+    if have("acl", "auth") and v["acl"] != "open" and v["auth"] is None:
+        found.append(f"zklock_acl={v['acl']!r} needs zklock_auth: ZooKeeper ties it to a credential")
+    if have("key_names", "key_secret") and v["key_names"] == "hashed" and v["key_secret"] is None:
+        found.append("zklock_key_names='hashed' needs zklock_key_secret: the names are HMACs under it, and a "
+                     "plain hash of a key like 'user:42' can be reversed")
+    if have("key_names", "key_secret") and v["key_names"] == "readable" and v["key_secret"] is not None:
+        found.append("zklock_key_secret is set but zklock_key_names is 'readable', which does not use it; set "
+                     "zklock_key_names='hashed'")
+    for f in ("ca", "certfile", "keyfile"):
+        if have(f, "use_ssl") and v[f] is not None and not v["use_ssl"]:
+            found.append(f"zklock_{f} is set but zklock_use_ssl is False; set zklock_use_ssl=True")
+    if have("certfile", "keyfile") and (v["certfile"] is None) != (v["keyfile"] is None):
+        # kazoo silently skips the client certificate unless it has both.
+        found.append("zklock_certfile and zklock_keyfile must be set together")
+    return v, found
 
 
 @dataclass(frozen=True)
@@ -298,42 +422,12 @@ class Settings:
     verify_certs: bool = True
 
     def __post_init__(self) -> None:
-        _hosts(self.hosts)
-        _znode_path("zklock_root", self.root)
-        positive_seconds("zklock_session_timeout", self.session_timeout)
-        positive_seconds("zklock_connect_timeout", self.connect_timeout)
-        if self.server_tick_time is not None:
-            positive_seconds("zklock_server_tick_time", self.server_tick_time)
-            if self.server_tick_time > self.session_timeout / 2:
-                hint = (f" (it is in seconds: zoo.cfg's tickTime={self.server_tick_time:g} is "
-                        f"{self.server_tick_time / 1000:g})" if self.server_tick_time >= 100 else
-                        "; raise zklock_session_timeout")
-                raise ConfigurationError(
-                    f"zklock_server_tick_time={self.server_tick_time:g} is more than half of "
-                    f"zklock_session_timeout={self.session_timeout:g}: a heartbeat proves the session only a "
-                    "tick after its answer, too late to keep it; ZooKeeper itself grants no session shorter "
-                    f"than two ticks by default{hint}")
-        choice("zklock_acl", self.acl, ACL_POLICIES)
-        if self.acl != "open" and self.auth is None:
-            raise ConfigurationError(f"zklock_acl={self.acl!r} needs zklock_auth: ZooKeeper ties it to a credential")
-        choice("zklock_key_names", self.key_names, KEY_NAMES)
-        _secret(self.key_secret)
-        if self.key_names == "hashed" and self.key_secret is None:
-            raise ConfigurationError("zklock_key_names='hashed' needs zklock_key_secret: the names are HMACs "
-                                     "under it, and a plain hash of a key like 'user:42' can be reversed")
-        if self.key_names == "readable" and self.key_secret is not None:
-            raise ConfigurationError("zklock_key_secret is set but zklock_key_names is 'readable', which does not "
-                                     "use it; set zklock_key_names='hashed'")
-        _flag("zklock_use_ssl", self.use_ssl)
-        _flag("zklock_verify_certs", self.verify_certs)
-        for name, value in (("zklock_ca", self.ca), ("zklock_certfile", self.certfile),
-                            ("zklock_keyfile", self.keyfile)):
-            _file(name, value)
-            if value is not None and not self.use_ssl:
-                raise ConfigurationError(f"{name} is set but zklock_use_ssl is False; set zklock_use_ssl=True")
-        if (self.certfile is None) != (self.keyfile is None):
-            # kazoo silently skips the client certificate unless it has both.
-            raise ConfigurationError("zklock_certfile and zklock_keyfile must be set together")
+        raw = {f: getattr(self, f) for f in _FIELDS}
+        if isinstance(self.auth, tuple) and all(isinstance(part, str) for part in self.auth):
+            raw["auth"] = ":".join(self.auth)  # read back from the field's (user, password)
+        _, found = _read_settings(raw)
+        if found:
+            raise ConfigurationError(*found)
 
     def __repr__(self) -> str:  # keep the password out of logs and tracebacks
         user = self.auth[0] + ":***" if self.auth else None
@@ -347,32 +441,19 @@ class Settings:
     def from_conf(cls, conf: Mapping[str, Any]) -> Settings:
         """Read and validate the ``zklock_*`` settings of a Celery ``app.conf`` (or any mapping).
 
-        A ``zklock_*`` key that is no setting (a typo) is an error, never a silent default.
+        A ``zklock_*`` key that is no setting (a typo) is an error, never a silent default. Every
+        problem is found before it raises: the error names each wrong setting (``.problems``).
         """
-        unknown = unknown_settings(conf)
-        if unknown:
-            raise ConfigurationError("; ".join(unknown))
 
         def get(name: str) -> Any:
             value = conf.get(name)
             return DEFAULTS[name] if value is None else value
 
-        return cls(
-            hosts=_hosts(get("zklock_hosts")),
-            root=_znode_path("zklock_root", get("zklock_root")),
-            session_timeout=positive_seconds("zklock_session_timeout", get("zklock_session_timeout")),
-            connect_timeout=positive_seconds("zklock_connect_timeout", get("zklock_connect_timeout")),
-            server_tick_time=_tick(get("zklock_server_tick_time")),
-            auth=_auth(conf.get("zklock_auth")),
-            acl=get("zklock_acl"),
-            key_names=get("zklock_key_names"),
-            key_secret=_secret(conf.get("zklock_key_secret")),
-            use_ssl=get("zklock_use_ssl"),
-            ca=conf.get("zklock_ca"),
-            certfile=conf.get("zklock_certfile"),
-            keyfile=conf.get("zklock_keyfile"),
-            verify_certs=get("zklock_verify_certs"),
-        )
+        values, found = _read_settings({f: get(name) for f, (name, _) in _FIELDS.items()})
+        found = unknown_settings(conf) + found
+        if found:
+            raise ConfigurationError(*found)
+        return cls(**values)
 
 
 def describe(conf: Mapping[str, Any]) -> List[str]:
@@ -384,11 +465,7 @@ def describe(conf: Mapping[str, Any]) -> List[str]:
     lines = []
     for name, default in DEFAULTS.items():
         value = conf.get(name)
-        if name == "zklock_auth" and isinstance(value, str):
-            value = value.split(":", 1)[0] + ":***"  # never the password
-        elif name == "zklock_key_secret" and value is not None:
-            value = "***"
-        lines.append(f"{name} = {default!r}  (default)" if value is None else f"{name} = {value!r}")
+        lines.append(f"{name} = {default!r}  (default)" if value is None else f"{name} = {shown(name, value)}")
     return lines
 
 
@@ -438,20 +515,33 @@ class TaskDefaults:
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> TaskDefaults:
-        timeout = conf.get("zklock_default_timeout", DEFAULTS["zklock_default_timeout"])
-        return cls(
-            on_contention=choice("zklock_default_on_contention",
-                                 conf.get("zklock_default_on_contention", DEFAULTS["zklock_default_on_contention"]),
-                                 CONTENTION_POLICIES),
-            timeout=optional_seconds("zklock_default_timeout", timeout),
-            dedupe_ttl=positive_seconds("zklock_dedupe_ttl",
-                                         conf.get("zklock_dedupe_ttl", DEFAULTS["zklock_dedupe_ttl"])),
-            dedupe_publish_timeout=positive_seconds(
-                "zklock_dedupe_publish_timeout",
-                conf.get("zklock_dedupe_publish_timeout", DEFAULTS["zklock_dedupe_publish_timeout"])),
-            park_limit=positive_int("zklock_default_park_limit",
-                                    conf.get("zklock_default_park_limit", DEFAULTS["zklock_default_park_limit"])),
-        )
+        """Read the ``zklock_default_*`` and dedupe settings; the error names every wrong one."""
+
+        def get(name: str) -> Any:
+            return conf.get(name, DEFAULTS[name])
+
+        return cls(**_all_or_raise({
+            "on_contention": lambda: choice("zklock_default_on_contention", get("zklock_default_on_contention"),
+                                            CONTENTION_POLICIES),
+            "timeout": lambda: optional_seconds("zklock_default_timeout", get("zklock_default_timeout")),
+            "dedupe_ttl": lambda: positive_seconds("zklock_dedupe_ttl", get("zklock_dedupe_ttl")),
+            "dedupe_publish_timeout": lambda: positive_seconds("zklock_dedupe_publish_timeout",
+                                                               get("zklock_dedupe_publish_timeout")),
+            "park_limit": lambda: positive_int("zklock_default_park_limit", get("zklock_default_park_limit")),
+        }))
+
+
+def _metrics_port(port: Any) -> Optional[int]:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise ConfigurationError(f"zklock_metrics_port must be None or a TCP port (1-65535), not {port!r}")
+    return port
+
+
+def _metrics_address(address: Any) -> str:
+    address = DEFAULTS["zklock_metrics_address"] if address is None else address
+    if not isinstance(address, str) or not address.strip():
+        raise ConfigurationError(f"zklock_metrics_address must be a host name or IP address, not {address!r}")
+    return address.strip()
 
 
 @dataclass(frozen=True)
@@ -463,14 +553,8 @@ class MetricsSettings:
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> MetricsSettings:
-        port = conf.get("zklock_metrics_port")
-        address = conf.get("zklock_metrics_address")
-        address = DEFAULTS["zklock_metrics_address"] if address is None else address
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-            raise ConfigurationError(f"zklock_metrics_port must be None or a TCP port (1-65535), not {port!r}")
-        if not isinstance(address, str) or not address.strip():
-            raise ConfigurationError(f"zklock_metrics_address must be a host name or IP address, not {address!r}")
-        return cls(port, address.strip())
+        return cls(**_all_or_raise({"port": lambda: _metrics_port(conf.get("zklock_metrics_port")),
+                                    "address": lambda: _metrics_address(conf.get("zklock_metrics_address"))}))
 
 
 def beat_name(conf: Mapping[str, Any], main: Optional[str]) -> str:

@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Tuple
+
 __all__ = ["AlreadyQueued", "ConfigurationError", "KeyBuildError", "LockLost", "LockNotAcquired", "NoCurrentLock",
            "ParkInDoubt", "ParkedMessageTooLarge", "Preempted", "ZkLockError", "ZooKeeperUnavailable"]
 
@@ -20,7 +22,23 @@ class ZkLockError(Exception):
 
 
 class ConfigurationError(ZkLockError, ValueError):
-    """A ``zklock_*`` setting or an argument has a bad value; the message names it."""
+    """A ``zklock_*`` setting or an argument has a bad value; the message names it.
+
+    Settings are checked all at once: the error then carries one message per problem, each
+    naming its setting, and prints them one a line.
+
+    Example::
+
+        ConfigurationError("zklock_acl must be ...", "zklock_session_timeout must be ...").problems
+    """
+
+    @property
+    def problems(self) -> Tuple[str, ...]:
+        """Each problem, one message each (the args: so a pickled error keeps them apart)."""
+        return tuple(str(arg) for arg in self.args)
+
+    def __str__(self) -> str:
+        return "\n".join(self.problems)
 
 
 class KeyBuildError(ConfigurationError):

@@ -37,7 +37,7 @@ from ..recipes.election import Election, Leadership
 from ..zk import Session, session_for
 from . import metrics
 from .api import layout_of, metrics_of, settings_of
-from .options import problems, uses_zklock
+from .options import problems, refusal, uses_zklock
 
 __all__ = ["LeaderScheduler", "leader_only"]
 
@@ -89,10 +89,11 @@ class _Leadership(Scheduler):
 
     def _join(self) -> None:
         app = self.app
-        settings = settings_of(app)
-        found = problems(app)
+        found = problems(app)  # every wrong setting too, each named
         if found:
-            raise ConfigurationError("; ".join(found))
+            logger.critical("celery-zklock: %s", refusal(app, found, "beat"))  # each once
+            raise SystemExit(1)
+        settings = settings_of(app)
         self.layout, self.beat_name = layout_of(app), beat_name(app.conf, app.main)
         self.beat_path = self.layout.beat(self.beat_name)
         super().setup_schedule()

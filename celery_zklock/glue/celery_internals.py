@@ -6,10 +6,11 @@ Each function leans on something Celery does not promise to keep;
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+import re
+from typing import Any, Callable, Iterable, List
 
-__all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "on_task_made",
-           "wrap_apply_async", "wrap_send_task"]
+__all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "hide_in_reports",
+           "on_task_made", "wrap_apply_async", "wrap_send_task"]
 
 
 def current_task() -> Any:
@@ -110,3 +111,15 @@ def on_task_made(hook: Callable[[Any], None]) -> None:
     _task_from_fun.__zklock_wrapped__ = True  # type: ignore[attr-defined]
     _task_from_fun.__wrapped__ = original  # type: ignore[attr-defined]
     Celery._task_from_fun = _task_from_fun  # type: ignore[method-assign]
+
+
+def hide_in_reports(names: Iterable[str]) -> None:
+    """Have Celery mask the settings ``names`` wherever it censors its configuration (``celery
+    report``, ``celery inspect report``, ``conf.table(censored=True)``), as it masks ``*KEY*``,
+    ``*SECRET*`` and ``*PASS*`` names: ``zklock_auth`` matches none of those."""
+    from celery.app import utils
+
+    shown = [name for name in names if not utils.HIDDEN_SETTINGS.search(name)]
+    if shown:  # (so a second call changes nothing)
+        pattern = "|".join([utils.HIDDEN_SETTINGS.pattern, *(re.escape(name) for name in shown)])
+        utils.HIDDEN_SETTINGS = re.compile(pattern, utils.HIDDEN_SETTINGS.flags)

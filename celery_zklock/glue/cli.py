@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, TypeVar
 import click
 from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 
-from ..conf import Settings, beat_name, describe, did_you_mean
+from ..conf import SECRET_SETTINGS, Settings, beat_name, describe, did_you_mean
 from ..exceptions import ZkLockError
 from ..layout import Layout, node_object
 from ..recipes.lock import EVICTED_BY
@@ -36,12 +36,17 @@ from ..zk.probe import addresses, four_letter_word, server_limits
 from . import evict as eviction
 from . import exporter
 from .api import layout_of, metrics_of, settings_of
-from .options import problems
+from .celery_internals import hide_in_reports
+from .options import problems, reports_itself
 from .tree import elections, locks, queued, server_info
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
 
 T = TypeVar("T")
+
+# Celery imports this module for every `celery` command (our celery.commands entry point): so
+# `celery report`, which prints the app's configuration, masks our secrets too.
+hide_in_reports(SECRET_SETTINGS)
 
 
 # -- the click commands --------------------------------------------------------------------------
@@ -577,11 +582,12 @@ def exporter_command(ctx: click.Context, port: int, address: Optional[str], inte
 def check(ctx: click.Context) -> None:
     """Validate the settings and the tasks' lock options, ask the servers, connect; exit 1 on any problem."""
     app = ctx.obj.app
+    reports_itself(app)  # each problem once, as an Error line below, not logged again as the app finalizes
+    failures = problems(app)  # every wrong setting, each named, and every wrong task option
     try:
         settings = settings_of(app)
-    except ZkLockError as exc:
-        _check_failed([str(exc)], app.conf)
-    failures = problems(app)
+    except ZkLockError:
+        _check_failed(failures, app.conf)  # problems() named each wrong setting
     limits: Dict[str, Optional[int]] = {}
     ticks: List[float] = []  # each server's tickTime, in seconds
     if not settings.use_ssl:  # four-letter words are not served on ZooKeeper's TLS port

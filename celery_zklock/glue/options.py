@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import sys
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, TypedDict, Union
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple, TypedDict, Union
 
 from ..conf import (
     CONTENTION_POLICIES,
@@ -32,7 +32,6 @@ from ..conf import (
     DuplicatePolicy,
     LockLostPolicy,
     LockMode,
-    MetricsSettings,
     TaskDefaults,
     UnavailablePolicy,
     choice,
@@ -43,7 +42,7 @@ from ..conf import (
 )
 from ..exceptions import ConfigurationError
 from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
-from .api import rule_for, task_defaults
+from .api import metrics_of, rule_for, settings_of, task_defaults
 
 __all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking",
            "TaskLockOptions", "contention_problem", "locked_tasks", "locking_of", "policy_problem", "problems",
@@ -375,18 +374,21 @@ def strays(app: Any) -> Dict[str, str]:
 
 
 def problems(app: Any) -> List[str]:
-    """What is wrong with an app's locked tasks, one line each.
+    """What is wrong with an app's settings and locked tasks, one line each.
 
-    Wrong lock options (see :class:`Locking`), a ``zklock`` option on a task that is
-    not a ZkLockedTask, which Celery would silently ignore, and, if any task is locked,
-    wrong ``zklock_default_*`` and dedupe settings.
+    Every wrong or unknown ``zklock_*`` setting, wrong lock options (see :class:`Locking`),
+    a ``zklock`` option on a task that is not a ZkLockedTask, which Celery would silently
+    ignore, and, if any task is locked, wrong ``zklock_default_*`` and dedupe settings.
     """
     stray = strays(app)
     found = django_misses(app)
-    try:
-        MetricsSettings.from_conf(app.conf)
-    except ConfigurationError as exc:
-        found.append(str(exc))
+    # The settings' own word on a Django name without the namespace would say it again.
+    said = tuple(f"setting {name!r} is never read" for name in _django_missed(app))
+    for read in (settings_of, metrics_of):  # every wrong setting at once, each named
+        try:
+            read(app)
+        except ConfigurationError as exc:
+            found += [problem for problem in exc.problems if not (said and problem.startswith(said))]
     locked = False
     for name, task in sorted(app.tasks.items()):
         locking = locking_of(task)
@@ -398,11 +400,42 @@ def problems(app: Any) -> List[str]:
         try:
             defaults = task_defaults(app)  # zklock_dedupe_ttl and the rest: read by every locked task's call
         except ConfigurationError as exc:
-            found.append(str(exc))
+            found += exc.problems
         else:
             found += [problem for problem in (contention_problem(app, f"task {name}", spec_of(task), defaults)
                                               for name, task in sorted(app.tasks.items())) if problem]
     return found
+
+
+def listed(found: List[str]) -> str:
+    """Problems as one message: the one, or each on a line of its own under how many there are."""
+    return found[0] if len(found) == 1 else f"{len(found)} problems:" + "".join(f"\n  {p}" for p in found)
+
+
+def told(app: Any) -> Set[str]:
+    """The problems of ``app`` said already: by its finalize, so that a worker or a beat, which
+    finalizes its app just before it checks it, refuses to start without repeating them."""
+    found = getattr(app, "_zklock_told", None)
+    if found is None:
+        found = set()
+        app._zklock_told = found
+    return found
+
+
+class _Everything(Set[str]):
+    def __contains__(self, problem: object) -> bool:
+        return True
+
+
+def reports_itself(app: Any) -> None:
+    """The caller says every problem of ``app`` itself (``celery zklock check``): its finalize logs none."""
+    app._zklock_told = _Everything()
+
+
+def refusal(app: Any, found: List[str], who: str) -> str:
+    """The one message of a ``who`` (worker, beat) that refuses to start for ``found``: each problem once."""
+    untold = [problem for problem in found if problem not in told(app)]
+    return f"the {who} does not start: " + (listed(untold) if untold else "see what is logged above")
 
 
 def uses_zklock(app: Any) -> bool:
@@ -416,13 +449,16 @@ def django_misses(app: Any) -> List[str]:
     Django's settings under a namespace (``CELERY_``), so ``ZKLOCK_HOSTS`` there leaves
     ``zklock_hosts`` at its default, silently, where ``CELERY_ZKLOCK_HOSTS`` is read."""
     namespace = getattr(app, "namespace", None)
+    return [f"Django setting {name} is never read: this app reads Django's settings with namespace={namespace!r}; "
+            f"name it {namespace}_{name}" for name in _django_missed(app)]
+
+
+def _django_missed(app: Any) -> List[str]:
+    namespace = getattr(app, "namespace", None)
     django = sys.modules.get("django.conf")
     if not namespace or django is None or not django.settings.configured:
         return []
-    prefix = f"{namespace}_"
-    return [f"Django setting {name} is never read: this app reads Django's settings with namespace={namespace!r}; "
-            f"name it {prefix}{name}" for name in sorted(dir(django.settings))
-            if name.startswith("ZKLOCK_") and name.lower() in DEFAULTS]
+    return [name for name in sorted(dir(django.settings)) if name.startswith("ZKLOCK_") and name.lower() in DEFAULTS]
 
 
 def contention_problem(app: Any, where: str, spec: Optional[LockSpec], defaults: TaskDefaults) -> Optional[str]:

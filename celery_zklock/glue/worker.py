@@ -13,7 +13,8 @@ it looks at each task Celery makes from a function as it is made. Then:
    ``ZkLockedTask``, with valid options or not) or carries a ``zklock`` option, or when
    its configuration sets a ``zklock_*`` setting. Each app is looked at once, when it is
    finalized and has made its tasks (``on_after_finalize``); for an app that uses
-   celery-zklock, its problems (and unknown settings) are logged, its tasks with a stray
+   celery-zklock, its problems (every wrong or unknown setting too) are logged in one message, each
+   once (a worker that refuses to start does not repeat them), its tasks with a stray
    ``zklock`` option are made to refuse every call, and :func:`install` runs. Every
    finalized app, used or not, gets the ``worker_init`` check: a task with a stray
    option defined after the look would otherwise reach a worker unchecked.
@@ -68,7 +69,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from ..conf import unknown_settings
+from ..conf import SECRET_SETTINGS
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
 from . import beat, dedupe, metrics, parking
@@ -77,11 +78,12 @@ from .celery_internals import (
     connect_on_app_finalize,
     current_app,
     finalized_apps,
+    hide_in_reports,
     on_task_made,
     wrap_apply_async,
     wrap_send_task,
 )
-from .options import LockSpec, locked_tasks, problems, stray, strays, uses_zklock
+from .options import LockSpec, listed, locked_tasks, problems, refusal, stray, strays, told, uses_zklock
 
 __all__ = ["install", "task_defined", "uses_zklock"]
 
@@ -99,6 +101,7 @@ def install() -> None:
             return
         wrap_apply_async(dedupe.publish)
         wrap_send_task(dedupe.send_by_name)
+        hide_in_reports(SECRET_SETTINGS)  # `celery inspect report` asks a worker for its configuration
         task_revoked.connect(dedupe.revoked, weak=False)
         task_revoked.connect(parking.revoked, weak=False)
         task_received.connect(parking.received, weak=False)
@@ -172,8 +175,10 @@ def _look(sender: Any, **kwargs: Any) -> None:
         return
     # Celery swallows exceptions raised here: log, and make the calls fail. The
     # worker and the beat refuse to start (_validate, beat._join).
-    for problem in problems(sender) + unknown_settings(sender.conf):
-        logger.error("celery-zklock: %s", problem)
+    untold = [problem for problem in problems(sender) if problem not in told(sender)]
+    if untold:
+        logger.error("celery-zklock: %s", listed(untold))
+        told(sender).update(untold)
     _refuse_stray_calls(sender)
     install()
 
@@ -219,7 +224,7 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
         # `-B -S zklock` ran Celery's own scheduler beside the elected one: every entry twice.
         found.append("celery worker -S zklock names a state file (-S is --statedb on celery worker), not the "
                      "scheduler: for a beat inside this worker, use -B --scheduler zklock")
-    if locked_tasks(app):
+    if not found and locked_tasks(app):  # problems() named any wrong setting: no connecting with it
         try:
             found += _check_scheme(app, settings_of(app))
         except ZkLockError as exc:
@@ -229,10 +234,9 @@ def _validate(sender: Any = None, **kwargs: Any) -> None:
             # Before the pool forks: its processes count into the directory this sets up.
             metrics.serve(metrics_of(app), "worker")
         except ConfigurationError as exc:
-            found.append(str(exc))
+            found += exc.problems
     if found:
-        for problem in found:
-            logger.critical("celery-zklock: %s", problem)
+        logger.critical("celery-zklock: %s", refusal(app, found, "worker"))
         # SystemExit, not an Exception: Celery logs and swallows Exceptions from signal handlers.
         raise SystemExit(1)
 
@@ -262,8 +266,11 @@ def _tell_where(sender: Any = None, **kwargs: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or not uses_zklock(app):
         return
-    logger.info("celery-zklock: ZooKeeper at %s (%s), root %s", settings_of(app).hosts, hosts_source(app),
-                settings_of(app).root)
+    try:
+        settings = settings_of(app)
+    except ConfigurationError:
+        return  # _validate refused such a worker at worker_init; a signal handler that raises logs a traceback
+    logger.info("celery-zklock: ZooKeeper at %s (%s), root %s", settings.hosts, hosts_source(app), settings.root)
 
 
 def hosts_source(app: Any) -> str:

@@ -116,3 +116,87 @@ def test_the_django_namespace_spelling_is_read():
     app = Celery("django", set_as_current=False)
     app.config_from_object({"CELERY_ZKLOCK_HOSTS": "zk:2181"}, namespace="CELERY")
     assert Settings.from_conf(app.conf).hosts == "zk:2181"
+
+
+PEM_KEY = "-----BEGIN PRIVATE KEY-----\nMIIBs3cret\n-----END PRIVATE KEY-----\n"
+
+
+@pytest.mark.parametrize("name, value", [
+    ("zklock_hosts", "admin:s3cret@zk1:2181"), ("zklock_hosts", ["admin:s3cret@zk1:2181"]),
+    ("zklock_hosts", b"admin:s3cret@zk1:2181"),
+    ("zklock_auth", "app:s3cret"), ("zklock_auth", "s3cret-without-user"), ("zklock_auth", ":s3cret"),
+    ("zklock_auth", ("app", "s3cret")),
+    ("zklock_key_secret", "s3cret-s3cret-s3cret"), ("zklock_key_secret", b"s3cret"), ("zklock_key_secret", "s3cret"),
+    ("zklock_keyfile", PEM_KEY), ("zklock_certfile", PEM_KEY), ("zklock_ca", PEM_KEY), ("zklock_keyfile", [PEM_KEY]),
+])
+def test_no_value_that_can_hold_a_secret_is_shown_or_echoed(name, value):
+    """Wrong or right, in the listing check prints and in the error: never the secret."""
+    from celery_zklock.conf import SECRET_SETTINGS, describe, shown
+
+    assert name in SECRET_SETTINGS
+    assert "s3cret" not in shown(name, value)
+    assert "s3cret" not in "\n".join(describe({name: value}))
+    try:
+        Settings.from_conf({name: value, "zklock_use_ssl": True})
+    except ConfigurationError as exc:
+        assert "s3cret" not in str(exc)
+
+
+def test_what_is_no_secret_is_shown_as_it_is():
+    from celery_zklock.conf import describe, shown
+
+    assert shown("zklock_hosts", "zk1:2181,zk2:2181/app") == "'zk1:2181,zk2:2181/app'"
+    assert shown("zklock_hosts", "admin:s3cret@zk1:2181,zk2:2181") == "'***@zk1:2181,zk2:2181'"
+    assert shown("zklock_auth", "app:s3cret") == "'app:***'"
+    assert shown("zklock_keyfile", "/etc/zk/client.key") == "'/etc/zk/client.key'"  # a path; its contents are not
+    assert shown("zklock_session_timeout", "10s") == "'10s'"
+    assert "zklock_auth = None  (default)" in describe({})
+
+
+def test_every_wrong_setting_is_named_at_once():
+    with pytest.raises(ConfigurationError) as err:
+        Settings.from_conf({"zklock_session_timeout": "10s", "zklock_acl": "closed", "zklock_hostz": "zk:2181",
+                            "zklock_keyfile": "/nonexistent.key"})
+    assert err.value.problems == (
+        "unknown setting 'zklock_hostz'; did you mean 'zklock_hosts'?",
+        "zklock_session_timeout must be a positive number of seconds, not '10s'",
+        "zklock_acl must be one of open, creator, private, not 'closed'",
+        "zklock_keyfile names '/nonexistent.key', which is not a readable file",
+    )
+    assert str(err.value) == "\n".join(err.value.problems)
+
+
+def test_settings_wrong_together_are_named_at_once_and_one_wrong_alone_is_not_judged_again(tmp_path):
+    key = tmp_path / "k.pem"
+    key.write_text("x")
+    with pytest.raises(ConfigurationError) as err:
+        Settings.from_conf({"zklock_acl": "creator", "zklock_key_names": "hashed", "zklock_keyfile": str(key)})
+    assert err.value.problems == (
+        "zklock_acl='creator' needs zklock_auth: ZooKeeper ties it to a credential",
+        "zklock_key_names='hashed' needs zklock_key_secret: the names are HMACs under it, and a plain hash of a key "
+        "like 'user:42' can be reversed",
+        "zklock_keyfile is set but zklock_use_ssl is False; set zklock_use_ssl=True",
+        "zklock_certfile and zklock_keyfile must be set together",
+    )
+    with pytest.raises(ConfigurationError) as err:  # the wrong key_names is not also "needs a secret"
+        Settings.from_conf({"zklock_key_names": "hashd"})
+    assert err.value.problems == ("zklock_key_names must be one of readable, hashed, not 'hashd'",)
+
+
+def test_task_defaults_and_metrics_name_every_wrong_setting_at_once():
+    from celery_zklock.conf import MetricsSettings, TaskDefaults
+
+    with pytest.raises(ConfigurationError) as err:
+        TaskDefaults.from_conf({"zklock_dedupe_ttl": -5, "zklock_default_park_limit": 0})
+    assert [p.split(" must")[0] for p in err.value.problems] == ["zklock_dedupe_ttl", "zklock_default_park_limit"]
+    with pytest.raises(ConfigurationError) as err:
+        MetricsSettings.from_conf({"zklock_metrics_port": 0, "zklock_metrics_address": " "})
+    assert [p.split(" must")[0] for p in err.value.problems] == ["zklock_metrics_port", "zklock_metrics_address"]
+
+
+def test_a_configuration_error_keeps_its_problems_apart_through_pickling():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ConfigurationError("zklock_a is wrong", "zklock_b is wrong")))
+    assert err.problems == ("zklock_a is wrong", "zklock_b is wrong")
+    assert str(err) == "zklock_a is wrong\nzklock_b is wrong"

@@ -113,3 +113,16 @@ def test_task_apply_async_names_itself_as_task_type_when_it_sends():
     app.send_task = send_task  # type: ignore[method-assign]
     plain.apply_async()
     assert [o.get("task_type") for o in sent] == [plain], "Celery no longer passes task_type=self to send_task"
+
+
+def test_celery_masks_the_settings_that_can_hold_a_secret_in_its_reports():
+    # celery report and celery inspect report print the configuration through this filter.
+    from celery.app.utils import filter_hidden_settings
+
+    from celery_zklock.conf import SECRET_SETTINGS
+
+    celery_internals.hide_in_reports(SECRET_SETTINGS)
+    celery_internals.hide_in_reports(SECRET_SETTINGS)  # twice changes nothing
+    shown = filter_hidden_settings({"zklock_auth": "app:s3cret", "CELERY_ZKLOCK_AUTH": "app:s3cret",
+                                    "zklock_root": "/celery-zklock"})
+    assert shown == {"zklock_auth": "********", "CELERY_ZKLOCK_AUTH": "********", "zklock_root": "/celery-zklock"}
