@@ -28,7 +28,7 @@ import click
 from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 
 from ..conf import SECRET_SETTINGS, Settings, beat_name, describe, did_you_mean
-from ..exceptions import ZkLockError
+from ..exceptions import ConfigurationError, ZkLockError
 from ..layout import Layout, node_object
 from ..recipes.lock import EVICTED_BY
 from ..zk import Session, check_acl
@@ -56,7 +56,15 @@ def _connect(ctx: click.Context) -> tuple[Settings, Session, Any]:
         settings = settings_of(app)
         return settings, Session(settings).start(), app
     except ZkLockError as exc:
-        raise click.ClickException(str(exc)) from None
+        _refused(exc)
+
+
+def _refused(exc: ZkLockError) -> NoReturn:
+    """Exit 1 with each of ``exc``'s problems on an ``Error:`` line of its own: settings are checked
+    all at once, and a second problem printed bare under the first reads as part of it."""
+    for problem in exc.problems if isinstance(exc, ConfigurationError) else (str(exc),):
+        click.echo(f"Error: {problem}", err=True)
+    raise SystemExit(1)
 
 
 def _reading(ctx: click.Context, read: Callable[[Session, Settings, Any], T]) -> Tuple[Settings, Any, T]:
@@ -551,11 +559,11 @@ def exporter_command(ctx: click.Context, port: int, address: Optional[str], inte
         raise click.ClickException("the exporter needs prometheus_client: pip install 'celery-zklock[metrics]'") \
             from None
     except ZkLockError as exc:
-        raise click.ClickException(str(exc)) from None
+        _refused(exc)
     try:
         settings = settings_of(app)
     except ZkLockError as exc:
-        raise click.ClickException(str(exc)) from None
+        _refused(exc)
     session = Session(settings)
     try:
         server = exporter.serve(exporter.Exporter(session, layout, interval, max_reads, per_key), address, port)

@@ -155,6 +155,16 @@ def test_check_names_every_wrong_setting_once(cli_env):
     assert "Traceback" not in out.stderr
 
 
+def test_status_says_every_wrong_setting_on_an_error_line_of_its_own(cli_env):
+    """Each problem on its own ``Error:`` line: a second one printed bare under the first read as part of it."""
+    out = cli({**cli_env, "ZKT_SETTINGS": json.dumps(TWO_WRONG), "ZKT_LOCKED": "1"}, "status")
+    assert out.returncode == 1
+    for said in TWO_WRONG_SAID[:2]:  # the settings of its session (zklock_dedupe_ttl is a task's)
+        lines = [line for line in out.stderr.splitlines() if said in line]
+        assert len(lines) == 1 and lines[0].startswith("Error: "), out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_a_starting_worker_names_every_wrong_setting_once(start_worker):
     worker = start_worker(TWO_WRONG, locked=True)
     assert ended(worker) != 0
