@@ -19,7 +19,7 @@ import redis
 from celery_zklock.testing import violations
 from harness import RedisServer
 from tests.apps import worker_app
-from tests.util import events, holds, wait_until
+from tests.util import children, events, holds, wait_until
 
 pytestmark = pytest.mark.slow
 CRASHED = "Unrecoverable error"
@@ -50,7 +50,7 @@ def consuming(client: redis.Redis) -> bool:
 
 
 def test_a_broker_restart_under_a_locked_acks_late_task_keeps_the_worker_and_runs_the_task_once(
-        broker, workers, queue, tmp_path):
+        broker, workers, queue, tmp_path, kazoo, zk_root):
     worker = workers("w1", concurrency=2, ZKT_BROKER=broker.url)
     client = redis.Redis.from_url(broker.url)
     gate = tmp_path / "gate"
@@ -78,3 +78,5 @@ def test_a_broker_restart_under_a_locked_acks_late_task_keeps_the_worker_and_run
     assert sorted(ids) == sorted([first, second])
     assert client.llen(queue) == 0 and client.hlen("unacked") == 0
     assert violations(holds(broker.url)) == []
+    wait_until(lambda: all(children(kazoo, f"{zk_root}/locks/{n}") == []
+                           for n in children(kazoo, f"{zk_root}/locks")), timeout=10)

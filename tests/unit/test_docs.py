@@ -126,3 +126,22 @@ def test_no_page_states_the_suites_size_or_duration():
     found = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in documents()
              for m in pattern.finditer(path.read_text(encoding="utf-8"))]
     assert found == []
+
+
+def test_the_install_lines_name_the_celery_the_suite_runs():
+    # Users are told `celery[redis]<5.7` (a broker restart kills a Celery 5.7.0 worker,
+    # tests/integration/test_broker_restart.py); the test extra bounds Celery the same, so the
+    # suite runs what users install. From the installed metadata: tomllib needs Python 3.11.
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    found = [Requirement(r) for r in requires("celery-zklock") or []]
+    celery = [r for r in found if r.name == "celery" and r.marker is not None and r.marker.evaluate({"extra": "test"})]
+    assert len(celery) == 1, "the test extra bounds no Celery (or twice)"
+    assert "redis" in celery[0].extras
+    upper = [str(s) for s in celery[0].specifier if s.operator == "<"]
+    assert len(upper) == 1, f"the test extra's Celery has no single upper bound: {celery[0]}"
+    line = f'pip install celery-zklock "celery[redis]{upper[0]}"'
+    assert [page for page in ("README.md", "docs/getting-started.md")
+            if line not in (ROOT / page).read_text(encoding="utf-8")] == []
