@@ -1,10 +1,12 @@
 """A Redis broker restarted under a real `celery worker` with a locked task in flight.
 
-Not this package's code: Celery 5.7.0's reconnect (with kombu 5.7.0, whatever the redis-py)
-kills the worker with ``AttributeError: 'NoneType' object has no attribute 'hostname'``
-from the Redis transport's ``_connparams``, while it restores the unacked messages of a
-channel it had half closed. The install line names the versions that survive; this test is
-what CI checks them with (docs/getting-started.md).
+Not this package's code, but its users' install line (docs/getting-started.md). Celery 5.7.0
+(kombu 5.7.0, any redis-py) kills the worker with ``AttributeError: 'NoneType' object has no
+attribute 'hostname'`` from the Redis transport's ``_connparams``: it closes the broken
+connection again after collecting it, and kombu then restores the unacked messages of a
+channel whose first close was cut short, through a transport already detached. Celery 5.6.0
+to 5.6.2 and older keep the worker but lose the running task's ack (it runs again after the
+visibility timeout). 5.6.3 passes.
 """
 
 from __future__ import annotations
@@ -69,14 +71,18 @@ def test_a_broker_restart_under_a_locked_acks_late_task_keeps_the_worker_and_run
     finally:
         gate.touch()  # a dying worker waits for its bodies: let them end
     second = publish(broker, queue, "b", gate)  # the reconnected worker takes new work too
-    wait_until(lambda: sorted(started(client, "body")) == sorted([first, second]) and client.hlen("unacked") == 0,
-               timeout=30)
+    wait_until(lambda: sorted(started(client, "body")) == sorted([first, second]), timeout=30)
     assert worker.running
-    # Exactly once: each body ran once, under its lock, and nothing is left in the queue or the
-    # unacked set to come back after the visibility timeout.
+    # Exactly once: each body ran once, under its lock, and nothing is left in the queue or in
+    # the unacked set. A message left there (the first's ack lost, as with Celery 5.5.3) comes
+    # back after the visibility timeout, and its task runs again.
     ids = [e["task_id"] for e in events(broker.url) if e["event"] == "body"]
     assert sorted(ids) == sorted([first, second])
-    assert client.llen(queue) == 0 and client.hlen("unacked") == 0
+    try:
+        wait_until(lambda: client.hlen("unacked") == 0, timeout=10)
+    except AssertionError:
+        raise AssertionError(f"unacked, to run again after the visibility timeout: {client.hkeys('unacked')}") from None
+    assert client.llen(queue) == 0
     assert violations(holds(broker.url)) == []
     wait_until(lambda: all(children(kazoo, f"{zk_root}/locks/{n}") == []
                            for n in children(kazoo, f"{zk_root}/locks")), timeout=10)
