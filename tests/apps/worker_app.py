@@ -101,6 +101,20 @@ def write(key: str, seconds: float) -> None:
     hold(seconds, key)
 
 
+@app.task(bind=True, acks_late=True)
+@zk_locked(key="k:{key}", timeout=60)
+def exclusive_until(self, key: str, gate: str) -> str:
+    """An acks_late locked body that notes its start, then holds until the file ``gate``
+    exists (at most 30 s): its message stays unacked, and the body touches no Redis, while
+    the test restarts the broker."""
+    note("start", key=key)
+    start = time.monotonic()
+    while not os.path.exists(gate) and time.monotonic() < start + 30:
+        time.sleep(0.02)
+    note_body(current_lock(), key, start, time.monotonic())
+    return key
+
+
 @app.task
 @zk_locked(key="k:{key}", on_contention="skip")
 def skipping(key: str, seconds: float) -> str:
