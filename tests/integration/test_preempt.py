@@ -227,3 +227,22 @@ def test_a_retry_keeps_the_place_its_copy_was_published_with(workers, queue, red
     assert send(worker_app.render_retried, queue, "retried").get(timeout=30) == 1
     runs = [(e["retries"], e["place"]) for e in events(redis_server.url) if e["event"] == "start"]
     assert [r for r, _ in runs] == [0, 1] and isinstance(runs[0][1], int) and runs[0][1] == runs[1][1], runs
+
+
+def test_a_copy_a_plain_task_replaces_itself_with_is_a_new_publish(workers, queue, redis_server):
+    """``self.replace(render.si(...))`` from a task that does not preempt publishes a new render
+    copy under the replaced task's id (Celery's replace keeps the id). It was taken for a retry
+    of the running copy, whose place (none) it kept: the newest copy, published after v1, went
+    out without a place, counted as older than v1, and ended unrun naming v1 as the newer one."""
+    workers("w1", concurrency=3)
+    key = "replaced"
+    older = send(worker_app.render, queue, key, 1, 60.0)
+    wait_until(lambda: started(redis_server.url, older.id), timeout=30)
+    newer = send(worker_app.render_dispatch, queue, key, 2, 0.5, queue)
+    assert newer.get(timeout=30) == 2
+    record = skipped(older.get(timeout=30))
+    assert record is not None and record["preempted_by"] == newer.id, record
+    starts = [e for e in events(redis_server.url) if e["event"] == "start" and e["key"] == key]
+    assert [e["n"] for e in starts] == [1, 2] and isinstance(starts[1]["place"], int), starts
+    assert starts[1]["place"] > starts[0]["place"] and starts[1]["token"] > starts[0]["token"], starts
+    assert store(f"render:{key}")["value"] == "2"
