@@ -165,3 +165,22 @@ def test_dash_s_zklock_on_a_worker_is_refused(env, queue):
         assert not glob.glob("zklock*"), "it made the state file anyway"
     finally:
         worker.close()
+
+
+def test_a_killed_embedded_beat_no_longer_counts_as_leading_in_its_workers_metrics(env, queue, redis_server):
+    """The leading replica's embedded beat is SIGKILLed (the OOM killer, say), its worker lives on:
+    the other replica's beat takes over. The dead beat's live gauge (beat_leader, livemax) must go
+    with it, or two replicas say they lead. Its worker does not reap it: a zombie is no live beat."""
+    ports = [free_port(), free_port()]
+    with replicas(env, "wk", 1, f"{queue}-not-the-beats", count=2,
+                  each=lambda i: {"ZKT_METRICS_PORT": str(ports[i])}) as workers:
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 3, timeout=30)
+        beat = dispatches(redis_server.url, queue)[-1]["pid"]
+        [leader] = [i for i, w in enumerate(workers) if w.pid == _ppid(beat)]
+        assert total(scrape(ports[leader]), "celery_zklock_beat_leader") == 1
+        os.kill(beat, signal.SIGKILL)
+        wait_until(lambda: dispatches(redis_server.url, queue)[-1]["pid"] != beat, timeout=TIMEOUT + 10)
+        wait_until(lambda: total(scrape(ports[1 - leader]), "celery_zklock_beat_leader") == 1, timeout=10)
+        assert workers[leader].proc.poll() is None, "the killed beat's worker went too: inconclusive"
+        leading = [total(scrape(port), "celery_zklock_beat_leader") for port in ports]
+        assert leading[leader] == 0 and sum(leading) == 1, (leading, _gone(beat))
