@@ -246,3 +246,47 @@ def test_a_copy_a_plain_task_replaces_itself_with_is_a_new_publish(workers, queu
     assert [e["n"] for e in starts] == [1, 2] and isinstance(starts[1]["place"], int), starts
     assert starts[1]["place"] > starts[0]["place"] and starts[1]["token"] > starts[0]["token"], starts
     assert store(f"render:{key}")["value"] == "2"
+
+
+def test_a_preempt_copy_with_dedupe_on_unavailable_publish_is_not_said_published_when_it_is_not(zk_root, caplog):
+    """dedupe_on_unavailable='publish' sends a dedupe copy without its marker when ZooKeeper is
+    unreachable; a preempt copy is never sent without its place. The copy was not sent (its
+    caller got ZooKeeperUnavailable) yet the log said "published without dedupe" and
+    task_dedupe_bypassed told the app it went out."""
+    from celery_zklock import signals
+
+    bypassed: List[object] = []
+    sent: List[object] = []
+
+    def on_bypassed(sender: object = None, **kwargs: object) -> None:
+        bypassed.append(kwargs)
+
+    def on_publish(sender: str = "", **kwargs: object) -> None:
+        if sender.endswith(".render_deduped"):
+            sent.append(sender)
+
+    signals.task_dedupe_bypassed.connect(on_bypassed, weak=False)
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        app = Celery("bypass", broker="memory://", set_as_current=False)
+        app.conf.update(zklock_hosts=f"127.0.0.1:{free_port()}", zklock_root=zk_root, zklock_dedupe_publish_timeout=1)
+
+        @app.task(shared=False)
+        @zk_locked(key="r:{x}", on_contention="preempt", dedupe="queued", dedupe_on_unavailable="publish")
+        def render_deduped(x: int) -> None:
+            pass
+
+        with caplog.at_level("WARNING", logger="celery_zklock"):
+            try:
+                render_deduped.delay(1)
+            except ZooKeeperUnavailable:
+                published = False
+            else:
+                published = True
+        said = [r.getMessage() for r in caplog.records if "published without dedupe" in r.getMessage()]
+        assert published == bool(sent), (published, sent)
+        if not published:
+            assert (said, bypassed) == ([], []), (said, bypassed)
+    finally:
+        signals.task_dedupe_bypassed.disconnect(on_bypassed)
+        before_task_publish.disconnect(on_publish)
