@@ -136,9 +136,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                               None if spec.dedupe_on_unavailable == "publish"
                               else _never_sent(task, task_id, exc, ZooKeeperUnavailable), latest)
             if spec.dedupe_on_unavailable == "publish":
+                # Said once it went: a preempt copy, which needs ZooKeeper for its place, is not sent.
+                sent = original(task, args, kwargs, task_id=task_id, **options)
                 logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
                 signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="unavailable")
-                return original(task, args, kwargs, task_id=task_id, **options)
+                return sent
             raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
                                        f"({explain(exc)}); set dedupe_on_unavailable='publish' "
                                        "to publish anyway, without dedupe") from None
