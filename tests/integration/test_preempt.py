@@ -290,3 +290,25 @@ def test_a_preempt_copy_with_dedupe_on_unavailable_publish_is_not_said_published
     finally:
         signals.task_dedupe_bypassed.disconnect(on_bypassed)
         before_task_publish.disconnect(on_publish)
+
+
+def test_a_copy_sent_by_name_where_the_task_is_not_registered_is_not_told_a_false_order(workers, queue, redis_server):
+    """A web process sends ``render`` by name without importing it: its copy carries no place
+    (the sender cannot know the task preempts), so it counts as older than the placed holder and
+    ends unrun, as the guide says. Its record must not claim what nobody knows: that the holder
+    was "published after this one" (it was published before)."""
+    workers("w1", concurrency=2)
+    key = "by-name"
+    older = send(worker_app.render, queue, key, 1, 3.0)
+    wait_until(lambda: started(redis_server.url, older.id), timeout=30)
+    # Not finalized: it knows no task (a shared task would register in a finalized one).
+    web = Celery("web", broker=redis_server.url, backend=redis_server.url, set_as_current=False, autofinalize=False)
+    try:
+        newer = web.send_task(worker_app.render.name, args=(key, 2, 0.2), queue=queue)
+        record = skipped(newer.get(timeout=30))
+    finally:
+        web.close()
+    assert record is not None and record["preempted_by"] == older.id, record
+    assert "published after this one" not in record["reason"], record
+    assert "no place" in record["reason"], record
+    assert older.get(timeout=30) == 1
