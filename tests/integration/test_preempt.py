@@ -17,7 +17,7 @@ from celery.signals import before_task_publish
 from celery_zklock import ZooKeeperUnavailable, skipped, zk_locked
 from celery_zklock.glue.preempt import PUBLISHED_HEADER
 from celery_zklock.recipes import EXCLUSIVE
-from harness import TcpProxy, free_port
+from harness import Op, TcpProxy, free_port
 from tests.apps import worker_app
 from tests.util import events, send, wait_until
 
@@ -312,3 +312,50 @@ def test_a_copy_sent_by_name_where_the_task_is_not_registered_is_not_told_a_fals
     assert "published after this one" not in record["reason"], record
     assert "no place" in record["reason"], record
     assert older.get(timeout=30) == 1
+
+
+@pytest.mark.parametrize("fault", ["held", "cut_after"])
+def test_a_place_whose_reply_is_held_or_lost_sends_nothing_and_the_next_publish_is_placed_after_it(
+        fault, zk_server, zk_root, kazoo):
+    """The publish-order write reaches the server, its reply does not come back (held past
+    zklock_dedupe_publish_timeout, or lost with its connection): the caller is told, nothing is
+    sent, and the next publish of the same process is sent once, with a place after the lost one."""
+    places: List[object] = []
+
+    def seen(sender: str = "", headers: Dict[str, object] = None, **kwargs: object) -> None:
+        if sender.endswith(".render_proxied"):
+            places.append((headers or {}).get(PUBLISHED_HEADER))
+
+    before_task_publish.connect(seen, weak=False)
+    with TcpProxy(zk_server.port) as proxy:
+        try:
+            app = Celery("proxied", broker="memory://", set_as_current=False)
+            app.conf.update(zklock_hosts=proxy.hosts, zklock_root=zk_root, zklock_dedupe_publish_timeout=1)
+
+            @app.task(shared=False)
+            @zk_locked(key="r:{x}", on_contention="preempt")
+            def render_proxied(x: int) -> None:
+                pass
+
+            render_proxied.delay(1)
+            armed = proxy.hold_reply(Op.SET_DATA) if fault == "held" else proxy.cut_after(Op.SET_DATA)
+            t0 = time.monotonic()
+            with pytest.raises(ZooKeeperUnavailable, match="Nothing was sent"):
+                render_proxied.delay(2)
+            assert time.monotonic() - t0 < 3.0
+            armed.wait_matched()
+            lost = kazoo.get(f"{zk_root}/publish-order")[1].mzxid  # the write was done
+            assert len(places) == 1 and lost > places[0], (places, lost)
+            armed.release()
+            wait_until(lambda: _published(render_proxied, 3), timeout=15)
+            assert len(places) == 2 and isinstance(places[1], int) and places[1] > lost, (places, lost)
+        finally:
+            before_task_publish.disconnect(seen)
+
+
+def _published(task, x: int) -> bool:
+    try:
+        task.delay(x)
+    except ZooKeeperUnavailable:
+        return False
+    return True
