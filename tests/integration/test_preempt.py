@@ -359,3 +359,27 @@ def _published(task, x: int) -> bool:
     except ZooKeeperUnavailable:
         return False
     return True
+
+
+def test_a_copy_delivered_again_while_its_first_delivery_runs_does_not_preempt_it(workers, queue, redis_server):
+    """The broker delivers a copy's message a second time while its first delivery still runs
+    (a Redis visibility timeout passed, an unacked message restored): the same publish, the same
+    place, the same task id. The second delivery preempted the first, which ended with a record
+    saying a newer copy, itself, had preempted it. The copy's run is not newer than itself: the
+    second delivery waits its turn, and neither is told it was preempted."""
+    worker = workers("w1", concurrency=2)
+    key = "again"
+    first = send(worker_app.render, queue, key, 1, 3.0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    [start] = [e for e in events(redis_server.url) if e["event"] == "start" and e["task_id"] == first.id]
+    # The very message again, as the broker would deliver it: its id and its place, published as is.
+    worker_app.app.send_task(worker_app.render.name, args=(key, 1, 0.2), queue=queue, task_id=first.id,
+                             headers={PUBLISHED_HEADER: start["place"]}, task_type=worker_app.render)
+    wait_until(lambda: len([e for e in events(redis_server.url) if e["event"] in ("end", "interrupted")]) == 2,
+               timeout=30)
+    history = events(redis_server.url)
+    assert [e["event"] for e in history if e["task_id"] == first.id and e["event"] in ("start", "end",
+                                                                                        "interrupted")] == \
+        ["start", "end", "start", "end"], history
+    assert first.get(timeout=10) == 1
+    assert not any("preempted" in line for line in lines_of(worker, first.id)), lines_of(worker, first.id)
