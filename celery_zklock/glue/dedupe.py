@@ -76,8 +76,10 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     if spec is None:
         return parking.publish(task, original, args, kwargs, options)  # a park at publish, or as it is
     running = current_task()
-    if running is not None and options.get("task_id") == running.request.id:
-        return original(task, args, kwargs, **options)  # a retry: the same copy, it keeps its marker
+    if running is not None and options.get("task_id") == running.request.id and running.name == task.name:
+        # A retry: the same copy, it keeps its marker. Not another task's copy under the running
+        # task's id (self.replace(debounced.si(...)) from a task without dedupe): a new publish.
+        return original(task, args, kwargs, **options)
     app = task.app
     where = f"task {task.name}"
     args, kwargs = tuple(args or ()), dict(kwargs or {})
