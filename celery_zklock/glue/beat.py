@@ -143,8 +143,11 @@ class _Leadership(Scheduler):
         """Called once each time this beat becomes the leader, before its first dispatch."""
         logger.info("beat: leading; dispatching from now on")
         metrics.beat_leading(True)
-        self._tick_by = 0.0
-        self._publish(leader_since=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        # Promised with the leadership, not only after a first tick: a first tick that blocks
+        # would otherwise leave a leader that status never calls stuck.
+        self._tick_by = time.time() + TICK_PROMISE
+        self._publish(leader_since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      tick_by=round(self._tick_by, 3))
 
     def _send(self, entry: ScheduleEntry, producer: Any) -> None:
         """Send a run of ``entry`` (as it was before this run), and count it with its lag."""

@@ -76,8 +76,10 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     if spec is None:
         return parking.publish(task, original, args, kwargs, options)  # a park at publish, or as it is
     running = current_task()
-    if running is not None and options.get("task_id") == running.request.id:
-        return original(task, args, kwargs, **options)  # a retry: the same copy, it keeps its marker
+    if running is not None and options.get("task_id") == running.request.id and running.name == task.name:
+        # A retry: the same copy, it keeps its marker. Not another task's copy under the running
+        # task's id (self.replace(debounced.si(...)) from a task without dedupe): a new publish.
+        return original(task, args, kwargs, **options)
     app = task.app
     where = f"task {task.name}"
     args, kwargs = tuple(args or ()), dict(kwargs or {})
@@ -136,9 +138,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                               None if spec.dedupe_on_unavailable == "publish"
                               else _never_sent(task, task_id, exc, ZooKeeperUnavailable), latest)
             if spec.dedupe_on_unavailable == "publish":
+                # Said once it went: a preempt copy, which needs ZooKeeper for its place, is not sent.
+                sent = original(task, args, kwargs, task_id=task_id, **options)
                 logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
                 signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="unavailable")
-                return original(task, args, kwargs, task_id=task_id, **options)
+                return sent
             raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
                                        f"({explain(exc)}); set dedupe_on_unavailable='publish' "
                                        "to publish anyway, without dedupe") from None

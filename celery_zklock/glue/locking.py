@@ -178,7 +178,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 continue
             held.pop()
             if preempter is not None and preempter.newer is not None:
-                return _superseded(task, one, preempter.newer, until)
+                return _superseded(task, one, preempter.newer, until, place)
             if not session.is_alive():
                 # No answer is not a held key: no policy may take it for one (skip would
                 # report success for work that never ran).
@@ -313,12 +313,20 @@ def _preempted(task: Any, lock: Lock, ran: bool = False) -> Dict[str, Any]:
                       "preempted_by": by.get("task_id")}}
 
 
-def _superseded(task: Any, lock: Lock, newer: Dict[str, Any], until: Optional[float]) -> Dict[str, Any]:
-    """A copy that met, ahead of it on its key, a copy published after it: it ends unrun, as
-    ``skip`` would, naming the newer copy (and the holders, as a skip record does)."""
+def _superseded(task: Any, lock: Lock, newer: Dict[str, Any], until: Optional[float],
+                place: Optional[int] = None) -> Dict[str, Any]:
+    """A copy that met, ahead of it on its key, a copy published after it (or, carrying no place
+    itself, one that carries a place): it ends unrun, as ``skip`` would, naming the newer copy
+    (and the holders, as a skip record does)."""
     signals.lock_contended.send(sender=task, lock=lock, policy="preempt", outcome="skipped")
     holders, who = _holders(lock, until)
-    reason = f"a newer copy ({describe(newer)}), published after this one, is ahead of it"
+    if place is None:
+        # Nobody knows which was published first: say what the rule is, not an order.
+        reason = (f"a copy with a place in the order of publishes ({describe(newer)}) is ahead of it, and this "
+                  "copy has no place (its publisher took none: sent by name where the task is not registered, "
+                  "say), so it counts as the older")
+    else:
+        reason = f"a newer copy ({describe(newer)}), published after this one, is ahead of it"
     logger.info("task %s[%s] skipped: lock %r (%s) is held by %s, and %s", task.name, task.request.id, lock.label,
                 lock.mode, who or "another contender (it has just let go)", reason)
     return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders, "reason": reason,

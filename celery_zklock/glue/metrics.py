@@ -247,13 +247,19 @@ class _Collector:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, and not a zombie (a dead child its parent has not reaped
+    yet, as a worker leaves its SIGKILLed embedded beat, answers signal 0 as if it lived)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): signal 0 is all there is
 
 
 # -- the beat's ------------------------------------------------------------------------

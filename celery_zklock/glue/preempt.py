@@ -46,7 +46,8 @@ def stamped(task: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` (Celery's publish) for ``task``, which for a preempt task first takes the copy's
     place in the order of publishes and puts it in the message's headers.
 
-    A retry of the running copy keeps the place it was published with. When ZooKeeper does not
+    A retry of the running copy keeps the place it was published with (a publish under the
+    running task's id of another task, as ``self.replace`` makes, is a new publish). When ZooKeeper does not
     answer within ``zklock_dedupe_publish_timeout``, the copy is not published and the caller
     gets :class:`~celery_zklock.ZooKeeperUnavailable`: without a place, it could not be told
     from an older copy or a newer one. Nothing else is written, so publishing it again is safe.
@@ -57,9 +58,11 @@ def stamped(task: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     def publish(task: Any, args: Any, kwargs: Any, **options: Any) -> Any:
         headers: Dict[str, Any] = dict(options.get("headers") or {})
         running = current_task()
-        if running is not None and options.get("task_id") == running.request.id:
-            place = published_header(running.request)  # a retry: the same publish
+        if running is not None and options.get("task_id") == running.request.id and running.name == task.name:
+            place = published_header(running.request)  # a retry (or a replace by its own task): the same publish
         else:
+            # Any other publish is a new one, also one under the running task's id that is not
+            # a copy of it: self.replace(render.si(...)) from a task that does not preempt.
             place = _take_place(task)
         if place is not None:
             headers[PUBLISHED_HEADER] = place

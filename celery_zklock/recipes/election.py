@@ -38,7 +38,7 @@ import logging
 import threading
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional
 
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 
 from ..exceptions import LockNotAcquired
 from ..layout import node_object
@@ -234,6 +234,12 @@ class Election:
                         logger.info("beat election %s: standby; the leader is %s", self.path, who(leader))
                 if not lock.acquire():
                     continue  # cancelled (closing) or interrupted: the loop condition decides
+            except (ConnectionLoss, SessionExpiredError) as exc:
+                # What a pause or a cut past the session timeout ends in: expected, said in one line.
+                logger.warning("election %s: could not take part (%s: the session broke); retrying", self.path,
+                               type(exc).__name__)
+                self._lost.wait(1.0)
+                continue
             except Exception:
                 logger.exception("election %s: could not take part; retrying", self.path)
                 self._lost.wait(1.0)

@@ -433,6 +433,11 @@ class Lock:
                 data, stat = reply(read, until)
             except NoNodeError:
                 continue  # gone already
+            if _same_copy(by, data):
+                # The very copy delivered again (a broker's redelivery, a retry received before its
+                # first run let go): not older than itself. We wait behind it, asking nothing; if
+                # its worker is gone, its node goes with its session.
+                continue
             found.append((name, data, stat))
         place = by.get(PUBLISHED)
         newer = [(published(data) or 0, node_object(data)) for _, data, _ in found
@@ -491,6 +496,12 @@ class Lock:
 
 #: The key of a contender's node data that asks it to go: who asked (see :meth:`Lock.preempt_ahead`).
 PREEMPTED_BY = "preempted_by"
+
+
+def _same_copy(by: Dict[str, Any], data: bytes) -> bool:
+    """Whether the contender whose node holds ``data`` stands for the copy ``by`` describes (one task id)."""
+    ours = by.get("task_id")
+    return ours is not None and node_object(data).get("task_id") == ours
 
 
 class PreemptLook(NamedTuple):

@@ -68,8 +68,9 @@ def may_preempt(ours: Optional[int], theirs: Optional[int]) -> bool:
     Only a newer copy may. A contender without a place (a copy from a publisher that takes
     none, a waiter of another policy, a bare node) counts as older than every copy with one;
     between two copies without one, the later to reach the key is the newer (the only order
-    left). The same place is the same publish (a message delivered again): the later wins,
-    as its earlier delivery's worker is gone.
+    left). The same place is the same publish: :meth:`~.lock.Lock.preempt_ahead` never asks a
+    contender with our own task id to go (a message delivered again waits behind its first
+    delivery, whose node goes with its worker's session if that worker is gone).
 
     >>> may_preempt(7, 5), may_preempt(5, 7), may_preempt(5, 5)
     (True, False, True)

@@ -81,10 +81,12 @@ def _stuck_leader():  # a leader whose dispatch blocks while its ZooKeeper sessi
 
     class StuckAfterThreeTicks(PersistentScheduler):
         ticks = 0
+        #: Ticks before it blocks (ZKT_STUCK_AFTER, 3; 0: its very first tick blocks).
+        after = int(os.environ.get("ZKT_STUCK_AFTER", "3"))
 
         def tick(self, *args, **kwargs):
             self.ticks += 1
-            if self.ticks > 3:
+            if self.ticks > self.after:
                 time.sleep(3600)  # as a scheduler blocked on a lock of its own
             return super().tick(*args, **kwargs)
 

@@ -353,6 +353,13 @@ def render(self, key: str, n: int, seconds: float) -> int:
     return n
 
 
+@app.task(bind=True)
+def render_dispatch(self, key: str, n: int, seconds: float, queue: str) -> None:
+    """A plain task that hands version ``n`` of a report to :func:`render` by ``self.replace``
+    (Celery gives the replacement this task's id): a new publish of a preempt copy."""
+    raise self.replace(render.si(key, n, seconds).set(queue=queue))
+
+
 @app.task(bind=True, max_retries=1)
 @zk_locked(key="render:{key}", on_contention="preempt", timeout=60)
 def render_retried(self, key: str) -> int:

@@ -165,3 +165,52 @@ def test_dash_s_zklock_on_a_worker_is_refused(env, queue):
         assert not glob.glob("zklock*"), "it made the state file anyway"
     finally:
         worker.close()
+
+
+def test_a_killed_embedded_beat_no_longer_counts_as_leading_in_its_workers_metrics(env, queue, redis_server):
+    """The leading replica's embedded beat is SIGKILLed (the OOM killer, say), its worker lives on:
+    the other replica's beat takes over. The dead beat's live gauge (beat_leader, livemax) must go
+    with it, or two replicas say they lead. Its worker does not reap it: a zombie is no live beat."""
+    ports = [free_port(), free_port()]
+    with replicas(env, "wk", 1, f"{queue}-not-the-beats", count=2,
+                  each=lambda i: {"ZKT_METRICS_PORT": str(ports[i])}) as workers:
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 3, timeout=30)
+        beat = dispatches(redis_server.url, queue)[-1]["pid"]
+        [leader] = [i for i, w in enumerate(workers) if w.pid == _ppid(beat)]
+        assert total(scrape(ports[leader]), "celery_zklock_beat_leader") == 1
+        os.kill(beat, signal.SIGKILL)
+        wait_until(lambda: dispatches(redis_server.url, queue)[-1]["pid"] != beat, timeout=TIMEOUT + 10)
+        wait_until(lambda: total(scrape(ports[1 - leader]), "celery_zklock_beat_leader") == 1, timeout=10)
+        assert workers[leader].proc.poll() is None, "the killed beat's worker went too: inconclusive"
+        leading = [total(scrape(port), "celery_zklock_beat_leader") for port in ports]
+        assert leading[leader] == 0 and sum(leading) == 1, (leading, _gone(beat))
+
+
+def test_a_paused_leading_worker_resumes_as_a_standby_and_says_so_in_its_metrics(env, queue, redis_server):
+    """The leading replica (worker, pool and embedded beat) is SIGSTOPped past the session timeout:
+    the other replica's beat takes over. Resumed, the paused beat sends nothing more, and its
+    worker's metrics say it no longer leads; each replica has counted exactly its takeovers."""
+    ports = [free_port(), free_port()]
+    with replicas(env, "wp", 1, f"{queue}-not-the-beats", count=2,
+                  each=lambda i: {"ZKT_METRICS_PORT": str(ports[i])}) as workers:
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 3, timeout=30)
+        beat = dispatches(redis_server.url, queue)[-1]["pid"]
+        [leader] = [i for i, w in enumerate(workers) if w.pid == _ppid(beat)]
+        group = os.getpgid(workers[leader].pid)
+        assert group != os.getpgid(0) and group == os.getpgid(beat), "the replica has no process group of its own"
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            wait_until(lambda: dispatches(redis_server.url, queue)[-1]["pid"] != beat, timeout=TIMEOUT + 10)
+            time.sleep(1.0)
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        resumed = len(dispatches(redis_server.url, queue))
+        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= resumed + 4, timeout=15)
+        history = dispatches(redis_server.url, queue)
+        check_history(history, 1.0, max_gap=TIMEOUT + 1.5)  # none twice, none skipped
+        wait_until(lambda: total(scrape(ports[leader]), "celery_zklock_beat_leader") == 0, timeout=10)
+        scrapes = [scrape(port) for port in ports]
+        assert [total(s, "celery_zklock_beat_leader") for s in scrapes] == [int(i != leader) for i in range(2)]
+        assert [total(s, "celery_zklock_beat_takeovers_total") for s in scrapes] == [1, 1]
+        for worker in workers:
+            assert "Traceback" not in worker.log_text(), worker.log_tail()

@@ -294,3 +294,21 @@ def test_status_passes_without_an_election_when_the_apps_scheduler_is_not_electe
     out = cli({**cli_env, "ZKT_BEAT_SCHEDULER": "celery.beat:PersistentScheduler"}, "status", app="tests.apps.beat_app")
     assert out.returncode == 0, out.stdout
     assert "Beat election: none (no LeaderScheduler has run here)" in out.stdout
+
+
+def test_status_says_when_a_leader_blocks_at_its_very_first_tick(cli_env, queue):  # noqa: F811
+    """A leader whose first dispatch blocks (its broker's link dark, a lock of the scheduler's own)
+    had written leader_since but never a promise to tick (tick_by is written after a tick): status
+    said it was elected and fine, and exited 0, for as long as it stayed blocked."""
+    beat = CeleryBeat("tests.apps.beat_app", name="stuck0", scheduler="tests.apps.beat_app:StuckLeader",
+                      env={**cli_env, "ZKT_QUEUE": f"{queue}-beat", "ZKT_STUCK_AFTER": "0"}).start()
+    try:
+        def status():
+            return cli(cli_env, "status", app="tests.apps.beat_app")
+
+        wait_until(lambda: "beat_app (this app): leader" in status().stdout, timeout=30)
+        wait_until(lambda: status().returncode == 2, timeout=30)
+        assert "STUCK: it holds the election but has not ticked" in status().stdout
+    finally:
+        beat.stop()
+        beat.close()

@@ -862,3 +862,29 @@ def test_under_latest_a_copy_never_sent_gives_the_key_back_to_the_copy_it_replac
     workers("w1", concurrency=2)
     assert newest_sent.get(timeout=30) is None
     assert skipped(oldest.get(timeout=30))["replaced_by"] == newest_sent.id
+
+
+def test_a_copy_a_plain_task_replaces_itself_with_is_deduplicated_as_any_publish(zk_server, zk_root):
+    """``self.replace(debounced.si(...))`` publishes a dedupe copy under the replaced task's id (Celery's
+    replace keeps the id). It was taken for a retry of the running copy, which keeps its marker: it went
+    out with no marker at all, and the next publish of its key was not deduplicated against it."""
+    app = Celery("replacing", broker="memory://", set_as_current=False)
+    app.conf.update(zklock_hosts=zk_server.hosts, zklock_root=zk_root)
+    sent: List[str] = []
+
+    @app.task(shared=False)
+    @zk_locked(key="k:{key}", dedupe="queued", lock=False)
+    def debounced_here(key: str) -> None:
+        pass
+
+    @app.task(shared=False, bind=True)
+    def dispatch(self, key: str) -> None:
+        # What Task.replace publishes: the replacement, frozen with this task's id (here sent, not raised).
+        replacement = debounced_here.si(key)
+        replacement.freeze(self.request.id)
+        sent.append(replacement.apply_async().id)
+
+    dispatch.apply(args=("r1",))
+    [first] = sent
+    again = debounced_here.delay("r1")
+    assert again is not None and again.id == first, "the replacement carried no marker: not deduplicated"

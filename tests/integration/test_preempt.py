@@ -17,7 +17,7 @@ from celery.signals import before_task_publish
 from celery_zklock import ZooKeeperUnavailable, skipped, zk_locked
 from celery_zklock.glue.preempt import PUBLISHED_HEADER
 from celery_zklock.recipes import EXCLUSIVE
-from harness import TcpProxy, free_port
+from harness import Op, TcpProxy, free_port
 from tests.apps import worker_app
 from tests.util import events, send, wait_until
 
@@ -227,3 +227,159 @@ def test_a_retry_keeps_the_place_its_copy_was_published_with(workers, queue, red
     assert send(worker_app.render_retried, queue, "retried").get(timeout=30) == 1
     runs = [(e["retries"], e["place"]) for e in events(redis_server.url) if e["event"] == "start"]
     assert [r for r, _ in runs] == [0, 1] and isinstance(runs[0][1], int) and runs[0][1] == runs[1][1], runs
+
+
+def test_a_copy_a_plain_task_replaces_itself_with_is_a_new_publish(workers, queue, redis_server):
+    """``self.replace(render.si(...))`` from a task that does not preempt publishes a new render
+    copy under the replaced task's id (Celery's replace keeps the id). It was taken for a retry
+    of the running copy, whose place (none) it kept: the newest copy, published after v1, went
+    out without a place, counted as older than v1, and ended unrun naming v1 as the newer one."""
+    workers("w1", concurrency=3)
+    key = "replaced"
+    older = send(worker_app.render, queue, key, 1, 60.0)
+    wait_until(lambda: started(redis_server.url, older.id), timeout=30)
+    newer = send(worker_app.render_dispatch, queue, key, 2, 0.5, queue)
+    assert newer.get(timeout=30) == 2
+    record = skipped(older.get(timeout=30))
+    assert record is not None and record["preempted_by"] == newer.id, record
+    starts = [e for e in events(redis_server.url) if e["event"] == "start" and e["key"] == key]
+    assert [e["n"] for e in starts] == [1, 2] and isinstance(starts[1]["place"], int), starts
+    assert starts[1]["place"] > starts[0]["place"] and starts[1]["token"] > starts[0]["token"], starts
+    assert store(f"render:{key}")["value"] == "2"
+
+
+def test_a_preempt_copy_with_dedupe_on_unavailable_publish_is_not_said_published_when_it_is_not(zk_root, caplog):
+    """dedupe_on_unavailable='publish' sends a dedupe copy without its marker when ZooKeeper is
+    unreachable; a preempt copy is never sent without its place. The copy was not sent (its
+    caller got ZooKeeperUnavailable) yet the log said "published without dedupe" and
+    task_dedupe_bypassed told the app it went out."""
+    from celery_zklock import signals
+
+    bypassed: List[object] = []
+    sent: List[object] = []
+
+    def on_bypassed(sender: object = None, **kwargs: object) -> None:
+        bypassed.append(kwargs)
+
+    def on_publish(sender: str = "", **kwargs: object) -> None:
+        if sender.endswith(".render_deduped"):
+            sent.append(sender)
+
+    signals.task_dedupe_bypassed.connect(on_bypassed, weak=False)
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        app = Celery("bypass", broker="memory://", set_as_current=False)
+        app.conf.update(zklock_hosts=f"127.0.0.1:{free_port()}", zklock_root=zk_root, zklock_dedupe_publish_timeout=1)
+
+        @app.task(shared=False)
+        @zk_locked(key="r:{x}", on_contention="preempt", dedupe="queued", dedupe_on_unavailable="publish")
+        def render_deduped(x: int) -> None:
+            pass
+
+        with caplog.at_level("WARNING", logger="celery_zklock"):
+            try:
+                render_deduped.delay(1)
+            except ZooKeeperUnavailable:
+                published = False
+            else:
+                published = True
+        said = [r.getMessage() for r in caplog.records if "published without dedupe" in r.getMessage()]
+        assert published == bool(sent), (published, sent)
+        if not published:
+            assert (said, bypassed) == ([], []), (said, bypassed)
+    finally:
+        signals.task_dedupe_bypassed.disconnect(on_bypassed)
+        before_task_publish.disconnect(on_publish)
+
+
+def test_a_copy_sent_by_name_where_the_task_is_not_registered_is_not_told_a_false_order(workers, queue, redis_server):
+    """A web process sends ``render`` by name without importing it: its copy carries no place
+    (the sender cannot know the task preempts), so it counts as older than the placed holder and
+    ends unrun, as the guide says. Its record must not claim what nobody knows: that the holder
+    was "published after this one" (it was published before)."""
+    workers("w1", concurrency=2)
+    key = "by-name"
+    older = send(worker_app.render, queue, key, 1, 3.0)
+    wait_until(lambda: started(redis_server.url, older.id), timeout=30)
+    # Not finalized: it knows no task (a shared task would register in a finalized one).
+    web = Celery("web", broker=redis_server.url, backend=redis_server.url, set_as_current=False, autofinalize=False)
+    try:
+        newer = web.send_task(worker_app.render.name, args=(key, 2, 0.2), queue=queue)
+        record = skipped(newer.get(timeout=30))
+    finally:
+        web.close()
+    assert record is not None and record["preempted_by"] == older.id, record
+    assert "published after this one" not in record["reason"], record
+    assert "no place" in record["reason"], record
+    assert older.get(timeout=30) == 1
+
+
+@pytest.mark.parametrize("fault", ["held", "cut_after"])
+def test_a_place_whose_reply_is_held_or_lost_sends_nothing_and_the_next_publish_is_placed_after_it(
+        fault, zk_server, zk_root, kazoo):
+    """The publish-order write reaches the server, its reply does not come back (held past
+    zklock_dedupe_publish_timeout, or lost with its connection): the caller is told, nothing is
+    sent, and the next publish of the same process is sent once, with a place after the lost one."""
+    places: List[object] = []
+
+    def seen(sender: str = "", headers: Dict[str, object] = None, **kwargs: object) -> None:
+        if sender.endswith(".render_proxied"):
+            places.append((headers or {}).get(PUBLISHED_HEADER))
+
+    before_task_publish.connect(seen, weak=False)
+    with TcpProxy(zk_server.port) as proxy:
+        try:
+            app = Celery("proxied", broker="memory://", set_as_current=False)
+            app.conf.update(zklock_hosts=proxy.hosts, zklock_root=zk_root, zklock_dedupe_publish_timeout=1)
+
+            @app.task(shared=False)
+            @zk_locked(key="r:{x}", on_contention="preempt")
+            def render_proxied(x: int) -> None:
+                pass
+
+            render_proxied.delay(1)
+            armed = proxy.hold_reply(Op.SET_DATA) if fault == "held" else proxy.cut_after(Op.SET_DATA)
+            t0 = time.monotonic()
+            with pytest.raises(ZooKeeperUnavailable, match="Nothing was sent"):
+                render_proxied.delay(2)
+            assert time.monotonic() - t0 < 3.0
+            armed.wait_matched()
+            lost = kazoo.get(f"{zk_root}/publish-order")[1].mzxid  # the write was done
+            assert len(places) == 1 and lost > places[0], (places, lost)
+            armed.release()
+            wait_until(lambda: _published(render_proxied, 3), timeout=15)
+            assert len(places) == 2 and isinstance(places[1], int) and places[1] > lost, (places, lost)
+        finally:
+            before_task_publish.disconnect(seen)
+
+
+def _published(task, x: int) -> bool:
+    try:
+        task.delay(x)
+    except ZooKeeperUnavailable:
+        return False
+    return True
+
+
+def test_a_copy_delivered_again_while_its_first_delivery_runs_does_not_preempt_it(workers, queue, redis_server):
+    """The broker delivers a copy's message a second time while its first delivery still runs
+    (a Redis visibility timeout passed, an unacked message restored): the same publish, the same
+    place, the same task id. The second delivery preempted the first, which ended with a record
+    saying a newer copy, itself, had preempted it. The copy's run is not newer than itself: the
+    second delivery waits its turn, and neither is told it was preempted."""
+    worker = workers("w1", concurrency=2)
+    key = "again"
+    first = send(worker_app.render, queue, key, 1, 3.0)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    [start] = [e for e in events(redis_server.url) if e["event"] == "start" and e["task_id"] == first.id]
+    # The very message again, as the broker would deliver it: its id and its place, published as is.
+    worker_app.app.send_task(worker_app.render.name, args=(key, 1, 0.2), queue=queue, task_id=first.id,
+                             headers={PUBLISHED_HEADER: start["place"]}, task_type=worker_app.render)
+    wait_until(lambda: len([e for e in events(redis_server.url) if e["event"] in ("end", "interrupted")]) == 2,
+               timeout=30)
+    history = events(redis_server.url)
+    assert [e["event"] for e in history if e["task_id"] == first.id and e["event"] in ("start", "end",
+                                                                                        "interrupted")] == \
+        ["start", "end", "start", "end"], history
+    assert first.get(timeout=10) == 1
+    assert not any("preempted" in line for line in lines_of(worker, first.id)), lines_of(worker, first.id)
