@@ -338,14 +338,17 @@ def preempting(self, key: str, seconds: float, n: int) -> int:
 
 @app.task(bind=True)
 @zk_locked(key="render:{key}", on_contention="preempt", timeout=60)
-def render(self, key: str, n: int, seconds: float) -> int:
+def render(self, key: str, n: int, seconds: float, gate: str = "") -> int:
     """Version ``n`` of a report: writes ``n`` to the store under its token as it starts, then
-    works ``seconds``; a newer version preempts it (``Preempted`` ends the body here)."""
+    works ``seconds`` (or, given a ``gate``, until that file exists, at most ``seconds``); a newer
+    version preempts it (``Preempted`` ends the body here)."""
     token = current_lock().fencing_token
     note("start", key=key, token=token, n=n, place=current_lock().published,
          accepted=fenced_write(f"render:{key}", n, token))
     try:
-        time.sleep(seconds)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until and not (gate and os.path.exists(gate)):
+            time.sleep(0.01)
     except BaseException as exc:
         note("interrupted", key=key, token=token, n=n, error=type(exc).__name__)
         raise

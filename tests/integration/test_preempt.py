@@ -140,7 +140,7 @@ def newest_won(sent: Dict[str, List], results: Dict[str, object], history: List[
 
 
 @pytest.mark.parametrize("backlog", [False, True], ids=["idle", "backlog"])
-def test_the_newest_published_version_wins(backlog, workers, queue, redis_server):
+def test_the_newest_published_version_wins(backlog, workers, queue, redis_server, tmp_path):
     """The issue's scenario: versions 1..4 of three reports published back to back, to idle
     workers or behind a backlog. The copy that reached a key last won (17 of 18 reports ended
     on an older version); the newest must, every time."""
@@ -148,9 +148,16 @@ def test_the_newest_published_version_wins(backlog, workers, queue, redis_server
     if backlog:
         busy = [send(worker_app.ticker, queue, 1.0) for _ in range(4)]
         wait_until(lambda: len({e["pid"] for e in events(redis_server.url) if e["event"] == "tick"}) == 4, timeout=30)
-    sent = {key: [send(worker_app.render, queue, key, n, 0.5) for n in range(1, 5)]
+    gate = tmp_path / "gate"
+    sent = {key: [send(worker_app.render, queue, key, n, 60.0, str(gate)) for n in range(1, 5)]
             for key in (f"{queue}-{i}" for i in range(3))}
-    results = {c.id: c.get(timeout=60, propagate=False) for copies in sent.values() for c in copies}
+    # Every body holds until each older copy has ended: an older copy that reaches its key only
+    # after the newest let it go runs (not promised: the guide says so), and a body that merely
+    # worked a while let that happen whenever the machine was slow.
+    older = {c.id: c.get(timeout=60, propagate=False) for copies in sent.values() for c in copies[:-1]}
+    wait_until(lambda: all(started(redis_server.url, copies[-1].id) for copies in sent.values()), timeout=60)
+    gate.touch()
+    results = {**older, **{copies[-1].id: copies[-1].get(timeout=60, propagate=False) for copies in sent.values()}}
     if backlog:
         assert [b.get(timeout=30) > 0 for b in busy] == [True] * 4
     assert newest_won(sent, results, events(redis_server.url)) == []
