@@ -15,11 +15,12 @@ import socket
 from typing import Any, Callable, Dict, Optional, TypeVar
 
 from kazoo.exceptions import (
-    ConnectionClosedError,
     ConnectionLoss,
     KazooException,
     NoAuthError,
+    OperationTimeoutError,
     SessionExpiredError,
+    ZookeeperError,
 )
 
 from ..conf import LockMode, MetricsSettings, Settings, TaskDefaults, did_you_mean
@@ -111,13 +112,17 @@ def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
         # An answer, and a definitive one: the root's ACL refuses our credential (a wrong
         # zklock_auth). Not "unavailable", which callers may retry: it would fail the same way.
         raise unreadable(layout.root) from None
-    except (ConnectionLoss, SessionExpiredError, ConnectionClosedError, *timeouts()) as exc:
+    except (KazooException, *timeouts()) as exc:
+        if isinstance(exc, ZookeeperError) and not isinstance(exc, _NO_ANSWER):
+            # Another answer that came, not a wait that ran out: say what it was, not "within".
+            raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root}: ZooKeeper "
+                                       f"answered {explain(exc)}") from None
         raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root} within "
                                    f"zklock_connect_timeout={timeout:g}s: {type(exc).__name__}") from None
-    except KazooException as exc:
-        # Another answer that came (not a wait that ran out): say what it was, not "within".
-        raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root}: ZooKeeper answered "
-                                   f"{explain(exc)}") from None
+
+
+#: ZooKeeper's errors that say no answer came (a broken link, a lost session, a server's timeout).
+_NO_ANSWER = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 
 
 _LOCK_OPTIONS = ("mode", "timeout", "limit", "session", "on_state", "blocking")
