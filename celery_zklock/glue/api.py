@@ -14,13 +14,21 @@ import os
 import socket
 from typing import Any, Callable, Dict, Optional, TypeVar
 
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import (
+    ConnectionLoss,
+    KazooException,
+    NoAuthError,
+    OperationTimeoutError,
+    SessionExpiredError,
+    ZookeeperError,
+)
 
 from ..conf import LockMode, MetricsSettings, Settings, TaskDefaults, did_you_mean
-from ..exceptions import ConfigurationError, ZooKeeperUnavailable
+from ..exceptions import ConfigurationError, ZooKeeperUnavailable, explain
 from ..layout import LOCK_TREES, Layout, check_key
 from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
 from ..zk import Session, deadline, remaining, session_for, through_blips, timeouts
+from ..zk.nodes import unreadable
 
 __all__ = ["MODES", "claim_scheme", "holder_data", "layout_of", "lock", "lock_path", "rule_for", "settings_of",
            "task_defaults"]
@@ -91,15 +99,30 @@ def holder_data(**extra: Any) -> bytes:
 
 
 def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
-    """Check (once per session) that the root names keys as ``layout`` does: see Nodes.claim_scheme."""
+    """Check (once per session) that the root names keys as ``layout`` does: see Nodes.claim_scheme.
+
+    ConfigurationError when the root's ACL refuses our credential (NoAuth), ZooKeeperUnavailable
+    when ZooKeeper does not answer within ``timeout``."""
     until = deadline(timeout)
     try:
         # Each step of the claim finds what a lost reply's request did: a blip under a pool
         # process's first task is ridden through, not that task's failure.
         through_blips(session, until, lambda: session.nodes.claim_scheme(layout.scheme, LOCK_TREES, remaining(until)))
+    except NoAuthError:
+        # An answer, and a definitive one: the root's ACL refuses our credential (a wrong
+        # zklock_auth). Not "unavailable", which callers may retry: it would fail the same way.
+        raise unreadable(layout.root) from None
     except (KazooException, *timeouts()) as exc:
+        if isinstance(exc, ZookeeperError) and not isinstance(exc, _NO_ANSWER):
+            # Another answer that came, not a wait that ran out: say what it was, not "within".
+            raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root}: ZooKeeper "
+                                       f"answered {explain(exc)}") from None
         raise ZooKeeperUnavailable(f"could not read the key-name scheme of {layout.root} within "
                                    f"zklock_connect_timeout={timeout:g}s: {type(exc).__name__}") from None
+
+
+#: ZooKeeper's errors that say no answer came (a broken link, a lost session, a server's timeout).
+_NO_ANSWER = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 
 
 _LOCK_OPTIONS = ("mode", "timeout", "limit", "session", "on_state", "blocking")

@@ -32,6 +32,7 @@ from ..exceptions import ConfigurationError, ZkLockError
 from ..layout import Layout, node_object
 from ..recipes.lock import EVICTED_BY
 from ..zk import Session, check_acl
+from ..zk.nodes import unreadable
 from ..zk.probe import addresses, four_letter_word, server_limits
 from . import evict as eviction
 from . import exporter
@@ -176,9 +177,7 @@ class _Commands(click.Group):
             return super().invoke(ctx)
         except NoAuthError:
             settings = settings_of(ctx.obj.app)
-            raise click.ClickException(
-                f"ZooKeeper refused to let this client read under zklock_root={settings.root!r} (NoAuth): its ACL "
-                "names a credential; set zklock_auth to one it grants (as the workers do)") from None
+            raise click.ClickException(str(unreadable(settings.root))) from None
 
 
 @click.group(name="zklock", cls=_Commands)

@@ -43,7 +43,7 @@ from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .options import PARK_HASHED, LockSpec, policy_problem
 from .parking import Parking, abandon_received
-from .preempt import published_header
+from .preempt import published_header, warn_placeless
 
 __all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
 
@@ -137,6 +137,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     # Under preempt, the copy's place in the order of publishes, in its node for newer and
     # older copies to compare with (None: its publisher took none).
     place = published_header(request) if policy == "preempt" else None
+    if policy == "preempt" and place is None:
+        warn_placeless(task, request)
     placed = {} if place is None else {PUBLISHED: place}
     try:
         session = session_for(settings)

@@ -10,7 +10,9 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+import logging
+import threading
+from typing import Any, Callable, Dict, Optional, Set
 
 from kazoo.exceptions import KazooException
 
@@ -21,7 +23,9 @@ from .api import layout_of, settings_of, task_defaults
 from .celery_internals import current_task
 from .options import spec_of
 
-__all__ = ["PUBLISHED_HEADER", "preempts", "published_header", "stamped"]
+__all__ = ["PUBLISHED_HEADER", "preempts", "published_header", "stamped", "warn_placeless"]
+
+logger = logging.getLogger("celery_zklock")
 
 #: The message header that carries a preempt copy's place in the order of publishes (a zxid).
 PUBLISHED_HEADER = "zklock_published"
@@ -34,6 +38,36 @@ def published_header(request: Any) -> Optional[int]:
     if found is None:
         found = (getattr(request, "headers", None) or {}).get(PUBLISHED_HEADER)
     return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+#: The task names this process has warned of a copy without a place (see warn_placeless).
+_placeless_told: Set[str] = set()
+_placeless_lock = threading.Lock()
+
+
+def warn_placeless(task: Any, request: Any) -> None:
+    """Log a WARNING, once per task name per process, that a received preempt copy carries no place.
+
+    Such a copy falls back, silently otherwise, to "the last to reach the key wins": it counts
+    as older than every copy with a place. The usual cause is a producer that does not have the
+    task registered (``send_task()`` by name from an app that does not import it): only a
+    registered task's publish takes a place. Once per name, not per copy: such a producer sends
+    every copy so, and a line per copy would flood the log. Eager and direct calls, which
+    publish nothing, are not warned of.
+    """
+    if request.is_eager or request.called_directly:
+        return
+    with _placeless_lock:  # two pool threads receiving such copies at once still log once
+        if task.name in _placeless_told:
+            return
+        _placeless_told.add(task.name)
+    logger.warning(
+        "celery-zklock: task %s[%s]: this on_contention='preempt' copy carries no place in the order of "
+        "publishes (no %s header), so publish order does not apply to it: it counts as older than every copy "
+        "with a place, and between copies without one the last to reach the key wins. Its producer does not "
+        "have the task registered (send_task() by name from an app that does not import it), or runs a "
+        "celery-zklock before publish order. Import the task's module in the producer, or publish through an "
+        "app that has it registered. Said once per task per process", task.name, request.id, PUBLISHED_HEADER)
 
 
 def preempts(task: Any) -> bool:

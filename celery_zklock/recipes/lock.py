@@ -238,7 +238,20 @@ class Lock:
     @property
     def published(self) -> Optional[int]:
         """The place in the order of publishes of the copy this contender stands for, as its node
-        carries it (``on_contention="preempt"``: see :mod:`.order`); None when it carries none."""
+        carries it (``on_contention="preempt"``: see :mod:`.order`); a higher place, a later publish.
+
+        None when the copy carries no place: a lock of another policy or taken with ``lock()``,
+        a copy run by ``apply()`` (which publishes nothing), and a copy sent by a producer that
+        does not have the task registered (``send_task()`` by name; the worker warns of it)
+        or by a celery-zklock before publish order. preempt counts such a copy as older than
+        every copy with a place; a store that checks places should too.
+
+        Example::
+
+            place = current_lock().published    # Optional[int]
+            if place is None:
+                ...                             # not ordered by publish: older than any copy with a place
+        """
         return published(self.data)
 
     def cancel(self) -> None:

@@ -27,7 +27,7 @@ from ..layout import MEMBERS, node_object
 from .deadlines import deadline, reply
 from .transport import create_container_async, create_node_async
 
-__all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused"]
+__all__ = ["MAX_KNOWN_CONTAINERS", "Nodes", "check_acl", "refused", "unreadable"]
 
 #: Key containers remembered per session; older ones are simply created again.
 MAX_KNOWN_CONTAINERS = 4096
@@ -272,6 +272,20 @@ def refused(path: str) -> ConfigurationError:
         f"no permission to create {path}: its parent's ACL refuses this client's credential; "
         f"check zklock_auth and zklock_acl, or pick a zklock_root this application owns"
     )
+
+
+def unreadable(root: str) -> ConfigurationError:
+    """The error for a root whose ACL does not let our credential read under it (NoAuth).
+
+    A configuration error, not ZooKeeper being unavailable: the server answered, and asking
+    again with the same credential gets the same answer. Names the setting, never its value.
+
+    >>> print(unreadable("/app"))
+    zklock_auth: ZooKeeper refused to let this client read under zklock_root='/app' (NoAuth): ...
+    """
+    return ConfigurationError(
+        f"zklock_auth: ZooKeeper refused to let this client read under zklock_root={root!r} (NoAuth): its ACL "
+        "names a credential; set zklock_auth to one it grants (as the workers that made it do)")
 
 
 def _all_levels(path: str) -> List[str]:

@@ -5,7 +5,10 @@ by publish: an older copy that comes later never preempts a newer one, and newes
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import time
 import uuid
 from typing import Dict, List
@@ -390,3 +393,33 @@ def test_a_copy_delivered_again_while_its_first_delivery_runs_does_not_preempt_i
         ["start", "end", "start", "end"], history
     assert first.get(timeout=10) == 1
     assert not any("preempted" in line for line in lines_of(worker, first.id)), lines_of(worker, first.id)
+
+
+#: The new-user trial's producer: an app of its own, in a process that never imports the task.
+PRODUCER = """
+import json, sys
+from celery import Celery
+app = Celery("producer", broker=sys.argv[1], set_as_current=False)
+ids = [app.send_task(sys.argv[2], args=(sys.argv[4], n, 0.0), queue=sys.argv[3]).id for n in (1, 2, 3)]
+assert "celery_zklock" not in sys.modules
+print(json.dumps(ids))
+"""
+
+
+def test_a_copy_sent_by_a_producer_without_the_task_is_warned_of_once(workers, queue, redis_server):
+    """A producer that does not have the task registered (``send_task`` by name) takes no place:
+    such copies fell back, silently, to "the last to reach the key wins"."""
+    worker = workers("w1", concurrency=1)  # one pool process: "once per process" is once in its log
+    sent = subprocess.run([sys.executable, "-c", PRODUCER, redis_server.url, worker_app.render.name, queue,
+                           f"{queue}-bare"], capture_output=True, text=True, timeout=60, check=True)
+    ids = json.loads(sent.stdout)
+    assert [worker_app.app.AsyncResult(i).get(timeout=30) for i in ids] == [1, 2, 3]
+    assert [e["place"] for e in events(redis_server.url) if e["event"] == "start"] == [None] * 3
+
+    def warned() -> List[str]:
+        return [line for line in worker.log_text().splitlines() if "carries no place in the order of publishes" in line]
+
+    wait_until(lambda: warned(), timeout=10)
+    [line] = warned()
+    assert "WARNING/" in line and f"task {worker_app.render.name}[{ids[0]}]" in line, line
+    assert "Import the task's module in the producer, or publish through an app that has it registered" in line

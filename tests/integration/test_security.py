@@ -180,3 +180,21 @@ def test_a_client_the_roots_acl_refuses_is_told_so_not_that_the_root_kept_changi
                                                  rf"zklock_root='{zk_root}' \(NoAuth\)"):
         with lock(other, "theirs", timeout=5):
             pass
+
+
+def test_a_credential_a_private_roots_acl_refuses_is_a_configuration_error(app, zk_server, zk_root):
+    # The third new-user trial: under zklock_acl='private' another credential may not even read
+    # the root, and each locked task failed with ZooKeeperUnavailable, "could not read the
+    # key-name scheme ... within zklock_connect_timeout=5s", an answer that had come at once.
+    app.conf.update(zklock_auth=f"worker:{SECRET}", zklock_acl="private")
+    with lock(app, "made", timeout=5):
+        pass  # the root, made under the worker's credential, unreadable by anyone else
+    from celery import Celery
+
+    other = Celery("other", set_as_current=False)
+    other.conf.update(zklock_hosts=zk_server.hosts, zklock_root=zk_root, zklock_connect_timeout=5,
+                      zklock_acl="private", zklock_auth=f"other:{SECRET}-2")
+    with pytest.raises(ConfigurationError, match=rf"^zklock_auth: ZooKeeper refused to let this client read "
+                                                 rf"under zklock_root='{zk_root}' \(NoAuth\)") as refused:
+        lock(other, "theirs", timeout=5)
+    assert "within" not in str(refused.value) and SECRET not in str(refused.value)

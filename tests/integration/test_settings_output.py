@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
+from celery import Celery
 
+from celery_zklock import lock
+from celery_zklock.zk import close_sessions
 from harness import CeleryBeat, CeleryWorker
 from tests.conftest import _started
 from tests.util import wait_until
@@ -139,6 +142,30 @@ def test_secrets_in_use_are_never_printed(cli_env, start_worker):
     assert "digest user worker" in check.stdout
     assert "zklock_auth: '********'" in report.stdout and "zklock_auth" in remote.stdout, everything(report, remote)
     assert SECRET not in everything(check, status, report, remote, worker.log_text())
+
+
+def test_a_worker_whose_credential_the_roots_acl_refuses_does_not_start(cli_env, start_worker):
+    """The third new-user trial: a wrong zklock_auth on a root made under zklock_acl='private'.
+    The worker said it would check at the first lock, came up, and each locked task failed with
+    ZooKeeperUnavailable "within zklock_connect_timeout", after an answer that came at once."""
+    root = cli_env["ZKT_ROOT"]
+    maker = Celery("maker", set_as_current=False)
+    maker.conf.update(zklock_hosts=cli_env["ZKT_HOSTS"], zklock_root=root, zklock_acl="private",
+                      zklock_auth=f"worker:{SECRET}-one")
+    try:
+        with lock(maker, "made", timeout=5):
+            pass  # the root, made under the workers' credential, unreadable by any other
+    finally:
+        close_sessions()
+    settings = {"zklock_acl": "private", "zklock_auth": f"other:{SECRET}-two"}
+    worker = start_worker(settings, locked=True)
+    check = cli({**cli_env, "ZKT_SETTINGS": json.dumps(settings), "ZKT_LOCKED": "1"}, "check")
+    assert ended(worker) != 0 and check.returncode == 1
+    said = f"zklock_auth: ZooKeeper refused to let this client read under zklock_root={root!r} (NoAuth)"
+    log = worker.log_text()
+    assert log.count(said) == 1 and check.stderr.count(said) == 1, everything(check, log)
+    assert "within" not in log and "Traceback" not in everything(check, log)
+    assert SECRET not in everything(check, log)
 
 
 TWO_WRONG = {"zklock_session_timeout": "10s", "zklock_acl": "closed", "zklock_dedupe_ttl": -5}

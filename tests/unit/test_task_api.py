@@ -198,3 +198,29 @@ def test_leader_only_refuses_what_is_not_a_scheduler_or_leads_already():
             leader_only(twice)
     with pytest.raises(TypeError, match="needs a celery.beat.Scheduler subclass"):
         leader_only(object)
+
+
+@pytest.mark.parametrize("raised, said", [
+    ("NoAuthError", r"^zklock_auth: ZooKeeper refused to let this client read under zklock_root='/app' \(NoAuth\)"),
+    ("BadArgumentsError", r"^could not read the key-name scheme of /app: ZooKeeper answered BadArgumentsError$"),
+    ("ConnectionLoss", r"^could not read the key-name scheme of /app within zklock_connect_timeout=0s: "
+                       r"ConnectionLoss$"),
+])
+def test_claim_scheme_says_an_answer_as_an_answer_and_no_answer_as_a_wait(raised: str, said: str):
+    """A refusal (NoAuth) is a configuration error; an answer that came never reads "within
+    zklock_connect_timeout" (the new-user trial's NoAuth did, after about a second)."""
+    from types import SimpleNamespace
+
+    import kazoo.exceptions
+
+    from celery_zklock import ZooKeeperUnavailable
+    from celery_zklock.glue.api import claim_scheme
+    from celery_zklock.layout import Layout
+
+    def claim(*args: Any) -> None:
+        raise getattr(kazoo.exceptions, raised)()
+
+    session = SimpleNamespace(nodes=SimpleNamespace(claim_scheme=claim), client=SimpleNamespace(connected=False))
+    expected = ConfigurationError if raised == "NoAuthError" else ZooKeeperUnavailable
+    with pytest.raises(expected, match=said):
+        claim_scheme(session, Layout("/app"), 0)  # type: ignore[arg-type]

@@ -447,3 +447,34 @@ def test_a_default_policy_a_task_cannot_take_is_a_problem_naming_the_setting(set
 def test_a_bad_default_park_limit_is_refused_naming_the_setting():
     with pytest.raises(ConfigurationError, match="zklock_default_park_limit must be a positive int, not 'ten'"):
         TaskDefaults.from_conf({"zklock_default_park_limit": "ten"})
+
+
+def test_a_preempt_copy_without_a_place_is_warned_of_once_per_task_name(caplog):
+    """A WARNING per task name and process, not per copy (a producer without the task sends every
+    copy so); not for eager or direct calls, which publish nothing."""
+    import threading
+
+    from celery.app.task import Context
+
+    from celery_zklock.glue.preempt import warn_placeless
+
+    def received(task_id: str, **request: object) -> Context:
+        return Context(id=task_id, called_directly=False, **request)  # as the worker's tracer builds it
+
+    caplog.set_level("WARNING", logger="celery_zklock")
+    render, other = types.SimpleNamespace(name="unit.render"), types.SimpleNamespace(name="unit.other")
+    warn_placeless(render, received("eager", is_eager=True))
+    warn_placeless(render, Context(id="direct"))  # render(...) called as a function
+    assert caplog.records == []
+    copies = [threading.Thread(target=warn_placeless, args=(render, received(f"r{i}"))) for i in range(8)]
+    for thread in copies:
+        thread.start()
+    for thread in copies:
+        thread.join()
+    warn_placeless(other, received("o1"))
+    warn_placeless(other, received("o2"))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "WARNING"], said
+    assert re.match(r"celery-zklock: task unit\.render\[r\d\]: ", said[0][1]), said
+    assert said[1][1].startswith("celery-zklock: task unit.other[o1]: "), said
+    assert "publish through an app that has it registered" in said[0][1]
