@@ -34,18 +34,74 @@ MEASURE = r"""
 function measure(doc) {
   const article = doc.querySelector("article") || doc.body;
   const lines = el => new Set([...el.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top))).size;
+  const style = el => doc.defaultView.getComputedStyle(el);
   // The names of a table of names (<div class="names">), and the settings table's defaults.
   const names = [...article.querySelectorAll(".names td:first-child code, .settings td:nth-child(3) code")]
                 .filter(c => !/\s/.test(c.textContent.trim()));
-  const blocks = [...article.querySelectorAll("pre > code")];
+  // Where inline code laid out over lines breaks between two letters or digits ("maxSessi" / "onTimeout"),
+  // as "maxSessi|onTimeout"; null if it breaks only between words (at a space, after a _ . / ::), or not at all.
+  const word = /[A-Za-z0-9]/;
+  const range = doc.createRange();
+  const midWord = code => {
+    const walker = doc.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+    let text = "", before = null, top = null;
+    for (let node; (node = walker.nextNode());) {
+      for (let i = 0; i < node.data.length; i++) {
+        const ch = node.data[i];
+        range.setStart(node, i);
+        range.setEnd(node, i + 1);
+        const rect = [...range.getClientRects()].find(r => r.width > 0);
+        if (rect && top !== null && rect.top > top + 2 && word.test(before) && word.test(ch)) {
+          return text + "|" + code.textContent.slice(text.length);
+        }
+        text += ch;
+        [before, top] = rect ? [ch, rect.top] : [ch, null];
+      }
+    }
+    return null;
+  };
+  const inline = [...article.querySelectorAll("code")].filter(c => !c.closest("pre"));
+  const right = article.getBoundingClientRect().right;
+  const scrolls = el => ["auto", "scroll"].includes(style(el).overflowX) && style(el).scrollbarWidth !== "none";
+  // Within something that scrolls to it (a wide table: Material wraps each in a box that scrolls).
+  const scrolled = el => {
+    for (el = el.parentElement; el && el !== article; el = el.parentElement) if (scrolls(el)) return true;
+    return false;
+  };
+  // Inline code whose text runs past the page's text column, out of reach (its padding may stick out at a
+  // line's end).
+  const past = c => [...c.getClientRects()].some(r => r.right - parseFloat(style(c).paddingRight) > right + 1) &&
+                    !scrolled(c);
+  // A code block's lines as drawn: the distinct tops of its text's boxes (a wrapped line adds one).
+  const drawn = code => {
+    range.selectNodeContents(code);
+    const tops = [...range.getClientRects()].filter(r => r.width > 0).map(r => r.top).sort((a, b) => a - b);
+    return tops.filter((t, i) => i === 0 || t > tops[i - 1] + 2).length;
+  };
+  const blocks = [...article.querySelectorAll("pre > code")].map(code => ({
+    first: code.textContent.split("\n").find(l => l.length > 0) || "",
+    // Its text is wider than its box.
+    wide: code.scrollWidth > code.clientWidth + 1,
+    // And the box lets a reader scroll to the rest, with a scrollbar.
+    scrolls: scrolls(code),
+    // The box itself is within the page's text column (not cut off by the page's edge).
+    inside: code.getBoundingClientRect().right <= right + 1,
+    // Drawn over more lines than it has: a long line went on below.
+    wrapped: drawn(code) > code.textContent.replace(/\n+$/, "").split("\n").filter(l => l.length > 0).length,
+    // In a block marked as prose (<div class="wrap" markdown>), whose lines may wrap.
+    prose: code.closest(".wrap") !== null,
+  }));
   return {
     names: names.length,
     // Laid out over more than one line: with no space in it, it broke mid-word.
     broken_names: names.filter(c => lines(c) > 1).map(c => c.textContent),
-    blocks: blocks.length,
-    // A code block whose text is wider than its box: the rest is out of sight, behind a scrollbar at best.
-    hidden_blocks: blocks.filter(c => c.scrollWidth > c.clientWidth + 1)
-                   .map(c => c.textContent.split("\n").find(l => l.length > 0) || ""),
+    inline: inline.length,
+    broken_inline: inline.filter(c => lines(c) > 1).map(midWord).filter(b => b !== null),
+    hidden_inline: inline.filter(past).map(c => c.textContent),
+    blocks: blocks,
+    // Tables too wide for the page, which scroll: their header row.
+    wide_tables: [...article.querySelectorAll("table")].filter(t => t.getBoundingClientRect().right > right + 1)
+                 .map(t => t.rows[0].textContent.trim().replace(/\s+/g, " ")),
   };
 }
 """
@@ -112,7 +168,7 @@ def measured(site: Path, pages: List[Tuple[str, str, int]], timeout: float = 60)
     """Each page of ``site`` (name, path under the site, window width) laid out by Chromium, measured.
 
     >>> found = measured(Path("site"), [("settings", "reference/settings/", 1280)])  # doctest: +SKIP
-    >>> found["settings"]["broken_names"], found["settings"]["hidden_blocks"]  # doctest: +SKIP
+    >>> found["settings"]["broken_names"], found["settings"]["broken_inline"]  # doctest: +SKIP
     ([], [])
     """
     path = browser()

@@ -8,9 +8,11 @@ The worker's main process, at ``worker_init`` (before the pool forks), points
 to files there, named by its pid, and the endpoint the main process serves adds them up at
 each scrape. A pool process's files outlive it, so one that exits (``--max-tasks-per-child``,
 a crash) loses none of its counts; its live gauges (its session's state) go with it, at the
-next scrape. The directory is removed as the worker stops. The ``threads``, ``solo``, gevent
-and eventlet pools run in the main process and write there too, and so does a beat embedded
-with ``celery worker -B``, which is forked from it. A ``celery beat`` serves its own endpoint.
+next scrape. The directory is removed as the worker stops; one left by a worker that could not
+remove it (SIGKILLed, a machine crash) is removed by the next worker or beat that starts on the
+host (see :func:`reap`). The ``threads``, ``solo``, gevent and eventlet pools run in the main
+process and write there too, and so does a beat embedded with ``celery worker -B``, which is
+forked from it. A ``celery beat`` serves its own endpoint.
 
 Every family is counted from the package's own signals (see :mod:`celery_zklock.signals`),
 and no label is built from a task's arguments: a key is unbounded in number, and under
@@ -25,10 +27,12 @@ Example::
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -41,7 +45,8 @@ from ..exceptions import ConfigurationError
 from ..zk import Liveness, Session
 from ..zk.session import on_session_started
 
-__all__ = ["Families", "announce", "beat_leading", "beat_sent", "families", "process_ended", "serve", "stop"]
+__all__ = ["Families", "announce", "beat_leading", "beat_sent", "families", "gone", "owner", "process_ended", "reap",
+           "serve", "stop"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -52,6 +57,10 @@ SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 #: The beat's dispatch lag: from an entry's due time to its send.
 LAG = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: The name of each directory a worker or beat makes (in the temporary directory), and so of those it reaps.
+PREFIX = "celery-zklock-metrics-"
+#: In each such directory: the process that made it (see :func:`owner`).
+OWNER = "owner.json"
 
 
 class Families:
@@ -137,7 +146,15 @@ def serve(settings: MetricsSettings, what: str) -> None:
                 f"zklock_metrics_port={settings.port} is set but prometheus_client is not installed; "
                 "install the extra: pip install 'celery-zklock[metrics]'") from None
         ours = _ENV not in os.environ  # a directory the user set up is theirs to keep
-        path = tempfile.mkdtemp(prefix="celery-zklock-metrics-") if ours else os.environ[_ENV]
+        if ours:
+            # What a worker that could not stop (SIGKILLed) left: nothing else would remove it.
+            for left in reap(tempfile.gettempdir()):
+                logger.info("celery-zklock: removed %s, the metrics directory of a process that is gone", left)
+            path = tempfile.mkdtemp(prefix=PREFIX)
+            with open(os.path.join(path, OWNER), "w", encoding="utf-8") as f:
+                json.dump(owner(os.getpid()), f)
+        else:
+            path = os.environ[_ENV]
         os.environ[_ENV] = path
         _multiprocess_values()
         from prometheus_client import CollectorRegistry, start_http_server
@@ -244,6 +261,104 @@ class _Collector:
             if found and not _alive(int(found.group(1))):
                 multiprocess.mark_process_dead(int(found.group(1)), self.path)
         return self._inner.collect()
+
+
+def reap(directory: str) -> List[str]:
+    """Remove the metrics directories in ``directory`` whose owner is gone, and return their paths.
+
+    A worker SIGKILLed (or a machine that crashed and kept its /tmp) cannot remove its own,
+    of about 17 files of 64 kB each. Only a directory named with :data:`PREFIX`, owned by
+    this user, whose :data:`OWNER` record says it was made on this host and in this pid
+    namespace by a process that no longer runs (:func:`gone`), is removed. One without a
+    record is left alone: it is being made, or a version before records made it.
+
+    Example::
+
+        reap(tempfile.gettempdir())   # ['/tmp/celery-zklock-metrics-x1y2z3'], a SIGKILLed worker's
+    """
+    removed: List[str] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if (not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False)
+                    or entry.stat(follow_symlinks=False).st_uid != os.getuid()):
+                continue
+            with open(os.path.join(entry.path, OWNER), encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and gone(record):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def owner(pid: int) -> Dict[str, Any]:
+    """What :data:`OWNER` records of the process ``pid`` (this one): enough to tell later that it is gone.
+
+    >>> sorted(owner(os.getpid()))
+    ['host', 'pid', 'pidns', 'process']
+    """
+    return {"pid": pid, "process": _process(pid), "host": socket.gethostname(), "pidns": _pid_namespace()}
+
+
+def gone(record: Dict[str, Any]) -> bool:
+    """Whether the process an :data:`OWNER` record names has ended (False when that cannot be told).
+
+    Its pid may have been given to another process since: the process's start time (and the
+    machine's boot) tells them apart. A pid of another host or pid namespace (a /tmp shared
+    between containers) says nothing about ours, so such a record is never gone.
+
+    >>> gone(owner(os.getpid()))
+    False
+    """
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if record.get("host") != socket.gethostname() or record.get("pidns") != _pid_namespace():
+        return False
+    now = _process(pid)
+    if now is None:
+        return True
+    then = record.get("process")
+    return bool(then) and bool(now) and then != now
+
+
+def _process(pid: int) -> Optional[str]:
+    """What tells the process running as ``pid`` from a later one given that pid; None if none runs.
+
+    On Linux the machine's boot id and the process's start time (in clock ticks since boot);
+    elsewhere "" while the pid is in use. A zombie (killed, not yet waited for) runs no more.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        if os.path.exists("/proc/self/stat"):
+            return None  # procfs is there, this pid is not
+        return "" if _alive(pid) else None
+    except OSError:
+        return "" if _alive(pid) else None
+    # The command's name, in parentheses, may hold spaces and parentheses: fields are counted after it.
+    fields = stat[stat.rfind(")") + 2:].split()
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="utf-8") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{boot}:{fields[19]}"  # field 22 of proc(5), starttime
+
+
+def _pid_namespace() -> Optional[str]:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _alive(pid: int) -> bool:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from celery_zklock import LockLost, skipped
 from celery_zklock.layout import Layout
-from harness import CeleryBeat, TcpProxy, free_port
+from harness import CeleryBeat, CeleryWorker, TcpProxy, free_port
 from tests.apps import worker_app
 from tests.conftest import _started
 from tests.util import children, events, send, wait_until
@@ -108,6 +108,33 @@ def test_a_prefork_workers_counts_agree_with_its_history(workers, queue, redis_s
     assert os.path.isdir(directory)
     worker.stop(timeout=20)
     assert not os.path.exists(directory), "the worker left its metrics directory behind"
+
+
+def test_a_killed_workers_directory_is_removed_by_the_next_worker_and_a_live_ones_never(
+        workers, queue, tmp_path):
+    # A SIGKILLed worker cannot remove its directory (about 17 files of 64 kB): nothing did, and each
+    # crash left one more in /tmp. The workers share a temporary directory here, as on one host.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    ports = [free_port() for _ in range(3)]
+
+    def start(name: str, port: int, queue_name: str = "") -> Tuple[CeleryWorker, str]:
+        worker = workers(name, concurrency=1, queue=queue_name, TMPDIR=str(tmp), ZKT_METRICS_PORT=str(port))
+        return worker, re.search(r"processes count in (\S+)\)", worker.log_text()).group(1)
+
+    killed, killed_dir = start("killed", ports[0])
+    live, live_dir = start("live", ports[1])  # "killed" runs: its directory stays
+    assert os.path.isdir(killed_dir) and os.path.isdir(live_dir) and killed_dir != live_dir
+    killed.crash()  # SIGKILL, the worker and its pool
+    assert os.path.isdir(killed_dir)
+    after, after_dir = start("after", ports[2], queue_name=f"{queue}-after")
+    assert not os.path.exists(killed_dir), "a starting worker left a killed worker's metrics directory"
+    assert os.path.isdir(live_dir), "a starting worker removed a live worker's metrics directory"
+    assert sorted(str(d) for d in tmp.glob("celery-zklock-metrics-*")) == sorted([live_dir, after_dir])
+    # The new worker counts into its own directory and serves it; the live one still serves its own.
+    assert send(worker_app.exclusive, f"{queue}-after", "after", 0.01).get(timeout=30) == "after"
+    wait_until(lambda: total(scrape(ports[2]), "celery_zklock_acquired_total") == 1, timeout=10)
+    assert total(scrape(ports[1]), "celery_zklock_acquired_total") == 0
 
 
 @pytest.mark.parametrize("pool", ["threads", "gevent", "eventlet"])

@@ -116,7 +116,7 @@ def test_the_sites_build_refuses_a_settings_table_that_is_not_the_codes():
         settings.on_page_markdown(stale, page=settings_page)
 
 
-@pytest.mark.parametrize("name", ["include", "settings"])
+@pytest.mark.parametrize("name", ["include", "settings", "breaks"])
 def test_hook_docstring_examples(name: str):
     result = doctest.testmod(hook(name))
     assert result.failed == 0 and result.attempted > 0
@@ -213,9 +213,13 @@ def built_site(into: Path) -> Path:
 
 
 def test_the_site_in_chromium_keeps_names_whole_and_code_blocks_in_sight(tmp_path: Path):
-    # A reader saw setting names cut mid-word ("zklock_sess/ion_timeou/t") and code blocks cut off at the
-    # right (overlay scrollbars show no sign of the rest). Measured in the laid-out pages: a name in a
-    # table is on one line, and no code block's text is wider than its box.
+    # A reader saw setting names cut mid-word ("zklock_sess/ion_timeou/t"), code blocks cut off at the
+    # right (overlay scrollbars show no sign of the rest), then, once blocks wrapped, `status`'s table
+    # wrapped into unreadable lines and `maxSessionTimeout` cut as "maxSessi" / "onTimeout" in a
+    # description. Measured in the laid-out pages: a name in a table is on one line; no inline code breaks
+    # between two letters, nor runs past the page (but in a table that scrolls); a code block wider than
+    # its box scrolls (with a scrollbar) and stays in the page; and only a block marked as prose
+    # (<div class="wrap" markdown>) wraps its lines.
     if browser() is None:
         pytest.skip("Chromium is not installed (`make system` installs Debian's chromium): the site's layout "
                     "is not checked")
@@ -225,16 +229,30 @@ def test_the_site_in_chromium_keeps_names_whole_and_code_blocks_in_sight(tmp_pat
     frames = [(page or "home", page, 1280) for page in ["", *pages]]
     frames.append(("phone: reference/settings/", "reference/settings/", 390))
     found = measured(site, frames)
-    # Each setting's name and default were measured, and the metric families'.
+    # Each setting's name and default were measured, and the metric families', and the site's inline code.
     assert found["reference/settings/"]["names"] >= len(DEFAULTS) + 10, found["reference/settings/"]
     assert found["operations/metrics/"]["names"] > 20
-    assert sum(page["blocks"] for page in found.values()) > 20
+    assert sum(page["inline"] for page in found.values()) > 500
+    blocks = [(page, block) for page, seen in found.items() for block in seen["blocks"]]
+    assert len(blocks) > 20
+    # `status`'s sample has lines longer than its box at 1280 px: the checks below are put to the test.
+    assert any(b["wide"] or b["wrapped"] for b in found["operations/cli/"]["blocks"]), found["operations/cli/"]
     problems = [f"{page}: {name!r} broken over lines" for page, seen in found.items() for name in seen["broken_names"]]
-    problems += [f"{page}: code block cut off at the right: {line[:80]!r}" for page, seen in found.items()
-                 for line in seen["hidden_blocks"]]
+    problems += [f"{page}: inline code broken mid-word: {at!r}" for page, seen in found.items()
+                 for at in seen["broken_inline"]]
+    problems += [f"{page}: inline code past the page's edge: {code!r}" for page, seen in found.items()
+                 for code in seen["hidden_inline"]]
+    # The settings table fits the page at 1280 px: a description is read without scrolling sideways.
+    problems += [f"reference/settings/: table wider than the page: {header!r}"
+                 for header in found["reference/settings/"]["wide_tables"]]
+    problems += [f"{page}: code block cut off at the right: {b['first'][:80]!r}" for page, b in blocks
+                 if (b["wide"] and not b["scrolls"]) or not b["inside"]]
+    problems += [f"{page}: code block wraps its lines: {b['first'][:80]!r}" for page, b in blocks
+                 if b["wrapped"] and not b["prose"]]
     if problems:
         screenshot(site, "reference/settings/", tmp_path / "settings.png")
-        problems.append(f"(the settings page as drawn: {tmp_path / 'settings.png'})")
+        screenshot(site, "operations/cli/", tmp_path / "cli.png")
+        problems.append(f"(the settings and CLI pages as drawn: {tmp_path / 'settings.png'}, {tmp_path / 'cli.png'})")
     assert problems == [], "\n".join(problems)
 
 
