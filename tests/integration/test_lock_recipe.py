@@ -256,7 +256,11 @@ def test_a_waiter_whose_node_is_deleted_by_someone_else_never_holds_without_a_no
 
     threads = [threading.Thread(target=wait_for, args=(waiter,))]
     threads[0].start()
-    wait_until(lambda: len(children(kazoo, path)) == 2)
+    # Only once it waits: deleted between its create and its read of the children, the waiter
+    # queues again at once, and may do so before the third does (another schedule, in which it
+    # rightly holds next).
+    wait_until(lambda: waiter.waited)
+    assert len(children(kazoo, path)) == 2
     kazoo.delete(f"{path}/{waiter.node}")  # a foreign client removes the waiter's node
     threads.append(threading.Thread(target=wait_for, args=(third,)))
     threads[1].start()
