@@ -6,7 +6,11 @@ attribute 'hostname'`` from the Redis transport's ``_connparams``: it closes the
 connection again after collecting it, and kombu then restores the unacked messages of a
 channel whose first close was cut short, through a transport already detached. Celery 5.6.0
 to 5.6.2 and older keep the worker but lose the running task's ack (it runs again after the
-visibility timeout). 5.6.3 passes.
+visibility timeout). 5.6.3 keeps the worker (in one CI run it restored the running task's
+message as it reconnected, and the task ran again, after the first, under its lock).
+
+On Celery 5.7 the test is a strict expected failure: the suite runs 5.7.0, and fails here as
+soon as a release passes it, the moment to lift the install page's caveat.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Iterator, List
 
+import celery
 import pytest
 import redis
 
@@ -51,6 +56,8 @@ def consuming(client: redis.Redis) -> bool:
     return any("b" in c["flags"] for c in client.client_list())
 
 
+@pytest.mark.xfail(tuple(int(p) for p in celery.__version__.split(".")[:2]) >= (5, 7), strict=True,
+                   reason="a Redis restart kills a Celery 5.7 worker that holds an unacked message (upstream)")
 def test_a_broker_restart_under_a_locked_acks_late_task_keeps_the_worker_and_runs_the_task_once(
         broker, workers, queue, tmp_path, kazoo, zk_root):
     worker = workers("w1", concurrency=2, ZKT_BROKER=broker.url)

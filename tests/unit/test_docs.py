@@ -254,28 +254,3 @@ def test_the_site_in_chromium_keeps_names_whole_and_code_blocks_in_sight(tmp_pat
         screenshot(site, "operations/cli/", tmp_path / "cli.png")
         problems.append(f"(the settings and CLI pages as drawn: {tmp_path / 'settings.png'}, {tmp_path / 'cli.png'})")
     assert problems == [], "\n".join(problems)
-
-
-def test_the_install_lines_name_the_celery_the_suite_runs():
-    # Users are told `celery[redis]>=5.6.3,<5.7` (tests/integration/test_broker_restart.py says
-    # why); the test extra has the same upper bound, so the venv CI builds gets the Celery the
-    # install line gets. From the installed metadata: tomllib needs Python 3.11.
-    from importlib.metadata import requires
-
-    from packaging.requirements import Requirement
-    from packaging.specifiers import SpecifierSet
-
-    found = [Requirement(r) for r in requires("celery-zklock") or []]
-    celery = [r for r in found if r.name == "celery" and r.marker is not None and r.marker.evaluate({"extra": "test"})]
-    assert len(celery) == 1, "the test extra bounds no Celery (or twice)"
-    assert "redis" in celery[0].extras
-
-    def upper(specifier: SpecifierSet) -> List[str]:
-        return [str(s) for s in specifier if s.operator == "<"]
-
-    assert len(upper(celery[0].specifier)) == 1, f"the test extra's Celery has no single upper bound: {celery[0]}"
-    for page in ("README.md", "docs/getting-started.md"):
-        text = (ROOT / page).read_text(encoding="utf-8")
-        lines = re.findall(r'pip install celery-zklock "celery\[redis\]([^"]*)"', text)
-        assert len(lines) == 1, f"{page}: no install line, or several"
-        assert upper(SpecifierSet(lines[0])) == upper(celery[0].specifier), page
