@@ -161,7 +161,11 @@ def test_a_watch_that_fires_after_its_contender_holds_wakes_nobody(new_session, 
     got: List[bool] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
     thread.start()
-    wait_until(lambda: len(log.blocked_by) == 2)
+    # Until both watches are set, not only decided (blocked): a holder gone before its watch is
+    # set is found gone by the exists itself, and the waiter holds with no wake-up at all.
+    # kazoo registers a watcher as the exists' reply comes in (a private name, read-only here).
+    watchers = waiter.session.client._data_watchers
+    wait_until(lambda: len(log.blocked_by) == 2 and all(watchers.get(f"{path}/{n}") for n in (h1.node, h2.node)))
     h2.release()
     thread.join(10)
     assert got == [True] and log.wakeups == 1
