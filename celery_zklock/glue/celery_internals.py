@@ -7,10 +7,10 @@ Each function leans on something Celery does not promise to keep;
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, List
+from typing import Any, Callable, Dict, Iterable, List
 
 __all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "hide_in_reports",
-           "on_task_made", "wrap_apply_async", "wrap_send_task"]
+           "on_task_made", "retried_request", "wrap_apply_async", "wrap_send_task"]
 
 
 def current_task() -> Any:
@@ -18,6 +18,16 @@ def current_task() -> Any:
     from celery._state import get_current_task
 
     return get_current_task()
+
+
+def retried_request(task: Any, options: Dict[str, Any]) -> Any:
+    """The running copy's request when this publish of ``task`` is its retry (the same task id
+    and the same task), else None. Celery also gives ``self.replace(other.si(...))`` the running
+    task's id: a copy of another task under that id is a new publish, not a retry."""
+    running = current_task()
+    if running is not None and options.get("task_id") == running.request.id and running.name == task.name:
+        return running.request
+    return None
 
 
 def current_app() -> Any:

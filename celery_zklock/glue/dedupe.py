@@ -37,7 +37,7 @@ from ..recipes.marker import claim, reap, release, requeue, start_latest, start_
 from ..zk import Session, session_for, timeouts
 from . import parking, preempt
 from .api import claim_scheme, layout_of, settings_of, task_defaults
-from .celery_internals import current_task
+from .celery_internals import retried_request
 from .locking import SKIPPED
 from .options import LockSpec, contention_problem, locking_of
 
@@ -75,11 +75,8 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     original = preempt.stamped(task, original)  # a preempt copy takes its place as it is sent
     if spec is None:
         return parking.publish(task, original, args, kwargs, options)  # a park at publish, or as it is
-    running = current_task()
-    if running is not None and options.get("task_id") == running.request.id and running.name == task.name:
-        # A retry: the same copy, it keeps its marker. Not another task's copy under the running
-        # task's id (self.replace(debounced.si(...)) from a task without dedupe): a new publish.
-        return original(task, args, kwargs, **options)
+    if retried_request(task, options) is not None:
+        return original(task, args, kwargs, **options)  # a retry: the same copy, it keeps its marker
     app = task.app
     where = f"task {task.name}"
     args, kwargs = tuple(args or ()), dict(kwargs or {})

@@ -20,7 +20,7 @@ from ..exceptions import ZooKeeperUnavailable, explain
 from ..recipes.order import take_place
 from ..zk import deadline, session_for, timeouts
 from .api import layout_of, settings_of, task_defaults
-from .celery_internals import current_task
+from .celery_internals import retried_request
 from .options import spec_of
 
 __all__ = ["PUBLISHED_HEADER", "preempts", "published_header", "stamped", "warn_placeless"]
@@ -91,13 +91,9 @@ def stamped(task: Any, original: Callable[..., Any]) -> Callable[..., Any]:
 
     def publish(task: Any, args: Any, kwargs: Any, **options: Any) -> Any:
         headers: Dict[str, Any] = dict(options.get("headers") or {})
-        running = current_task()
-        if running is not None and options.get("task_id") == running.request.id and running.name == task.name:
-            place = published_header(running.request)  # a retry (or a replace by its own task): the same publish
-        else:
-            # Any other publish is a new one, also one under the running task's id that is not
-            # a copy of it: self.replace(render.si(...)) from a task that does not preempt.
-            place = _take_place(task)
+        retried = retried_request(task, options)
+        # A retry (or a replace by its own task) is the same publish; any other is a new one.
+        place = published_header(retried) if retried is not None else _take_place(task)
         if place is not None:
             headers[PUBLISHED_HEADER] = place
             options["headers"] = headers
