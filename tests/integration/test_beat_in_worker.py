@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import redis
@@ -167,16 +167,25 @@ def test_dash_s_zklock_on_a_worker_is_refused(env, queue):
         worker.close()
 
 
-def test_a_killed_embedded_beat_no_longer_counts_as_leading_in_its_workers_metrics(env, queue, redis_server):
-    """The leading replica's embedded beat is SIGKILLed (the OOM killer, say), its worker lives on:
-    the other replica's beat takes over. The dead beat's live gauge (beat_leader, livemax) must go
-    with it, or two replicas say they lead. Its worker does not reap it: a zombie is no live beat."""
+@contextmanager
+def leading_replica(env, name: str, queue: str,
+                    redis_server) -> Iterator[Tuple[List[CeleryWorker], List[int], int, int]]:
+    """Two ``-B`` replicas with a metrics port each, once a beat leads and has dispatched: (the
+    workers, their ports, the leading beat's pid, the index of its worker)."""
     ports = [free_port(), free_port()]
-    with replicas(env, "wk", 1, f"{queue}-not-the-beats", count=2,
+    with replicas(env, name, 1, f"{queue}-not-the-beats", count=2,
                   each=lambda i: {"ZKT_METRICS_PORT": str(ports[i])}) as workers:
         wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 3, timeout=30)
         beat = dispatches(redis_server.url, queue)[-1]["pid"]
         [leader] = [i for i, w in enumerate(workers) if w.pid == _ppid(beat)]
+        yield workers, ports, beat, leader
+
+
+def test_a_killed_embedded_beat_no_longer_counts_as_leading_in_its_workers_metrics(env, queue, redis_server):
+    """The leading replica's embedded beat is SIGKILLed (the OOM killer, say), its worker lives on:
+    the other replica's beat takes over. The dead beat's live gauge (beat_leader, livemax) must go
+    with it, or two replicas say they lead. Its worker does not reap it: a zombie is no live beat."""
+    with leading_replica(env, "wk", queue, redis_server) as (workers, ports, beat, leader):
         assert total(scrape(ports[leader]), "celery_zklock_beat_leader") == 1
         os.kill(beat, signal.SIGKILL)
         wait_until(lambda: dispatches(redis_server.url, queue)[-1]["pid"] != beat, timeout=TIMEOUT + 10)
@@ -190,12 +199,7 @@ def test_a_paused_leading_worker_resumes_as_a_standby_and_says_so_in_its_metrics
     """The leading replica (worker, pool and embedded beat) is SIGSTOPped past the session timeout:
     the other replica's beat takes over. Resumed, the paused beat sends nothing more, and its
     worker's metrics say it no longer leads; each replica has counted exactly its takeovers."""
-    ports = [free_port(), free_port()]
-    with replicas(env, "wp", 1, f"{queue}-not-the-beats", count=2,
-                  each=lambda i: {"ZKT_METRICS_PORT": str(ports[i])}) as workers:
-        wait_until(lambda: len(dispatches(redis_server.url, queue)) >= 3, timeout=30)
-        beat = dispatches(redis_server.url, queue)[-1]["pid"]
-        [leader] = [i for i, w in enumerate(workers) if w.pid == _ppid(beat)]
+    with leading_replica(env, "wp", queue, redis_server) as (workers, ports, beat, leader):
         group = os.getpgid(workers[leader].pid)
         assert group != os.getpgid(0) and group == os.getpgid(beat), "the replica has no process group of its own"
         os.killpg(group, signal.SIGSTOP)
