@@ -267,6 +267,21 @@ class _LeaderOnly(_Leadership):
         self._heap = None
         super().on_leadership()
 
+    def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
+        """The entry's next run, kept as the schedule's entry too, not only in the heap.
+
+        django-celery-beat keeps it in the heap alone: its schedule keeps the entry as it
+        was read, from before this run. A change read while the heap is rebuilt (another
+        beat starting writes its entries twice) leaves the heap to be rebuilt again at the
+        next tick, from that schedule, and the run just sent was due again: it went out
+        twice, 10 ms apart (the beat fuzzer, in CI).
+        """
+        new_entry = super().reserve(entry)
+        schedule = getattr(self, "_schedule", None)
+        if isinstance(schedule, dict) and schedule.get(entry.name) is entry:
+            schedule[entry.name] = new_entry
+        return new_entry
+
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
         """Write the run to the shared state, then send it.
 

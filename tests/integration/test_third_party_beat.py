@@ -119,3 +119,20 @@ def test_a_new_django_leader_dispatches_from_the_current_schedule_not_the_one_it
     finally:
         for beat in beats:
             beat.close()
+
+
+def test_a_django_leader_that_rebuilds_its_heap_twice_around_a_run_does_not_send_it_again(
+        zk_server, zk_root, tmp_path):
+    # Another beat starting writes its entries twice (its default entries, then the
+    # beat_schedule). The leader's tick saw the first write and rebuilt its heap; the second
+    # landed while it did, so the next tick rebuilt again, from entries read before the run
+    # it had just sent: that run went out twice, 20 ms apart (the beat fuzzer, in CI). The
+    # script places both writes there; its beat runs in its own process, ticked by hand.
+    env = {**os.environ, "ZKT_HOSTS": zk_server.hosts, "ZKT_ROOT": zk_root, "ZKT_SESSION_TIMEOUT": str(TIMEOUT),
+           "ZKT_DJANGO_DB": str(tmp_path / "db.sqlite3"), "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-m", "tests.apps.django_project.heap_race"], env=env, check=True,
+                         timeout=120, capture_output=True, text=True).stdout
+    sends = json.loads(out.splitlines()[-1])
+    assert len(sends) >= 3, sends  # the first run, the one the writes met, and one after
+    gaps = [round(b - a, 3) for a, b in zip(sends, sends[1:])]
+    assert min(gaps) > 0.5, f"a run sent twice: gaps {gaps}"
