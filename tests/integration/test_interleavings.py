@@ -65,7 +65,10 @@ def test_a_waiter_behind_a_semaphore_holder_that_never_waited_is_woken(new_sessi
     u_holds = threading.Event()
     u_got: List[float] = []
     in_thread(lambda: u.acquire(timeout=30) and (u_got.append(time.monotonic()), u_holds.set()))
-    wait_until(lambda: u_log.blocked_by == (p.node,))  # U saw H1, H2 and P ahead: it watches P alone
+    # U saw H1, H2 and P ahead: it watches P alone. Until the watch is set, not only decided:
+    # kazoo registers it as the exists' reply comes in (a private name, read-only here).
+    watchers = u.session.client._data_watchers
+    wait_until(lambda: u_log.blocked_by == (p.node,) and bool(watchers.get(f"{path}/{p.node}")))
     h1.release()
     wait_until(lambda: h1.node is None and len(kazoo.get_children(path)) == 3)
     late_read.release()
