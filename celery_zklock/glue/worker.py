@@ -62,6 +62,7 @@ from celery.signals import (
     task_postrun,
     task_received,
     task_revoked,
+    task_unknown,
     worker_init,
     worker_process_init,
     worker_process_shutdown,
@@ -105,6 +106,7 @@ def install() -> None:
         task_revoked.connect(dedupe.revoked, weak=False)
         task_revoked.connect(parking.revoked, weak=False)
         task_received.connect(parking.received, weak=False)
+        task_unknown.connect(parking.unknown, weak=False)
         task_failure.connect(parking.lost, weak=False)
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)
