@@ -661,7 +661,8 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, app: Any =
 def sweep(app: Any, session: Session) -> None:
     """A pool process starts: watch every parked queue of ``app``'s root that has copies, and
     nudge each. Whoever watched a queue may be gone (every process of the only worker killed);
-    its copies would wait for ever. Each queue's rule comes from its head's task."""
+    its copies would wait for ever. Each queue's rule comes from its head's task (a task
+    this app does not know: another app's queue)."""
     settings = settings_of(app)
     layout = layout_of(app)
     until = deadline(settings.connect_timeout)
@@ -673,10 +674,11 @@ def sweep(app: Any, session: Session) -> None:
             if not found:
                 continue
             task = app.tasks.get(node_object(found[0][1].partition(b"\n")[0]).get("task"))
-            spec = spec_of(task) if task is not None else None
-            if spec is None:
+            if task is None:
                 continue  # another app's queue, under a shared root: its own workers watch it
-            parked = _queue_at(session, app, path, spec)
+            # A head whose task takes no lock any more (a deploy removed it) is sent all the
+            # same: it leaves its queue as it is received (see received), and the next goes.
+            parked = _queue_at(session, app, path, spec_of(task))
             _watch(session, settings).add(parked, functools.partial(send, app))
     except Exception as exc:  # noqa: BLE001 - the queues' own releasers and watchers still send them
         logger.warning("celery-zklock: could not look for parked copies at start (%s)", explain(exc))

@@ -291,19 +291,28 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         return _retried_once(self, key, seq, gated, retry)
 
     # A task as a deploy changes it (ZKT_PARK_DEPLOY): "park" (as first deployed), "renamed" (the
-    # same body under another name; the old name is unknown) or "wait" (the same name, no longer parking).
+    # same body under another name; the old name is unknown), "wait" (the same name, no longer
+    # parking) or "unlocked" (the same name, taking no lock at all).
     _DEPLOY = os.environ.get("ZKT_PARK_DEPLOY", "park")
     DEPLOYED = "tests.apps.worker_app.deployed"
     DEPLOYED_RENAMED = "tests.apps.worker_app.deployed_renamed"
 
-    @app.task(bind=True, shared=False, name=DEPLOYED_RENAMED if _DEPLOY == "renamed" else DEPLOYED)
-    @zk_locked(key="park:{key}", **({"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait"
-                                    else {"on_contention": "park"}))
-    def deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
-        """``parking``, as the deploy named by ZKT_PARK_DEPLOY left it."""
-        note("start", key=key, seq=seq)
-        (hold_on_socket if gated else hold)(seconds, key)
-        return seq
+    if _DEPLOY == "unlocked":
+        @app.task(bind=True, shared=False, name=DEPLOYED)
+        def deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+            """``deployed``, taking no lock: its start alone is noted."""
+            note("start", key=key, seq=seq)
+            time.sleep(seconds)
+            return seq
+    else:
+        @app.task(bind=True, shared=False, name=DEPLOYED_RENAMED if _DEPLOY == "renamed" else DEPLOYED)
+        @zk_locked(key="park:{key}", **({"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait"
+                                        else {"on_contention": "park"}))
+        def deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+            """``parking``, as the deploy named by ZKT_PARK_DEPLOY left it."""
+            note("start", key=key, seq=seq)
+            (hold_on_socket if gated else hold)(seconds, key)
+            return seq
 
 
 @task_postrun.connect

@@ -59,7 +59,7 @@ def test_a_deploy_that_renames_a_parked_task_drops_its_old_copies_and_its_key_mo
                                                                                      kazoo, zk_root):
     # The new worker rejected the old name's head as unregistered, but the claim on it stayed
     # with the live process that sent it: every later copy parked behind it for good.
-    workers("old", concurrency=2)
+    old = workers("old", concurrency=2)
     first = send(worker_app.deployed, queue, "ren", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     dropped = [send(worker_app.deployed, queue, "ren", 0.1, i) for i in (1, 2)]
@@ -70,6 +70,7 @@ def test_a_deploy_that_renames_a_parked_task_drops_its_old_copies_and_its_key_mo
     wait_until(lambda: parked(kazoo, zk_root, "ren") == 4, timeout=30)  # behind the old name's copies
     redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
     assert first.get(timeout=30) == 0
+    old.stop(timeout=20)  # the old worker goes as it sends the head (or right after)
     assert [r.get(timeout=30) for r in later] == [3, 4], "the key's later copies run, in order"
     for result in dropped:
         with pytest.raises(NotRegistered):
@@ -80,21 +81,24 @@ def test_a_deploy_that_renames_a_parked_task_drops_its_old_copies_and_its_key_mo
     wait_until(lambda: queue_left(kazoo, zk_root, "ren") == [], timeout=10)
 
 
-def test_a_deploy_that_stops_a_task_parking_runs_each_parked_copy_once(workers, queue, redis_server, kazoo, zk_root):
-    # The same name, now on_contention="wait": the head ran without taking its node, so the
-    # queue stalled behind the claim of the live process that sent it, and, once that process
-    # was gone, the head was sent again and its body ran a second time.
+@pytest.mark.parametrize("deploy", ["wait", "unlocked"])
+def test_a_deploy_that_stops_a_task_parking_runs_each_parked_copy_once(deploy, workers, queue, redis_server, kazoo,
+                                                                       zk_root):
+    # The same name, now on_contention="wait" (or with no lock at all): the head ran without
+    # taking its node, so the queue stalled behind the claim of the live process that sent it,
+    # and, once that process was gone, the head was sent again and its body ran a second time.
     old = workers("old", concurrency=2)
     first = send(worker_app.deployed, queue, "pw", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     copies = [send(worker_app.deployed, queue, "pw", 0.1, i) for i in (1, 2, 3)]
     wait_until(lambda: parked(kazoo, zk_root, "pw") == 3, timeout=30)
-    workers("new", concurrency=2, ZKT_PARK_DEPLOY="wait")
+    workers("new", concurrency=2, ZKT_PARK_DEPLOY=deploy)
     _stop_consuming("old", queue)
     redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
-    assert [r.get(timeout=30) for r in [first, *copies]] == [0, 1, 2, 3]
+    assert first.get(timeout=30) == 0
+    old.stop(timeout=20)  # the old worker goes as it sends the head (or right after): its claims go with it
+    assert [r.get(timeout=30) for r in copies] == [1, 2, 3]
     wait_until(lambda: queue_left(kazoo, zk_root, "pw") == [], timeout=10)  # nothing left to send again
-    old.stop(timeout=20)  # its claims go with it: none is left to free a copy for a second run
     ran = starts(redis_server.url)
     assert [ran[r.id] for r in [first, *copies]] == [1, 1, 1, 1], "each copy's body once"
     assert sum(ran.values()) == 4
