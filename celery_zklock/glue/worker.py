@@ -28,7 +28,8 @@ it looks at each task Celery makes from a function as it is made. Then:
 
 3. :func:`install` is idempotent. It routes ``Task.apply_async`` through the dedupe
    publish (and ``Celery.send_task``, for a dedupe task sent by name), and connects
-   ``task_revoked`` (a revoked copy's marker), ``task_failure`` (the marker of a copy
+   ``task_revoked`` (a revoked copy's marker), ``task_unknown`` (a parked copy of a task
+   a deploy renamed leaves its queue), ``task_failure`` (the marker of a copy
    whose pool process died), ``task_postrun`` (the marker of a copy whose own run was cut
    short before it gave it back), ``worker_init`` (refuse a worker whose
    locked tasks or settings are wrong; serve its metrics, before the pool forks; keep
