@@ -569,7 +569,7 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
         return
     logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
                    "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)
-    _give_up(None, id, header, revoked=True, app=app, name=name)
+    _give_up(None, id, header, revoked=True, app=app, task_name=name)
 
 
 #: Task id -> parked node, of the copies sent again that this worker received: a pool process's
@@ -590,7 +590,7 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     if task is not None and spec_of(task) is None:
         logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
                        "key's parked queue, and runs", task.name, request.id)
-        _give_up(None, request.id, header, revoked=True, app=task.app, name=task.name)
+        _give_up(None, request.id, header, revoked=True, app=task.app, task_name=task.name)
         return
     _received[request.id] = header
     while len(_received) > _RECEIVED_MAX:
@@ -615,13 +615,13 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     _give_up(sender, task_id, header, revoked=not comes_back)
 
 
-def _give_up(task: Any, task_id: str, header: str, revoked: bool, app: Any = None, name: str = "") -> None:
+def _give_up(task: Any, task_id: str, header: str, revoked: bool, app: Any = None, task_name: str = "") -> None:
     # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
     # another thread there would share the consumer's broker transport. It only changes the
     # queue; the pool processes watching it (the releaser that sent the copy is one) see the
     # change and send the next copy. Without a task (one this worker does not know, or that
-    # takes no lock), ``app`` and ``name`` say whose copy it is: a removal reads no rule.
-    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked, app, name),
+    # takes no lock), ``app`` and ``task_name`` say whose copy it is: a removal reads no rule.
+    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked, app, task_name),
                      name="celery-zklock-parked", daemon=True).start()
 
 
@@ -629,12 +629,13 @@ def _give_up(task: Any, task_id: str, header: str, revoked: bool, app: Any = Non
 _GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
 
 
-def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, app: Any = None, name: str = "") -> None:
+def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, app: Any = None,
+                 task_name: str = "") -> None:
     spec = spec_of(task) if task is not None else None
     if task is not None and spec is None:
         return
     if task is not None:
-        app, name = task.app, task.name
+        app, task_name = task.app, task.name
     settings = settings_of(app)
     path, name = posixpath.dirname(header), posixpath.basename(header)
     what = "taken out of its queue" if revoked else "given its claim back"
@@ -646,7 +647,7 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, app: Any =
             (parked.remove if revoked else parked.decline)(name, until)
             return
         except ValueError as exc:  # a header that names no queue of ours
-            logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", name, task_id, header, what,
+            logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", task_name, task_id, header, what,
                            explain(exc))
             return
         except Exception as exc:  # noqa: BLE001 - tried again, a little later each time
@@ -654,7 +655,7 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, app: Any =
         time.sleep(backoff)
         backoff = min(2 * backoff, _GIVE_UP_BACKOFF)
     logger.error("task %s[%s]: its parked copy %s could not be %s in %d tries (%s); the key's queue waits "
-                 "behind it until its claim's session ends", name, task_id, header, what, _GIVE_UP_TRIES,
+                 "behind it until its claim's session ends", task_name, task_id, header, what, _GIVE_UP_TRIES,
                  failure)
 
 
