@@ -71,6 +71,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     """``Task.apply_async`` for every task: a dedupe task publishes only if no copy with its key
     is queued (or running); a preempt copy takes its place in the order of publishes as it is
     sent (:func:`.preempt.stamped`); any other task is published as it is."""
+    options = parking.as_new_delivery(task, options)  # a retry of a copy sent from its parked queue
     spec = _dedupe_spec(task)
     original = preempt.stamped(task, original)  # a preempt copy takes its place as it is sent
     if spec is None:

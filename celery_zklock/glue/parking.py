@@ -53,11 +53,12 @@ from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, 
 from ..recipes.park import waiting as parked_copies
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
-from .celery_internals import current_task
+from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
 
-__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "encode", "lost", "parked_header",
-           "publish", "received", "revoked", "send", "started_when_held", "sweep"]
+__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "as_new_delivery", "encode",
+           "leave_queue", "lost", "parked_header", "publish", "received", "revoked", "send", "started_when_held",
+           "sweep", "unknown"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -349,8 +350,57 @@ class Parking:
 
 def _queue_at(session: Session, app: Any, path: str, spec: Any) -> ParkedQueue:
     """The parked queue at ``path`` (a header's or a sweep's), beside its key's lock, under
-    ``spec``'s rule; ValueError for a path that names no queue of ``app``'s root."""
-    return ParkedQueue(session, path, layout_of(app).lock_of_parked(path), rule_for(spec.mode, spec.limit))
+    ``spec``'s rule (None: a copy's removal alone, which reads no rule); ValueError for a path
+    that names no queue of ``app``'s root."""
+    rule = rule_for() if spec is None else rule_for(spec.mode, spec.limit)
+    return ParkedQueue(session, path, layout_of(app).lock_of_parked(path), rule)
+
+
+def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> None:
+    """A copy sent again from its parked queue to a worker where its task no longer parks (a
+    deploy changed ``on_contention``): it takes its node now, so that no other send of it ever
+    runs, and then runs under its task's policy as a new copy would. Raises ``Ignore`` for a
+    second send of a copy already taken, and for one ZooKeeper did not let take its node (it
+    stays parked, its claim given back, and is sent again)."""
+    header = parked_header(task.request)
+    if header is None:
+        return
+    path, name = posixpath.dirname(header), posixpath.basename(header)
+    where = f"task {task.name}[{task.request.id}]"
+    try:
+        queue = _queue_at(session, task.app, path, spec)
+    except ValueError:  # a header that names no queue of ours: nothing of ours to leave
+        return
+    try:
+        taken = queue.take(name, deadline(settings.connect_timeout))
+    except (KazooException, ZkLockError, *timeouts()) as exc:
+        logger.warning("%s: %s before the copy could leave its parked queue; it stays parked, and is sent again",
+                       where, explain(exc))
+        _watch(session, settings).give_up(queue, name, functools.partial(send, task.app))
+        raise Ignore() from None
+    if not taken:
+        logger.info("%s: a second send of a parked copy that has already been taken; dropped", where)
+        raise Ignore()
+    queue.done(name)
+    logger.info("%s: sent from its key's parked queue, but the task no longer parks (on_contention=%r): it left "
+                "the queue, and runs as a new copy would", where, spec.contention(task_defaults(task.app)))
+
+
+def as_new_delivery(task: Any, options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` of a publish of ``task``, without the parked-copy header a retry of the running
+    copy inherits (``self.retry``, ``autoretry_for``: Celery builds it from the request).
+
+    The copy took its node as it began, so a retry carrying the header would find the node
+    gone and drop itself as a second send: its caller would wait in RETRY for ever. It is a
+    new delivery, which contends (or parks) again. Our own sends of a parked copy are not
+    retries, even from the copy's own thread (a received copy that declines sends the head,
+    itself), and keep it.
+    """
+    headers = options.get("headers")
+    if not headers or PARK_HEADER not in headers or getattr(_sending, "now", False) \
+            or retried_request(task, options) is None:
+        return options
+    return {**options, "headers": {k: v for k, v in headers.items() if k != PARK_HEADER}}
 
 
 def abandon_received(task: Any, session: Session, settings: Settings, spec: Any, exc: BaseException) -> bool:
@@ -389,7 +439,15 @@ def send(app: Any, node: str, payload: bytes) -> None:
     message = loads(body, info["content_type"], info["content_encoding"],
                     accept=prepare_accept_content(app.conf.accept_content))
     signature = app.signature(message)
-    signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node})
+    _sending.now = True
+    try:
+        signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node})
+    finally:
+        _sending.now = False
+
+
+#: Set while this thread sends a parked copy again (see as_new_delivery).
+_sending = threading.local()
 
 
 #: Publish options of this process alone: used here, never stored with a parked copy.
@@ -499,6 +557,21 @@ def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     _give_up(sender, request.id, header, revoked=True)
 
 
+def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "", **kwargs: Any) -> None:
+    """A ``task_unknown`` receiver (the consumer): a parked copy sent again to a worker that does
+    not know its task (a deploy renamed or removed it) never runs there. Celery rejects its
+    message and stores ``NotRegistered`` as its result, so its caller is told; it leaves its
+    queue now, as a revoked copy does, so that the next copy goes. Else the claim on it, its
+    sender's, would hold the queue for as long as the sender lives."""
+    header = (getattr(message, "headers", None) or {}).get(PARK_HEADER)
+    app = getattr(sender, "app", None)
+    if not isinstance(header, str) or app is None:
+        return
+    logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
+                   "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)
+    _give_up(None, id, header, revoked=True, app=app, task_name=name)
+
+
 #: Task id -> parked node, of the copies sent again that this worker received: a pool process's
 #: death is told by task id alone. Bounded: a copy that ran needs its entry no more.
 _received: OrderedDict[str, str] = OrderedDict()
@@ -506,12 +579,22 @@ _RECEIVED_MAX = 10_000
 
 
 def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
-    """A ``task_received`` receiver (the consumer): remember the parked node of a copy sent again."""
+    """A ``task_received`` receiver (the consumer): remember the parked node of a copy sent again.
+
+    A copy whose task takes no lock any more (a deploy removed it) runs here as any task
+    does, and nothing of ours would ever take its node: it leaves its queue now."""
     header = parked_header(request) if request is not None else None
-    if header is not None:
-        _received[request.id] = header
-        while len(_received) > _RECEIVED_MAX:
-            _received.popitem(last=False)
+    if header is None:
+        return
+    task = getattr(request, "task", None)
+    if task is not None and spec_of(task) is None:
+        logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
+                       "key's parked queue, and runs", task.name, request.id)
+        _give_up(None, request.id, header, revoked=True, app=task.app, task_name=task.name)
+        return
+    _received[request.id] = header
+    while len(_received) > _RECEIVED_MAX:
+        _received.popitem(last=False)
 
 
 def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs: Any) -> None:
@@ -532,24 +615,27 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     _give_up(sender, task_id, header, revoked=not comes_back)
 
 
-def _give_up(task: Any, task_id: str, header: str, revoked: bool) -> None:
+def _give_up(task: Any, task_id: str, header: str, revoked: bool, app: Any = None, task_name: str = "") -> None:
     # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
     # another thread there would share the consumer's broker transport. It only changes the
     # queue; the pool processes watching it (the releaser that sent the copy is one) see the
-    # change and send the next copy.
-    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked), name="celery-zklock-parked",
-                     daemon=True).start()
+    # change and send the next copy. Without a task (one this worker does not know, or that
+    # takes no lock), ``app`` and ``task_name`` say whose copy it is: a removal reads no rule.
+    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked, app, task_name),
+                     name="celery-zklock-parked", daemon=True).start()
 
 
 #: How often, and how far apart at most, the main process tries to give a copy up.
 _GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
 
 
-def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
-    spec = spec_of(task)
-    if spec is None:
+def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, app: Any = None,
+                 task_name: str = "") -> None:
+    spec = spec_of(task) if task is not None else None
+    if task is not None and spec is None:
         return
-    app = task.app
+    if task is not None:
+        app, task_name = task.app, task.name
     settings = settings_of(app)
     path, name = posixpath.dirname(header), posixpath.basename(header)
     what = "taken out of its queue" if revoked else "given its claim back"
@@ -561,7 +647,7 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
             (parked.remove if revoked else parked.decline)(name, until)
             return
         except ValueError as exc:  # a header that names no queue of ours
-            logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", task.name, task_id, header, what,
+            logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", task_name, task_id, header, what,
                            explain(exc))
             return
         except Exception as exc:  # noqa: BLE001 - tried again, a little later each time
@@ -569,14 +655,15 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
         time.sleep(backoff)
         backoff = min(2 * backoff, _GIVE_UP_BACKOFF)
     logger.error("task %s[%s]: its parked copy %s could not be %s in %d tries (%s); the key's queue waits "
-                 "behind it until its claim's session ends", task.name, task_id, header, what, _GIVE_UP_TRIES,
+                 "behind it until its claim's session ends", task_name, task_id, header, what, _GIVE_UP_TRIES,
                  failure)
 
 
 def sweep(app: Any, session: Session) -> None:
     """A pool process starts: watch every parked queue of ``app``'s root that has copies, and
     nudge each. Whoever watched a queue may be gone (every process of the only worker killed);
-    its copies would wait for ever. Each queue's rule comes from its head's task."""
+    its copies would wait for ever. Each queue's rule comes from its head's task (a task
+    this app does not know: another app's queue)."""
     settings = settings_of(app)
     layout = layout_of(app)
     until = deadline(settings.connect_timeout)
@@ -588,10 +675,11 @@ def sweep(app: Any, session: Session) -> None:
             if not found:
                 continue
             task = app.tasks.get(node_object(found[0][1].partition(b"\n")[0]).get("task"))
-            spec = spec_of(task) if task is not None else None
-            if spec is None:
+            if task is None:
                 continue  # another app's queue, under a shared root: its own workers watch it
-            parked = _queue_at(session, app, path, spec)
+            # A head whose task takes no lock any more (a deploy removed it) is sent all the
+            # same: it leaves its queue as it is received (see received), and the next goes.
+            parked = _queue_at(session, app, path, spec_of(task))
             _watch(session, settings).add(parked, functools.partial(send, app))
     except Exception as exc:  # noqa: BLE001 - the queues' own releasers and watchers still send them
         logger.warning("celery-zklock: could not look for parked copies at start (%s)", explain(exc))

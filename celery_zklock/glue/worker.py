@@ -28,7 +28,8 @@ it looks at each task Celery makes from a function as it is made. Then:
 
 3. :func:`install` is idempotent. It routes ``Task.apply_async`` through the dedupe
    publish (and ``Celery.send_task``, for a dedupe task sent by name), and connects
-   ``task_revoked`` (a revoked copy's marker), ``task_failure`` (the marker of a copy
+   ``task_revoked`` (a revoked copy's marker), ``task_unknown`` (a parked copy of a task
+   a deploy renamed leaves its queue), ``task_failure`` (the marker of a copy
    whose pool process died), ``task_postrun`` (the marker of a copy whose own run was cut
    short before it gave it back), ``worker_init`` (refuse a worker whose
    locked tasks or settings are wrong; serve its metrics, before the pool forks; keep
@@ -62,6 +63,7 @@ from celery.signals import (
     task_postrun,
     task_received,
     task_revoked,
+    task_unknown,
     worker_init,
     worker_process_init,
     worker_process_shutdown,
@@ -105,6 +107,7 @@ def install() -> None:
         task_revoked.connect(dedupe.revoked, weak=False)
         task_revoked.connect(parking.revoked, weak=False)
         task_received.connect(parking.received, weak=False)
+        task_unknown.connect(parking.unknown, weak=False)
         task_failure.connect(parking.lost, weak=False)
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)

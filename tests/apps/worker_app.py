@@ -262,6 +262,58 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         hold(seconds, key)
         return seq
 
+    def _retried_once(task: Any, key: str, seq: int, gated: bool, retry: Any) -> int:
+        # Gated on its first run alone: the gate's one push is taken by it.
+        note("start", key=key, seq=seq, retries=task.request.retries,
+             parked=bool(getattr(task.request, "zklock_parked", None)))
+        if gated and not task.request.retries:
+            hold_on_socket(60.0, key)
+        else:
+            hold(0.1, key)
+        if not task.request.retries:
+            retry()
+        return seq
+
+    @app.task(bind=True, shared=False, max_retries=1)
+    @zk_locked(key="park:{key}", on_contention="park")
+    def parking_retried(self, key: str, seq: int, gated: bool = False) -> int:
+        """A parking copy whose first run retries once (``self.retry``), and whose retry returns ``seq``."""
+        def retry() -> None:
+            raise self.retry(countdown=0)
+        return _retried_once(self, key, seq, gated, retry)
+
+    @app.task(bind=True, shared=False, autoretry_for=(RuntimeError,), max_retries=1, default_retry_delay=0)
+    @zk_locked(key="park:{key}", on_contention="park")
+    def parking_autoretried(self, key: str, seq: int, gated: bool = False) -> int:
+        """``parking_retried``, retried by ``autoretry_for``."""
+        def retry() -> None:
+            raise RuntimeError("retried by autoretry_for")
+        return _retried_once(self, key, seq, gated, retry)
+
+    # A task as a deploy changes it (ZKT_PARK_DEPLOY): "park" (as first deployed), "renamed" (the
+    # same body under another name; the old name is unknown), "wait" (the same name, no longer
+    # parking) or "unlocked" (the same name, taking no lock at all).
+    _DEPLOY = os.environ.get("ZKT_PARK_DEPLOY", "park")
+    DEPLOYED = "tests.apps.worker_app.deployed"
+    DEPLOYED_RENAMED = "tests.apps.worker_app.deployed_renamed"
+
+    if _DEPLOY == "unlocked":
+        @app.task(bind=True, shared=False, name=DEPLOYED)
+        def deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+            """``deployed``, taking no lock: its start alone is noted."""
+            note("start", key=key, seq=seq)
+            time.sleep(seconds)
+            return seq
+    else:
+        @app.task(bind=True, shared=False, name=DEPLOYED_RENAMED if _DEPLOY == "renamed" else DEPLOYED)
+        @zk_locked(key="park:{key}", **({"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait"
+                                        else {"on_contention": "park"}))
+        def deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+            """``parking``, as the deploy named by ZKT_PARK_DEPLOY left it."""
+            note("start", key=key, seq=seq)
+            (hold_on_socket if gated else hold)(seconds, key)
+            return seq
+
 
 @task_postrun.connect
 def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: Any) -> None:
