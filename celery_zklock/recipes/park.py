@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
@@ -51,8 +51,8 @@ from ..exceptions import explain
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "SENT", "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch",
-           "head_of", "parked_sequence", "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "SENT", "InFlight", "Looked", "Nudge", "ParkUntold", "ParkedQueue",
+           "QueueWatch", "head_of", "parked_sequence", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -149,21 +149,38 @@ def _failed(results: List[Any]) -> bool:
     return any(isinstance(r, Exception) for r in results)
 
 
-def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[str, bytes, float, bool]]:
-    """(node name, payload, parked at (epoch s), in flight) of each copy parked at ``path``, head first."""
+class InFlight(NamedTuple):
+    """A parked copy's claim: the copy was sent again to be run, and is not taken yet."""
+
+    since: float  #: when it was claimed (sent, or received by its worker): ZooKeeper's time, epoch s
+    received: bool  #: a worker received it (its claim moved to that worker's session)
+
+
+def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[str, bytes, float, Optional[InFlight]]]:
+    """(node name, payload, parked at (epoch s), its claim if in flight) of each copy parked at
+    ``path``, head first."""
     client = session.client
     try:
         children = reply(client.get_children_async(path), until)
     except NoNodeError:
         return []
-    pending = [(name, client.get_async(f"{path}/{name}")) for name in _parked(children)]
+    pending = [(name, client.get_async(f"{path}/{name}"),
+                client.get_async(f"{path}/{CLAIM}{name}") if CLAIM + name in children else None)
+               for name in _parked(children)]
     out = []
-    for name, result in pending:
+    for name, result, claimed in pending:
         try:
             data, stat = reply(result, until)
         except NoNodeError:
             continue  # taken while we looked
-        out.append((name, data, stat.ctime / 1000.0, CLAIM + name in children))
+        flight = None
+        if claimed is not None:
+            try:
+                mark, claim = reply(claimed, until)
+                flight = InFlight(claim.ctime / 1000.0, not mark.startswith(SENT))
+            except NoNodeError:
+                pass  # taken or given back while we looked
+        out.append((name, data, stat.ctime / 1000.0, flight))
     return out
 
 
