@@ -51,8 +51,8 @@ from ..exceptions import explain
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "SENT", "InFlight", "Looked", "Nudge", "ParkUntold", "ParkedQueue",
-           "QueueWatch", "head_of", "parked_sequence", "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "InFlight", "Looked", "Nudge", "ParkUntold",
+           "ParkedQueue", "QueueWatch", "head_of", "parked_sequence", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
