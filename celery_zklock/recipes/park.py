@@ -583,13 +583,14 @@ class ParkedQueue:
     def _resend_now(self, head: str, send: Send, until: Optional[float]) -> bool:
         client = self.session.client
         try:
+            # Usually one read: the claim is gone (taken and done) or changed (received).
             data, stat = reply(client.get_async(self.node_path(CLAIM + head)), until)
+            ours = client.client_id is not None and stat.ephemeralOwner == client.client_id[0]
+            if not ours or not data.startswith(SENT):
+                return False  # received (its data emptied, in its receiver's session) or taken (marked)
             payload, _ = reply(client.get_async(self.node_path(head)), until)
         except NoNodeError:
             return False
-        ours = client.client_id is not None and stat.ephemeralOwner == client.client_id[0]
-        if not ours or not data.startswith(SENT):
-            return False  # received (its data emptied, in its receiver's session) or taken (marked)
         send(self.node_path(head), payload)
         return True
 
@@ -729,7 +730,8 @@ class QueueWatch:
         self.session = session
         self.timeout = timeout
         self.resend_after = resend_after
-        #: Heads this process sent, not known to be received: claim path -> (when to look again, queue, head, send).
+        #: The last head this process sent in each queue, not known to be received: queue path -> (when to
+        #: look again, queue, head, send). One a queue: a head is sent only once the one before is gone.
         self._in_flight: Dict[str, Tuple[float, ParkedQueue, str, Send]] = {}
         #: (when to look next, the look) for queues nobody watches (see patrol).
         self._patrol: Optional[Tuple[float, Callable[[], None]]] = None
@@ -793,7 +795,7 @@ class QueueWatch:
         process's monotonic clock: the claim is ours, so only we can tell how long ago we sent
         it, and a wall clock could jump."""
         with self._lock:
-            self._in_flight[parked.node_path(CLAIM + head)] = (time.monotonic() + self.resend_after, parked, head, send)
+            self._in_flight[parked.path] = (time.monotonic() + self.resend_after, parked, head, send)
             self._start()
         self._todo.put("")  # the thread's next wake-up may be later than this one's
 
@@ -820,11 +822,11 @@ class QueueWatch:
         """Send again each head whose time came (see sent), and patrol if its time came."""
         now = time.monotonic()
         with self._lock:
-            due = [(claim, entry) for claim, entry in self._in_flight.items() if entry[0] <= now]
+            due = [(path, entry) for path, entry in self._in_flight.items() if entry[0] <= now]
             patrol = self._patrol if self._patrol is not None and self._patrol[0] <= now else None
             if patrol is not None:
                 self._patrol = (now + self.resend_after, patrol[1])
-        for claim, entry in due:
+        for path, entry in due:
             _, parked, head, send = entry
             try:
                 again = parked.resend(head, send, deadline(self.timeout))
@@ -837,10 +839,12 @@ class QueueWatch:
                                head, explain(exc), self.resend_after)
                 again = True
             with self._lock:
+                if self._in_flight.get(path) is not entry:
+                    continue  # a later head was sent meanwhile: this one is gone
                 if again:
-                    self._in_flight[claim] = (time.monotonic() + self.resend_after, parked, head, send)
-                elif self._in_flight.get(claim) is entry:  # (not if it was sent afresh meanwhile)
-                    del self._in_flight[claim]
+                    self._in_flight[path] = (time.monotonic() + self.resend_after, parked, head, send)
+                else:
+                    del self._in_flight[path]
         if patrol is not None:
             try:
                 patrol[1]()
