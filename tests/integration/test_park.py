@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import List
+from typing import List, Sequence
 
 import pytest
 import redis
@@ -418,6 +418,21 @@ def test_a_soft_time_limit_landing_as_a_holder_looks_at_its_queue_stops_the_body
     assert children(kazoo, f"{zk_root}/locks/k-park:soft") == []
 
 
+def moved_on(redis_url: str, kazoo, zk_root: str, key: str, ran: List[AsyncResult], since: float,
+             bound: float, before: Sequence[AsyncResult] = ()) -> List[dict]:
+    """After a fault at ``since``: the first of ``ran`` started within ``bound`` s, the locked bodies
+    in the history are those of ``before`` (run before the fault), then of ``ran``, once each and
+    in that order, no two holds overlapped, and the key's queue emptied. The history, for more checks."""
+    history = events(redis_url)
+    next_start = min(e["time"] for e in history if e["event"] == "start" and e["task_id"] == ran[0].id)
+    assert next_start - since < bound, f"the next copy started {next_start - since:.2f}s after the fault"
+    bodies = [e["task_id"] for e in sorted(history, key=lambda e: e.get("start", 0)) if e["event"] == "body"]
+    assert bodies == [r.id for r in [*before, *ran]], "each copy once, in order"
+    assert violations(holds(redis_url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, key) == [], timeout=10)
+    return history
+
+
 def hostname(name: str) -> str:
     return f"{name}@{socket.gethostname()}"
 
@@ -450,16 +465,10 @@ def test_a_queue_whose_only_watcher_died_is_picked_up_by_a_worker_already_runnin
     killed = time.monotonic()
     # zklock_session_timeout is 4 s here: b's watchers and its holder go then; a looks every 1 s.
     assert [r.get(timeout=4 + 1 + 15) for r in rest] == [1, 2, 3, 4], "no new publish"
-    history = events(redis_server.url)
-    next_start = min(e["time"] for e in history if e["event"] == "start" and e["task_id"] == rest[0].id)
-    assert next_start - killed < 4 + 1 + 3, f"the next copy started {next_start - killed:.2f}s after the kill"
-    bodies = [e["task_id"] for e in sorted(history, key=lambda e: e.get("start", 0)) if e["event"] == "body"]
-    assert bodies == [r.id for r in rest], "each parked copy once, in order"
+    history = moved_on(redis_server.url, kazoo, zk_root, "orphan", rest, killed, 4 + 1 + 3)
     if task == "parking_at_publish":
         deliveries = collections.Counter(e["task_id"] for e in history if e["event"] == "delivered")
         assert [deliveries[r.id] for r in rest[1:]] == [1, 1, 1], "parked as they were published"
-    assert violations(holds(redis_server.url)) == []
-    wait_until(lambda: queue_left(kazoo, zk_root, "orphan") == [], timeout=10)
 
 
 def unacked_ids(redis_url: str) -> List[str]:
@@ -500,10 +509,4 @@ def test_a_sent_head_that_nobody_will_run_is_sent_again(fault, workers, queue, r
     assert first.get(timeout=30) == 0
     consume("a", queue)
     assert [x.get(timeout=2 + 15) for x in rest] == [1, 2, 3]
-    history = events(redis_server.url)
-    next_start = min(e["time"] for e in history if e["event"] == "start" and e["task_id"] == rest[0].id)
-    assert next_start - lost < 2 + 3, f"the head started {next_start - lost:.2f}s after it was lost"
-    bodies = [e["task_id"] for e in sorted(history, key=lambda e: e.get("start", 0)) if e["event"] == "body"]
-    assert bodies == [first.id] + [x.id for x in rest], "each copy once, in order"
-    assert violations(holds(redis_server.url)) == []
-    wait_until(lambda: queue_left(kazoo, zk_root, "sent") == [], timeout=10)
+    moved_on(redis_server.url, kazoo, zk_root, "sent", rest, lost, 2 + 3, before=[first])
