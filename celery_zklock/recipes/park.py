@@ -26,6 +26,11 @@ and reads after, so of a releaser and a parker racing, one sees the other. (A re
 also looks before it lets go, :meth:`ParkedQueue.look`, so that its claim on the head
 commits with its release; any answer from that look but a claim is read again after.)
 
+Two events fire no watch, so they are timed (``resend_after``): a head whose message never
+reaches a worker that runs it (lost by the broker, or held by a worker that died) keeps its
+sender's claim, and its sender sends it again (:meth:`ParkedQueue.resend`); a queue whose
+watchers all died is found by a worker's periodic look (:meth:`QueueWatch.patrol`).
+
 Example::
 
     queue = ParkedQueue(session, layout.parked(key), layout.lock(key), EXCLUSIVE)
@@ -826,18 +831,21 @@ class QueueWatch:
             patrol = self._patrol if self._patrol is not None and self._patrol[0] <= now else None
             if patrol is not None:
                 self._patrol = (now + self.resend_after, patrol[1])
+        failed = False
         for path, entry in due:
             _, parked, head, send = entry
-            try:
-                again = parked.resend(head, send, deadline(self.timeout))
-                if again:
-                    logger.warning("parked copy %s/%s: sent %gs ago and not received by any worker (its message "
-                                   "lost, or held by a worker that died); sent again", parked.path, head,
-                                   self.resend_after)
-            except Exception as exc:  # noqa: BLE001 - tried again at the next turn
-                logger.warning("parked copy %s/%s: could not send it again (%s); trying again in %gs", parked.path,
-                               head, explain(exc), self.resend_after)
-                again = True
+            again = True  # after a failure, the rest wait for the next turn: ZooKeeper or the broker is down
+            if not failed:
+                try:
+                    again = parked.resend(head, send, deadline(self.timeout))
+                    if again:
+                        logger.warning("parked copy %s/%s: not received by any worker within %gs of its send (its "
+                                       "message lost, or held by a worker that died); sent again", parked.path, head,
+                                       self.resend_after)
+                except Exception as exc:  # noqa: BLE001 - tried again at the next turn
+                    logger.warning("parked copy %s/%s: could not send it again (%s); trying again in %gs",
+                                   parked.path, head, explain(exc), self.resend_after)
+                    failed = True
             with self._lock:
                 if self._in_flight.get(path) is not entry:
                     continue  # a later head was sent meanwhile: this one is gone
