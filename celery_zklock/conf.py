@@ -82,6 +82,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_default_on_contention": "wait",
     "zklock_default_timeout": 60.0,
     "zklock_default_park_limit": 1000,
+    "zklock_park_resend_after": 30.0,
     "zklock_dedupe_ttl": 3600.0,
     "zklock_dedupe_publish_timeout": 2.0,
     "zklock_beat_name": None,
@@ -135,6 +136,13 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
     "zklock_default_park_limit": ("int", "How many copies a key's parked queue holds when a task does not set "
                                   "`park_limit`; a copy past it is refused as `skip` would, with a result that "
                                   "says why."),
+    "zklock_park_resend_after": ("seconds", "How long a parked queue may stand still before a live worker moves "
+                                 "it. A head sent again and not yet received by any worker (its message lost by "
+                                 "the broker, or prefetched by a worker that died) is sent again after this long by "
+                                 "the process that claimed it; and each worker process looks this often for a "
+                                 "parked queue that no live process watches (its watchers all died) and watches "
+                                 "it. A few session timeouts: a copy that waits longer in a busy worker's prefetch "
+                                 "buffer is sent again too, harmlessly (the later send drops itself)."),
     "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
                                "`None` waits forever."),
     "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "
@@ -512,6 +520,7 @@ class TaskDefaults:
     dedupe_ttl: float = DEFAULTS["zklock_dedupe_ttl"]
     dedupe_publish_timeout: float = DEFAULTS["zklock_dedupe_publish_timeout"]
     park_limit: int = DEFAULTS["zklock_default_park_limit"]
+    park_resend_after: float = DEFAULTS["zklock_park_resend_after"]
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> TaskDefaults:
@@ -528,6 +537,7 @@ class TaskDefaults:
             "dedupe_publish_timeout": lambda: positive_seconds("zklock_dedupe_publish_timeout",
                                                                get("zklock_dedupe_publish_timeout")),
             "park_limit": lambda: positive_int("zklock_default_park_limit", get("zklock_default_park_limit")),
+            "park_resend_after": lambda: positive_seconds("zklock_park_resend_after", get("zklock_park_resend_after")),
         }))
 
 

@@ -101,7 +101,8 @@ def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
 
     def line(key: str, who: Dict[str, Any], held: str, age: str, waiting: str, parked: str) -> str:
         # str() everywhere: node data may hold anything.
-        holder = f"{who.get('host')}/{who.get('pid')}" if who.get("host") is not None or who.get("pid") else "-"
+        holder = who.get("where") or (f"{who.get('host')}/{who.get('pid')}" if who.get("host") is not None
+                                      or who.get("pid") else "-")
         return (f"  {_cell(key, 28)} {str(who.get('mode', '-')):<9} {held:>5} {_cell(holder, 22)} "
                 f"{_cell(who.get('worker') or '-', 20)} {_cell(who.get('task') or '-', 28)} "
                 f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7} {parked:>6}  {who.get('token', '-')}")
@@ -120,10 +121,22 @@ def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
             for place, w in enumerate(row.get("waiting", []), 1):
                 lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), "", ""))
             for place, p in enumerate(parked, 1):
+                # A copy in flight says, where a holder's host would be, how long it has been on its way.
                 lines.append(line(f"  parked #{place}" + (" (in flight)" if p["sent"] else ""),
-                                  {"mode": "parked", "task": p["task"], "task_id": p["task_id"]}, "",
+                                  {"mode": "parked", "task": p["task"], "task_id": p["task_id"],
+                                   "where": _in_flight(p) if p["sent"] else None}, "",
                                   _age(p["parked_for"]), "", ""))
     return lines
+
+
+def _in_flight(copy: Dict[str, Any]) -> str:
+    """How long a parked copy sent again has been on its way, and where it is.
+
+    >>> _in_flight({"in_flight_for": 42.0, "received": False}), _in_flight({"in_flight_for": 0.2, "received": True})
+    ('sent 42.0s ago', 'received 0.2s ago')
+    """
+    where = "received" if copy.get("received") else "sent"
+    return f"{where} {_age(copy['in_flight_for'])} ago" if copy.get("in_flight_for") is not None else where
 
 
 def _unheld(row: Dict[str, Any]) -> str:

@@ -11,11 +11,11 @@ Run one per app (or per ``zklock_root``).
 ``max_reads / interval`` requests a second however many Prometheus servers scrape. A tree
 with B beats of E entries each, K key nodes, P parked queues and M dedupe markers costs::
 
-    6 listings + B x (3 + E) + K x (1 to 4) + P x 2 + M
+    6 listings + B x (3 + E) + K x (1 to 4) + P x 2 + F + M
 
 (a key: its children, and if it has contenders a semaphore's limit, its oldest holder's and
 oldest waiter's age; a key's node stays until the server reaps it, a minute or so after its
-last contender left).
+last contender left; F: the parked queues whose head is in flight, whose claim is dated).
 Past the budget the rest is left out, in this order of need: markers, then parked queues,
 then ages, then keys. ``celery_zklock_exporter_truncated`` is then 1, and the families of
 each part not read whole are left out, not served partial: a beat election not read is no
@@ -47,7 +47,7 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 from ..exceptions import ZkLockError
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
 from ..recipes.marker import STARTED, read_marker
-from ..recipes.park import parked_sequence
+from ..recipes.park import CLAIM, MEMBER, parked_sequence
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session
 from ..zk.deadlines import reply
@@ -68,6 +68,13 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "celery_zklock_oldest_wait_seconds": (("mode",), "Age of the oldest waiter's node, by mode."),
     "celery_zklock_parked": ((), "Parked copies (on_contention='park'), which hold no worker slot."),
     "celery_zklock_oldest_parked_seconds": ((), "Age of the oldest parked copy."),
+    "celery_zklock_parked_stalled_seconds": ((), "How long the most stalled parked queue has not moved while its "
+                                             "key had no holder to hand it on: its head in flight and not taken "
+                                             "(from the claim's creation), or not sent (from when this exporter "
+                                             "first saw it so). 0 when none."),
+    "celery_zklock_parked_unwatched": ((), "Parked queues with copies and no live watcher (every process that "
+                                       "watched them died); a running worker picks each up within "
+                                       "zklock_park_resend_after."),
     "celery_zklock_dedupe_markers": (("state",), "Dedupe markers: queued, running, started (latest) or expired."),
     "celery_zklock_beat_has_leader": (("beat",), "1 if the beat election has a leader, else 0."),
     "celery_zklock_beat_candidates": (("beat",), "Beats in the election, the leader included."),
@@ -84,10 +91,11 @@ _PARTS: Dict[str, Tuple[str, ...]] = {
     "beats": ("celery_zklock_beat_has_leader", "celery_zklock_beat_candidates",
               "celery_zklock_beat_tick_overdue_seconds", "celery_zklock_beat_seconds_since_dispatch"),
     "locks": ("celery_zklock_holders", "celery_zklock_waiters", "celery_zklock_key_holders",
-              "celery_zklock_key_waiters"),
+              "celery_zklock_key_waiters", "celery_zklock_parked_stalled_seconds"),  # (stalled: no holder)
     "ages": ("celery_zklock_longest_hold_seconds", "celery_zklock_oldest_wait_seconds",
              "celery_zklock_key_longest_hold_seconds"),
-    "parked": ("celery_zklock_parked", "celery_zklock_oldest_parked_seconds"),
+    "parked": ("celery_zklock_parked", "celery_zklock_oldest_parked_seconds", "celery_zklock_parked_stalled_seconds",
+               "celery_zklock_parked_unwatched"),
     "markers": ("celery_zklock_dedupe_markers",),
 }
 
@@ -159,6 +167,14 @@ class Snapshot:
     keys: List[_Key] = field(default_factory=list)
     parked: int = 0
     parked_since: Optional[float] = None
+    #: Queues with copies and no watcher's member node.
+    unwatched: int = 0
+    #: The oldest claim's creation (epoch s) among queue heads in flight (sent again, not taken).
+    in_flight_since: Optional[float] = None
+    #: (queue, head) of each head neither in flight nor behind a holder: it waits to be sent.
+    idle: Set[Tuple[str, str]] = field(default_factory=set)
+    #: How long the oldest of ``idle`` has been so, on the exporter's clock (Exporter.snapshot).
+    idle_for: float = 0.0
     markers: Counter = field(default_factory=Counter)
     beats: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
@@ -205,6 +221,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
              for kind in (("children", "get") if tree == semaphores else ("children",))]
     answers = iter(budget.round("locks", calls))
     heads: List[Tuple[_Key, str, Optional[str], Optional[str]]] = []  # key, path, oldest holder, waiter
+    with_holder: Set[str] = set()  # the keys with a holder, by path
     for tree, name in locks:
         children = next(answers)
         limit = next(answers) if tree == semaphores else None
@@ -221,6 +238,8 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
             continue  # junk only
         key = _Key(_label(name), Counter(map(_mode, holding)), Counter(map(_mode, waiting)))
         snap.keys.append(key)
+        if holding:
+            with_holder.add(f"{tree}/{name}")
         # Sequence order is creation order: the first of each is its oldest.
         heads.append((key, f"{tree}/{name}", holding[0] if holding else None, waiting[0] if waiting else None))
     ages = iter(budget.round("ages", [("exists", f"{path}/{n}") for _, path, h, w in heads for n in (h, w) if n]))
@@ -230,14 +249,22 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         key.hold = (_mode(hold), held.ctime / 1000) if hold and held else None
         key.wait = (_mode(wait), waited.ctime / 1000) if wait and waited else None
 
-    # Parked copies: how many, and the oldest head's age.
+    # Parked copies: how many, the oldest head's age, and the queues that stand still.
     listed = budget.round("parked", [("children", p) for p in parked])
-    queues = [(p, sorted((c for c in names or () if parked_sequence(c) >= 0), key=parked_sequence))
+    queues = [(p, names or [], sorted((c for c in names or () if parked_sequence(c) >= 0), key=parked_sequence))
               for p, names in zip(parked, listed)]
-    snap.parked = sum(len(q) for _, q in queues)
-    heads_parked = [f"{p}/{q[0]}" for p, q in queues if q]
-    since = [s.ctime / 1000 for s in budget.round("parked", [("exists", p) for p in heads_parked]) if s]
+    queues = [(p, names, q) for p, names, q in queues if q]
+    snap.parked = sum(len(q) for _, _, q in queues)
+    snap.unwatched = sum(1 for _, names, _ in queues if not any(n.startswith(MEMBER) for n in names))
+    flying = [f"{p}/{CLAIM}{q[0]}" for p, names, q in queues if CLAIM + q[0] in names]
+    stats = budget.round("parked", [("exists", f"{p}/{q[0]}") for p, _, q in queues] +
+                         [("exists", claim) for claim in flying])
+    since = [s.ctime / 1000 for s in stats[:len(queues)] if s]
     snap.parked_since = min(since) if since else None
+    claimed = [s.ctime / 1000 for s in stats[len(queues):] if s]
+    snap.in_flight_since = min(claimed) if claimed else None
+    snap.idle = {(p, q[0]) for p, names, q in queues
+                 if CLAIM + q[0] not in names and layout.lock_of_parked(p) not in with_holder}
 
     # Dedupe markers: each one's state needs its own read, so they come last.
     for answer in budget.round("markers", [("get", f"{layout.queued_tree}/{m}") for m in markers]):
@@ -305,6 +332,7 @@ class Exporter:
         self._last: Optional[Snapshot] = None
         self._read_at = 0.0  # monotonic: a wall clock stepped back must not freeze the values
         self._said = ""
+        self._idle_since: Dict[Tuple[str, str], float] = {}
 
     def snapshot(self) -> Snapshot:
         """The last read, or a new one if it is older than ``interval`` (one at a time)."""
@@ -319,6 +347,11 @@ class Exporter:
                 last = read_tree(self.session, self.layout, self.max_reads)
             except Exception as exc:  # noqa: BLE001 - any failure is "cannot read now", said once
                 last = Snapshot(at=time.time(), ok=False, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+            if last.ok:
+                # A head that waits to be sent has no node to date it (a release leaves no time
+                # behind): it is timed from the first read that saw it so, on our monotonic clock.
+                self._idle_since = {head: self._idle_since.get(head, self._read_at) for head in last.idle}
+                last.idle_for = max((self._read_at - at for at in self._idle_since.values()), default=0.0)
             self._say(last)
             self._last = last
             return last
@@ -360,6 +393,9 @@ class Exporter:
                 [mode], _age(now, [k.wait[1] for k in snap.keys if k.wait and k.wait[0] == mode]))
         out["celery_zklock_parked"].add_metric([], snap.parked)
         out["celery_zklock_oldest_parked_seconds"].add_metric([], _age(now, [snap.parked_since]))
+        out["celery_zklock_parked_stalled_seconds"].add_metric([], max(_age(now, [snap.in_flight_since]),
+                                                                       snap.idle_for))
+        out["celery_zklock_parked_unwatched"].add_metric([], snap.unwatched)
         for state in ("queued", "running", "started", "expired"):
             out["celery_zklock_dedupe_markers"].add_metric([state], snap.markers[state])
         for beat, info in sorted(snap.beats.items()):

@@ -49,16 +49,15 @@ from ..exceptions import (
 )
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
-from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch
-from ..recipes.park import waiting as parked_copies
+from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch, head_of
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
 
 __all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "as_new_delivery", "encode",
-           "leave_queue", "lost", "parked_header", "publish", "received", "revoked", "send", "started_when_held",
-           "sweep", "unknown"]
+           "leave_queue", "lost", "orphans", "parked_header", "publish", "received", "revoked", "send",
+           "started_when_held", "sweep", "unknown"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -114,10 +113,11 @@ def _ignores_result(task: Any, request: Any) -> bool:
 _watches: weakref.WeakKeyDictionary[Session, QueueWatch] = weakref.WeakKeyDictionary()
 
 
-def _watch(session: Session, settings: Settings) -> QueueWatch:
+def _watch(session: Session, settings: Settings, app: Any) -> QueueWatch:
     found = _watches.get(session)
     if found is None:
-        found = _watches[session] = QueueWatch(session, settings.connect_timeout)
+        found = _watches[session] = QueueWatch(session, settings.connect_timeout,
+                                               task_defaults(app).park_resend_after)
     return found
 
 
@@ -221,7 +221,7 @@ class Parking:
                 raise
             logger.warning("%s: %s as the copy parked; it stays parked, and runs when its turn comes", self.where,
                            explain(exc))
-            _watch(self.queue.session, self.settings).add(self.queue, self._send, nudge=True)
+            _watch(self.queue.session, self.settings, self.task.app).add(self.queue, self._send, nudge=True)
         raise Ignore()
 
     def _parked_after_all(self, until: Optional[float]) -> bool:
@@ -284,7 +284,7 @@ class Parking:
             return False
         logger.warning("%s: %s before the copy could take its place; it stays parked, and is sent again",
                        self.where, explain(exc))
-        _watch(self.queue.session, self.settings).give_up(self.queue, self.received, self._send)
+        _watch(self.queue.session, self.settings, self.task.app).give_up(self.queue, self.received, self._send)
         return True
 
     def look(self) -> None:
@@ -310,15 +310,21 @@ class Parking:
             self.queue.done(self.received)
         try:
             looked, self._looked = self._looked, None
-            if self.queue.nudge(self._send, deadline(self.settings.connect_timeout), looked=looked) != Nudge.EMPTY:
-                self._watch()  # we may be the last one alive who knows of this queue
+            heads: List[str] = []  # the head we sent, which we answer for until a worker receives it
+            if self.queue.nudge(self._send, deadline(self.settings.connect_timeout), looked=looked,
+                                sent=heads.append) != Nudge.EMPTY:
+                watch = self._watch()  # we may be the last one alive who knows of this queue
+                for head in heads:
+                    watch.sent(self.queue, head, self._send)
         except Exception as exc:  # noqa: BLE001 - the processes watching the queue send it instead
             logger.warning("%s: could not send the next parked copy of lock %r (%s); the processes watching "
                            "the key's queue will", self.where, self.label, explain(exc))
         self._handed_on = True
 
-    def _watch(self) -> None:
-        _watch(self.queue.session, self.settings).add(self.queue, self._send)
+    def _watch(self) -> QueueWatch:
+        watch = _watch(self.queue.session, self.settings, self.task.app)
+        watch.add(self.queue, self._send)
+        return watch
 
     def dropped(self) -> NoReturn:
         logger.info("%s: a second send of a parked copy that has already been taken; dropped", self.where)
@@ -376,7 +382,7 @@ def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> N
     except (KazooException, ZkLockError, *timeouts()) as exc:
         logger.warning("%s: %s before the copy could leave its parked queue; it stays parked, and is sent again",
                        where, explain(exc))
-        _watch(session, settings).give_up(queue, name, functools.partial(send, task.app))
+        _watch(session, settings, task.app).give_up(queue, name, functools.partial(send, task.app))
         raise Ignore() from None
     if not taken:
         logger.info("%s: a second send of a parked copy that has already been taken; dropped", where)
@@ -418,7 +424,7 @@ def abandon_received(task: Any, session: Session, settings: Settings, spec: Any,
         return False
     logger.warning("task %s[%s]: %s before the copy could take its place; it stays parked, and is sent again",
                    task.name, task.request.id, explain(exc))
-    _watch(session, settings).give_up(queue, name, functools.partial(send, task.app))
+    _watch(session, settings, task.app).give_up(queue, name, functools.partial(send, task.app))
     return True
 
 
@@ -663,26 +669,47 @@ def sweep(app: Any, session: Session) -> None:
     """A pool process starts: watch every parked queue of ``app``'s root that has copies, and
     nudge each. Whoever watched a queue may be gone (every process of the only worker killed);
     its copies would wait for ever. Each queue's rule comes from its head's task (a task
-    this app does not know: another app's queue)."""
-    settings = settings_of(app)
-    layout = layout_of(app)
-    until = deadline(settings.connect_timeout)
+    this app does not know: another app's queue).
+
+    From then on, every ``zklock_park_resend_after`` seconds, it watches any queue that no live
+    process watches: the only worker watching a key may be killed while this one runs, and
+    no start, and no publish, may come to wake its copies (:func:`orphans`)."""
+    watch = _watch(session, settings_of(app), app)
     try:
-        queues = [f"{layout.root}/{PARKED}/{tree}/{name}" for tree in LOCK_TREES
-                  for name in _children(session, f"{layout.root}/{PARKED}/{tree}", until)]
-        for path in queues:
-            found = parked_copies(session, path, until)
-            if not found:
-                continue
-            task = app.tasks.get(node_object(found[0][1].partition(b"\n")[0]).get("task"))
-            if task is None:
-                continue  # another app's queue, under a shared root: its own workers watch it
-            # A head whose task takes no lock any more (a deploy removed it) is sent all the
-            # same: it leaves its queue as it is received (see received), and the next goes.
-            parked = _queue_at(session, app, path, spec_of(task))
-            _watch(session, settings).add(parked, functools.partial(send, app))
+        _adopt(app, session, watch, orphans=False)
     except Exception as exc:  # noqa: BLE001 - the queues' own releasers and watchers still send them
         logger.warning("celery-zklock: could not look for parked copies at start (%s)", explain(exc))
+    watch.patrol(functools.partial(orphans, app, session))
+
+
+def orphans(app: Any, session: Session) -> None:
+    """Watch every parked queue of ``app``'s root with copies and no watcher: each watcher keeps
+    an ephemeral member node in its queue, so a queue without one was left by every process that
+    watched it (all died; their members went with their sessions)."""
+    _adopt(app, session, _watch(session, settings_of(app), app), orphans=True)
+
+
+def _adopt(app: Any, session: Session, watch: QueueWatch, orphans: bool) -> None:
+    layout = layout_of(app)
+    until = deadline(settings_of(app).connect_timeout)
+    watched = set(watch.watched()) if orphans else set()
+    queues = [f"{layout.root}/{PARKED}/{tree}/{name}" for tree in LOCK_TREES
+              for name in _children(session, f"{layout.root}/{PARKED}/{tree}", until)]
+    for path in queues:
+        if path in watched:
+            continue
+        head = head_of(session, path, until, unwatched=orphans)
+        if head is None:
+            continue
+        task = app.tasks.get(node_object(head.partition(b"\n")[0]).get("task"))
+        if task is None:
+            continue  # another app's queue, under a shared root: its own workers watch it
+        if orphans:
+            logger.warning("celery-zklock: parked copies at %s had no live watcher (the processes that watched "
+                           "them died); watching them now", path)
+        # A head whose task takes no lock any more (a deploy removed it) is sent all the
+        # same: it leaves its queue as it is received (see received), and the next goes.
+        watch.add(_queue_at(session, app, path, spec_of(task)), functools.partial(send, app))
 
 
 def _children(session: Session, path: str, until: Optional[float]) -> List[str]:

@@ -21,6 +21,7 @@ from kazoo.exceptions import NoNodeError
 
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, hashed_name, node_object
 from ..recipes.marker import STARTED, read_marker
+from ..recipes.park import InFlight
 from ..recipes.park import waiting as parked_copies
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session
@@ -111,11 +112,14 @@ def queue_of(session: Session, path: str) -> Tuple[Dict[str, Any], Dict[str, Dic
     return nodes, infos, holding, waiting
 
 
-def _parked(node: str, data: bytes, since: float, now: float, sent: bool) -> Dict[str, Any]:
-    """A parked copy, from its node: task and id are on its first line (the message follows)."""
+def _parked(node: str, data: bytes, since: float, now: float, flight: Optional[InFlight]) -> Dict[str, Any]:
+    """A parked copy, from its node: task and id are on its first line (the message follows).
+    A copy in flight (``sent``) says for how long, and whether a worker received it yet."""
     info = node_object(data.partition(b"\n")[0])
     return {"task": info.get("task"), "task_id": info.get("id"), "parked_for": round(max(0.0, now - since), 3),
-            "sent": sent, "node": node}
+            "sent": flight is not None, "node": node,
+            "in_flight_for": round(max(0.0, now - flight.since), 3) if flight is not None else None,
+            "received": flight.received if flight is not None else None}
 
 
 def _contender(node: str, info: Dict[str, Any], stat: Any, now: float, age: str) -> Dict[str, Any]:

@@ -318,7 +318,8 @@ def _connect(app: Any, settings: Any) -> None:
     except ZooKeeperUnavailable as exc:
         logger.error("celery-zklock: %s; locked tasks will fail until ZooKeeper is reachable", exc)
         return
-    parking.sweep(app, session)  # parked copies nobody alive watches any more (a whole worker died)
+    # Parked copies nobody alive watches any more (a whole worker died), now and periodically.
+    parking.sweep(app, session)
 
 
 def _close_sessions(**kwargs: Any) -> None:

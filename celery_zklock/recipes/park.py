@@ -26,6 +26,11 @@ and reads after, so of a releaser and a parker racing, one sees the other. (A re
 also looks before it lets go, :meth:`ParkedQueue.look`, so that its claim on the head
 commits with its release; any answer from that look but a claim is read again after.)
 
+Two events fire no watch, so they are timed (``resend_after``): a head whose message never
+reaches a worker that runs it (lost by the broker, or held by a worker that died) keeps its
+sender's claim, and its sender sends it again (:meth:`ParkedQueue.resend`); a queue whose
+watchers all died is found by a worker's periodic look (:meth:`QueueWatch.patrol`).
+
 Example::
 
     queue = ParkedQueue(session, layout.parked(key), layout.lock(key), EXCLUSIVE)
@@ -43,7 +48,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
@@ -51,8 +56,8 @@ from ..exceptions import explain
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "PARKED", "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch",
-           "parked_sequence", "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "InFlight", "Looked", "Nudge", "ParkUntold",
+           "ParkedQueue", "QueueWatch", "head_of", "parked_sequence", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -62,6 +67,9 @@ PARKED = "p-"
 CLAIM = "c-"
 #: A process watching the queue (:meth:`ParkedQueue.follow`): this, its watch's token, a sequence number.
 MEMBER = "w-"
+#: A claim's data while its copy is on its way: this and its sender's token. The receiver empties
+#: it as it moves the claim to its own session, and the taker marks it ``taken:``.
+SENT = b"sent:"
 #: The most a parked copy's node may hold: ZooKeeper refuses a request over ``jute.maxbuffer``
 #: (1 MiB by default), and the create's path and ACL travel with the data.
 MAX_PAYLOAD = 1_000_000
@@ -146,22 +154,57 @@ def _failed(results: List[Any]) -> bool:
     return any(isinstance(r, Exception) for r in results)
 
 
-def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[str, bytes, float, bool]]:
-    """(node name, payload, parked at (epoch s), in flight) of each copy parked at ``path``, head first."""
+class InFlight(NamedTuple):
+    """A parked copy's claim: the copy was sent again to be run, and is not taken yet."""
+
+    since: float  #: when it was claimed (sent, or received by its worker): ZooKeeper's time, epoch s
+    received: bool  #: a worker received it (its claim moved to that worker's session)
+
+
+def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[str, bytes, float, Optional[InFlight]]]:
+    """(node name, payload, parked at (epoch s), its claim if in flight) of each copy parked at
+    ``path``, head first."""
     client = session.client
     try:
         children = reply(client.get_children_async(path), until)
     except NoNodeError:
         return []
-    pending = [(name, client.get_async(f"{path}/{name}")) for name in _parked(children)]
+    pending = [(name, client.get_async(f"{path}/{name}"),
+                client.get_async(f"{path}/{CLAIM}{name}") if CLAIM + name in children else None)
+               for name in _parked(children)]
     out = []
-    for name, result in pending:
+    for name, result, claimed in pending:
         try:
             data, stat = reply(result, until)
         except NoNodeError:
             continue  # taken while we looked
-        out.append((name, data, stat.ctime / 1000.0, CLAIM + name in children))
+        flight = None
+        if claimed is not None:
+            try:
+                mark, claim = reply(claimed, until)
+                flight = InFlight(claim.ctime / 1000.0, not mark.startswith(SENT))
+            except NoNodeError:
+                pass  # taken or given back while we looked
+        out.append((name, data, stat.ctime / 1000.0, flight))
     return out
+
+
+def head_of(session: Session, path: str, until: Optional[float], unwatched: bool = False) -> Optional[bytes]:
+    """The payload of the head of the queue at ``path``; None when nothing is parked there, or,
+    with ``unwatched``, when a live process watches it (a member node of its is there)."""
+    client = session.client
+    while True:
+        try:
+            children = reply(client.get_children_async(path), until)
+        except NoNodeError:
+            return None
+        parked = _parked(children)
+        if not parked or (unwatched and _members(children)):
+            return None
+        try:
+            return cast(bytes, reply(client.get_async(f"{path}/{parked[0]}"), until)[0])
+        except NoNodeError:
+            continue  # taken while we looked: the next one
 
 
 class ParkedQueue:
@@ -444,21 +487,26 @@ class ParkedQueue:
         return read
 
     def nudge(self, send: Send, until: Optional[float], watch: Optional[Callable[[Any], None]] = None,
-              looked: Optional[Looked] = None) -> Nudge:
+              looked: Optional[Looked] = None, sent: Optional[Callable[[str], None]] = None) -> Nudge:
         """Send the head again if the key has room for it and nobody claims it.
 
         ``send`` runs under our claim; if it raises, the claim goes (so that the next nudge
         tries again) and the error is raised. ``watch`` is set on the queue's children and
         the key's contenders by the reads the answer comes from: a change after them fires it.
         ``looked`` is what :meth:`look` found before our release: the first try claims from it.
+        ``sent(head)`` is called once the head went: its sender answers for it until it is
+        received (:meth:`resend`).
         """
         # A claim this call made, found again after a lost reply, is known by its token.
-        token = b"sent:" + uuid.uuid4().hex.encode()
-        first = [looked]
-        return through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, first))
+        token = SENT + uuid.uuid4().hex.encode()
+        first: List[Any] = [looked]  # then the head it found
+        done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, first))
+        if done == Nudge.SENT and sent is not None:
+            sent(first[1])
+        return done
 
     def _nudge_now(self, send: Send, until: Optional[float], token: bytes,
-                   watch: Optional[Callable[[Any], None]], first: List[Optional[Looked]]) -> Nudge:
+                   watch: Optional[Callable[[Any], None]], first: List[Any]) -> Nudge:
         client = self.session.client
         while True:
             looked, first[0] = first[0], None  # once: a try after a lost reply, or a failed claim, reads afresh
@@ -484,6 +532,7 @@ class ParkedQueue:
             if not parked:
                 return Nudge.EMPTY
             head = parked[0]
+            first[1:] = [head]  # what a SENT answer sent
             claim = self.node_path(CLAIM + head)
             if CLAIM + head in children:
                 # Ours, if this call made it and lost the reply: send then.
@@ -522,6 +571,33 @@ class ParkedQueue:
             self.session.nodes.delete_later(claim)
             raise
         return Nudge.SENT
+
+    def resend(self, head: str, send: Send, until: Optional[float]) -> bool:
+        """Send ``head`` again if our claim on it still says sent, not received: its message was
+        lost on the way (a broker that restarted without persistence) or sits unacknowledged with
+        a worker that died (until the broker's visibility timeout, an hour on Redis). Nobody else
+        would send it: the claim is ours and our session lives. True when it went again (its
+        sender keeps answering for it), False when there is nothing to answer for any more: it
+        was received (the claim moved to its receiver's session), taken or given back.
+
+        A second send is harmless: of two sends, the one that takes the node runs, and the
+        other finds the node gone, no mark of its own in the claim, and drops itself.
+        """
+        return through_blips(self.session, until, lambda: self._resend_now(head, send, until))
+
+    def _resend_now(self, head: str, send: Send, until: Optional[float]) -> bool:
+        client = self.session.client
+        try:
+            # Usually one read: the claim is gone (taken and done) or changed (received).
+            data, stat = reply(client.get_async(self.node_path(CLAIM + head)), until)
+            ours = client.client_id is not None and stat.ephemeralOwner == client.client_id[0]
+            if not ours or not data.startswith(SENT):
+                return False  # received (its data emptied, in its receiver's session) or taken (marked)
+            payload, _ = reply(client.get_async(self.node_path(head)), until)
+        except NoNodeError:
+            return False
+        send(self.node_path(head), payload)
+        return True
 
     def receive(self, name: str, until: Optional[float]) -> bool:
         """A sent copy reached a worker: move its claim to this session, so that the copy is
@@ -646,13 +722,24 @@ class QueueWatch:
     ``wait`` contender, or kazoo's lock, on the same key). Watches fire once and die with
     the session: each nudge sets them again, and so does the session coming back.
 
+    Two things no watch fires for are timed instead, every ``resend_after`` seconds on this
+    process's monotonic clock (ZooKeeper's would need a write to read): a head this process sent
+    and nobody received is sent again (:meth:`sent`, :meth:`ParkedQueue.resend`), and ``patrol``
+    (if given, :meth:`patrol`) looks for queues whose watchers all died.
+
     Threads: :meth:`add` any thread; watches and session notices run on kazoo's or the
     session's thread and only hand a queue's path to this watch's own thread, which nudges.
     """
 
-    def __init__(self, session: Session, timeout: float) -> None:
+    def __init__(self, session: Session, timeout: float, resend_after: float = 30.0) -> None:
         self.session = session
         self.timeout = timeout
+        self.resend_after = resend_after
+        #: The last head this process sent in each queue, not known to be received: queue path -> (when to
+        #: look again, queue, head, send). One a queue: a head is sent only once the one before is gone.
+        self._in_flight: Dict[str, Tuple[float, ParkedQueue, str, Send]] = {}
+        #: (when to look next, the look) for queues nobody watches (see patrol).
+        self._patrol: Optional[Tuple[float, Callable[[], None]]] = None
         self._queues: Dict[str, Tuple[ParkedQueue, Send, Callable[[Any], None]]] = {}
         #: How often each queue was added: a queue a nudge found empty is dropped only if none came since.
         self._added: Dict[str, int] = {}
@@ -707,6 +794,72 @@ class QueueWatch:
         self.add(parked, send)
         self._todo.put(parked.path)
 
+    def sent(self, parked: ParkedQueue, head: str, send: Send) -> None:
+        """This process sent ``head`` (under its claim): send it again every ``resend_after``
+        seconds until a worker receives it (:meth:`ParkedQueue.resend`). Measured on this
+        process's monotonic clock: the claim is ours, so only we can tell how long ago we sent
+        it, and a wall clock could jump."""
+        with self._lock:
+            self._in_flight[parked.path] = (time.monotonic() + self.resend_after, parked, head, send)
+            self._start()
+        self._todo.put("")  # the thread's next wake-up may be later than this one's
+
+    def sent_from(self, parked: ParkedQueue, send: Send) -> Callable[[str], None]:
+        """The ``sent`` of :meth:`ParkedQueue.nudge`: :meth:`sent` for ``parked``'s heads."""
+        return lambda head: self.sent(parked, head, send)
+
+    def patrol(self, look: Callable[[], None]) -> None:
+        """Call ``look`` every ``resend_after`` seconds, on this watch's thread, from now on: the
+        glue's look for parked queues that no live process watches (their watchers all died),
+        which it adds. A watch would need one on every queue; one read per queue is cheaper."""
+        with self._lock:
+            self._patrol = (time.monotonic() + self.resend_after, look)
+            self._start()
+        self._todo.put("")
+
+    def _next_due(self) -> Optional[float]:
+        """Seconds until the next timed look (see sent, patrol), or None for none."""
+        with self._lock:
+            due = [at for at, *_ in self._in_flight.values()] + ([self._patrol[0]] if self._patrol else [])
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _timed(self) -> None:
+        """Send again each head whose time came (see sent), and patrol if its time came."""
+        now = time.monotonic()
+        with self._lock:
+            due = [(path, entry) for path, entry in self._in_flight.items() if entry[0] <= now]
+            patrol = self._patrol if self._patrol is not None and self._patrol[0] <= now else None
+            if patrol is not None:
+                self._patrol = (now + self.resend_after, patrol[1])
+        failed = False
+        for path, entry in due:
+            _, parked, head, send = entry
+            again = True  # after a failure, the rest wait for the next turn: ZooKeeper or the broker is down
+            if not failed:
+                try:
+                    again = parked.resend(head, send, deadline(self.timeout))
+                    if again:
+                        logger.warning("parked copy %s/%s: not received by any worker within %gs of its send (its "
+                                       "message lost, or held by a worker that died); sent again", parked.path, head,
+                                       self.resend_after)
+                except Exception as exc:  # noqa: BLE001 - tried again at the next turn
+                    logger.warning("parked copy %s/%s: could not send it again (%s); trying again in %gs",
+                                   parked.path, head, explain(exc), self.resend_after)
+                    failed = True
+            with self._lock:
+                if self._in_flight.get(path) is not entry:
+                    continue  # a later head was sent meanwhile: this one is gone
+                if again:
+                    self._in_flight[path] = (time.monotonic() + self.resend_after, parked, head, send)
+                else:
+                    del self._in_flight[path]
+        if patrol is not None:
+            try:
+                patrol[1]()
+            except Exception as exc:  # noqa: BLE001 - the next turn looks again
+                logger.warning("parked queues: could not look for queues nobody watches (%s); looking again in %gs",
+                               explain(exc), self.resend_after)
+
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="celery-zklock-parked", daemon=True)
@@ -726,9 +879,15 @@ class QueueWatch:
 
     def _run(self) -> None:
         while True:
-            path = self._todo.get()
+            try:
+                path = self._todo.get(timeout=self._next_due())
+            except queue.Empty:
+                path = ""
             if path is None:
                 return
+            self._timed()
+            if not path:
+                continue  # a timed turn, or a new one to wait for
             self._remove()
             with self._lock:
                 entry = self._queues.get(path)
@@ -776,7 +935,7 @@ class QueueWatch:
             if not leads:
                 return Nudge.FOLLOWING
             # The nudge's own reads set the watches: a change they do not see fires them.
-            done = parked.nudge(send, until, watch=fired)
+            done = parked.nudge(send, until, watch=fired, sent=self.sent_from(parked, send))
             if done == Nudge.EMPTY and parked.leave(self.token, until):
                 self._todo.put(parked.path)  # a copy parked as we left: we join again and watch on
                 return Nudge.FOLLOWING

@@ -27,6 +27,7 @@ app.conf.update(
     zklock_hosts=os.environ.get("ZKT_HOSTS", "127.0.0.1:1"),
     zklock_root=os.environ.get("ZKT_ROOT", "/zklock-tests"),
     zklock_session_timeout=4,
+    zklock_park_resend_after=float(os.environ.get("ZKT_PARK_RESEND_AFTER", "30")),
     zklock_connect_timeout=5,
     zklock_dedupe_ttl=float(os.environ.get("ZKT_DEDUPE_TTL", "3600")),
     task_acks_late=bool(os.environ.get("ZKT_ACKS_LATE")),

@@ -32,6 +32,7 @@ app.conf.update(
     zklock_key_names="hashed" if os.environ.get("ZKT_KEY_SECRET") else "readable",
     zklock_key_secret=os.environ.get("ZKT_KEY_SECRET"),
     zklock_metrics_port=int(os.environ["ZKT_METRICS_PORT"]) if os.environ.get("ZKT_METRICS_PORT") else None,
+    zklock_park_resend_after=float(os.environ.get("ZKT_PARK_RESEND_AFTER", "30")),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),

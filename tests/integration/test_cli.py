@@ -257,8 +257,15 @@ def test_locks_and_status_show_parked_copies_as_parked_and_an_unheld_keys_parked
     assert "no holder: head in flight (parked copy copy-0, sent to be run; 1 more parked)" in in_flight, in_flight
     assert re.search(r" 0 +2  -$", in_flight), in_flight
     waiters = cli(cli_env, "locks", "--waiters").stdout
-    assert re.search(r"parked #1 \(in flight\) +parked .* copy-0 ", waiters), waiters
-    assert re.search(r"parked #2 +parked .* copy-1 ", waiters), waiters
+    assert re.search(r"parked #1 \(in flight\) +parked +sent \d+\.\ds ago .* copy-0 ", waiters), waiters
+    assert re.search(r"parked #2 +parked +- .* copy-1 ", waiters), waiters
+    [head, second] = locks_json(cli_env)["locks"][0]["parked"]
+    assert head["sent"] and head["received"] is False and 0 <= head["in_flight_for"] < 30, head
+    assert not second["sent"] and second["in_flight_for"] is None, second
+    # Received by a worker: the claim moved to its session.
+    assert queue.receive(head["node"], deadline(10))
+    assert re.search(r"parked #1 \(in flight\) +parked +received \d+\.\ds ago .* copy-0 ",
+                     cli(cli_env, "locks", "--waiters").stdout)
 
 
 @pytest.mark.parametrize("scheduler, args", [

@@ -49,7 +49,7 @@ def tree(kazoo, zk_root) -> Dict[str, object]:
     parked = layout.parked("a")
     made["parked_head"] = kazoo.create(f"{parked}/p-0123456789abcdef-", b"{}", sequence=True, makepath=True)
     kazoo.create(f"{parked}/p-fedcba9876543210-", b"{}", sequence=True)
-    kazoo.create(f"{parked}/c-{made['parked_head'].rsplit('/', 1)[1]}", b"")  # a claim: not a copy
+    made["claim"] = kazoo.create(f"{parked}/c-{made['parked_head'].rsplit('/', 1)[1]}", b"")  # a claim: not a copy
     for name, marker, running in (("q", {"expires": now + 600}, False), ("x", {"expires": now - 1}, False),
                                   ("r", {"expires": now + 600}, True), ("l", {"expires": 0.0, "started": True}, False)):
         path = layout.queued("t", name)
@@ -71,8 +71,9 @@ def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, k
     snap = read_tree(new_session(), Layout(zk_root), max_reads=1000)
     assert snap.ok and not snap.cut
     # 6 listings; 2 beats x 2 listings, then the leader and 2 entries; keys: 4 listings in locks,
-    # the semaphore's listing and limit, 2 ages each for a, b and s; parked: 1 listing, 1 head; 4 markers.
-    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 2 + 4
+    # the semaphore's listing and limit, 2 ages each for a, b and s; parked: 1 listing, 1 head, its claim
+    # (in flight); 4 markers.
+    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 3 + 4
     keys = {k.label: k for k in snap.keys}
     assert set(keys) == {"a", "b", "s"}  # junk and empty keys are no locks
     assert (dict(keys["a"].holders), dict(keys["a"].waiters)) == ({"write": 1}, {"write": 1})
@@ -84,6 +85,7 @@ def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, k
     assert keys["b"].wait == ("write", ctime(kazoo, tree["b_writer"]))
     assert keys["s"].hold == ("semaphore", ctime(kazoo, tree["s_holder"]))
     assert snap.parked == 2 and snap.parked_since == ctime(kazoo, tree["parked_head"])
+    assert snap.in_flight_since == ctime(kazoo, tree["claim"]) and snap.unwatched == 1 and snap.idle == set()
     assert dict(snap.markers) == {"queued": 1, "expired": 1, "running": 1, "started": 1}
     assert snap.beats["leaderless"] == {"candidates": 0, "leader": False}
     leading = snap.beats["leading"]
@@ -262,3 +264,30 @@ def test_a_hot_key_with_thousands_of_waiters_is_read_within_the_deadline(kazoo, 
     assert snap.ok, snap.error
     [key] = snap.keys
     assert (dict(key.holders), dict(key.waiters)) == ({"write": 1}, {"write": 3999})
+
+
+def test_a_parked_queue_that_stands_still_with_its_key_free_is_timed_and_one_nobody_watches_counted(
+        kazoo, zk_root, new_session):
+    """Issue 42, operations: the alert on a parked queue that does not move reads this gauge."""
+    layout = Layout(zk_root)
+    exporter = Exporter(new_session(), layout, interval=0, max_reads=1000, per_key=False)
+
+    def gauges() -> Dict[str, float]:
+        return {f.name: f.samples[0].value for f in exporter.collect() if f.name.startswith("celery_zklock_parked")}
+
+    parked = layout.parked("idle")
+    head = kazoo.create(f"{parked}/p-0123456789abcdef-", b"{}", sequence=True, makepath=True)
+    first = gauges()
+    assert first == {"celery_zklock_parked": 1, "celery_zklock_parked_stalled_seconds": 0.0,
+                     "celery_zklock_parked_unwatched": 1}, first
+    # Nobody holds its key and nobody sends its head: timed from the first read that saw it so.
+    wait_until(lambda: gauges()["celery_zklock_parked_stalled_seconds"] > 0.2, timeout=10)
+    member = kazoo.create(f"{parked}/w-token-", b"", sequence=True, ephemeral=True)
+    holder = contender(kazoo, layout.lock("idle"), "__lock__")
+    assert gauges()["celery_zklock_parked_unwatched"] == 0 and gauges()["celery_zklock_parked_stalled_seconds"] == 0
+    # In flight (sent, not taken): timed from its claim's creation, held or not.
+    claim = kazoo.create(f"{parked}/c-{head.rsplit('/', 1)[1]}", b"sent:x", ephemeral=True)
+    wait_until(lambda: gauges()["celery_zklock_parked_stalled_seconds"] > 0.2, timeout=10)
+    assert gauges()["celery_zklock_parked_stalled_seconds"] <= time.time() - ctime(kazoo, claim) + 1
+    for node in (claim, holder, member):
+        kazoo.delete(node)

@@ -97,7 +97,11 @@ class Rig:
         self.worker_proxy = TcpProxy((worker_server or zk_server).port).start()
         self.env = {**os.environ, "ZKT_BROKER": redis_server.url, "ZKT_HOSTS": self.worker_proxy.hosts,
                     "ZKT_ROOT": self.root, "ZKT_QUEUE": self.queue, "PYTHONPATH": os.getcwd(),
-                    "ZKT_DEDUPE_TTL": str(TTL)}
+                    "ZKT_DEDUPE_TTL": str(TTL),
+                    # Short: a park round's head left in a slow worker's prefetch, or held up by a
+                    # fault, is sent again (a second send must stay harmless), and the worker
+                    # looks for queues nobody watches every second.
+                    "ZKT_PARK_RESEND_AFTER": os.environ.get("ZKT_PARK_RESEND_AFTER", "1")}
         self.worker = CeleryWorker("tests.apps.dedupe_app", name="fuzz", concurrency=3, env=self.env,
                                    extra_args=["-Q", self.queue]).start()
         self.kazoo = KazooClient(zk_server.hosts)

@@ -7,11 +7,12 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
-from typing import List
+from typing import List, Sequence
 
 import pytest
 import redis
@@ -415,3 +416,97 @@ def test_a_soft_time_limit_landing_as_a_holder_looks_at_its_queue_stops_the_body
     result = copy.AsyncResult(task_id)
     assert result.state == "FAILURE" and isinstance(result.result, SoftTimeLimitExceeded), (result.state, result.result)
     assert children(kazoo, f"{zk_root}/locks/k-park:soft") == []
+
+
+def moved_on(redis_url: str, kazoo, zk_root: str, key: str, ran: List[AsyncResult], since: float,
+             bound: float, before: Sequence[AsyncResult] = ()) -> List[dict]:
+    """After a fault at ``since``: the first of ``ran`` started within ``bound`` s, the locked bodies
+    in the history are those of ``before`` (run before the fault), then of ``ran``, once each and
+    in that order, no two holds overlapped, and the key's queue emptied. The history, for more checks."""
+    history = events(redis_url)
+    next_start = min(e["time"] for e in history if e["event"] == "start" and e["task_id"] == ran[0].id)
+    assert next_start - since < bound, f"the next copy started {next_start - since:.2f}s after the fault"
+    bodies = [e["task_id"] for e in sorted(history, key=lambda e: e.get("start", 0)) if e["event"] == "body"]
+    assert bodies == [r.id for r in [*before, *ran]], "each copy once, in order"
+    assert violations(holds(redis_url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, key) == [], timeout=10)
+    return history
+
+
+def hostname(name: str) -> str:
+    return f"{name}@{socket.gethostname()}"
+
+
+def consume(worker: str, queue: str) -> None:
+    """Have a running worker consume ``queue`` too (it did not at its start)."""
+    answer = worker_app.app.control.add_consumer(queue, destination=[hostname(worker)], reply=True, timeout=10)
+    assert answer and "ok" in next(iter(answer[0].values())), answer
+
+
+@pytest.mark.parametrize("task", ["parking", "parking_at_publish"])
+def test_a_queue_whose_only_watcher_died_is_picked_up_by_a_worker_already_running(task, workers, queue,
+                                                                                   redis_server, kazoo, zk_root):
+    # Issue 42, "Why" 4: the only worker watching a key (its holder and every parker) is
+    # SIGKILLed while another worker already runs. That worker's look at start came before
+    # the copies parked, and nothing else woke it: the copies waited for the key's next
+    # publish. It looks every zklock_park_resend_after for a queue with no live watcher.
+    parking_task = getattr(worker_app, task)
+    workers("a", concurrency=2, queue=f"{queue}-a", ZKT_PARK_RESEND_AFTER="1")
+    b = workers("b", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
+    first = send(parking_task, queue, "orphan", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(parking_task, queue, "orphan", 0.1, 1)]
+    wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "orphan")), timeout=30)
+    rest += [send(parking_task, queue, "orphan", 0.1, i) for i in range(2, 5)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "orphan") if n.startswith("p-")]) == 4,
+               timeout=30)
+    consume("a", queue)  # a can run them, and never saw them park
+    b.crash()
+    killed = time.monotonic()
+    # zklock_session_timeout is 4 s here: b's watchers and its holder go then; a looks every 1 s.
+    assert [r.get(timeout=4 + 1 + 15) for r in rest] == [1, 2, 3, 4], "no new publish"
+    history = moved_on(redis_server.url, kazoo, zk_root, "orphan", rest, killed, 4 + 1 + 3)
+    if task == "parking_at_publish":
+        deliveries = collections.Counter(e["task_id"] for e in history if e["event"] == "delivered")
+        assert [deliveries[r.id] for r in rest[1:]] == [1, 1, 1], "parked as they were published"
+
+
+def unacked_ids(redis_url: str) -> List[str]:
+    """The task ids of the messages a worker holds unacknowledged (kombu's Redis ``unacked`` hash)."""
+    return [json.loads(message)[0]["headers"]["id"] for message in redis.Redis.from_url(redis_url).hvals("unacked")]
+
+
+@pytest.mark.parametrize("fault", ["receiver-killed", "message-lost"])
+def test_a_sent_head_that_nobody_will_run_is_sent_again(fault, workers, queue, redis_server, kazoo, zk_root):
+    # Issue 42, "Why" 5: the head's claim belongs to its live sender, so nobody else sends it
+    # again, and a new worker's look at start sees a live claim. receiver-killed: the worker
+    # that prefetched it is SIGKILLed before it ran it (its message waits out Redis'
+    # visibility_timeout, an hour). message-lost: the broker loses it (as a restart without
+    # persistence does). Its sender sends it again after zklock_park_resend_after (2 s here).
+    holders = f"{queue}-h"
+    workers("a", concurrency=2, queue=holders, ZKT_PARK_RESEND_AFTER="2")
+    b = workers("b", concurrency=1, ZKT_PARK_RESEND_AFTER="2")
+    first = send(worker_app.parking, holders, "sent", 60.0, 0, "", True)  # a holds the key
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "sent", 0.1, i) for i in range(1, 4)]  # b parks them
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "sent") if n.startswith("p-")]) == 3, timeout=30)
+    r = redis.Redis.from_url(redis_server.url)
+    if fault == "receiver-killed":
+        # b's only slot busy: the head sent on reaches b's prefetch and waits there.
+        busy = send(worker_app.parking, queue, "busy", 60.0, 99, "", True)
+        wait_until(lambda: started(redis_server.url, busy.id), timeout=30)
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        wait_until(lambda: rest[0].id in unacked_ids(redis_server.url), timeout=30)
+        b.crash()
+    else:
+        answer = worker_app.app.control.cancel_consumer(queue, destination=[hostname("b")], reply=True, timeout=10)
+        assert answer, answer
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        wait_until(lambda: r.llen(queue) == 1, timeout=30)
+        assert r.delete(queue) == 1
+        worker_app.app.control.add_consumer(queue, destination=[hostname("b")], reply=True, timeout=10)
+    lost = time.monotonic()
+    assert first.get(timeout=30) == 0
+    consume("a", queue)
+    assert [x.get(timeout=2 + 15) for x in rest] == [1, 2, 3]
+    moved_on(redis_server.url, kazoo, zk_root, "sent", rest, lost, 2 + 3, before=[first])

@@ -9,7 +9,7 @@ from typing import Any, Callable, List, Tuple
 import pytest
 
 from celery_zklock.recipes import EXCLUSIVE, Lock
-from celery_zklock.recipes.park import Nudge, ParkedQueue, ParkUntold, QueueWatch
+from celery_zklock.recipes.park import Nudge, ParkedQueue, ParkUntold, QueueWatch, head_of
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
 from harness.proxy import Fault
@@ -417,3 +417,42 @@ def test_a_watcher_whose_nudge_finds_the_queue_empty_as_a_publisher_parks_watche
     finally:
         proxy.disarm()
         watch.stop()
+
+
+def test_a_sent_head_is_sent_again_by_its_sender_until_a_worker_receives_it(new_session, zk_root):
+    """Issue 42's lost head: the claim is the sender's, so only the sender may tell that its copy
+    never arrived. It sends it again every resend_after until a receive empties the claim."""
+    queue_path, lock_path = paths(zk_root)
+    session = new_session()
+    sender = ParkedQueue(session, queue_path, lock_path, EXCLUSIVE)
+    name = sender.park("copy-1", b"m1", 10, deadline(10))
+    other = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    sends, heads = Sends(), []
+    assert sender.nudge(sends, deadline(10), sent=heads.append) == Nudge.SENT
+    assert heads == [name]
+    assert not other.resend(str(name), sends, deadline(10)), "another session's claim is not ours to answer for"
+    watch = QueueWatch(session, 10, resend_after=0.3)
+    watch.sent(sender, str(name), sends)
+    try:
+        wait_until(lambda: len(sends.seen) >= 3, timeout=10)  # the first send, then again, and again
+        assert other.receive(str(name), deadline(10))  # a worker got it at last
+        count = len(sends.seen)
+        assert not sender.resend(str(name), sends, deadline(10)), "received: nothing to answer for"
+        wait_until(lambda: not watch._in_flight, timeout=10)
+        assert len(sends.seen) <= count + 1, "at most a resend that raced the receive"
+    finally:
+        watch.stop()
+    assert {node for node, _ in sends.seen} == {sender.node_path(str(name))}
+
+
+def test_a_queue_nobody_watches_is_told_from_one_somebody_does(new_session, zk_root):
+    queue_path, lock_path = paths(zk_root)
+    session = new_session()
+    parked = ParkedQueue(session, queue_path, lock_path, EXCLUSIVE)
+    assert head_of(session, queue_path, deadline(10)) is None  # no queue yet
+    parked.park("copy-1", b"m1", 10, deadline(10))
+    parked.park("copy-2", b"m2", 10, deadline(10))
+    assert head_of(session, queue_path, deadline(10), unwatched=True) == b"m1"
+    assert parked.follow("token", lambda event: None, deadline(10))
+    assert head_of(session, queue_path, deadline(10)) == b"m1"
+    assert head_of(session, queue_path, deadline(10), unwatched=True) is None, "it has a live watcher"

@@ -254,6 +254,11 @@ def test_task_defaults_settings():
         TaskDefaults.from_conf({"zklock_default_on_contention": ""})  # was read as unset: 'wait'
     with pytest.raises(ConfigurationError, match="zklock_default_timeout"):
         TaskDefaults.from_conf({"zklock_default_timeout": "10"})
+    assert TaskDefaults.from_conf({}).park_resend_after == 30.0
+    assert TaskDefaults.from_conf({"zklock_park_resend_after": 2}).park_resend_after == 2.0
+    for wrong in (0, -1, "30", None, float("inf"), True):
+        with pytest.raises(ConfigurationError, match="zklock_park_resend_after must be a positive number of seconds"):
+            TaskDefaults.from_conf({"zklock_park_resend_after": wrong})
 
 
 class Opaque:
