@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, NoReturn, Optional, cast
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, cast
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import states
@@ -49,20 +49,22 @@ from ..exceptions import (
 )
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
-from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch
+from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch, Redelivery, redelivery
 from ..recipes.park import waiting as parked_copies
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task
 from .options import locked_tasks, policy_problem, spec_of
 
-__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "encode", "lost", "parked_header",
-           "publish", "received", "revoked", "send", "started_when_held", "sweep"]
+__all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "encode", "ended",
+           "lost", "parked_header", "publish", "received", "revoked", "send", "started_when_held", "sweep"]
 
 logger = logging.getLogger("celery_zklock")
 
 #: The header of a parked copy sent again: its node's path in its key's parked queue.
 PARK_HEADER = "zklock_parked"
+#: A nonce of each send of a parked copy: a redelivery of the send carries it, a second send another.
+SENT_HEADER = "zklock_sent"
 
 
 def parked_header(request: Any) -> Optional[str]:
@@ -71,6 +73,13 @@ def parked_header(request: Any) -> Optional[str]:
     # the consumer's Request keeps them in its request_dict.
     found = getattr(request, PARK_HEADER, None) or (getattr(request, "headers", None) or {}).get(PARK_HEADER) \
         or (getattr(request, "request_dict", None) or {}).get(PARK_HEADER)
+    return found if isinstance(found, str) else None
+
+
+def _sent_nonce(request: Any) -> Optional[str]:
+    """The nonce of the send a parked copy came in (None: a new copy, or one sent by an older release)."""
+    found = getattr(request, SENT_HEADER, None) or (getattr(request, "headers", None) or {}).get(SENT_HEADER) \
+        or (getattr(request, "request_dict", None) or {}).get(SENT_HEADER)
     return found if isinstance(found, str) else None
 
 
@@ -107,6 +116,26 @@ def _ignores_result(task: Any, request: Any) -> bool:
     """Whether this call stores no result: its own ``ignore_result`` option, else its task's."""
     own = getattr(request, "ignore_result", None)
     return bool(task.ignore_result if own is None else own)
+
+
+#: Task id -> (queue, node name, version, timeout) of each taken record this process made or took over,
+#: until the copy's result is stored (see ended).
+_taken: Dict[str, Tuple[ParkedQueue, str, int, float]] = {}
+
+
+def ended(sender: Any = None, task_id: str = "", **kwargs: Any) -> None:
+    """A ``task_postrun`` receiver (the pool process): the copy's result is stored, so no
+    redelivery of it may run again, and its taken record goes. Not before: killed between its
+    release and its result's store, the copy is delivered again and must find its record."""
+    found = _taken.pop(task_id, None)
+    if found is None:
+        return
+    queue, name, version, timeout = found
+    try:
+        queue.forget(name, version, deadline(timeout))
+    except Exception as exc:  # noqa: BLE001 - harmless left behind: only this very send may run from it
+        logger.warning("parked copy %s/%s: its taken record could not be deleted (%s); `celery zklock` lists it",
+                       queue.path, name, explain(exc))
 
 
 #: One watch over parked queues per session, so per process (see QueueWatch).
@@ -151,6 +180,11 @@ class Parking:
             else None
         #: This copy's message as it would park, built by before() (see _payload).
         self._message: Optional[bytes] = None
+        #: The nonce of the send it came in, where its message may be delivered again (acks_late):
+        #: its take leaves a record that only a redelivery of this send may run it from.
+        self.sent = _sent_nonce(self.request) if self.received is not None and task.acks_late else None
+        #: The answer to before()'s receive, once read: False when the copy's node is gone.
+        self._node_there: Optional[bool] = None
 
     # -- before, or instead of, holding ------------------------------------------------------
     def before(self, until: Optional[float]) -> Optional[str]:
@@ -238,12 +272,55 @@ class Parking:
         # what is still parked). One landing before the commit ends it as a failure too, and
         # the node it left is sent again: told, then run once, never lost.
         if not self._received(until):  # before it is taken: a failure here leaves it parked (abandoned())
-            return False
+            return self._redelivered_runs(until)
         self.taken = True
-        self.taken = self.received is None or self.queue.take(self.received, until)
+        self.taken = self.received is None or self.queue.take(self.received, until, self.sent, self.lock.node)
+        if self.received is not None and self.taken and self.sent:  # the take made a record, at version 0
+            _taken[self.request.id] = (self.queue, self.received, 0, self.settings.connect_timeout)
+        if self.received is not None and not self.taken:
+            return self._redelivered_runs(until)  # another send took it: its redelivery, perhaps
         if self.taken:
             self._look_ahead()
         return self.taken
+
+    def redelivered(self, until: Optional[float]) -> bool:
+        """The key is held: True for the send that took this copy, delivered again, which waits
+        for the key as it would had it never parked (:func:`.recipes.park.redelivery`)."""
+        if self.received is None or self.sent is None or self._received(until):
+            return False
+        record, _, _ = self.queue.taken(self.received, until)
+        return redelivery(record, self.sent, None, None) == Redelivery.CONTEND
+
+    def _redelivered_runs(self, until: Optional[float]) -> bool:
+        """Holding the key, with the copy's node gone: True when this delivery runs the copy in
+        its last taker's place (that taker let go of the key, or died, before the copy ended)."""
+        if self.received is None or self.sent is None:
+            return False
+        ours = self.lock.node
+        while True:
+            record, version, contenders = self.queue.taken(self.received, until)
+            turn = redelivery(record, self.sent, contenders, ours)
+            if turn == Redelivery.WAIT:
+                # A semaphore's lease beside the copy's taker, alive or not yet seen dead: wait for it to go.
+                self._wait_gone(str((record or {}).get("holder")))
+                continue
+            if turn != Redelivery.RUN or ours is None:
+                return False
+            retaken = self.queue.retake(self.received, ours, self.sent, version, until)
+            if retaken is None:
+                continue  # it changed since we read it: decide again
+            logger.warning("%s: delivered again after its take (its process or worker died before it ended); it "
+                           "runs now, holding lock %r", self.where, self.label)
+            self.taken = True
+            _taken[self.request.id] = (self.queue, self.received, retaken, self.settings.connect_timeout)
+            self._look_ahead()
+            return True
+
+    def _wait_gone(self, holder: str) -> None:
+        gone = threading.Event()
+        path = posixpath.join(self.lock.path, holder)
+        if self.queue.session.client.exists(path, watch=lambda event: gone.set()) is not None:
+            gone.wait(self.settings.connect_timeout)  # and read again: the watch may die with a session
 
     def started(self) -> None:
         """The copy holds its key and its body starts: store STARTED now, where Celery's
@@ -272,15 +349,20 @@ class Parking:
     def _received(self, until: Optional[float]) -> bool:
         """The answer to before()'s receive, if it is still to be read: False when the copy's
         node is gone, a second send of a copy already taken, which must not run."""
+        if self._node_there is not None:
+            return self._node_there
         sent, self._receiving = self._receiving, None
-        return sent is None or self.received is None or self.queue.received(self.received, sent, until)
+        if sent is None or self.received is None:
+            return True
+        self._node_there = self.queue.received(self.received, sent, until)
+        return self._node_there
 
     def abandoned(self, exc: BaseException) -> bool:
         """``exc`` ends this call. True for a received copy that had not taken its node: it is
         still parked and runs when it is sent again, so the caller raises ``Ignore`` (no result
         is stored under its id); its claim goes in the background, so that it is sent again."""
-        if self.received is None or self.taken or isinstance(exc, Ignore):
-            return False
+        if self.received is None or self.taken or isinstance(exc, Ignore) or self._node_there is False:
+            return False  # a redelivery's node is gone: it fails (or is requeued) as a task that never parked
         logger.warning("%s: %s before the copy could take its place; it stays parked, and is sent again",
                        self.where, explain(exc))
         _watch(self.queue.session, self.settings).give_up(self.queue, self.received, self._send)
@@ -335,7 +417,8 @@ class Parking:
                 "again through the broker; an eager call (apply(), task_always_eager) cannot park")
         signature = self.task.signature_from_request(self.request)
         options = signature.options
-        options["headers"] = {k: v for k, v in (options.get("headers") or {}).items() if k != PARK_HEADER}
+        options["headers"] = {k: v for k, v in (options.get("headers") or {}).items()
+                              if k not in (PARK_HEADER, SENT_HEADER)}
         payload = encode(self.task, self.request.id, signature)
         if len(payload) > MAX_PAYLOAD:
             raise ParkedMessageTooLarge(
@@ -389,7 +472,8 @@ def send(app: Any, node: str, payload: bytes) -> None:
     message = loads(body, info["content_type"], info["content_encoding"],
                     accept=prepare_accept_content(app.conf.accept_content))
     signature = app.signature(message)
-    signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node})
+    signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node,
+                                   SENT_HEADER: uuid()})
 
 
 #: Publish options of this process alone: used here, never stored with a parked copy.
@@ -518,17 +602,21 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     """A ``task_failure`` receiver for the deaths only a worker's main process reports: the pool
     process died under a received copy (``WorkerLostError``, or its hard time limit).
 
-    After its take, the copy's node and claim are gone already and this does nothing.
-    Before it, the copy is still parked under its claim. Celery has just stored its
+    Before its take, the copy is still parked under its claim. Celery has just stored its
     failure, and the copy is over, as any task whose process dies is: it leaves the queue
     and the next one goes. (Should its message come back, with ``acks_late`` and
-    ``task_reject_on_worker_lost``, Celery stores no failure: only the claim goes, and the
-    copy takes its place when it is delivered again.)
+    ``task_reject_on_worker_lost``, or a hard time limit not acked, only the claim goes,
+    and the copy takes its place when it is delivered again.) After its take, its node and
+    claim are gone already, and only its taken record goes, where no redelivery comes.
     """
     header = _received.pop(task_id, None)
     if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not spec_of(sender):
         return
-    comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
+    if isinstance(exception, TimeLimitExceeded):
+        acked = getattr(sender, "acks_on_timeout", getattr(sender, "acks_on_failure_or_timeout", True))
+        comes_back = bool(sender.acks_late and not acked)
+    else:
+        comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
     _give_up(sender, task_id, header, revoked=not comes_back)
 
 
