@@ -583,9 +583,9 @@ def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     _give_up(sender, request.id, header, revoked=True)
 
 
-#: Task id -> parked node, of the copies sent again that this worker received: a pool process's
-#: death is told by task id alone. Bounded: a copy that ran needs its entry no more.
-_received: OrderedDict[str, str] = OrderedDict()
+#: Task id -> (parked node, the send's nonce), of the copies sent again that this worker received:
+#: a pool process's death is told by task id alone. Bounded: a copy that ran needs its entry no more.
+_received: OrderedDict[str, Tuple[str, Optional[str]]] = OrderedDict()
 _RECEIVED_MAX = 10_000
 
 
@@ -593,7 +593,7 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     """A ``task_received`` receiver (the consumer): remember the parked node of a copy sent again."""
     header = parked_header(request) if request is not None else None
     if header is not None:
-        _received[request.id] = header
+        _received[request.id] = (header, _sent_nonce(request))
         while len(_received) > _RECEIVED_MAX:
             _received.popitem(last=False)
 
@@ -609,7 +609,7 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     and the copy takes its place when it is delivered again.) After its take, its node and
     claim are gone already, and only its taken record goes, where no redelivery comes.
     """
-    header = _received.pop(task_id, None)
+    header, sent = _received.pop(task_id, (None, None))
     if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not spec_of(sender):
         return
     if isinstance(exception, TimeLimitExceeded):
@@ -617,15 +617,15 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
         comes_back = bool(sender.acks_late and not acked)
     else:
         comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
-    _give_up(sender, task_id, header, revoked=not comes_back)
+    _give_up(sender, task_id, header, revoked=not comes_back, sent=sent)
 
 
-def _give_up(task: Any, task_id: str, header: str, revoked: bool) -> None:
+def _give_up(task: Any, task_id: str, header: str, revoked: bool, sent: Optional[str] = None) -> None:
     # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
     # another thread there would share the consumer's broker transport. It only changes the
     # queue; the pool processes watching it (the releaser that sent the copy is one) see the
     # change and send the next copy.
-    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked), name="celery-zklock-parked",
+    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked, sent), name="celery-zklock-parked",
                      daemon=True).start()
 
 
@@ -633,7 +633,7 @@ def _give_up(task: Any, task_id: str, header: str, revoked: bool) -> None:
 _GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
 
 
-def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
+def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, sent: Optional[str]) -> None:
     spec = spec_of(task)
     if spec is None:
         return
@@ -646,7 +646,10 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool) -> None:
         try:
             parked = _queue_at(session_for(settings), app, path, spec)
             until = deadline(settings.connect_timeout)
-            (parked.remove if revoked else parked.decline)(name, until)
+            if revoked:
+                parked.remove(name, until, sent)
+            else:
+                parked.decline(name, until)
             return
         except ValueError as exc:  # a header that names no queue of ours
             logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", task.name, task_id, header, what,

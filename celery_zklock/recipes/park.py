@@ -722,13 +722,23 @@ class ParkedQueue:
         """The taken copy let go: its claim goes (not waited for; else it goes with the session)."""
         self.session.nodes.delete_later(self.node_path(CLAIM + name))
 
-    def remove(self, name: str, until: Optional[float]) -> None:
+    def remove(self, name: str, until: Optional[float], sent: Optional[str] = None) -> None:
         """Take copy ``name`` out of the queue, whatever its claim, with its taken record (it was
-        revoked, or it ended where Celery stored its failure: no delivery of it runs again)."""
-        through_blips(self.session, until, lambda: self._remove_now(name, until))
+        revoked, or it ended where Celery stored its failure). With ``sent``, the record goes
+        only if that send took the copy: a second send's death must not forget another's take."""
+        through_blips(self.session, until, lambda: self._remove_now(name, until, sent))
 
-    def _remove_now(self, name: str, until: Optional[float]) -> None:
-        self._delete_now([CLAIM + name, name, TAKEN + name], until)
+    def _remove_now(self, name: str, until: Optional[float], sent: Optional[str]) -> None:
+        self._delete_now([CLAIM + name, name], until)
+        if sent is None:
+            self._delete_now([TAKEN + name], until)
+            return
+        try:
+            data, stat = reply(self.session.client.get_async(self.node_path(TAKEN + name)), until)
+        except NoNodeError:
+            return
+        if node_object(data).get("sent") == sent:
+            self.forget(name, stat.version, until)
 
     def decline(self, name: str, until: Optional[float]) -> None:
         """A received copy could not hold the key (a contender that never parked came first):

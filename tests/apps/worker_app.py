@@ -271,6 +271,15 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         (hold_on_socket if gated else hold)(seconds, key)
         return seq
 
+    @app.task(bind=True, shared=False, acks_late=True)
+    @zk_locked(key="park:{key}", on_contention="park")
+    def parking_acked(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """``parking_late`` without ``reject_on_worker_lost``: its process's death fails it, and acks it."""
+        lock = current_lock()
+        note("start", key=key, seq=seq, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases)
+        (hold_on_socket if gated else hold)(seconds, key)
+        return seq
+
     @app.task(shared=False)
     @zk_locked(key="park:{key}", on_contention="park", park_limit=2)
     def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
@@ -284,7 +293,8 @@ def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: 
     if sender is not None and sender.name in ("tests.apps.worker_app.parking",
                                               "tests.apps.worker_app.parking_at_publish",
                                               "tests.apps.worker_app.parking_tracked",
-                                              "tests.apps.worker_app.parking_late"):
+                                              "tests.apps.worker_app.parking_late",
+                                              "tests.apps.worker_app.parking_acked"):
         history().rpush("history", json.dumps({"event": "delivered", "task_id": task_id, "state": state,
                                                "time": time.monotonic()}))
 

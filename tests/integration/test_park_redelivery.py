@@ -17,6 +17,7 @@ from typing import Any, Dict, List
 
 import pytest
 import redis
+from billiard.exceptions import WorkerLostError
 
 from celery_zklock.glue import parking
 from celery_zklock.testing import Hold, violations
@@ -56,7 +57,7 @@ def checked(redis_url: str, killed: float, victim: Any) -> List[Dict[str, Any]]:
 
 
 def parked_chain(workers: Any, queue: str, redis_url: str, kazoo: Any, zk_root: str, key: str, seconds: float,
-                 **env: str) -> Any:
+                 task: Any = task, **env: str) -> Any:
     """A holder (gated), then the victim and one more copy parked behind it, in that order."""
     worker = workers("w1", concurrency=2, **env)
     holder = send(task, queue, key, 60.0, 0, True)
@@ -171,3 +172,23 @@ def test_a_second_send_of_a_killed_copy_drops_itself_and_only_its_redelivery_run
     assert any(killed < e["time"] < ran["start"] for e in delivered() if e["state"] == "IGNORED"), \
         "ours dropped itself after the kill, while the copy's record was there"
     moved_on(redis_server.url, history, [holder, victim, after], kazoo, zk_root, "second")
+
+
+def test_killed_where_celery_acks_its_failure_its_record_goes_and_nothing_runs_it_again(workers, queue,
+                                                                                       redis_server, kazoo, zk_root):
+    # acks_late without reject_on_worker_lost: Celery stores WorkerLostError and acks the
+    # message, so no delivery runs the copy again; the worker's main process deletes its record
+    # (else it would keep the queue's container for ever), and the queue moves on.
+    _, holder, victim, after = parked_chain(workers, queue, redis_server.url, kazoo, zk_root, "acked", 3.0,
+                                            task=worker_app.parking_acked)
+    release(redis_server.url, holder)
+    wait_until(lambda: starts(redis_server.url, victim.id), timeout=30)
+    os.kill(starts(redis_server.url, victim.id)[0]["pid"], signal.SIGKILL)
+    with pytest.raises(WorkerLostError):
+        victim.get(timeout=30)
+    assert [holder.get(timeout=30), after.get(timeout=30)] == [0, 2]
+    wait_until(lambda: queue_left(kazoo, zk_root, "acked") == [], timeout=10)  # the record too
+    history = events(redis_server.url)
+    assert [e for e in history if e["event"] == "body" and e["task_id"] == victim.id] == []
+    assert len(starts(redis_server.url, victim.id)) == 1
+    assert violations(holds(redis_server.url)) == []
