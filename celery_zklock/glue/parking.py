@@ -123,12 +123,21 @@ def _ignores_result(task: Any, request: Any) -> bool:
 _taken: Dict[str, Tuple[ParkedQueue, str, int, float]] = {}
 
 
-def ended(sender: Any = None, task_id: str = "", **kwargs: Any) -> None:
+def ended(sender: Any = None, task_id: str = "", state: Optional[str] = None, retval: Any = None,
+          **kwargs: Any) -> None:
     """A ``task_postrun`` receiver (the pool process): the copy's result is stored, so no
     redelivery of it may run again, and its taken record goes. Not before: killed between its
-    release and its result's store, the copy is delivered again and must find its record."""
+    release and its result's store, the copy is delivered again and must find its record.
+
+    Nor when its message comes back: Celery sends this with no state when ``SystemExit`` or
+    ``KeyboardInterrupt`` cut the copy short (a pool process told to stop, or the SIGTERM
+    before a hard time limit's SIGKILL), and leaves its message unacknowledged; or the body
+    raised ``Reject(requeue=True)``.
+    """
     found = _taken.pop(task_id, None)
     if found is None:
+        return
+    if state is None or (state == states.REJECTED and getattr(retval, "requeue", False)):
         return
     queue, name, version, timeout = found
     try:
@@ -613,7 +622,9 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not spec_of(sender):
         return
     if isinstance(exception, TimeLimitExceeded):
-        acked = getattr(sender, "acks_on_timeout", getattr(sender, "acks_on_failure_or_timeout", True))
+        # Celery 5.4+ reads acks_on_timeout, which falls back to acks_on_failure_or_timeout (default True).
+        acked = next((v for v in (getattr(sender, "acks_on_timeout", None),
+                                  getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
         comes_back = bool(sender.acks_late and not acked)
     else:
         comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))

@@ -271,6 +271,22 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         (hold_on_socket if gated else hold)(seconds, key)
         return seq
 
+    @app.task(bind=True, shared=False, acks_late=True, acks_on_failure_or_timeout=False)
+    @zk_locked(key="park:{key}", on_contention="park")
+    def parking_timed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """``parking_late`` whose hard time limit Celery does not acknowledge (it requeues the
+        message); a copy the test marks ``park:slow-once:<id>`` outlasts its limit once."""
+        lock = current_lock()
+        note("start", key=key, seq=seq, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases)
+        if history().getdel(f"park:slow-once:{self.request.id}"):
+            seconds = 60.0
+        try:
+            (hold_on_socket if gated else hold)(seconds, key)
+        except BaseException:  # the SIGTERM before the hard limit's SIGKILL: the body stops here
+            note("cut", key=key)
+            raise
+        return seq
+
     @app.task(bind=True, shared=False, acks_late=True)
     @zk_locked(key="park:{key}", on_contention="park")
     def parking_acked(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
@@ -294,7 +310,8 @@ def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: 
                                               "tests.apps.worker_app.parking_at_publish",
                                               "tests.apps.worker_app.parking_tracked",
                                               "tests.apps.worker_app.parking_late",
-                                              "tests.apps.worker_app.parking_acked"):
+                                              "tests.apps.worker_app.parking_acked",
+                                              "tests.apps.worker_app.parking_timed"):
         history().rpush("history", json.dumps({"event": "delivered", "task_id": task_id, "state": state,
                                                "time": time.monotonic()}))
 

@@ -48,8 +48,9 @@ def checked(redis_url: str, killed: float, victim: Any) -> List[Dict[str, Any]]:
     bodies = [e for e in history if e["event"] == "body"]
     cut = [e for e in history if e["event"] == "start" and e["task_id"] == victim.id and e["time"] < killed
            and not any(b["task_id"] == victim.id and b["pid"] == e["pid"] for b in bodies)]
-    whole = holds(redis_url) + [Hold(e["key"], e["mode"], e["token"], e["time"], killed, f"killed/{e['task_id']}",
-                                     e["limit"]) for e in cut]
+    stopped = {e["pid"]: e["time"] for e in history if e["event"] == "cut"}  # a body that saw its end coming
+    whole = holds(redis_url) + [Hold(e["key"], e["mode"], e["token"], e["time"], stopped.get(e["pid"], killed),
+                                     f"killed/{e['task_id']}", e["limit"]) for e in cut]
     assert violations(whole) == [], whole
     after = [b for b in bodies if b["task_id"] == victim.id and b["start"] >= killed]
     assert len(after) == 1, f"the copy's body ran to its end {len(after)} times after the kill: {history}"
@@ -192,3 +193,28 @@ def test_killed_where_celery_acks_its_failure_its_record_goes_and_nothing_runs_i
     assert [e for e in history if e["event"] == "body" and e["task_id"] == victim.id] == []
     assert len(starts(redis_server.url, victim.id)) == 1
     assert violations(holds(redis_server.url)) == []
+
+
+def test_past_a_hard_time_limit_celery_requeues_it_and_it_runs_again_once(workers, queue, redis_server, kazoo,
+                                                                         zk_root):
+    # acks_late with acks_on_failure_or_timeout=False: Celery stores TimeLimitExceeded, kills the
+    # pool process and requeues the message; the worker's main process keeps its record, and the
+    # copy runs again (its body is slow only the first time).
+    timed = worker_app.parking_timed
+    workers("w1", concurrency=2)
+    holder = send(timed, queue, "limit", 60.0, 0, True)
+    wait_until(lambda: starts(redis_server.url, holder.id), timeout=30)
+    victim = timed.apply_async(args=("limit", 0.5, 1), queue=queue, time_limit=3)
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "limit") if n.startswith("p-")]) == 1, timeout=30)
+    after = send(timed, queue, "limit", 0.2, 2)
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "limit") if n.startswith("p-")]) == 2, timeout=30)
+    redis.Redis.from_url(redis_server.url).set(f"park:slow-once:{victim.id}", 1)
+    release(redis_server.url, holder)
+    wait_until(lambda: len(starts(redis_server.url, victim.id)) == 2, timeout=30)
+    killed = starts(redis_server.url, victim.id)[1]["time"]  # the first run was over before the second began
+    # FAILURE (TimeLimitExceeded) was stored first, and an AsyncResult keeps the first final state it reads.
+    wait_until(lambda: timed.AsyncResult(victim.id).state == "SUCCESS", timeout=30)
+    victim = timed.AsyncResult(victim.id)
+    assert [holder.get(timeout=30), victim.get(timeout=1), after.get(timeout=30)] == [0, 1, 2]
+    history = checked(redis_server.url, killed, victim)
+    moved_on(redis_server.url, history, [holder, victim, after], kazoo, zk_root, "limit")
