@@ -49,7 +49,17 @@ from ..exceptions import (
 )
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
-from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch, Redelivery, redelivery
+from ..recipes.park import (
+    MAX_PAYLOAD,
+    TAKEN,
+    Looked,
+    Nudge,
+    ParkedQueue,
+    ParkUntold,
+    QueueWatch,
+    Redelivery,
+    redelivery,
+)
 from ..recipes.park import waiting as parked_copies
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
@@ -143,8 +153,8 @@ def ended(sender: Any = None, task_id: str = "", state: Optional[str] = None, re
     try:
         queue.forget(name, version, deadline(timeout))
     except Exception as exc:  # noqa: BLE001 - harmless left behind: only this very send may run from it
-        logger.warning("parked copy %s/%s: its taken record could not be deleted (%s); `celery zklock` lists it",
-                       queue.path, name, explain(exc))
+        logger.warning("parked copy %s/%s: its taken record %s%s could not be deleted (%s); it is harmless, and "
+                       "may be deleted by hand", queue.path, name, TAKEN, name, explain(exc))
 
 
 #: One watch over parked queues per session, so per process (see QueueWatch).
