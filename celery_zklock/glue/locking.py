@@ -18,7 +18,7 @@ import time
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from kazoo.exceptions import KazooException
 
 from .. import signals
@@ -192,6 +192,17 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                     f"{where}: ZooKeeper at zklock_hosts={settings.hosts!r} did not answer, so lock "
                     f"{one.label!r} ({one.mode}) was not taken and the task did not run "
                     f"(on_contention={policy!r} applies only when another contender holds the key)")
+            if parking is not None and parking.redelivered(until):
+                # The send that took this copy, delivered again (its process or worker died
+                # before it ended): it waits for its key, as it would had it never parked.
+                held.append(one)
+                if one.acquire(blocking=True, timeout=None):
+                    parking.took = True
+                    signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
+                    continue
+                held.pop()
+                raise Reject(f"{where}: delivered again after its take, it could not wait for lock {one.label!r}; "
+                             "requeued", requeue=True)
             if parking is not None:
                 return _refused(task, one, parking.contended(until), until)
             return _contended(task, spec, policy, timeout, one, held, until)

@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, NoReturn, Optional, cast
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, cast
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import states
@@ -49,20 +49,33 @@ from ..exceptions import (
 )
 from ..layout import LOCK_TREES, PARKED, node_object
 from ..recipes import Lock
-from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, ParkUntold, QueueWatch, head_of
+from ..recipes.park import (
+    MAX_PAYLOAD,
+    TAKEN,
+    Looked,
+    Nudge,
+    ParkedQueue,
+    ParkUntold,
+    QueueWatch,
+    Redelivery,
+    head_of,
+    redelivery,
+)
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
 
-__all__ = ["PARK_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "as_new_delivery", "encode",
-           "leave_queue", "lost", "orphans", "parked_header", "publish", "received", "revoked", "send",
-           "started_when_held", "sweep", "unknown"]
+__all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "as_new_delivery",
+           "encode", "ended", "leave_queue", "lost", "orphans", "parked_header", "publish", "received", "revoked",
+           "send", "started_when_held", "sweep", "unknown"]
 
 logger = logging.getLogger("celery_zklock")
 
 #: The header of a parked copy sent again: its node's path in its key's parked queue.
 PARK_HEADER = "zklock_parked"
+#: A nonce of each send of a parked copy: a redelivery of the send carries it, a second send another.
+SENT_HEADER = "zklock_sent"
 
 
 def parked_header(request: Any) -> Optional[str]:
@@ -71,6 +84,13 @@ def parked_header(request: Any) -> Optional[str]:
     # the consumer's Request keeps them in its request_dict.
     found = getattr(request, PARK_HEADER, None) or (getattr(request, "headers", None) or {}).get(PARK_HEADER) \
         or (getattr(request, "request_dict", None) or {}).get(PARK_HEADER)
+    return found if isinstance(found, str) else None
+
+
+def _sent_nonce(request: Any) -> Optional[str]:
+    """The nonce of the send a parked copy came in (None: a new copy, or one sent by an older release)."""
+    found = getattr(request, SENT_HEADER, None) or (getattr(request, "headers", None) or {}).get(SENT_HEADER) \
+        or (getattr(request, "request_dict", None) or {}).get(SENT_HEADER)
     return found if isinstance(found, str) else None
 
 
@@ -107,6 +127,35 @@ def _ignores_result(task: Any, request: Any) -> bool:
     """Whether this call stores no result: its own ``ignore_result`` option, else its task's."""
     own = getattr(request, "ignore_result", None)
     return bool(task.ignore_result if own is None else own)
+
+
+#: Task id -> (queue, node name, version, timeout) of each taken record this process made or took over,
+#: until the copy's result is stored (see ended).
+_taken: Dict[str, Tuple[ParkedQueue, str, int, float]] = {}
+
+
+def ended(sender: Any = None, task_id: str = "", state: Optional[str] = None, retval: Any = None,
+          **kwargs: Any) -> None:
+    """A ``task_postrun`` receiver (the pool process): the copy's result is stored, so no
+    redelivery of it may run again, and its taken record goes. Not before: killed between its
+    release and its result's store, the copy is delivered again and must find its record.
+
+    Nor when its message comes back: Celery sends this with no state when ``SystemExit`` or
+    ``KeyboardInterrupt`` cut the copy short (a pool process told to stop, or the SIGTERM
+    before a hard time limit's SIGKILL), and leaves its message unacknowledged; or the body
+    raised ``Reject(requeue=True)``.
+    """
+    found = _taken.pop(task_id, None)
+    if found is None:
+        return
+    if state is None or (state == states.REJECTED and getattr(retval, "requeue", False)):
+        return
+    queue, name, version, timeout = found
+    try:
+        queue.forget(name, version, deadline(timeout))
+    except Exception as exc:  # noqa: BLE001 - harmless left behind: only this very send may run from it
+        logger.warning("parked copy %s/%s: its taken record %s%s could not be deleted (%s); it is harmless, and "
+                       "may be deleted by hand", queue.path, name, TAKEN, name, explain(exc))
 
 
 #: One watch over parked queues per session, so per process (see QueueWatch).
@@ -152,6 +201,11 @@ class Parking:
             else None
         #: This copy's message as it would park, built by before() (see _payload).
         self._message: Optional[bytes] = None
+        #: The nonce of the send it came in, where its message may be delivered again (acks_late):
+        #: its take leaves a record that only a redelivery of this send may run it from.
+        self.sent = _sent_nonce(self.request) if self.received is not None and task.acks_late else None
+        #: The answer to before()'s receive, once read: False when the copy's node is gone.
+        self._node_there: Optional[bool] = None
 
     # -- before, or instead of, holding ------------------------------------------------------
     def before(self, until: Optional[float]) -> Optional[str]:
@@ -239,12 +293,55 @@ class Parking:
         # what is still parked). One landing before the commit ends it as a failure too, and
         # the node it left is sent again: told, then run once, never lost.
         if not self._received(until):  # before it is taken: a failure here leaves it parked (abandoned())
-            return False
+            return self._redelivered_runs(until)
         self.taken = True
-        self.taken = self.received is None or self.queue.take(self.received, until)
+        self.taken = self.received is None or self.queue.take(self.received, until, self.sent, self.lock.node)
+        if self.received is not None and self.taken and self.sent:  # the take made a record, at version 0
+            _taken[self.request.id] = (self.queue, self.received, 0, self.settings.connect_timeout)
+        if self.received is not None and not self.taken:
+            return self._redelivered_runs(until)  # another send took it: its redelivery, perhaps
         if self.taken:
             self._look_ahead()
         return self.taken
+
+    def redelivered(self, until: Optional[float]) -> bool:
+        """The key is held: True for the send that took this copy, delivered again, which waits
+        for the key as it would had it never parked (:func:`.recipes.park.redelivery`)."""
+        if self.received is None or self.sent is None or self._received(until):
+            return False
+        record, _, _ = self.queue.taken(self.received, until)
+        return redelivery(record, self.sent, None, None) == Redelivery.CONTEND
+
+    def _redelivered_runs(self, until: Optional[float]) -> bool:
+        """Holding the key, with the copy's node gone: True when this delivery runs the copy in
+        its last taker's place (that taker let go of the key, or died, before the copy ended)."""
+        if self.received is None or self.sent is None:
+            return False
+        ours = self.lock.node
+        while True:
+            record, version, contenders = self.queue.taken(self.received, until)
+            turn = redelivery(record, self.sent, contenders, ours)
+            if turn == Redelivery.WAIT:
+                # A semaphore's lease beside the copy's taker, alive or not yet seen dead: wait for it to go.
+                self._wait_gone(str((record or {}).get("holder")))
+                continue
+            if turn != Redelivery.RUN or ours is None:
+                return False
+            retaken = self.queue.retake(self.received, ours, self.sent, version, until)
+            if retaken is None:
+                continue  # it changed since we read it: decide again
+            logger.warning("%s: delivered again after its take (its process or worker died before it ended); it "
+                           "runs now, holding lock %r", self.where, self.label)
+            self.taken = True
+            _taken[self.request.id] = (self.queue, self.received, retaken, self.settings.connect_timeout)
+            self._look_ahead()
+            return True
+
+    def _wait_gone(self, holder: str) -> None:
+        gone = threading.Event()
+        path = posixpath.join(self.lock.path, holder)
+        if self.queue.session.client.exists(path, watch=lambda event: gone.set()) is not None:
+            gone.wait(self.settings.connect_timeout)  # and read again: the watch may die with a session
 
     def started(self) -> None:
         """The copy holds its key and its body starts: store STARTED now, where Celery's
@@ -273,15 +370,20 @@ class Parking:
     def _received(self, until: Optional[float]) -> bool:
         """The answer to before()'s receive, if it is still to be read: False when the copy's
         node is gone, a second send of a copy already taken, which must not run."""
+        if self._node_there is not None:
+            return self._node_there
         sent, self._receiving = self._receiving, None
-        return sent is None or self.received is None or self.queue.received(self.received, sent, until)
+        if sent is None or self.received is None:
+            return True
+        self._node_there = self.queue.received(self.received, sent, until)
+        return self._node_there
 
     def abandoned(self, exc: BaseException) -> bool:
         """``exc`` ends this call. True for a received copy that had not taken its node: it is
         still parked and runs when it is sent again, so the caller raises ``Ignore`` (no result
         is stored under its id); its claim goes in the background, so that it is sent again."""
-        if self.received is None or self.taken or isinstance(exc, Ignore):
-            return False
+        if self.received is None or self.taken or isinstance(exc, Ignore) or self._node_there is False:
+            return False  # a redelivery's node is gone: it fails (or is requeued) as a task that never parked
         logger.warning("%s: %s before the copy could take its place; it stays parked, and is sent again",
                        self.where, explain(exc))
         _watch(self.queue.session, self.settings, self.task.app).give_up(self.queue, self.received, self._send)
@@ -342,7 +444,8 @@ class Parking:
                 "again through the broker; an eager call (apply(), task_always_eager) cannot park")
         signature = self.task.signature_from_request(self.request)
         options = signature.options
-        options["headers"] = {k: v for k, v in (options.get("headers") or {}).items() if k != PARK_HEADER}
+        options["headers"] = {k: v for k, v in (options.get("headers") or {}).items()
+                              if k not in (PARK_HEADER, SENT_HEADER)}
         payload = encode(self.task, self.request.id, signature)
         if len(payload) > MAX_PAYLOAD:
             raise ParkedMessageTooLarge(
@@ -393,12 +496,13 @@ def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> N
 
 
 def as_new_delivery(task: Any, options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` of a publish of ``task``, without the parked-copy header a retry of the running
+    """``options`` of a publish of ``task``, without the parked-copy headers a retry of the running
     copy inherits (``self.retry``, ``autoretry_for``: Celery builds it from the request).
 
     The copy took its node as it began, so a retry carrying the header would find the node
-    gone and drop itself as a second send: its caller would wait in RETRY for ever. It is a
-    new delivery, which contends (or parks) again. Our own sends of a parked copy are not
+    gone and drop itself as a second send: its caller would wait in RETRY for ever (and one
+    carrying the send's nonce could pass for a redelivery of it). It is a new delivery, which
+    contends (or parks) again. Our own sends of a parked copy are not
     retries, even from the copy's own thread (a received copy that declines sends the head,
     itself), and keep it.
     """
@@ -406,7 +510,7 @@ def as_new_delivery(task: Any, options: Dict[str, Any]) -> Dict[str, Any]:
     if not headers or PARK_HEADER not in headers or getattr(_sending, "now", False) \
             or retried_request(task, options) is None:
         return options
-    return {**options, "headers": {k: v for k, v in headers.items() if k != PARK_HEADER}}
+    return {**options, "headers": {k: v for k, v in headers.items() if k not in (PARK_HEADER, SENT_HEADER)}}
 
 
 def abandon_received(task: Any, session: Session, settings: Settings, spec: Any, exc: BaseException) -> bool:
@@ -447,7 +551,8 @@ def send(app: Any, node: str, payload: bytes) -> None:
     signature = app.signature(message)
     _sending.now = True
     try:
-        signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node})
+        signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node,
+                                       SENT_HEADER: uuid()})
     finally:
         _sending.now = False
 
@@ -578,9 +683,9 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     _give_up(None, id, header, revoked=True, app=app, task_name=name)
 
 
-#: Task id -> parked node, of the copies sent again that this worker received: a pool process's
-#: death is told by task id alone. Bounded: a copy that ran needs its entry no more.
-_received: OrderedDict[str, str] = OrderedDict()
+#: Task id -> (parked node, the send's nonce), of the copies sent again that this worker received:
+#: a pool process's death is told by task id alone. Bounded: a copy that ran needs its entry no more.
+_received: OrderedDict[str, Tuple[str, Optional[str]]] = OrderedDict()
 _RECEIVED_MAX = 10_000
 
 
@@ -598,7 +703,7 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
                        "key's parked queue, and runs", task.name, request.id)
         _give_up(None, request.id, header, revoked=True, app=task.app, task_name=task.name)
         return
-    _received[request.id] = header
+    _received[request.id] = (header, _sent_nonce(request))
     while len(_received) > _RECEIVED_MAX:
         _received.popitem(last=False)
 
@@ -607,27 +712,34 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     """A ``task_failure`` receiver for the deaths only a worker's main process reports: the pool
     process died under a received copy (``WorkerLostError``, or its hard time limit).
 
-    After its take, the copy's node and claim are gone already and this does nothing.
-    Before it, the copy is still parked under its claim. Celery has just stored its
+    Before its take, the copy is still parked under its claim. Celery has just stored its
     failure, and the copy is over, as any task whose process dies is: it leaves the queue
     and the next one goes. (Should its message come back, with ``acks_late`` and
-    ``task_reject_on_worker_lost``, Celery stores no failure: only the claim goes, and the
-    copy takes its place when it is delivered again.)
+    ``task_reject_on_worker_lost``, or a hard time limit not acked, only the claim goes,
+    and the copy takes its place when it is delivered again.) After its take, its node and
+    claim are gone already, and only its taken record goes, where no redelivery comes.
     """
-    header = _received.pop(task_id, None)
+    header, sent = _received.pop(task_id, (None, None))
     if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not spec_of(sender):
         return
-    comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
-    _give_up(sender, task_id, header, revoked=not comes_back)
+    if isinstance(exception, TimeLimitExceeded):
+        # Celery 5.4+ reads acks_on_timeout, which falls back to acks_on_failure_or_timeout (default True).
+        acked = next((v for v in (getattr(sender, "acks_on_timeout", None),
+                                  getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
+        comes_back = bool(sender.acks_late and not acked)
+    else:
+        comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
+    _give_up(sender, task_id, header, revoked=not comes_back, sent=sent)
 
 
-def _give_up(task: Any, task_id: str, header: str, revoked: bool, app: Any = None, task_name: str = "") -> None:
+def _give_up(task: Any, task_id: str, header: str, revoked: bool, sent: Optional[str] = None, app: Any = None,
+             task_name: str = "") -> None:
     # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
     # another thread there would share the consumer's broker transport. It only changes the
     # queue; the pool processes watching it (the releaser that sent the copy is one) see the
     # change and send the next copy. Without a task (one this worker does not know, or that
     # takes no lock), ``app`` and ``task_name`` say whose copy it is: a removal reads no rule.
-    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked, app, task_name),
+    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked, sent, app, task_name),
                      name="celery-zklock-parked", daemon=True).start()
 
 
@@ -635,7 +747,7 @@ def _give_up(task: Any, task_id: str, header: str, revoked: bool, app: Any = Non
 _GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
 
 
-def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, app: Any = None,
+def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, sent: Optional[str], app: Any = None,
                  task_name: str = "") -> None:
     spec = spec_of(task) if task is not None else None
     if task is not None and spec is None:
@@ -650,7 +762,10 @@ def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, app: Any =
         try:
             parked = _queue_at(session_for(settings), app, path, spec)
             until = deadline(settings.connect_timeout)
-            (parked.remove if revoked else parked.decline)(name, until)
+            if revoked:
+                parked.remove(name, until, sent)
+            else:
+                parked.decline(name, until)
             return
         except ValueError as exc:  # a header that names no queue of ours
             logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", task_name, task_id, header, what,

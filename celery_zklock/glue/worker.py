@@ -31,10 +31,10 @@ it looks at each task Celery makes from a function as it is made. Then:
    ``task_revoked`` (a revoked copy's marker), ``task_unknown`` (a parked copy of a task
    a deploy renamed leaves its queue), ``task_failure`` (the marker of a copy
    whose pool process died), ``task_postrun`` (the marker of a copy whose own run was cut
-   short before it gave it back), ``worker_init`` (refuse a worker whose
-   locked tasks or settings are wrong; serve its metrics, before the pool forks; keep
-   its name for a beat it embeds; a parking task's STARTED state waits for its copy to
-   hold the key),
+   short before it gave it back; a parked copy's taken record, once its result is stored),
+   ``worker_init`` (refuse a worker whose locked tasks or settings are wrong; serve its
+   metrics, before the pool forks; keep its name for a beat it embeds; a parking task's
+   STARTED state waits for its copy to hold the key),
    ``worker_ready`` (say which ZooKeeper it uses, where its metrics are, and which
    keys ZooKeeper shows in clear), ``beat_embedded_init`` (a ``-B`` beat follows its
    worker: see :func:`~celery_zklock.glue.beat.embedded`), ``worker_process_init``
@@ -111,6 +111,7 @@ def install() -> None:
         task_failure.connect(parking.lost, weak=False)
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)
+        task_postrun.connect(parking.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
         worker_init.connect(parking.started_when_held, weak=False)
         worker_ready.connect(_tell_where, weak=False)

@@ -6,6 +6,7 @@ meets a held key waits in ZooKeeper rather than in a worker's slot.
     <root>/parked/locks/<key>/p-<id hash>-<seq>      a parked copy's message (persistent, sequential)
     <root>/parked/locks/<key>/c-p-<id hash>-<seq>    the claim on the copy in flight (ephemeral)
     <root>/parked/locks/<key>/w-<token>-<seq>        a process watching the queue (ephemeral, sequential)
+    <root>/parked/locks/<key>/t-p-<id hash>-<seq>    a taken copy that may be delivered again (persistent)
 
 The queue is a container beside the key's lock, in sequence order. Its head is sent
 again by :meth:`ParkedQueue.nudge`, and only when the key has room for it and nobody
@@ -31,6 +32,12 @@ reaches a worker that runs it (lost by the broker, or held by a worker that died
 sender's claim, and its sender sends it again (:meth:`ParkedQueue.resend`); a queue whose
 watchers all died is found by a worker's periodic look (:meth:`QueueWatch.patrol`).
 
+A copy whose message may come back after its take (Celery's ``acks_late``) leaves a
+record of the take (``t-`` plus its node's name) in the take's own transaction, naming the
+send it came in (a nonce each send carries) and its lock node. A delivery whose node is gone
+runs only if it is that very send delivered again and the copy's last taker no longer holds
+the key (:func:`redelivery`); the record goes once the copy's result is stored.
+
 Example::
 
     queue = ParkedQueue(session, layout.parked(key), layout.lock(key), EXCLUSIVE)
@@ -42,22 +49,24 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import logging
 import posixpath
 import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
+from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..exceptions import explain
+from ..layout import node_object
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "InFlight", "Looked", "Nudge", "ParkUntold",
-           "ParkedQueue", "QueueWatch", "head_of", "parked_sequence", "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "InFlight", "Looked", "Nudge", "ParkUntold",
+           "ParkedQueue", "QueueWatch", "Redelivery", "head_of", "parked_sequence", "redelivery", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -65,6 +74,8 @@ logger = logging.getLogger("celery_zklock")
 PARKED = "p-"
 #: The claim on a parked copy in flight: this plus the copy's node name.
 CLAIM = "c-"
+#: The record of a taken copy whose message may be delivered again: this plus the copy's node name.
+TAKEN = "t-"
 #: A process watching the queue (:meth:`ParkedQueue.follow`): this, its watch's token, a sequence number.
 MEMBER = "w-"
 #: A claim's data while its copy is on its way: this and its sender's token. The receiver empties
@@ -101,6 +112,50 @@ class Nudge(str, enum.Enum):
     BUSY = "busy"  # the key has no room: whoever holds it nudges as it lets go
     SENT = "sent"  # we claimed the head and sent it
     FOLLOWING = "following"  # another process watches the queue for us (QueueWatch only)
+
+
+class Redelivery(str, enum.Enum):
+    """What a delivery of a parked copy whose node is gone does (:func:`redelivery`)."""
+
+    DROP = "drop"  # a second send, or a copy that ended: it must not run
+    CONTEND = "contend"  # the send that took the copy, delivered again: it waits for the key, as `wait` does
+    WAIT = "wait"  # it holds a lease beside the copy's last taker, which still holds one: wait for that to go
+    RUN = "run"  # the copy's last taker let go of the key and the copy did not end: this delivery runs it
+
+
+def redelivery(record: Optional[Dict[str, Any]], sent: Optional[str], contenders: Optional[Collection[str]],
+               ours: Optional[str]) -> Redelivery:
+    """Decide for a delivery whose parked node is gone, from the copy's taken record (None: no
+    record), the nonce of the send the delivery came in, and, once it holds the key, the key's
+    contenders and its own lock node (``ours``; None while it does not hold the key yet).
+
+    Only the very send that took the copy, delivered again (its nonce in the record), may run
+    it: every other send carries another nonce and drops itself, whatever the record says. And
+    it runs only holding the key, once the copy's last taker no longer holds it (the taker's
+    lock node is no contender), so two deliveries never run the copy at once::
+
+        >>> record = {"sent": "n1", "holder": "a__lock__0000000001"}
+        >>> [redelivery(r, s, None, None).value for r, s in [(None, "n1"), (record, "n2"), (record, None)]]
+        ['drop', 'drop', 'drop']
+        >>> redelivery(record, "n1", None, None).value
+        'contend'
+        >>> redelivery(record, "n1", ["a__lock__0000000001", "b__lock__0000000002"], "b__lock__0000000002").value
+        'wait'
+        >>> redelivery(record, "n1", ["b__lock__0000000002"], "b__lock__0000000002").value
+        'run'
+    """
+    if record is None or not sent or record.get("sent") != sent:
+        return Redelivery.DROP
+    if ours is None or contenders is None:
+        return Redelivery.CONTEND
+    holder = record.get("holder")
+    if holder != ours and holder in contenders:
+        return Redelivery.WAIT
+    return Redelivery.RUN
+
+
+def _record(holder: str, sent: str) -> bytes:
+    return json.dumps({"holder": holder, "sent": sent}).encode()
 
 
 def _prefix(task_id: str) -> str:
@@ -665,21 +720,31 @@ class ParkedQueue:
                     return None
         raise RuntimeError(f"the claim on parked copy {node} kept changing under us")  # not expected
 
-    def take(self, name: str, until: Optional[float]) -> bool:
+    def take(self, name: str, until: Optional[float], sent: Optional[str] = None,
+             holder: Optional[str] = None) -> bool:
         """The received copy holds the key: delete its node, so that no other send of it ever
         runs, and mark our claim taken. False when another send took it: one that must not run.
 
         The mark makes it safe to run again after a lost reply: a node gone with our mark
         in its claim was taken by us. The claim goes as the copy lets go (:meth:`done`).
+
+        With ``sent`` (the nonce of the send this copy came in) and ``holder`` (our lock node),
+        the take leaves a taken record in its own transaction, for a redelivery of this send
+        (:func:`redelivery`); :meth:`forget` deletes it.
         """
         # A mark of this call's own: two deliveries of one copy may run in one process.
         mark = b"taken:" + uuid.uuid4().hex.encode()
-        return through_blips(self.session, until, lambda: self._take_now(name, until, mark))
+        record = _record(holder, sent) if sent and holder else None
+        return through_blips(self.session, until, lambda: self._take_now(name, until, mark, record))
 
-    def _take_now(self, name: str, until: Optional[float], mark: bytes) -> bool:
+    def _take_now(self, name: str, until: Optional[float], mark: bytes, record: Optional[bytes]) -> bool:
+        def on_node(tx: Any, node: str) -> None:
+            tx.delete(node)
+            if record is not None:
+                tx.create(self.node_path(TAKEN + name), record)
+
         # Where our claim went with an older session of ours, it is made again, marked.
-        taken = self._with_claim(name, until, lambda tx, node: tx.delete(node),
-                                 lambda tx, claim: tx.set_data(claim, mark), mark)
+        taken = self._with_claim(name, until, on_node, lambda tx, claim: tx.set_data(claim, mark), mark)
         if taken:
             return True
         try:  # the node is gone: taken by us, in a run whose reply was lost, or by another send
@@ -687,16 +752,69 @@ class ParkedQueue:
         except NoNodeError:
             return False
 
+    def taken(self, name: str, until: Optional[float]) -> Tuple[Optional[Dict[str, Any]], int, List[str]]:
+        """Copy ``name``'s taken record (None: there is none), its version, and the key's
+        contenders (synced: a delivery must not read the record as a server behind saw it)."""
+        return through_blips(self.session, until, lambda: self._taken_now(name, until))
+
+    def _taken_now(self, name: str, until: Optional[float]) -> Tuple[Optional[Dict[str, Any]], int, List[str]]:
+        client = self.session.client
+        synced = client.sync_async(self.path)
+        read = client.get_async(self.node_path(TAKEN + name))
+        locked = client.get_children_async(self.lock_path)
+        reply(synced, until)
+        try:
+            data, stat = reply(read, until)
+            record: Optional[Dict[str, Any]] = node_object(data)
+            version = stat.version
+        except NoNodeError:
+            record, version = None, -1
+        try:
+            contenders = list(reply(locked, until))
+        except NoNodeError:
+            contenders = []
+        return record, version, contenders
+
+    def retake(self, name: str, holder: str, sent: str, version: int, until: Optional[float]) -> Optional[int]:
+        """A redelivery runs the copy in its last taker's place: the record names our lock node
+        now. Its new version, or None when it changed since it was read at ``version``."""
+        try:
+            stat = through_blips(self.session, until, lambda: reply(self.session.client.set_async(
+                self.node_path(TAKEN + name), _record(holder, sent), version=version), until))
+        except (BadVersionError, NoNodeError):
+            return None
+        return int(stat.version)
+
+    def forget(self, name: str, version: int, until: Optional[float]) -> None:
+        """The taken copy ended (its result is stored): its record goes, unless a later
+        delivery took it over since (it changed from ``version``)."""
+        try:
+            through_blips(self.session, until, lambda: reply(self.session.client.delete_async(
+                self.node_path(TAKEN + name), version=version), until))
+        except (BadVersionError, NoNodeError):
+            pass
+
     def done(self, name: str) -> None:
         """The taken copy let go: its claim goes (not waited for; else it goes with the session)."""
         self.session.nodes.delete_later(self.node_path(CLAIM + name))
 
-    def remove(self, name: str, until: Optional[float]) -> None:
-        """Take copy ``name`` out of the queue, whatever its claim (it was revoked)."""
-        through_blips(self.session, until, lambda: self._remove_now(name, until))
+    def remove(self, name: str, until: Optional[float], sent: Optional[str] = None) -> None:
+        """Take copy ``name`` out of the queue, whatever its claim, with its taken record (it was
+        revoked, or it ended where Celery stored its failure). With ``sent``, the record goes
+        only if that send took the copy: a second send's death must not forget another's take."""
+        through_blips(self.session, until, lambda: self._remove_now(name, until, sent))
 
-    def _remove_now(self, name: str, until: Optional[float]) -> None:
+    def _remove_now(self, name: str, until: Optional[float], sent: Optional[str]) -> None:
         self._delete_now([CLAIM + name, name], until)
+        if sent is None:
+            self._delete_now([TAKEN + name], until)
+            return
+        try:
+            data, stat = reply(self.session.client.get_async(self.node_path(TAKEN + name)), until)
+        except NoNodeError:
+            return
+        if node_object(data).get("sent") == sent:
+            self.forget(name, stat.version, until)
 
     def decline(self, name: str, until: Optional[float]) -> None:
         """A received copy could not hold the key (a contender that never parked came first):

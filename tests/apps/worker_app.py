@@ -17,6 +17,7 @@ from celery import Celery, current_task
 from celery.signals import after_task_publish, before_task_publish, task_postrun, task_prerun
 
 from celery_zklock import LockLost, Preempted, ZkLockedTask, current_lock, current_locks, zk_locked
+from celery_zklock.recipes.park import ParkedQueue
 
 app = Celery("worker_app")
 app.conf.update(
@@ -39,6 +40,10 @@ app.conf.update(
     # Celery 5.3 retries for ~20 s per result collected after the test's Redis has stopped.
     result_backend_transport_options={"retry_policy": {"max_retries": 1}},
 )
+if os.environ.get("ZKT_VISIBILITY"):
+    # The whole-worker kill tests: an unacked message comes back after ZKT_VISIBILITY s, swept every second.
+    app.conf.broker_transport_options = {"visibility_timeout": float(os.environ["ZKT_VISIBILITY"]),
+                                         "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
 _redis: Any = None
 
 
@@ -257,6 +262,41 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         (hold_on_socket if gated else hold)(seconds, key)
         return seq
 
+    @app.task(bind=True, shared=False, acks_late=True, reject_on_worker_lost=True)
+    @zk_locked(key="park:{key}", on_contention="park")
+    def parking_late(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """``parking`` whose message Celery acknowledges as it ends, and requeues if its process dies.
+        Its start names its hold, so that a test can check a body killed midway against the others."""
+        lock = current_lock()
+        note("start", key=key, seq=seq, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases)
+        (hold_on_socket if gated else hold)(seconds, key)
+        return seq
+
+    @app.task(bind=True, shared=False, acks_late=True, acks_on_failure_or_timeout=False)
+    @zk_locked(key="park:{key}", on_contention="park")
+    def parking_timed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """``parking_late`` whose hard time limit Celery does not acknowledge (it requeues the
+        message); a copy the test marks ``park:slow-once:<id>`` outlasts its limit once."""
+        lock = current_lock()
+        note("start", key=key, seq=seq, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases)
+        if history().getdel(f"park:slow-once:{self.request.id}"):
+            seconds = 60.0
+        try:
+            (hold_on_socket if gated else hold)(seconds, key)
+        except BaseException:  # the SIGTERM before the hard limit's SIGKILL: the body stops here
+            note("cut", key=key)
+            raise
+        return seq
+
+    @app.task(bind=True, shared=False, acks_late=True)
+    @zk_locked(key="park:{key}", on_contention="park")
+    def parking_acked(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """``parking_late`` without ``reject_on_worker_lost``: its process's death fails it, and acks it."""
+        lock = current_lock()
+        note("start", key=key, seq=seq, mode=lock.mode, token=lock.fencing_token, limit=lock.rule.leases)
+        (hold_on_socket if gated else hold)(seconds, key)
+        return seq
+
     @app.task(shared=False)
     @zk_locked(key="park:{key}", on_contention="park", park_limit=2)
     def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
@@ -321,15 +361,25 @@ def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: 
     # Every delivery of a parking copy as it ends, with its outcome: a second send drops itself (IGNORED).
     if sender is not None and sender.name in ("tests.apps.worker_app.parking",
                                               "tests.apps.worker_app.parking_at_publish",
-                                              "tests.apps.worker_app.parking_tracked"):
+                                              "tests.apps.worker_app.parking_tracked",
+                                              "tests.apps.worker_app.parking_late",
+                                              "tests.apps.worker_app.parking_acked",
+                                              "tests.apps.worker_app.parking_timed"):
         history().rpush("history", json.dumps({"event": "delivered", "task_id": task_id, "state": state,
                                                "time": time.monotonic()}))
 
 
 def _kill_if(flag: str, headers: Any) -> None:
     # The fault hooks of the park tests: the process sending a parked copy again dies just
-    # before or just after its publish, once, when the test set the flag.
-    if (headers or {}).get("zklock_parked") and history().getdel(flag):
+    # before or just after its publish, once, when the test set the flag (to 1, or to the id
+    # of the task whose process must die).
+    if not (headers or {}).get("zklock_parked"):
+        return
+    wanted = history().get(flag)
+    running = getattr(getattr(current_task, "request", None), "id", None)  # None off a task's thread
+    if wanted is None or (wanted != b"1" and wanted.decode() != running):
+        return
+    if history().getdel(flag):
         history().rpush("history", json.dumps({"event": "killed", "flag": flag, "pid": os.getpid(),
                                                "time": time.monotonic()}))
         os.kill(os.getpid(), signal.SIGKILL)
@@ -350,6 +400,22 @@ def _on_receive(sender: Any = None, **extra: Any) -> None:
     # The pool process that received a parked copy sent again dies before the copy claims its place.
     if sender is not None and sender.name == "tests.apps.worker_app.parking":
         _kill_if("park:kill-on-receive", {"zklock_parked": getattr(sender.request, "zklock_parked", None)})
+
+
+_take = ParkedQueue.take
+
+
+def _take_then_die(self: ParkedQueue, name: str, until: Any, *args: Any, **kwargs: Any) -> bool:
+    # The fault hook of the redelivery tests: the process dies right after its copy's take committed.
+    taken = _take(self, name, until, *args, **kwargs)
+    if taken and history().getdel("park:kill-after-take"):
+        history().rpush("history", json.dumps({"event": "killed", "flag": "park:kill-after-take", "pid": os.getpid(),
+                                               "time": time.monotonic()}))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return taken
+
+
+ParkedQueue.take = _take_then_die  # type: ignore[method-assign]
 
 
 #: A store that checks fencing tokens: a write with a token lower than the last one it took is refused.

@@ -34,7 +34,7 @@ def task() -> Iterator[Any]:
 
 
 def test_a_retry_of_the_running_copy_leaves_out_its_parked_node(task):
-    options = {"task_id": "running", "headers": {parking.PARK_HEADER: NODE, "other": 1}}
+    options = {"task_id": "running", "headers": {parking.PARK_HEADER: NODE, parking.SENT_HEADER: "n1", "other": 1}}
     assert parking.as_new_delivery(task, options)["headers"] == {"other": 1}
     assert options["headers"][parking.PARK_HEADER] == NODE, "the caller's options are not changed"
 
