@@ -1,0 +1,38 @@
+"""Attack on issue 42: a deploy that renames a parked task, where every old worker is gone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from celery.exceptions import NotRegistered
+
+from tests.apps import worker_app
+from tests.integration.test_park import queue_left, started
+from tests.integration.test_park_retry_and_deploy import parked
+from tests.util import send, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.xfail(strict=True, reason="issue 42: _adopt skips a queue whose head's task is unknown (read as another "
+                   "app's), so a renamed task's copies left with no live watcher are never sent: PENDING for ever")
+def test_a_renamed_tasks_copies_left_unwatched_are_still_told(workers, queue, redis_server, kazoo, zk_root):
+    # The old worker (the only one watching key "orph") is lost while copies of the old name are
+    # parked; the new worker, where the task has another name, runs on. Its periodic look for
+    # queues nobody watches must send the old copies, which then leave the queue as unregistered
+    # (their callers told), as the guide promises: not wait in PENDING for ever.
+    old = workers("old", concurrency=2)
+    first = send(worker_app.deployed, queue, "orph", 600.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    dropped = [send(worker_app.deployed, queue, "orph", 0.1, i) for i in (1, 2)]
+    wait_until(lambda: parked(kazoo, zk_root, "orph") == 2, timeout=30)
+    old.crash()
+    workers("new", concurrency=2, ZKT_PARK_DEPLOY="renamed", ZKT_PARK_RESEND_AFTER="2")
+    time.sleep(25)  # the new worker's patrol runs every 2 s; the dead sessions expired long since
+    left = queue_left(kazoo, zk_root, "orph")
+    states = [r.state for r in dropped]
+    assert states == ["FAILURE", "FAILURE"] and left == [], (states, left)
+    for result in dropped:
+        with pytest.raises(NotRegistered):
+            result.get(timeout=1)
