@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 from celery.exceptions import NotRegistered
 
 from tests.apps import worker_app
 from tests.integration.test_park import queue_left, started
-from tests.integration.test_park_retry_and_deploy import parked
+from tests.integration.test_park_retry_and_deploy import _stop_consuming, parked, starts
 from tests.util import send, wait_until
 
 pytestmark = pytest.mark.slow
@@ -36,3 +37,28 @@ def test_a_renamed_tasks_copies_left_unwatched_are_still_told(workers, queue, re
     for result in dropped:
         with pytest.raises(NotRegistered):
             result.get(timeout=1)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 42: parking.received() lets a copy whose task takes no lock run whatever "
+                   "send it came in; each resend of an unreceived head is one more run (observed 7 runs of one copy)")
+def test_a_head_resent_while_no_worker_consumes_runs_once_after_its_lock_is_removed(workers, queue, redis_server,
+                                                                                  kazoo, zk_root):
+    # A rolling deploy that removes the lock: the old worker stops consuming and sends the head as
+    # its holder lets go; the new worker starts a few seconds later. Meanwhile the old worker's
+    # resend sends the head again every resend_after, as nobody received it. The new worker runs
+    # every one of those sends: received() gives the node up in the background and lets the
+    # copy run, without asking whether another send of it already left the queue.
+    workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
+    first = send(worker_app.deployed, queue, "dup", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    copy = send(worker_app.deployed, queue, "dup", 0.1, 1)
+    wait_until(lambda: parked(kazoo, zk_root, "dup") == 1, timeout=30)
+    _stop_consuming("old", queue)
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    assert first.get(timeout=30) == 0
+    time.sleep(3.5)  # no consumer: the old worker sends the head again each second
+    workers("new", concurrency=2, ZKT_PARK_DEPLOY="unlocked")
+    assert copy.get(timeout=30) is not None
+    time.sleep(3)
+    ran = starts(redis_server.url)
+    assert [ran[first.id], ran[copy.id]] == [1, 1], "each copy's body once"
