@@ -8,10 +8,12 @@ import pytest
 import redis
 from celery.exceptions import NotRegistered
 
+from celery_zklock.testing import violations
+from harness import Op, TcpProxy
 from tests.apps import worker_app
 from tests.integration.test_park import queue_left, started
 from tests.integration.test_park_retry_and_deploy import _stop_consuming, parked, starts
-from tests.util import send, wait_until
+from tests.util import holds, send, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +64,31 @@ def test_a_head_resent_while_no_worker_consumes_runs_once_after_its_lock_is_remo
     time.sleep(3)
     ran = starts(redis_server.url)
     assert [ran[first.id], ran[copy.id]] == [1, 1], "each copy's body once"
+
+
+def test_a_resend_racing_a_slow_receive_runs_the_copy_once(workers, queue, redis_server, zk_server, kazoo, zk_root):
+    # The head's receive is held at the proxy (worker b's first MULTI) past resend_after: the old
+    # worker sends the head again, another process of b receives and takes that send; the slow
+    # receive, let go, must find the node gone and drop itself.
+    old = workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
+    first = send(worker_app.deployed, queue, "race", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    copy = send(worker_app.deployed, queue, "race", 0.5, 1)
+    wait_until(lambda: parked(kazoo, zk_root, "race") == 1, timeout=30)
+    with TcpProxy(zk_server.port) as proxy:
+        b = workers("b", concurrency=2, ZKT_HOSTS=proxy.hosts)
+        _stop_consuming("old", queue)
+        time.sleep(1)
+        held = proxy.hold_request(Op.MULTI)
+        redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+        assert first.get(timeout=30) == 0
+        held.wait_matched(15)
+        time.sleep(2.5)
+        held.release()
+        assert copy.get(timeout=30) == 1
+        time.sleep(3)
+    assert "sent again" in old.log_text(), "the schedule: the head was sent again while its receive was held"
+    assert "already been taken; dropped" in b.log_text(), "the schedule: a send of the copy found it taken"
+    ran = starts(redis_server.url)
+    assert [ran[first.id], ran[copy.id]] == [1, 1], "each copy's body once"
+    assert violations(holds(redis_server.url)) == []
