@@ -674,13 +674,16 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     message and stores ``NotRegistered`` as its result, so its caller is told; it leaves its
     queue now, as a revoked copy does, so that the next copy goes. Else the claim on it, its
     sender's, would hold the queue for as long as the sender lives."""
-    header = (getattr(message, "headers", None) or {}).get(PARK_HEADER)
+    headers = getattr(message, "headers", None) or {}
+    header, sent = headers.get(PARK_HEADER), headers.get(SENT_HEADER)
     app = getattr(sender, "app", None)
     if not isinstance(header, str) or app is None:
         return
     logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
                    "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)
-    _give_up(None, id, header, revoked=True, app=app, task_name=name)
+    # With its send's nonce: a second send must not forget the take of the send that took the copy.
+    _give_up(None, id, header, revoked=True, sent=sent if isinstance(sent, str) else None, app=app,
+             task_name=name)
 
 
 #: Task id -> (parked node, the send's nonce), of the copies sent again that this worker received:
@@ -701,7 +704,8 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     if task is not None and spec_of(task) is None:
         logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
                        "key's parked queue, and runs", task.name, request.id)
-        _give_up(None, request.id, header, revoked=True, app=task.app, task_name=task.name)
+        _give_up(None, request.id, header, revoked=True, sent=_sent_nonce(request), app=task.app,
+                 task_name=task.name)
         return
     _received[request.id] = (header, _sent_nonce(request))
     while len(_received) > _RECEIVED_MAX:
