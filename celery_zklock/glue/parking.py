@@ -60,6 +60,7 @@ from ..recipes.park import (
     Redelivery,
     head_of,
     redelivery,
+    unwatched,
 )
 from ..zk import Session, deadline, reply, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
@@ -674,13 +675,16 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     message and stores ``NotRegistered`` as its result, so its caller is told; it leaves its
     queue now, as a revoked copy does, so that the next copy goes. Else the claim on it, its
     sender's, would hold the queue for as long as the sender lives."""
-    header = (getattr(message, "headers", None) or {}).get(PARK_HEADER)
+    headers = getattr(message, "headers", None) or {}
+    header, sent = headers.get(PARK_HEADER), headers.get(SENT_HEADER)
     app = getattr(sender, "app", None)
     if not isinstance(header, str) or app is None:
         return
     logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
                    "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)
-    _give_up(None, id, header, revoked=True, app=app, task_name=name)
+    # With its send's nonce: a second send must not forget the take of the send that took the copy.
+    _give_up(None, id, header, revoked=True, sent=sent if isinstance(sent, str) else None, app=app,
+             task_name=name)
 
 
 #: Task id -> (parked node, the send's nonce), of the copies sent again that this worker received:
@@ -701,7 +705,8 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     if task is not None and spec_of(task) is None:
         logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
                        "key's parked queue, and runs", task.name, request.id)
-        _give_up(None, request.id, header, revoked=True, app=task.app, task_name=task.name)
+        _give_up(None, request.id, header, revoked=True, sent=_sent_nonce(request), app=task.app,
+                 task_name=task.name)
         return
     _received[request.id] = (header, _sent_nonce(request))
     while len(_received) > _RECEIVED_MAX:
@@ -806,14 +811,19 @@ def orphans(app: Any, session: Session) -> None:
 
 def _adopt(app: Any, session: Session, watch: QueueWatch, orphans: bool) -> None:
     layout = layout_of(app)
-    until = deadline(settings_of(app).connect_timeout)
+    timeout = settings_of(app).connect_timeout
+    until = deadline(timeout)
     watched = set(watch.watched()) if orphans else set()
     queues = [f"{layout.root}/{PARKED}/{tree}/{name}" for tree in LOCK_TREES
               for name in _children(session, f"{layout.root}/{PARKED}/{tree}", until)]
+    if orphans:
+        # A periodic look reads every queue of the root: pipelined, in batches, each in its own
+        # time (one shared deadline timed out on ~10,000 queues, each turn, before the last).
+        queues = unwatched(session, [path for path in queues if path not in watched], timeout)
     for path in queues:
         if path in watched:
             continue
-        head = head_of(session, path, until, unwatched=orphans)
+        head = head_of(session, path, deadline(timeout) if orphans else until, unwatched=orphans)
         if head is None:
             continue
         task = app.tasks.get(node_object(head.partition(b"\n")[0]).get("task"))

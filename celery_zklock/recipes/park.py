@@ -66,7 +66,8 @@ from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "InFlight", "Looked", "Nudge", "ParkUntold",
-           "ParkedQueue", "QueueWatch", "Redelivery", "head_of", "parked_sequence", "redelivery", "waiting"]
+           "ParkedQueue", "QueueWatch", "Redelivery", "head_of", "parked_sequence", "redelivery", "unwatched",
+           "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -260,6 +261,26 @@ def head_of(session: Session, path: str, until: Optional[float], unwatched: bool
             return cast(bytes, reply(client.get_async(f"{path}/{parked[0]}"), until)[0])
         except NoNodeError:
             continue  # taken while we looked: the next one
+
+
+def unwatched(session: Session, paths: List[str], timeout: float, batch: int = 256) -> List[str]:
+    """The queues among ``paths`` with copies parked and no live watcher (no member node). Their
+    children are read in pipelined batches, each batch within ``timeout``: a patrol over a root
+    of many queues must neither take a round trip each, in turn, nor give up at the first
+    timeout and so never reach the queues listed last."""
+    found: List[str] = []
+    client = session.client
+    for start in range(0, len(paths), batch):
+        until = deadline(timeout)
+        pending = [(path, client.get_children_async(path)) for path in paths[start:start + batch]]
+        for path, listed in pending:
+            try:
+                children = reply(listed, until)
+            except NoNodeError:
+                continue
+            if _parked(children) and not _members(children):
+                found.append(path)
+    return found
 
 
 class ParkedQueue:
