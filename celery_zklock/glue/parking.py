@@ -537,7 +537,9 @@ def encode(task: Any, task_id: str, signature: Any) -> bytes:
     """A parked copy's node data: a JSON line (task, id, how the rest is encoded), then the
     copy's signature serialized with the task's serializer."""
     content_type, encoding, body = dumps(dict(signature), serializer=task.serializer)
-    meta = json.dumps({"task": task.name, "id": task_id, "content_type": content_type,
+    # The app's name too: a worker that does not know the task tells a copy of its own app's
+    # (the task renamed or removed by a deploy) from another app's, under a shared root.
+    meta = json.dumps({"task": task.name, "id": task_id, "app": task.app.main, "content_type": content_type,
                        "content_encoding": encoding}).encode()
     return meta + b"\n" + (body if isinstance(body, bytes) else body.encode(encoding))
 
@@ -826,15 +828,18 @@ def _adopt(app: Any, session: Session, watch: QueueWatch, orphans: bool) -> None
         head = head_of(session, path, deadline(timeout) if orphans else until, unwatched=orphans)
         if head is None:
             continue
-        task = app.tasks.get(node_object(head.partition(b"\n")[0]).get("task"))
-        if task is None:
+        meta = node_object(head.partition(b"\n")[0])
+        task = app.tasks.get(meta.get("task"))
+        if task is None and (meta.get("app") is None or meta.get("app") != app.main):
             continue  # another app's queue, under a shared root: its own workers watch it
         if orphans:
             logger.warning("celery-zklock: parked copies at %s had no live watcher (the processes that watched "
                            "them died); watching them now", path)
-        # A head whose task takes no lock any more (a deploy removed it) is sent all the
-        # same: it leaves its queue as it is received (see received), and the next goes.
-        watch.add(_queue_at(session, app, path, spec_of(task)), functools.partial(send, app))
+        # A head whose task takes no lock any more, or that this app no longer has (a deploy
+        # removed or renamed it), is sent all the same: it leaves its queue as it is received
+        # (see received and unknown), its caller told, and the next goes.
+        spec = spec_of(task) if task is not None else None
+        watch.add(_queue_at(session, app, path, spec), functools.partial(send, app))
 
 
 def _children(session: Session, path: str, until: Optional[float]) -> List[str]:

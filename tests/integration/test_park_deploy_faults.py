@@ -1,4 +1,5 @@
-"""Attack on issue 42: a deploy that renames a parked task, where every old worker is gone."""
+"""Deploys and resends under faults: a renamed task's copies left with no watcher, a head sent
+again while no worker consumes, a resend racing a slow receive."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ from tests.util import holds, send, wait_until
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42: _adopt skips a queue whose head's task is unknown (read as another "
-                   "app's), so a renamed task's copies left with no live watcher are never sent: PENDING for ever")
 def test_a_renamed_tasks_copies_left_unwatched_are_still_told(workers, queue, redis_server, kazoo, zk_root):
     # The old worker (the only one watching key "orph") is lost while copies of the old name are
     # parked; the new worker, where the task has another name, runs on. Its periodic look for
@@ -32,10 +31,10 @@ def test_a_renamed_tasks_copies_left_unwatched_are_still_told(workers, queue, re
     wait_until(lambda: parked(kazoo, zk_root, "orph") == 2, timeout=30)
     old.crash()
     workers("new", concurrency=2, ZKT_PARK_DEPLOY="renamed", ZKT_PARK_RESEND_AFTER="2")
-    time.sleep(25)  # the new worker's patrol runs every 2 s; the dead sessions expired long since
-    left = queue_left(kazoo, zk_root, "orph")
-    states = [r.state for r in dropped]
-    assert states == ["FAILURE", "FAILURE"] and left == [], (states, left)
+    # The new worker's patrol runs every 2 s, once the dead sessions have expired. Before the
+    # fix the copies waited in PENDING for ever (25 s here), their nodes in the queue.
+    wait_until(lambda: [r.state for r in dropped] == ["FAILURE", "FAILURE"], timeout=30)
+    wait_until(lambda: queue_left(kazoo, zk_root, "orph") == [], timeout=10)
     for result in dropped:
         with pytest.raises(NotRegistered):
             result.get(timeout=1)
@@ -68,8 +67,7 @@ def test_a_head_resent_while_no_worker_consumes_runs_once_after_its_lock_is_remo
 
 def test_a_resend_racing_a_slow_receive_runs_the_copy_once(workers, queue, redis_server, zk_server, kazoo, zk_root):
     # The head's receive is held at the proxy (worker b's first MULTI) past resend_after: the old
-    # worker sends the head again, another process of b receives and takes that send; the slow
-    # receive, let go, must find the node gone and drop itself.
+    # worker sends the head again while it is held; of the two sends, the copy runs once.
     old = workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
     first = send(worker_app.deployed, queue, "race", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
@@ -77,18 +75,21 @@ def test_a_resend_racing_a_slow_receive_runs_the_copy_once(workers, queue, redis
     wait_until(lambda: parked(kazoo, zk_root, "race") == 1, timeout=30)
     with TcpProxy(zk_server.port) as proxy:
         b = workers("b", concurrency=2, ZKT_HOSTS=proxy.hosts)
-        _stop_consuming("old", queue)
-        time.sleep(1)
+        _stop_consuming("old", queue)  # answered: the old worker takes no new message
         held = proxy.hold_request(Op.MULTI)
         redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
         assert first.get(timeout=30) == 0
         held.wait_matched(15)
-        time.sleep(2.5)
+        # The schedule: the head is sent again while its first receive is held.
+        wait_until(lambda: "sent again" in old.log_text(), timeout=15)
         held.release()
         assert copy.get(timeout=30) == 1
-        time.sleep(3)
-    assert "sent again" in old.log_text(), "the schedule: the head was sent again while its receive was held"
-    assert "already been taken; dropped" in b.log_text(), "the schedule: a send of the copy found it taken"
+        # Which of the two sends runs is not placed: either of b's processes may be the one held,
+        # and the other then drops itself or declines. Both deliveries must have ended before
+        # the count below means anything.
+        ended = (f"[{copy.id}] ignored", f"[{copy.id}] succeeded")
+        wait_until(lambda: sum(b.log_text().count(e) for e in ended) >= 2, timeout=15)
+        wait_until(lambda: queue_left(kazoo, zk_root, "race") == [], timeout=15)
     ran = starts(redis_server.url)
     assert [ran[first.id], ran[copy.id]] == [1, 1], "each copy's body once"
     assert violations(holds(redis_server.url)) == []
