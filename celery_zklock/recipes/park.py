@@ -1080,6 +1080,11 @@ class QueueWatch:
                 return Nudge.FOLLOWING
             return done
         except Exception as exc:  # noqa: BLE001 - the next event, or the session coming back, tries again
+            if self.session.closed:
+                # A warm shutdown closes the session under us: the queue's other watchers, or
+                # the next worker's look, send its head. Nothing is wrong; say nothing loud.
+                logger.debug("parked copies at %s: not sent on, the session is closed", parked.path)
+                return None
             logger.warning("parked copies at %s: could not send the head on (%s); trying again as the key "
                            "or the session changes", parked.path, explain(exc))
             # Step aside: a process that cannot send (its broker connection broken, say) must not

@@ -157,6 +157,11 @@ class Session:
         direct = isinstance(handler, PollHandler) and not self.settings.use_ssl and not kazoo_drifted()
         return DirectClient if direct else KazooClient
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called: the process is leaving, and so is the session."""
+        return self._stopped.is_set()
+
     def close(self) -> None:
         """End the session now, so the server deletes its ephemeral nodes (our locks) at once."""
         self._stopped.set()

@@ -3,6 +3,7 @@ again while no worker consumes, a resend racing a slow receive."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -93,3 +94,22 @@ def test_a_resend_racing_a_slow_receive_runs_the_copy_once(workers, queue, redis
     ran = starts(redis_server.url)
     assert [ran[first.id], ran[copy.id]] == [1, 1], "each copy's body once"
     assert violations(holds(redis_server.url)) == []
+
+
+def test_a_warm_shutdown_of_a_worker_watching_a_queue_says_nothing_alarming(workers, queue, redis_server, kazoo,
+                                                                            zk_root):
+    # Its pool processes watch the key's queue as the worker stops: the session closes under the
+    # watch, whose turn then failed with kazoo's "Session.start() has not been called" as a
+    # WARNING, twice per process, on every warm shutdown (the new-user trial).
+    a = workers("a", concurrency=2)
+    first = send(worker_app.deployed, queue, "calm", 600.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    copies = [send(worker_app.deployed, queue, "calm", 0.1, i) for i in (1, 2)]
+    wait_until(lambda: parked(kazoo, zk_root, "calm") == 2, timeout=30)
+    a.signal(signal.SIGTERM)  # a warm shutdown waits for the running body: let it end now
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    assert first.get(timeout=30) == 0
+    assert a.stop(timeout=30) == 0
+    workers("b", concurrency=2)
+    assert [c.get(timeout=30) for c in copies] == [1, 2]
+    assert "could not send the head on" not in a.log_text(), a.log_text()[-3000:]
