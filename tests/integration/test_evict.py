@@ -306,9 +306,12 @@ def test_a_holder_cut_off_whose_node_goes_with_its_session_is_not_said_to_have_l
     (4 s, under --wait), and evict said the holder had let go and its body stopped: the body
     ran on beside the next holder's."""
     with TcpProxy(zk_server.port) as proxy:
-        workers("w1", concurrency=1, ZKT_HOSTS=proxy.hosts)  # the holder's worker, behind the proxy
+        # Each worker its own queue: on a shared one the holder landed on w2 in 1 run of 4, not
+        # behind the proxy, and let go as asked (evict said so, rightly; the test failed).
+        mine = f"{queue}-w1"
+        workers("w1", concurrency=1, queue=mine, ZKT_HOSTS=proxy.hosts)  # the holder's worker, behind the proxy
         workers("w2", concurrency=1)  # the next holder's
-        holder, started = holding(redis_server.url, worker_app.flagged_body, queue, "q", 15)
+        holder, started = holding(redis_server.url, worker_app.flagged_body, mine, "q", 15)
         path = Layout(zk_root).lock("k:q")
         nxt = send(worker_app.exclusive, queue, "q", 0.01)
         wait_until(lambda: len(children(kazoo, path)) == 2, timeout=30)
