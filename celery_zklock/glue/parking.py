@@ -79,20 +79,22 @@ PARK_HEADER = "zklock_parked"
 SENT_HEADER = "zklock_sent"
 
 
-def parked_header(request: Any) -> Optional[str]:
-    """The parked node a copy was sent again for, from its request (None: a new copy)."""
+def _header(request: Any, name: str) -> Optional[str]:
     # A worker turns message headers into request attributes; eager apply() keeps them in .headers;
     # the consumer's Request keeps them in its request_dict.
-    found = getattr(request, PARK_HEADER, None) or (getattr(request, "headers", None) or {}).get(PARK_HEADER) \
-        or (getattr(request, "request_dict", None) or {}).get(PARK_HEADER)
+    found = getattr(request, name, None) or (getattr(request, "headers", None) or {}).get(name) \
+        or (getattr(request, "request_dict", None) or {}).get(name)
     return found if isinstance(found, str) else None
+
+
+def parked_header(request: Any) -> Optional[str]:
+    """The parked node a copy was sent again for, from its request (None: a new copy)."""
+    return _header(request, PARK_HEADER)
 
 
 def _sent_nonce(request: Any) -> Optional[str]:
     """The nonce of the send a parked copy came in (None: a new copy, or one sent by an older release)."""
-    found = getattr(request, SENT_HEADER, None) or (getattr(request, "headers", None) or {}).get(SENT_HEADER) \
-        or (getattr(request, "request_dict", None) or {}).get(SENT_HEADER)
-    return found if isinstance(found, str) else None
+    return _header(request, SENT_HEADER)
 
 
 #: The tasks whose STARTED state is stored once a copy holds its key (see started_when_held).
@@ -668,7 +670,7 @@ def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     spec = spec_of(sender) if sender is not None else None
     if header is None or spec is None:
         return
-    _give_up(sender, request.id, header, revoked=True)
+    _give_up(sender.app, sender.name, spec, request.id, header, revoked=True)
 
 
 def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "", **kwargs: Any) -> None:
@@ -677,16 +679,13 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     message and stores ``NotRegistered`` as its result, so its caller is told; it leaves its
     queue now, as a revoked copy does, so that the next copy goes. Else the claim on it, its
     sender's, would hold the queue for as long as the sender lives."""
-    headers = getattr(message, "headers", None) or {}
-    header, sent = headers.get(PARK_HEADER), headers.get(SENT_HEADER)
-    app = getattr(sender, "app", None)
-    if not isinstance(header, str) or app is None:
+    header, app = _header(message, PARK_HEADER), getattr(sender, "app", None)
+    if header is None or app is None:
         return
     logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
                    "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)
     # With its send's nonce: a second send must not forget the take of the send that took the copy.
-    _give_up(None, id, header, revoked=True, sent=sent if isinstance(sent, str) else None, app=app,
-             task_name=name)
+    _give_up(app, name, None, id, header, revoked=True, sent=_header(message, SENT_HEADER))
 
 
 #: Task id -> (parked node, the send's nonce), of the copies sent again that this worker received:
@@ -707,8 +706,7 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     if task is not None and spec_of(task) is None:
         logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
                        "key's parked queue, and runs", task.name, request.id)
-        _give_up(None, request.id, header, revoked=True, sent=_sent_nonce(request), app=task.app,
-                 task_name=task.name)
+        _give_up(task.app, task.name, None, request.id, header, revoked=True, sent=_sent_nonce(request))
         return
     _received[request.id] = (header, _sent_nonce(request))
     while len(_received) > _RECEIVED_MAX:
@@ -727,7 +725,8 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     claim are gone already, and only its taken record goes, where no redelivery comes.
     """
     header, sent = _received.pop(task_id, (None, None))
-    if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not spec_of(sender):
+    spec = spec_of(sender)
+    if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or spec is None:
         return
     if isinstance(exception, TimeLimitExceeded):
         # Celery 5.4+ reads acks_on_timeout, which falls back to acks_on_failure_or_timeout (default True).
@@ -736,17 +735,17 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
         comes_back = bool(sender.acks_late and not acked)
     else:
         comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
-    _give_up(sender, task_id, header, revoked=not comes_back, sent=sent)
+    _give_up(sender.app, sender.name, spec, task_id, header, revoked=not comes_back, sent=sent)
 
 
-def _give_up(task: Any, task_id: str, header: str, revoked: bool, sent: Optional[str] = None, app: Any = None,
-             task_name: str = "") -> None:
+def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, revoked: bool,
+             sent: Optional[str] = None) -> None:
     # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
     # another thread there would share the consumer's broker transport. It only changes the
     # queue; the pool processes watching it (the releaser that sent the copy is one) see the
-    # change and send the next copy. Without a task (one this worker does not know, or that
-    # takes no lock), ``app`` and ``task_name`` say whose copy it is: a removal reads no rule.
-    threading.Thread(target=_give_up_now, args=(task, task_id, header, revoked, sent, app, task_name),
+    # change and send the next copy. ``spec`` is None for a task this worker does not know, or
+    # that takes no lock: a removal reads no rule.
+    threading.Thread(target=_give_up_now, args=(app, task_name, spec, task_id, header, revoked, sent),
                      name="celery-zklock-parked", daemon=True).start()
 
 
@@ -754,13 +753,8 @@ def _give_up(task: Any, task_id: str, header: str, revoked: bool, sent: Optional
 _GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
 
 
-def _give_up_now(task: Any, task_id: str, header: str, revoked: bool, sent: Optional[str], app: Any = None,
-                 task_name: str = "") -> None:
-    spec = spec_of(task) if task is not None else None
-    if task is not None and spec is None:
-        return
-    if task is not None:
-        app, task_name = task.app, task.name
+def _give_up_now(app: Any, task_name: str, spec: Any, task_id: str, header: str, revoked: bool,
+                 sent: Optional[str]) -> None:
     settings = settings_of(app)
     path, name = posixpath.dirname(header), posixpath.basename(header)
     what = "taken out of its queue" if revoked else "given its claim back"
@@ -823,8 +817,6 @@ def _adopt(app: Any, session: Session, watch: QueueWatch, orphans: bool) -> None
         # time (one shared deadline timed out on ~10,000 queues, each turn, before the last).
         queues = unwatched(session, [path for path in queues if path not in watched], timeout)
     for path in queues:
-        if path in watched:
-            continue
         head = head_of(session, path, deadline(timeout) if orphans else until, unwatched=orphans)
         if head is None:
             continue

@@ -448,7 +448,7 @@ def _watchdog_loop(ref: weakref.ref[Session]) -> None:
     # Holds only a weak reference so a forgotten session can be collected.
     while True:
         session = ref()
-        if session is None or session._stopped.is_set():
+        if session is None or session.closed:
             return
         delay = session._check()
         wakeup = session._wakeup
