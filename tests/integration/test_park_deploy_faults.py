@@ -4,7 +4,6 @@ again while no worker consumes, a resend racing a slow receive."""
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 import redis
@@ -50,7 +49,7 @@ def test_a_head_resent_while_no_worker_consumes_runs_once_after_its_lock_is_remo
     # resend sends the head again every resend_after, as nobody received it. The new worker runs
     # every one of those sends: received() gives the node up in the background and lets the
     # copy run, without asking whether another send of it already left the queue.
-    workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
+    old = workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
     first = send(worker_app.deployed, queue, "dup", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     copy = send(worker_app.deployed, queue, "dup", 0.1, 1)
@@ -58,10 +57,14 @@ def test_a_head_resent_while_no_worker_consumes_runs_once_after_its_lock_is_remo
     _stop_consuming("old", queue)
     redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
     assert first.get(timeout=30) == 0
-    time.sleep(3.5)  # no consumer: the old worker sends the head again each second
-    workers("new", concurrency=2, ZKT_PARK_DEPLOY="unlocked")
+    # No consumer: the old worker sends the head again each second; three sends wait for the new one.
+    wait_until(lambda: old.log_text().count("sent again") >= 2, timeout=15)
+    new = workers("new", concurrency=2, ZKT_PARK_DEPLOY="unlocked")
     assert copy.get(timeout=30) is not None
-    time.sleep(3)
+    # Every send of it delivered, and every delivery ended, before its runs are counted.
+    broker = redis.Redis.from_url(redis_server.url)
+    wait_until(lambda: broker.llen(queue) == 0 and new.log_text().count(f"[{copy.id}] received")
+               == new.log_text().count(f"[{copy.id}] succeeded"), timeout=15)
     ran = starts(redis_server.url)
     assert [ran[first.id], ran[copy.id]] == [1, 1], "each copy's body once"
 
