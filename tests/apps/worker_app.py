@@ -14,7 +14,7 @@ from typing import Any, Dict
 
 import redis
 from celery import Celery, current_task
-from celery.signals import after_task_publish, before_task_publish, task_postrun, task_prerun
+from celery.signals import after_task_publish, before_task_publish, task_postrun, task_prerun, worker_process_init
 
 from celery_zklock import LockLost, Preempted, ZkLockedTask, current_lock, current_locks, zk_locked
 from celery_zklock.recipes.park import ParkedQueue
@@ -415,7 +415,11 @@ def _take_then_die(self: ParkedQueue, name: str, until: Any, *args: Any, **kwarg
     return taken
 
 
-ParkedQueue.take = _take_then_die  # type: ignore[method-assign]
+@worker_process_init.connect
+def _hook_the_take(**kwargs: Any) -> None:
+    # In a worker's pool processes only: a test process that imports this app (and takes a node
+    # itself, as the recipe tests do) has no Redis behind app.conf.broker_url to read a flag from.
+    ParkedQueue.take = _take_then_die  # type: ignore[method-assign]
 
 
 #: A store that checks fencing tokens: a write with a token lower than the last one it took is refused.
