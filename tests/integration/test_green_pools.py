@@ -171,7 +171,8 @@ def test_a_policy_that_does_not_wait_answers_in_time_when_zookeeper_does_not(poo
     """A request whose reply never comes times out as under prefork, without being taken
     for (or hiding) a time limit: gevent raises the same Timeout class for both."""
     with TcpProxy(zk_server.port) as proxy:
-        workers("w1", pool, concurrency=5, ZKT_HOSTS=proxy.hosts, ZKT_CONNECT_TIMEOUT="1")
+        # A long session, so that only the connect timeout answers within the bound.
+        workers("w1", pool, concurrency=5, ZKT_HOSTS=proxy.hosts, ZKT_CONNECT_TIMEOUT="1", ZKT_SESSION_TIMEOUT="20")
         assert send(worker_app.skipping, queue, "quiet", 0.01).get(timeout=30) == "ran"  # the session is open
         proxy.mode = "blackhole"  # ZooKeeper stops answering; kazoo has not noticed yet
         start = time.monotonic()
@@ -182,4 +183,4 @@ def test_a_policy_that_does_not_wait_answers_in_time_when_zookeeper_does_not(poo
             raising.get(timeout=30)
         took = time.monotonic() - start
         proxy.mode = "pass"
-    assert took < 1 + 1.5, f"answered after {took:.2f}s"
+    assert took < 1 + 4, f"answered after {took:.2f}s"
