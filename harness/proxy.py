@@ -176,7 +176,9 @@ class TcpProxy:
     holds every byte where it is until the mode changes, then delivers it in order
     (a partition: the client hears nothing, no RST; TCP loses nothing of a live connection);
     ``drop_replies`` forwards requests to the server but swallows its replies
-    (the request happens, the client never learns it did).
+    (the request happens, the client never learns it did); ``refuse`` closes each new
+    connection at once (a server that is down, whose sessions live on elsewhere), and
+    with :meth:`reset`, every open one.
     :meth:`reset` closes every open connection (a crash-like RST).
     Faults (:meth:`hold_request`, :meth:`delay_reply`, :meth:`cut_after`,
     :meth:`hold_watch`, :meth:`drop_watches`) act on single frames.
@@ -188,7 +190,7 @@ class TcpProxy:
             proxy.mode = "blackhole"
     """
 
-    MODES = ("pass", "blackhole", "drop_replies")
+    MODES = ("pass", "blackhole", "drop_replies", "refuse")
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
@@ -283,6 +285,9 @@ class TcpProxy:
                 client, _ = self._sock.accept()
             except OSError:
                 return
+            if self._mode == "refuse":
+                client.close()
+                continue
             server = _dial(self.target, client)
             if server is None:
                 continue

@@ -34,7 +34,8 @@ from .. import signals
 from ..conf import Settings
 from ..exceptions import AlreadyQueued, ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..recipes.marker import claim, reap, release, requeue, start_latest, start_running, supersede
-from ..zk import Session, session_for, timeouts
+from ..zk import Liveness, Session, session_for, timeouts
+from ..zk.session import on_session_started
 from . import parking, preempt
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import retried_request
@@ -524,12 +525,20 @@ class _Releases:
             if restore:
                 self._restores.add((path, task_id))
             if self._thread is None or not self._thread.is_alive():  # none yet, or not in this forked child
+                if self._thread is None:  # once: the hook outlives a fork
+                    on_session_started(lambda session: session.add_listener(self))
                 self._thread = threading.Thread(target=self._run, name="celery-zklock-releases", daemon=True)
                 self._thread.start()
             if not self._at_exit:
                 self._at_exit = True
                 atexit.register(self._flush)  # after the sessions' own close: it runs before it
         self._wake.set()
+
+    def on_session_state(self, liveness: Liveness) -> None:
+        """A session is back: what failed against it goes now, not at its backoff's next turn
+        (up to 30 s on, while the marker answers every publish of its key)."""
+        if liveness is Liveness.HELD:
+            self._wake.set()
 
     def pending(self, path: str, task_id: str) -> bool:
         """Whether this process still has to release ``path`` for copy ``task_id`` (one it never
