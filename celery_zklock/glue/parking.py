@@ -47,7 +47,7 @@ from ..exceptions import (
     ZooKeeperUnavailable,
     explain,
 )
-from ..layout import LOCK_TREES, PARKED, node_object
+from ..layout import LOCK_TREES, PARKED, decode_key, node_object
 from ..recipes import Lock
 from ..recipes.park import (
     MAX_PAYLOAD,
@@ -68,8 +68,8 @@ from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
 
 __all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "as_new_delivery",
-           "encode", "ended", "leave_queue", "lost", "orphans", "parked_header", "publish", "received", "revoked",
-           "send", "started_when_held", "sweep", "unknown"]
+           "describe", "encode", "ended", "leave_queue", "lost", "orphans", "parked_header", "publish", "received",
+           "revoked", "send", "started_when_held", "sweep", "unknown"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -169,8 +169,47 @@ def _watch(session: Session, settings: Settings, app: Any) -> QueueWatch:
     found = _watches.get(session)
     if found is None:
         found = _watches[session] = QueueWatch(session, settings.connect_timeout,
-                                               task_defaults(app).park_resend_after)
+                                               task_defaults(app).park_resend_after,
+                                               resent=functools.partial(_resent, app))
     return found
+
+
+def _resent(app: Any, parked: ParkedQueue, head: str, payload: bytes, after: float) -> None:
+    """Say that a parked head was sent again, naming its task, key and Celery queue (see describe)."""
+    logger.warning("parked copy %s: sent again, as no worker took it within zklock_park_resend_after=%gs of its send "
+                   "(a worker may have received it from the broker, but none began it: its message lost, or "
+                   "prefetched by a worker that died or whose pool never took it up)",
+                   describe(app, parked.path, head, payload), after)
+
+
+def describe(app: Any, path: str, head: str, payload: bytes) -> str:
+    """A parked copy for a log line: its task and id, its key, its Celery queue, its node. The key
+    as its node's name spells it: under hashed key names, the hash (never the key or the secret).
+
+    >>> from celery import Celery
+    >>> describe(Celery(), "/r/parked/locks/k-acct:7", "p-01-0000000003",
+    ...          b'{"task": "t.charge", "id": "8f1", "content_type": "application/json"}\\n{"options": {"queue": "q"}}')
+    "of task t.charge[8f1] (lock key 'acct:7', Celery queue 'q'; node /r/parked/locks/k-acct:7/p-01-0000000003)"
+    >>> describe(Celery(), "/r/parked/locks/s-9c1e", "p-1", b'{"task": "t.charge", "id": "8f2"}\\njunk')
+    'of task t.charge[8f2] (lock key named s-9c1e; node /r/parked/locks/s-9c1e/p-1)'
+    """
+    meta_line, _, body = payload.partition(b"\n")
+    meta = node_object(meta_line)
+    name = posixpath.basename(path)
+    key = decode_key(name)
+    where = [f"lock key {key!r}" if key is not None else f"lock key named {name}"]
+    try:
+        message = loads(body, meta["content_type"], meta.get("content_encoding") or "utf-8",
+                        accept=prepare_accept_content(app.conf.accept_content))
+        options = message.get("options") or {}
+        queue = options.get("queue") or options.get("routing_key")
+        if isinstance(queue, dict):  # a kombu Queue, as a signature serializes it
+            queue = queue.get("name")
+        if queue:
+            where.append(f"Celery queue {str(queue)!r}")
+    except Exception:  # noqa: BLE001 - a log line: the queue is left out, the rest said
+        pass
+    return (f"of task {meta.get('task', '?')}[{meta.get('id', '?')}] ({', '.join(where)}; node {path}/{head})")
 
 
 class Parking:

@@ -48,6 +48,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -101,6 +102,8 @@ _TOKEN, _RING = 16, 256
 
 #: ``send(node path, payload)``: publish a parked copy again (the glue's part).
 Send = Callable[[str, bytes], None]
+#: ``resent(queue, head, payload, resend_after)``: say that a head was sent again (see QueueWatch).
+Resent = Callable[["ParkedQueue", str, bytes, float], None]
 #: What :meth:`ParkedQueue.look` found: the queue's children, and the key's contenders.
 Looked = Tuple[List[str], List[str]]
 
@@ -849,6 +852,11 @@ class ParkedQueue:
             pass
 
 
+def _sending(send: Send, payloads: List[bytes], node: str, payload: bytes) -> None:
+    send(node, payload)
+    payloads.append(payload)
+
+
 class QueueWatch:
     """Nudges the queues one process parked copies in whenever their key's contenders change
     or their own children do (a copy or a claim comes or goes), until a queue is empty. Of the
@@ -870,10 +878,13 @@ class QueueWatch:
     session's thread and only hand a queue's path to this watch's own thread, which nudges.
     """
 
-    def __init__(self, session: Session, timeout: float, resend_after: float = 30.0) -> None:
+    def __init__(self, session: Session, timeout: float, resend_after: float = 30.0,
+                 resent: Optional[Resent] = None) -> None:
         self.session = session
         self.timeout = timeout
         self.resend_after = resend_after
+        #: Says a head was sent again (the glue names its task and queue); else a line naming its node.
+        self.resent: Resent = resent or self._resent
         #: The last head this process sent in each queue, not known to be received: queue path -> (when to
         #: look again, queue, head, send). One a queue: a head is sent only once the one before is gone.
         self._in_flight: Dict[str, Tuple[float, ParkedQueue, str, Send]] = {}
@@ -976,11 +987,10 @@ class QueueWatch:
             again = True  # after a failure, the rest wait for the next turn: ZooKeeper or the broker is down
             if not failed:
                 try:
-                    again = parked.resend(head, send, deadline(self.timeout))
+                    payloads: List[bytes] = []  # what went, for the line that says so
+                    again = parked.resend(head, functools.partial(_sending, send, payloads), deadline(self.timeout))
                     if again:
-                        logger.warning("parked copy %s/%s: not received by any worker within %gs of its send (its "
-                                       "message lost, or held by a worker that died); sent again", parked.path, head,
-                                       self.resend_after)
+                        self.resent(parked, head, payloads[-1] if payloads else b"", self.resend_after)
                 except Exception as exc:  # noqa: BLE001 - tried again at the next turn
                     logger.warning("parked copy %s/%s: could not send it again (%s); trying again in %gs",
                                    parked.path, head, explain(exc), self.resend_after)
@@ -998,6 +1008,14 @@ class QueueWatch:
             except Exception as exc:  # noqa: BLE001 - the next turn looks again
                 logger.warning("parked queues: could not look for queues nobody watches (%s); looking again in %gs",
                                explain(exc), self.resend_after)
+
+    @staticmethod
+    def _resent(parked: ParkedQueue, head: str, payload: bytes, after: float) -> None:
+        # What was not seen is the receive (the claim moved to a receiver): a worker may well have
+        # got the message from the broker, and held it prefetched in a process that never began it.
+        logger.warning("parked copy %s/%s: sent again, as no worker began it within %gs of its send (its message "
+                       "lost by the broker, or prefetched by a worker that died or never began it)", parked.path,
+                       head, after)
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
