@@ -63,6 +63,7 @@ from ..recipes.park import (
     unwatched,
 )
 from ..zk import Session, deadline, reply, session_for, timeouts
+from ..zk.deadlines import remaining
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
@@ -283,12 +284,28 @@ class Parking:
             return cast(str, self.park(until))  # not behind: it parks (raises), or is refused
         if not self._received(until):
             self.dropped()
+        twin = self._held_by_this_copy(until)
         self.queue.decline(self.received, until)
         self.released()
+        if twin:
+            # Not a contender that never parked: another send of this very copy (a resend, a
+            # watcher's) holds the key and takes (or took) its node, and runs it. This one must not.
+            logger.info("%s: lock %r is held by another delivery of this very copy (a second send of it, which "
+                        "runs it); this one is dropped", self.where, self.label)
+            raise Ignore()
         signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
         logger.info("%s: lock %r is held by a contender that never parked; the copy stays at the head of the "
                     "key's parked queue", self.where, self.label)
         raise Ignore()
+
+    def _held_by_this_copy(self, until: Optional[float]) -> bool:
+        """Whether a holder of the key is another delivery of this copy (its task id), for the log:
+        on any failure to read, no."""
+        try:
+            holders = self.lock.holders(remaining(until))
+        except Exception:  # noqa: BLE001 - only what the log line says depends on it
+            return False
+        return any(node_object(data).get("task_id") == self.request.id for data in holders)
 
     def park(self, until: Optional[float], behind: bool = False) -> Optional[str]:
         """Put this copy at the back of the queue and free the slot (raises ``Ignore``), or say

@@ -66,9 +66,9 @@ from ..layout import node_object
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "InFlight", "Looked", "Nudge", "ParkUntold",
-           "ParkedQueue", "QueueWatch", "Redelivery", "head_of", "parked_sequence", "redelivery", "unwatched",
-           "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "InFlight", "Looked", "Nudge",
+           "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "head_of", "parked_sequence", "redelivery",
+           "unwatched", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -83,6 +83,8 @@ MEMBER = "w-"
 #: A claim's data while its copy is on its way: this and its sender's token. The receiver empties
 #: it as it moves the claim to its own session, and the taker marks it ``taken:``.
 SENT = b"sent:"
+#: A taken claim's data starts with this (then a mark of the take's own, see ParkedQueue.take).
+TAKEN_MARK = b"taken:"
 #: The most a parked copy's node may hold: ZooKeeper refuses a request over ``jute.maxbuffer``
 #: (1 MiB by default), and the create's path and ACL travel with the data.
 MAX_PAYLOAD = 1_000_000
@@ -757,7 +759,7 @@ class ParkedQueue:
         (:func:`redelivery`); :meth:`forget` deletes it.
         """
         # A mark of this call's own: two deliveries of one copy may run in one process.
-        mark = b"taken:" + uuid.uuid4().hex.encode()
+        mark = TAKEN_MARK + uuid.uuid4().hex.encode()
         record = _record(holder, sent) if sent and holder else None
         return through_blips(self.session, until, lambda: self._take_now(name, until, mark, record))
 
@@ -842,14 +844,25 @@ class ParkedQueue:
 
     def decline(self, name: str, until: Optional[float]) -> None:
         """A received copy could not hold the key (a contender that never parked came first):
-        it stays at the head, unclaimed, for the next nudge to send again."""
+        it stays at the head, unclaimed, for the next nudge to send again. A claim marked taken
+        stays: another delivery of the copy took it."""
         through_blips(self.session, until, lambda: self._decline_now(name, until))
 
     def _decline_now(self, name: str, until: Optional[float]) -> None:
-        try:
-            reply(self.session.client.delete_async(self.node_path(CLAIM + name)), until)
-        except NoNodeError:
-            pass
+        client, claim = self.session.client, self.node_path(CLAIM + name)
+        while True:
+            try:
+                data, stat = reply(client.get_async(claim), until)
+                if data.startswith(TAKEN_MARK):
+                    # Another delivery of this copy took it (a second send ran into its take): the
+                    # claim is that taker's, which reads its mark there after a lost reply.
+                    return
+                reply(client.delete_async(claim, version=stat.version), until)
+                return
+            except NoNodeError:
+                return
+            except BadVersionError:
+                continue  # marked, or received again, since we read it: decide again
 
 
 def _sending(send: Send, payloads: List[bytes], node: str, payload: bytes) -> None:
