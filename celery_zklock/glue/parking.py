@@ -744,9 +744,11 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     _give_up(app, name, None, id, header, revoked=True, sent=_header(message, SENT_HEADER))
 
 
-#: Task id -> (parked node, the send's nonce), of the copies sent again that this worker received:
-#: a pool process's death is told by task id alone. Bounded: a copy that ran needs its entry no more.
-_received: OrderedDict[str, Tuple[str, Optional[str]]] = OrderedDict()
+#: Task id -> the (parked node, the send's nonce) of each receipt of a copy sent again that this
+#: worker received, oldest first. A list: two sends of one copy (a resend, a watcher's) may both
+#: reach this worker, and each receipt's death must give up its own send (its own taken record).
+#: Bounded: a copy that ran needs its entries no more.
+_received: OrderedDict[str, List[Tuple[str, Optional[str]]]] = OrderedDict()
 _RECEIVED_MAX = 10_000
 
 
@@ -764,9 +766,27 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
                        "key's parked queue, and runs", task.name, request.id)
         _give_up(task.app, task.name, None, request.id, header, revoked=True, sent=_sent_nonce(request))
         return
-    _received[request.id] = (header, _sent_nonce(request))
+    _received.setdefault(request.id, []).append((header, _sent_nonce(request)))
+    _received.move_to_end(request.id)
     while len(_received) > _RECEIVED_MAX:
         _received.popitem(last=False)
+
+
+def _receipt(task: Any, task_id: str) -> Tuple[Optional[str], Optional[str]]:
+    """The receipt of ``task_id`` whose pool process died (see lost), taken out of ``_received``:
+    the one whose send's nonce the dying request carries (Celery pushes it as the task's request
+    for ``task_failure``), else, where it does not (its hard time limit, an older Celery), the
+    latest (an older one has most likely ended). (None, None) when none was recorded."""
+    receipts = _received.get(task_id)
+    if not receipts:
+        return None, None
+    dying = getattr(task, "request", None)
+    nonce = _sent_nonce(dying) if dying is not None and getattr(dying, "id", None) == task_id else None
+    at = next((i for i, (_, sent) in enumerate(receipts) if nonce is not None and sent == nonce), len(receipts) - 1)
+    found = receipts.pop(at)
+    if not receipts:
+        del _received[task_id]
+    return found
 
 
 def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs: Any) -> None:
@@ -779,8 +799,10 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     ``task_reject_on_worker_lost``, or a hard time limit not acked, only the claim goes,
     and the copy takes its place when it is delivered again.) After its take, its node and
     claim are gone already, and only its taken record goes, where no redelivery comes.
+    Each receipt of one task id (two sends of the copy may reach one worker) gives up its own
+    send (:func:`_receipt`).
     """
-    header, sent = _received.pop(task_id, (None, None))
+    header, sent = _receipt(sender, task_id)
     spec = spec_of(sender)
     if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or spec is None:
         return

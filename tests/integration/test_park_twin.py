@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import types
 import uuid
 
 from celery.app.trace import build_tracer
 
 from celery_zklock import zk_locked
 from celery_zklock.glue import parking
+from celery_zklock.glue.api import layout_of
 from celery_zklock.recipes import EXCLUSIVE, Lock
 from celery_zklock.recipes.park import ParkedQueue
 from celery_zklock.zk import deadline
@@ -81,3 +83,43 @@ def test_a_decline_leaves_a_claim_another_delivery_marked_taken(new_session, zk_
     assert receiver.receive(other, deadline(10))
     receiver.decline(other, deadline(10))
     assert not kazoo.exists(posixpath.join(path, "c-" + other))
+
+
+def test_each_receipt_of_one_task_id_gives_up_its_own_send_as_its_process_dies(app, new_session, kazoo):
+    # Two sends of one parked copy (n1, then a resend n2) reach one worker, which records each
+    # receipt as the consumer gets it. n1 took the copy (its taken record), then its pool process
+    # died, and Celery stored the failure: the copy is over, and its record must go. Keyed by task
+    # id alone, n2's receipt overwrote n1's, and n1's death gave up n2's send: the record stayed.
+    from billiard.exceptions import WorkerLostError
+    from celery.app.task import Context
+
+    @app.task(shared=False)
+    @zk_locked(key="k", on_contention="park")
+    def copy():
+        return None
+
+    app.finalize()
+    layout = layout_of(app)
+    path = layout.parked("k")
+    queue = ParkedQueue(new_session(), path, layout.lock("k"), EXCLUSIVE)
+    task_id = f"copy-{uuid.uuid4()}"
+    name = str(queue.park(task_id, b"m1", 10, deadline(10)))
+    header = posixpath.join(path, name)
+    assert queue.receive(name, deadline(10))
+    assert queue.take(name, deadline(10), sent="n1", holder="x__lock__0000000001")
+    record = posixpath.join(path, "t-" + name)
+    assert kazoo.exists(record)
+    for nonce in ("n1", "n2"):
+        parking.received(request=types.SimpleNamespace(id=task_id, task=copy, request_dict={
+            parking.PARK_HEADER: header, parking.SENT_HEADER: nonce}))
+    # n1's process dies: Celery pushes its request for task_failure's receivers.
+    copy.request_stack.push(Context({"id": task_id, parking.PARK_HEADER: header, parking.SENT_HEADER: "n1"}))
+    try:
+        parking.lost(sender=copy, task_id=task_id, exception=WorkerLostError("killed"))
+    finally:
+        copy.request_stack.pop()
+    wait_until(lambda: not kazoo.exists(record), timeout=10)
+    assert [sent for _, sent in parking._received[task_id]] == ["n2"], "n2's receipt is still its own"
+    # n2's death later (no request pushed: a hard time limit, an older Celery) takes its receipt too.
+    parking.lost(sender=copy, task_id=task_id, exception=WorkerLostError("killed"))
+    assert task_id not in parking._received
