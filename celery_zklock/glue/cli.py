@@ -36,7 +36,7 @@ from ..zk.nodes import unreadable
 from ..zk.probe import addresses, four_letter_word, server_limits
 from . import evict as eviction
 from . import exporter
-from .api import layout_of, metrics_of, settings_of
+from .api import layout_of, metrics_of, settings_of, task_defaults
 from .celery_internals import hide_in_reports
 from .options import problems, reports_itself
 from .tree import elections, locks, queued, server_info
@@ -605,11 +605,14 @@ def exporter_command(ctx: click.Context, port: int, address: Optional[str], inte
         _refused(exc)
     try:
         settings = settings_of(app)
+        # A parked queue stalled past its workers' resend bound gets a series of its own.
+        stalled_after = task_defaults(app).park_resend_after
     except ZkLockError as exc:
         _refused(exc)
     session = Session(settings)
     try:
-        server = exporter.serve(exporter.Exporter(session, layout, interval, max_reads, per_key), address, port)
+        server = exporter.serve(exporter.Exporter(session, layout, interval, max_reads, per_key, stalled_after),
+                                address, port)
     except OSError as exc:
         raise click.ClickException(f"cannot serve on {address}:{port} ({exc.strerror or exc}): check --address "
                                    "and --port") from None
