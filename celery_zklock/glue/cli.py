@@ -385,8 +385,11 @@ def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool
         if task_name is None:
             return rows
         rows = [row for row in rows if _names_task(row, task_name)]
-        if not rows and task_name not in app.tasks:
-            # A task the app no longer has (a deploy renamed it) may still have copies: refused only with none.
+        known = [name for name in app.tasks if not name.startswith("celery.")]
+        if not rows and known and task_name not in app.tasks:
+            # A task the app no longer has (a deploy renamed it) may still have copies: refused only with
+            # none; and only by an app that knows its tasks (one whose modules the CLI did not import
+            # would refuse every name).
             raise click.UsageError(f"--task {task_name!r}: no such task in this app, and no lock names it"
                                    f"{did_you_mean(task_name, app.tasks)}")
         return rows
