@@ -142,7 +142,7 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                  "the process that claimed it; and each worker process looks this often for a "
                                  "parked queue that no live process watches (its watchers all died) and watches "
                                  "it. A few session timeouts: a copy that waits longer in a busy worker's prefetch "
-                                 "buffer is sent again too, harmlessly (the later send drops itself)."),
+                                 "buffer is sent again too, harmlessly (the later send drops itself). At least 1 s."),
     "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
                                "`None` waits forever."),
     "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "
@@ -537,8 +537,26 @@ class TaskDefaults:
             "dedupe_publish_timeout": lambda: positive_seconds("zklock_dedupe_publish_timeout",
                                                                get("zklock_dedupe_publish_timeout")),
             "park_limit": lambda: positive_int("zklock_default_park_limit", get("zklock_default_park_limit")),
-            "park_resend_after": lambda: positive_seconds("zklock_park_resend_after", get("zklock_park_resend_after")),
+            "park_resend_after": lambda: _resend_after(get("zklock_park_resend_after")),
         }))
+
+
+#: The least ``zklock_park_resend_after`` may be. Each turn sends every unreceived head again
+#: (a broker publish) and reads every parked queue of the root for a missing watcher: at 0.001 s
+#: that is a resend storm and a ZooKeeper read loop, and a head is sent again before a healthy
+#: worker could move its claim (a broker hop and a ZooKeeper round trip). One second keeps both
+#: at once a second at worst, and is the least the test suite runs with.
+PARK_RESEND_AFTER_MIN = 1.0
+
+
+def _resend_after(value: Any) -> float:
+    seconds = positive_seconds("zklock_park_resend_after", value)
+    if seconds < PARK_RESEND_AFTER_MIN:
+        raise ConfigurationError(
+            f"zklock_park_resend_after must be at least {PARK_RESEND_AFTER_MIN:g} s, not {value!r}: each turn "
+            "sends every head not yet received again and reads every parked queue, so a smaller bound floods "
+            "the broker and ZooKeeper (a few session timeouts, the default 30, is what it is for)")
+    return seconds
 
 
 def _metrics_port(port: Any) -> Optional[int]:

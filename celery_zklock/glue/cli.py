@@ -36,7 +36,7 @@ from ..zk.nodes import unreadable
 from ..zk.probe import addresses, four_letter_word, server_limits
 from . import evict as eviction
 from . import exporter
-from .api import layout_of, metrics_of, settings_of
+from .api import layout_of, metrics_of, settings_of, task_defaults
 from .celery_internals import hide_in_reports
 from .options import problems, reports_itself
 from .tree import elections, locks, queued, server_info
@@ -90,10 +90,21 @@ def _cell(value: Any, width: int) -> str:
     return f"{text if len(text) <= width else text[:width - 1] + '…':<{width}}"
 
 
-def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
+def _names_task(row: Dict[str, Any], task: str) -> bool:
+    """Whether a copy of ``task`` holds, waits for or is parked at the key of ``row`` (``locks``).
+
+    >>> _names_task({"holders": [{"task": "a"}], "waiting": [], "parked": [{"task": "b"}]}, "b")
+    True
+    """
+    return any(who.get("task") == task for part in ("holders", "waiting", "parked") for who in row.get(part) or ())
+
+
+def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False, task: Optional[str] = None) -> List[str]:
     """The table of ``locks`` (and ``status``): a row per holder, and per waiter and parked copy
     with ``waiters``. WAITERS counts the contenders that wait in a worker's slot, PARKED the
-    copies parked in ZooKeeper, which hold no slot."""
+    copies parked in ZooKeeper, which hold no slot. With ``task``, only that task's waiters and
+    parked copies get a row, each at its place in its queue (the holders are always listed: what
+    the copies wait for)."""
     if not rows:
         return ["  (no lock is held or waited for)"]
     lines = [f"  {'KEY':<28} {'MODE':<9} {'HELD':>5} {'HOLDER':<22} {'WORKER':<20} {'TASK':<28} "
@@ -119,8 +130,11 @@ def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False) -> List[str]:
                          f"{row['waiters']:>7} {len(parked):>6}  -")
         if waiters:
             for place, w in enumerate(row.get("waiting", []), 1):
-                lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), "", ""))
+                if task is None or w.get("task") == task:
+                    lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), "", ""))
             for place, p in enumerate(parked, 1):
+                if task is not None and p["task"] != task:
+                    continue
                 # A copy in flight says, where a holder's host would be, how long it has been on its way.
                 lines.append(line(f"  parked #{place}" + (" (in flight)" if p["sent"] else ""),
                                   {"mode": "parked", "task": p["task"], "task_id": p["task_id"],
@@ -357,18 +371,38 @@ def schedule_command(ctx: click.Context, as_json: bool) -> None:
               help="Only keys matching this glob, e.g. 'invoice:*' (one exact key under hashed key names).")
 @click.option("--waiters", "show_waiters", is_flag=True,
               help="Also a row per waiter, then per parked copy, in queue order.")
+@click.option("--task", "task_name", default=None, metavar="NAME",
+              help="Only keys a copy of this task (its registered name) holds, waits for or is parked at; with "
+                   "--waiters, only its waiters and parked copies get a row.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts (waiters always in it).")
 @click.pass_context
-def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool, as_json: bool) -> None:
+def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool, task_name: Optional[str],
+                  as_json: bool) -> None:
     """Held and waited-for locks: mode, holders (host/pid, worker, task, task id), held for, waiters, token."""
-    settings, _, rows = _reading(ctx, lambda session, settings, app: locks(session, settings.root, pattern,
-                                                                          layout_of(app).secret))
+
+    def read(session: Session, settings: Settings, app: Any) -> List[Dict[str, Any]]:
+        rows = locks(session, settings.root, pattern, layout_of(app).secret)
+        if task_name is None:
+            return rows
+        rows = [row for row in rows if _names_task(row, task_name)]
+        known = [name for name in app.tasks if not name.startswith("celery.")]
+        if not rows and known and task_name not in app.tasks:
+            # A task the app no longer has (a deploy renamed it) may still have copies: refused only with
+            # none; and only by an app that knows its tasks (one whose modules the CLI did not import
+            # would refuse every name).
+            raise click.UsageError(f"--task {task_name!r}: no such task in this app, and no lock names it"
+                                   f"{did_you_mean(task_name, app.tasks)}")
+        return rows
+
+    settings, _, rows = _reading(ctx, read)
     if as_json:
         click.echo(json.dumps({"root": settings.root, "locks": rows}, indent=2))
-    elif pattern is not None and not rows:
-        click.echo(f"  no lock matches {pattern!r}")
+    elif (pattern is not None or task_name is not None) and not rows:
+        click.echo("  no lock" + (f" matches {pattern!r}" if pattern is not None else "")
+                   + (" and" if pattern is not None and task_name is not None else "")
+                   + (f" is held, waited for or parked at by task {task_name}" if task_name is not None else ""))
     else:
-        for line in _lock_lines(rows, show_waiters):
+        for line in _lock_lines(rows, show_waiters, task_name):
             click.echo(line)
 
 
@@ -574,11 +608,14 @@ def exporter_command(ctx: click.Context, port: int, address: Optional[str], inte
         _refused(exc)
     try:
         settings = settings_of(app)
+        # A parked queue stalled past its workers' resend bound gets a series of its own.
+        stalled_after = task_defaults(app).park_resend_after
     except ZkLockError as exc:
         _refused(exc)
     session = Session(settings)
     try:
-        server = exporter.serve(exporter.Exporter(session, layout, interval, max_reads, per_key), address, port)
+        server = exporter.serve(exporter.Exporter(session, layout, interval, max_reads, per_key, stalled_after),
+                                address, port)
     except OSError as exc:
         raise click.ClickException(f"cannot serve on {address}:{port} ({exc.strerror or exc}): check --address "
                                    "and --port") from None

@@ -23,7 +23,10 @@ election without a leader, and a semaphore whose limit was not read has no holde
 
 **What is left out on purpose.** No series per key unless ``--per-key``, which is refused
 under ``zklock_key_names="hashed"``: keys are unbounded in number, and their names are what
-hashing hides. A mode is read from node names alone, so ``write`` counts exclusive locks too.
+hashing hides. One exception, bounded: the (at most :data:`STALLED_QUEUES`) parked queues
+stalled past ``zklock_park_resend_after`` each get ``celery_zklock_parked_stalled_queue_seconds``,
+labelled with the key as its node's name spells it (its hash under hashed names), for the alert
+to name. A mode is read from node names alone, so ``write`` counts exclusive locks too.
 Ages come from ZooKeeper's own creation times: a clock skew between its servers and this
 host shifts them by as much.
 
@@ -69,9 +72,14 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "celery_zklock_parked": ((), "Parked copies (on_contention='park'), which hold no worker slot."),
     "celery_zklock_oldest_parked_seconds": ((), "Age of the oldest parked copy."),
     "celery_zklock_parked_stalled_seconds": ((), "How long the most stalled parked queue has not moved while its "
-                                             "key had no holder to hand it on: its head in flight and not taken "
-                                             "(from the claim's creation), or not sent (from when this exporter "
-                                             "first saw it so). 0 when none."),
+                                             "key had no holder to hand it on: its head in flight and not taken, "
+                                             "or not sent; from the earliest of its claims' creations and the "
+                                             "first read that saw it so, for as long as it stays the head and "
+                                             "stalled. 0 when none."),
+    "celery_zklock_parked_stalled_queue_seconds": (("key",), "The same, for each of the (at most 10) most "
+                                                   "stalled parked queues stalled for at least "
+                                                   "zklock_park_resend_after; the key as its node's name spells "
+                                                   "it (its hash under hashed key names)."),
     "celery_zklock_parked_unwatched": ((), "Parked queues with copies and no live watcher (every process that "
                                        "watched them died); a running worker picks each up within "
                                        "zklock_park_resend_after."),
@@ -91,13 +99,19 @@ _PARTS: Dict[str, Tuple[str, ...]] = {
     "beats": ("celery_zklock_beat_has_leader", "celery_zklock_beat_candidates",
               "celery_zklock_beat_tick_overdue_seconds", "celery_zklock_beat_seconds_since_dispatch"),
     "locks": ("celery_zklock_holders", "celery_zklock_waiters", "celery_zklock_key_holders",
-              "celery_zklock_key_waiters", "celery_zklock_parked_stalled_seconds"),  # (stalled: no holder)
+              "celery_zklock_key_waiters", "celery_zklock_parked_stalled_seconds",  # (stalled: no holder)
+              "celery_zklock_parked_stalled_queue_seconds"),
     "ages": ("celery_zklock_longest_hold_seconds", "celery_zklock_oldest_wait_seconds",
              "celery_zklock_key_longest_hold_seconds"),
     "parked": ("celery_zklock_parked", "celery_zklock_oldest_parked_seconds", "celery_zklock_parked_stalled_seconds",
-               "celery_zklock_parked_unwatched"),
+               "celery_zklock_parked_stalled_queue_seconds", "celery_zklock_parked_unwatched"),
     "markers": ("celery_zklock_dedupe_markers",),
 }
+
+#: The most parked queues ``celery_zklock_parked_stalled_queue_seconds`` has a series for: a
+#: label per key is unbounded, but queues stalled past a worker's resend bound are incidents,
+#: and the ten worst name the keys an operator must look at (the unlabelled gauge has the max).
+STALLED_QUEUES = 10
 
 #: How long one read of the tree may take: under Prometheus's default scrape timeout (10 s),
 #: so a slow ZooKeeper shows as ``exporter_up 0``, not as a scrape that timed out.
@@ -173,8 +187,10 @@ class Snapshot:
     in_flight_since: Optional[float] = None
     #: (queue, head) of each head neither in flight nor behind a holder: it waits to be sent.
     idle: Set[Tuple[str, str]] = field(default_factory=set)
-    #: How long the oldest of ``idle`` has been so, on the exporter's clock (Exporter.snapshot).
-    idle_for: float = 0.0
+    #: Each stalled head, (queue, head), in flight (its claim's creation, epoch s) or idle (None).
+    stalled: Dict[Tuple[str, str], Optional[float]] = field(default_factory=dict)
+    #: Since when (epoch s) each of ``stalled`` has stood still, as far as the exporter knows (Exporter.snapshot).
+    stalled_since: Dict[Tuple[str, str], float] = field(default_factory=dict)
     markers: Counter = field(default_factory=Counter)
     beats: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
@@ -261,10 +277,14 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
                          [("exists", claim) for claim in flying])
     since = [s.ctime / 1000 for s in stats[:len(queues)] if s]
     snap.parked_since = min(since) if since else None
-    claimed = [s.ctime / 1000 for s in stats[len(queues):] if s]
+    claims = dict(zip(flying, stats[len(queues):]))
+    claimed = [s.ctime / 1000 for s in claims.values() if s]
     snap.in_flight_since = min(claimed) if claimed else None
     snap.idle = {(p, q[0]) for p, names, q in queues
                  if CLAIM + q[0] not in names and layout.lock_of_parked(p) not in with_holder}
+    snap.stalled = {**{head: None for head in snap.idle},
+                    **{(p, q[0]): stat.ctime / 1000 for p, _, q in queues
+                       for stat in [claims.get(f"{p}/{CLAIM}{q[0]}")] if stat}}
 
     # Dedupe markers: each one's state needs its own read, so they come last.
     for answer in budget.round("markers", [("get", f"{layout.queued_tree}/{m}") for m in markers]):
@@ -322,17 +342,21 @@ def _marker_state(raw: bytes, stat: Any, now: float) -> str:
 class Exporter:
     """A Prometheus collector that reads the tree at most once per ``interval`` seconds."""
 
-    def __init__(self, session: Session, layout: Layout, interval: float, max_reads: int, per_key: bool) -> None:
+    def __init__(self, session: Session, layout: Layout, interval: float, max_reads: int, per_key: bool,
+                 stalled_after: float = 30.0) -> None:
         self.session = session
         self.layout = layout
         self.interval = interval
         self.max_reads = max_reads
         self.per_key = per_key
+        #: A parked queue stalled this long gets a series of its own (the app's zklock_park_resend_after:
+        #: by then a worker should have sent its head again, or adopted it).
+        self.stalled_after = stalled_after
         self._lock = threading.Lock()
         self._last: Optional[Snapshot] = None
         self._read_at = 0.0  # monotonic: a wall clock stepped back must not freeze the values
         self._said = ""
-        self._idle_since: Dict[Tuple[str, str], float] = {}
+        self._stalled_since: Dict[Tuple[str, str], float] = {}
 
     def snapshot(self) -> Snapshot:
         """The last read, or a new one if it is older than ``interval`` (one at a time)."""
@@ -348,10 +372,16 @@ class Exporter:
             except Exception as exc:  # noqa: BLE001 - any failure is "cannot read now", said once
                 last = Snapshot(at=time.time(), ok=False, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
             if last.ok:
-                # A head that waits to be sent has no node to date it (a release leaves no time
-                # behind): it is timed from the first read that saw it so, on our monotonic clock.
-                self._idle_since = {head: self._idle_since.get(head, self._read_at) for head in last.idle}
-                last.idle_for = max((self._read_at - at for at in self._idle_since.values()), default=0.0)
+                # A stalled head is dated by the earliest we know of, and keeps that date for as
+                # long as it stays the head and stalled: its claim's creation, or the first read
+                # that saw it so (a head that waits to be sent has no node to date it). Not by the
+                # claim it has now: a receive makes its claim afresh, and a sender that dies takes
+                # its claim along until an adopter sends the head again, each time a new creation;
+                # timed from each, the gauge fell back to 0 and the alert's wait began again.
+                self._stalled_since = {
+                    head: min(t for t in (self._stalled_since.get(head), claimed, last.at) if t is not None)
+                    for head, claimed in last.stalled.items()}
+                last.stalled_since = dict(self._stalled_since)
             self._say(last)
             self._last = last
             return last
@@ -393,8 +423,16 @@ class Exporter:
                 [mode], _age(now, [k.wait[1] for k in snap.keys if k.wait and k.wait[0] == mode]))
         out["celery_zklock_parked"].add_metric([], snap.parked)
         out["celery_zklock_oldest_parked_seconds"].add_metric([], _age(now, [snap.parked_since]))
-        out["celery_zklock_parked_stalled_seconds"].add_metric([], max(_age(now, [snap.in_flight_since]),
-                                                                       snap.idle_for))
+        stalled = sorted(((max(0.0, now - since), path) for (path, _), since in snap.stalled_since.items()),
+                         reverse=True)
+        out["celery_zklock_parked_stalled_seconds"].add_metric([], stalled[0][0] if stalled else 0.0)
+        by_key: Dict[str, float] = {}  # a key's lock and semaphore queues share its label: one series, the worse
+        for seconds, path in stalled:
+            if seconds < self.stalled_after or len(by_key) >= STALLED_QUEUES:
+                break
+            by_key.setdefault(_label(path.rsplit("/", 1)[1]), seconds)
+        for key, seconds in by_key.items():
+            out["celery_zklock_parked_stalled_queue_seconds"].add_metric([key], seconds)
         out["celery_zklock_parked_unwatched"].add_metric([], snap.unwatched)
         for state in ("queued", "running", "started", "expired"):
             out["celery_zklock_dedupe_markers"].add_metric([state], snap.markers[state])

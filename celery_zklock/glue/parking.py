@@ -47,7 +47,7 @@ from ..exceptions import (
     ZooKeeperUnavailable,
     explain,
 )
-from ..layout import LOCK_TREES, PARKED, node_object
+from ..layout import LOCK_TREES, PARKED, decode_key, node_object
 from ..recipes import Lock
 from ..recipes.park import (
     MAX_PAYLOAD,
@@ -63,13 +63,14 @@ from ..recipes.park import (
     unwatched,
 )
 from ..zk import Session, deadline, reply, session_for, timeouts
+from ..zk.deadlines import remaining
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
 
 __all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "as_new_delivery",
-           "encode", "ended", "leave_queue", "lost", "orphans", "parked_header", "publish", "received", "revoked",
-           "send", "started_when_held", "sweep", "unknown"]
+           "describe", "encode", "ended", "leave_queue", "lost", "orphans", "parked_header", "publish", "received",
+           "revoked", "send", "started_when_held", "sweep", "unknown"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -169,8 +170,47 @@ def _watch(session: Session, settings: Settings, app: Any) -> QueueWatch:
     found = _watches.get(session)
     if found is None:
         found = _watches[session] = QueueWatch(session, settings.connect_timeout,
-                                               task_defaults(app).park_resend_after)
+                                               task_defaults(app).park_resend_after,
+                                               resent=functools.partial(_resent, app))
     return found
+
+
+def _resent(app: Any, parked: ParkedQueue, head: str, payload: bytes, after: float) -> None:
+    """Say that a parked head was sent again, naming its task, key and Celery queue (see describe)."""
+    logger.warning("parked copy %s: sent again, as no worker took it within zklock_park_resend_after=%gs of its send "
+                   "(a worker may have received it from the broker, but none began it: its message lost, or "
+                   "prefetched by a worker that died or whose pool never took it up)",
+                   describe(app, parked.path, head, payload), after)
+
+
+def describe(app: Any, path: str, head: str, payload: bytes) -> str:
+    """A parked copy for a log line: its task and id, its key, its Celery queue, its node. The key
+    as its node's name spells it: under hashed key names, the hash (never the key or the secret).
+
+    >>> from celery import Celery
+    >>> describe(Celery(), "/r/parked/locks/k-acct:7", "p-01-0000000003",
+    ...          b'{"task": "t.charge", "id": "8f1", "content_type": "application/json"}\\n{"options": {"queue": "q"}}')
+    "of task t.charge[8f1] (lock key 'acct:7', Celery queue 'q'; node /r/parked/locks/k-acct:7/p-01-0000000003)"
+    >>> describe(Celery(), "/r/parked/locks/s-9c1e", "p-1", b'{"task": "t.charge", "id": "8f2"}\\njunk')
+    'of task t.charge[8f2] (lock key named s-9c1e; node /r/parked/locks/s-9c1e/p-1)'
+    """
+    meta_line, _, body = payload.partition(b"\n")
+    meta = node_object(meta_line)
+    name = posixpath.basename(path)
+    key = decode_key(name)
+    where = [f"lock key {key!r}" if key is not None else f"lock key named {name}"]
+    try:
+        message = loads(body, meta["content_type"], meta.get("content_encoding") or "utf-8",
+                        accept=prepare_accept_content(app.conf.accept_content))
+        options = message.get("options") or {}
+        queue = options.get("queue") or options.get("routing_key")
+        if isinstance(queue, dict):  # a kombu Queue, as a signature serializes it
+            queue = queue.get("name")
+        if queue:
+            where.append(f"Celery queue {str(queue)!r}")
+    except Exception:  # noqa: BLE001 - a log line: the queue is left out, the rest said
+        pass
+    return (f"of task {meta.get('task', '?')}[{meta.get('id', '?')}] ({', '.join(where)}; node {path}/{head})")
 
 
 class Parking:
@@ -244,12 +284,28 @@ class Parking:
             return cast(str, self.park(until))  # not behind: it parks (raises), or is refused
         if not self._received(until):
             self.dropped()
+        twin = self._held_by_this_copy(until)
         self.queue.decline(self.received, until)
         self.released()
+        if twin:
+            # Not a contender that never parked: another send of this very copy (a resend, a
+            # watcher's) holds the key and takes (or took) its node, and runs it. This one must not.
+            logger.info("%s: lock %r is held by another delivery of this very copy (a second send of it, which "
+                        "runs it); this one is dropped", self.where, self.label)
+            raise Ignore()
         signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
         logger.info("%s: lock %r is held by a contender that never parked; the copy stays at the head of the "
                     "key's parked queue", self.where, self.label)
         raise Ignore()
+
+    def _held_by_this_copy(self, until: Optional[float]) -> bool:
+        """Whether a holder of the key is another delivery of this copy (its task id), for the log:
+        on any failure to read, no."""
+        try:
+            holders = self.lock.holders(remaining(until))
+        except Exception:  # noqa: BLE001 - only what the log line says depends on it
+            return False
+        return any(node_object(data).get("task_id") == self.request.id for data in holders)
 
     def park(self, until: Optional[float], behind: bool = False) -> Optional[str]:
         """Put this copy at the back of the queue and free the slot (raises ``Ignore``), or say
@@ -688,9 +744,11 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     _give_up(app, name, None, id, header, revoked=True, sent=_header(message, SENT_HEADER))
 
 
-#: Task id -> (parked node, the send's nonce), of the copies sent again that this worker received:
-#: a pool process's death is told by task id alone. Bounded: a copy that ran needs its entry no more.
-_received: OrderedDict[str, Tuple[str, Optional[str]]] = OrderedDict()
+#: Task id -> the (parked node, the send's nonce) of each receipt of a copy sent again that this
+#: worker received, oldest first. A list: two sends of one copy (a resend, a watcher's) may both
+#: reach this worker, and each receipt's death must give up its own send (its own taken record).
+#: Bounded: a copy that ran needs its entries no more.
+_received: OrderedDict[str, List[Tuple[str, Optional[str]]]] = OrderedDict()
 _RECEIVED_MAX = 10_000
 
 
@@ -708,9 +766,27 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
                        "key's parked queue, and runs", task.name, request.id)
         _give_up(task.app, task.name, None, request.id, header, revoked=True, sent=_sent_nonce(request))
         return
-    _received[request.id] = (header, _sent_nonce(request))
+    _received.setdefault(request.id, []).append((header, _sent_nonce(request)))
+    _received.move_to_end(request.id)
     while len(_received) > _RECEIVED_MAX:
         _received.popitem(last=False)
+
+
+def _receipt(task: Any, task_id: str) -> Tuple[Optional[str], Optional[str]]:
+    """The receipt of ``task_id`` whose pool process died (see lost), taken out of ``_received``:
+    the one whose send's nonce the dying request carries (Celery pushes it as the task's request
+    for ``task_failure``), else, where it does not (its hard time limit, an older Celery), the
+    latest (an older one has most likely ended). (None, None) when none was recorded."""
+    receipts = _received.get(task_id)
+    if not receipts:
+        return None, None
+    dying = getattr(task, "request", None)
+    nonce = _sent_nonce(dying) if dying is not None and getattr(dying, "id", None) == task_id else None
+    at = next((i for i, (_, sent) in enumerate(receipts) if nonce is not None and sent == nonce), len(receipts) - 1)
+    found = receipts.pop(at)
+    if not receipts:
+        del _received[task_id]
+    return found
 
 
 def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs: Any) -> None:
@@ -723,8 +799,10 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     ``task_reject_on_worker_lost``, or a hard time limit not acked, only the claim goes,
     and the copy takes its place when it is delivered again.) After its take, its node and
     claim are gone already, and only its taken record goes, where no redelivery comes.
+    Each receipt of one task id (two sends of the copy may reach one worker) gives up its own
+    send (:func:`_receipt`).
     """
-    header, sent = _received.pop(task_id, (None, None))
+    header, sent = _receipt(sender, task_id)
     spec = spec_of(sender)
     if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or spec is None:
         return

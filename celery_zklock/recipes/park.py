@@ -48,6 +48,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -65,9 +66,9 @@ from ..layout import node_object
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "InFlight", "Looked", "Nudge", "ParkUntold",
-           "ParkedQueue", "QueueWatch", "Redelivery", "head_of", "parked_sequence", "redelivery", "unwatched",
-           "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "InFlight", "Looked", "Nudge",
+           "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "head_of", "parked_sequence", "redelivery",
+           "unwatched", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -82,6 +83,8 @@ MEMBER = "w-"
 #: A claim's data while its copy is on its way: this and its sender's token. The receiver empties
 #: it as it moves the claim to its own session, and the taker marks it ``taken:``.
 SENT = b"sent:"
+#: A taken claim's data starts with this (then a mark of the take's own, see ParkedQueue.take).
+TAKEN_MARK = b"taken:"
 #: The most a parked copy's node may hold: ZooKeeper refuses a request over ``jute.maxbuffer``
 #: (1 MiB by default), and the create's path and ACL travel with the data.
 MAX_PAYLOAD = 1_000_000
@@ -101,6 +104,8 @@ _TOKEN, _RING = 16, 256
 
 #: ``send(node path, payload)``: publish a parked copy again (the glue's part).
 Send = Callable[[str, bytes], None]
+#: ``resent(queue, head, payload, resend_after)``: say that a head was sent again (see QueueWatch).
+Resent = Callable[["ParkedQueue", str, bytes, float], None]
 #: What :meth:`ParkedQueue.look` found: the queue's children, and the key's contenders.
 Looked = Tuple[List[str], List[str]]
 
@@ -754,7 +759,7 @@ class ParkedQueue:
         (:func:`redelivery`); :meth:`forget` deletes it.
         """
         # A mark of this call's own: two deliveries of one copy may run in one process.
-        mark = b"taken:" + uuid.uuid4().hex.encode()
+        mark = TAKEN_MARK + uuid.uuid4().hex.encode()
         record = _record(holder, sent) if sent and holder else None
         return through_blips(self.session, until, lambda: self._take_now(name, until, mark, record))
 
@@ -839,14 +844,30 @@ class ParkedQueue:
 
     def decline(self, name: str, until: Optional[float]) -> None:
         """A received copy could not hold the key (a contender that never parked came first):
-        it stays at the head, unclaimed, for the next nudge to send again."""
+        it stays at the head, unclaimed, for the next nudge to send again. A claim marked taken
+        stays: another delivery of the copy took it."""
         through_blips(self.session, until, lambda: self._decline_now(name, until))
 
     def _decline_now(self, name: str, until: Optional[float]) -> None:
-        try:
-            reply(self.session.client.delete_async(self.node_path(CLAIM + name)), until)
-        except NoNodeError:
-            pass
+        client, claim = self.session.client, self.node_path(CLAIM + name)
+        while True:
+            try:
+                data, stat = reply(client.get_async(claim), until)
+                if data.startswith(TAKEN_MARK):
+                    # Another delivery of this copy took it (a second send ran into its take): the
+                    # claim is that taker's, which reads its mark there after a lost reply.
+                    return
+                reply(client.delete_async(claim, version=stat.version), until)
+                return
+            except NoNodeError:
+                return
+            except BadVersionError:
+                continue  # marked, or received again, since we read it: decide again
+
+
+def _sending(send: Send, payloads: List[bytes], node: str, payload: bytes) -> None:
+    send(node, payload)
+    payloads.append(payload)
 
 
 class QueueWatch:
@@ -870,10 +891,13 @@ class QueueWatch:
     session's thread and only hand a queue's path to this watch's own thread, which nudges.
     """
 
-    def __init__(self, session: Session, timeout: float, resend_after: float = 30.0) -> None:
+    def __init__(self, session: Session, timeout: float, resend_after: float = 30.0,
+                 resent: Optional[Resent] = None) -> None:
         self.session = session
         self.timeout = timeout
         self.resend_after = resend_after
+        #: Says a head was sent again (the glue names its task and queue); else a line naming its node.
+        self.resent: Resent = resent or self._resent
         #: The last head this process sent in each queue, not known to be received: queue path -> (when to
         #: look again, queue, head, send). One a queue: a head is sent only once the one before is gone.
         self._in_flight: Dict[str, Tuple[float, ParkedQueue, str, Send]] = {}
@@ -976,11 +1000,10 @@ class QueueWatch:
             again = True  # after a failure, the rest wait for the next turn: ZooKeeper or the broker is down
             if not failed:
                 try:
-                    again = parked.resend(head, send, deadline(self.timeout))
+                    payloads: List[bytes] = []  # what went, for the line that says so
+                    again = parked.resend(head, functools.partial(_sending, send, payloads), deadline(self.timeout))
                     if again:
-                        logger.warning("parked copy %s/%s: not received by any worker within %gs of its send (its "
-                                       "message lost, or held by a worker that died); sent again", parked.path, head,
-                                       self.resend_after)
+                        self.resent(parked, head, payloads[-1] if payloads else b"", self.resend_after)
                 except Exception as exc:  # noqa: BLE001 - tried again at the next turn
                     logger.warning("parked copy %s/%s: could not send it again (%s); trying again in %gs",
                                    parked.path, head, explain(exc), self.resend_after)
@@ -998,6 +1021,14 @@ class QueueWatch:
             except Exception as exc:  # noqa: BLE001 - the next turn looks again
                 logger.warning("parked queues: could not look for queues nobody watches (%s); looking again in %gs",
                                explain(exc), self.resend_after)
+
+    @staticmethod
+    def _resent(parked: ParkedQueue, head: str, payload: bytes, after: float) -> None:
+        # What was not seen is the receive (the claim moved to a receiver): a worker may well have
+        # got the message from the broker, and held it prefetched in a process that never began it.
+        logger.warning("parked copy %s/%s: sent again, as no worker began it within %gs of its send (its message "
+                       "lost by the broker, or prefetched by a worker that died or never began it)", parked.path,
+                       head, after)
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():

@@ -268,6 +268,48 @@ def test_locks_and_status_show_parked_copies_as_parked_and_an_unheld_keys_parked
                      cli(cli_env, "locks", "--waiters").stdout)
 
 
+def test_locks_task_lists_only_the_keys_and_copies_of_one_task(cli_env, new_session, zk_root):
+    """``locks --waiters`` listed every key's copies; an operator after one task's copies had to
+    read them all. ``--task`` keeps that task's keys, and its waiters and parked copies, each at
+    its place in its queue; an unknown name that no lock names is refused, with the closest."""
+    layout = Layout(zk_root)
+    mine, other = worker_app.exclusive.name, worker_app.exclusive_on_socket.name
+    session = new_session()
+
+    def holder(key: str, task: str) -> Lock:
+        lock = Lock(session, layout.lock(key), EXCLUSIVE,
+                    data=json.dumps({"key": key, "mode": "exclusive", "pid": 1, "host": "h", "task": task}).encode())
+        assert lock.acquire(timeout=10)
+        return lock
+
+    holder("k:t", "t.hold")
+    holder("k:u", other)
+    queue = ParkedQueue(session, layout.parked("k:t"), layout.lock("k:t"), EXCLUSIVE)
+    for n, task in enumerate([mine, other, mine]):
+        queue.park(f"copy-{n}", json.dumps({"task": task, "id": f"copy-{n}"}).encode() + b"\nmessage", 10,
+                   deadline(10))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return cli(cli_env, "locks", *args)
+
+    out = run("--waiters", "--task", mine)
+    assert out.returncode == 0, out.stderr
+    rows = out.stdout.splitlines()
+    assert [line.split()[0] for line in rows[1:]] == ["k:t", "parked", "parked"], out.stdout
+    assert re.search(r"parked #1 .* copy-0 ", rows[2]) and re.search(r"parked #3 .* copy-2 ", rows[3]), out.stdout
+    assert [row["key"] for row in locks_json(cli_env, "--task", mine)["locks"]] == ["k:t"]
+    assert sorted(row["key"] for row in locks_json(cli_env, "--task", other)["locks"]) == ["k:t", "k:u"]
+    # A name the app does not have but a lock names (a deploy renamed its task) is listed all the same.
+    assert [row["key"] for row in locks_json(cli_env, "--task", "t.hold")["locks"]] == ["k:t"]
+    nothing = run("--task", worker_app.long_body.name)
+    assert nothing.returncode == 0 and nothing.stdout.strip() == (
+        f"no lock is held, waited for or parked at by task {worker_app.long_body.name}"), nothing.stdout
+    typo = run("--waiters", "--task", mine[:-1])
+    assert typo.returncode == 2 and typo.stdout == "", typo.stdout
+    assert f"--task {mine[:-1]!r}: no such task in this app, and no lock names it; did you mean {mine!r}?" \
+        in typo.stderr, typo.stderr
+
+
 @pytest.mark.parametrize("scheduler, args", [
     ("zklock", ()), ("celery_zklock.beat:LeaderScheduler", ()), ("tests.apps.beat_app:LeaderOnlyPersistent", ()),
     ("celery.beat:PersistentScheduler", ("--beat",)),  # named on the command line: -B --scheduler zklock

@@ -95,7 +95,9 @@ def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, k
 
 def test_past_its_budget_a_read_stops_and_leaves_out_what_it_did_not_read_whole(tree, zk_root, new_session):
     def families(max_reads: int) -> set:
-        exporter = Exporter(new_session(), Layout(zk_root), interval=0, max_reads=max_reads, per_key=True)
+        # stalled_after=0: the tree's head in flight gets its queue's series (else only past 30 s).
+        exporter = Exporter(new_session(), Layout(zk_root), interval=0, max_reads=max_reads, per_key=True,
+                            stalled_after=0)
         return {f.name for f in exporter.collect()}
 
     layout = Layout(zk_root)
@@ -264,6 +266,43 @@ def test_a_hot_key_with_thousands_of_waiters_is_read_within_the_deadline(kazoo, 
     assert snap.ok, snap.error
     [key] = snap.keys
     assert (dict(key.holders), dict(key.waiters)) == ({"write": 1}, {"write": 3999})
+
+
+@pytest.mark.parametrize("secret", [None, b"a secret of thirty-two bytes, at least"])
+def test_a_stalled_head_keeps_its_date_as_its_claim_comes_and_goes_and_names_its_key(kazoo, zk_root, new_session,
+                                                                                     secret):
+    """Issue 42's trial: the gauge read 0 for ~70 s after a queue stalled, and the alert, with no
+    key label, fired after ~10 minutes. Each claim the head had was a new date: its sender died
+    (its claim went with its session: the head read as first seen idle, 0), then an adopter sent
+    it (a new claim, 0 again). The head keeps its first date while it stays the head and stalled,
+    and the queues stalled past the resend bound each have a series naming their key."""
+    layout = Layout(zk_root, secret)
+    exporter = Exporter(new_session(), layout, interval=0, max_reads=1000, per_key=False, stalled_after=0.5)
+
+    def stalled() -> Dict[str, float]:
+        return {s.labels.get("key", ""): s.value for f in exporter.collect() for s in f.samples
+                if f.name in ("celery_zklock_parked_stalled_seconds", "celery_zklock_parked_stalled_queue_seconds")}
+
+    parked = layout.parked("stuck:1")
+    label = "stuck:1" if secret is None else parked.rsplit("/", 1)[1]
+    head = kazoo.create(f"{parked}/p-0123456789abcdef-", b"{}", sequence=True, makepath=True)
+    claim = f"{parked}/c-{head.rsplit('/', 1)[1]}"
+    kazoo.create(claim, b"sent:x", ephemeral=True)  # its sender sent it
+    sent = ctime(kazoo, claim)
+    wait_until(lambda: stalled()[""] > 1.0, timeout=10)
+    assert stalled().keys() == {"", label}, stalled()  # past stalled_after: its own series, its key named
+    kazoo.delete(claim)  # its sender died: the claim went with its session
+    assert stalled()[""] >= time.time() - sent - 0.5, stalled()
+    kazoo.create(claim, b"sent:y", ephemeral=True)  # an adopter sends it again: a new claim
+    assert stalled()[""] >= time.time() - sent - 0.5, stalled()
+    kazoo.delete(claim)
+    kazoo.create(claim, b"", ephemeral=True)  # a worker received it: the claim made afresh in its session
+    now = stalled()
+    assert now[""] >= time.time() - sent - 0.5 and now[label] == now[""], now
+    assert "stuck" not in "".join(now) or secret is None, "a key under hashed names is named by its hash only"
+    kazoo.delete(claim)
+    kazoo.delete(head)  # taken: the queue moved
+    assert stalled() == {"": 0.0}
 
 
 def test_a_parked_queue_that_stands_still_with_its_key_free_is_timed_and_one_nobody_watches_counted(

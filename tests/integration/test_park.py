@@ -484,7 +484,7 @@ def test_a_sent_head_that_nobody_will_run_is_sent_again(fault, workers, queue, r
     # visibility_timeout, an hour). message-lost: the broker loses it (as a restart without
     # persistence does). Its sender sends it again after zklock_park_resend_after (2 s here).
     holders = f"{queue}-h"
-    workers("a", concurrency=2, queue=holders, ZKT_PARK_RESEND_AFTER="2")
+    a = workers("a", concurrency=2, queue=holders, ZKT_PARK_RESEND_AFTER="2")
     b = workers("b", concurrency=1, ZKT_PARK_RESEND_AFTER="2")
     first = send(worker_app.parking, holders, "sent", 60.0, 0, "", True)  # a holds the key
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
@@ -510,3 +510,10 @@ def test_a_sent_head_that_nobody_will_run_is_sent_again(fault, workers, queue, r
     consume("a", queue)
     assert [x.get(timeout=2 + 15) for x in rest] == [1, 2, 3]
     moved_on(redis_server.url, kazoo, zk_root, "sent", rest, lost, 2 + 3, before=[first])
+    # Its sender (a, which held the key) says which copy it sent again, where to, and what it did
+    # not see: b's consumer received it (Celery logged that), but no process of b began it.
+    resent = [line for line in a.log_text().splitlines() if "sent again, as no worker" in line]
+    assert resent, a.log_tail()
+    assert (f"parked copy of task {worker_app.parking.name}[{rest[0].id}] (lock key 'park:sent', Celery queue "
+            f"{queue!r}; node ") in resent[0], resent[0]
+    assert "no worker took it within zklock_park_resend_after=2s of its send" in resent[0], resent[0]

@@ -259,6 +259,11 @@ def test_task_defaults_settings():
     for wrong in (0, -1, "30", None, float("inf"), True):
         with pytest.raises(ConfigurationError, match="zklock_park_resend_after must be a positive number of seconds"):
             TaskDefaults.from_conf({"zklock_park_resend_after": wrong})
+    # A tiny bound is a resend storm and a patrol read loop: refused, naming the setting and its floor.
+    assert TaskDefaults.from_conf({"zklock_park_resend_after": 1}).park_resend_after == 1.0
+    for tiny in (0.001, 0.5, 0.999):
+        with pytest.raises(ConfigurationError, match=r"zklock_park_resend_after must be at least 1 s, not "):
+            TaskDefaults.from_conf({"zklock_park_resend_after": tiny})
 
 
 class Opaque:
