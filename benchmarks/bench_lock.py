@@ -94,7 +94,7 @@ class RawProtocol:
         self.send(*pending, create, children)
         for request in pending:
             self.reply(request)
-        path, _ = self.reply(create)  # type: ignore[misc]
+        path: str = self.reply(create)[0]  # type: ignore[index]  # Create2's reply: (path, stat)
         self.reply(children)
         watch = Exists(path, True)
         self.send(watch)

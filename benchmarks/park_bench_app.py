@@ -105,8 +105,10 @@ def _received(request=None, **kwargs) -> None:
 
 @task_prerun.connect
 def _delivered(sender=None, task_id: str = "", args: tuple = (), **kwargs) -> None:
-    if sender is not None and sender.name.endswith(PARKING):
-        _note(args[0], ":legs", kind="prerun", task_id=task_id, t=time.monotonic())
+    # Every keyed copy's entry into a pool process (a task's args start with its run and key):
+    # the benchmark counts those that came before their turn, and park's legs use the last.
+    if sender is not None and sender.name.endswith(KEYED):
+        _note(args[0], ":legs", kind="prerun", task_id=task_id, key=args[1], t=time.monotonic())
 
 
 @app.task
@@ -135,6 +137,9 @@ def keyed_park_at_publish(run: str, key: int, ms: float) -> None:
 
 #: The park tasks whose hand-offs are marked.
 PARKING = ("park_bench_app.keyed_park", "park_bench_app.keyed_park_at_publish")
+#: Every task that stands for a keyed copy: its entries into a pool process are marked.
+KEYED = (*PARKING, "park_bench_app.keyed_wait", "park_bench_app.keyed_retry", "park_bench_app.relay",
+         "park_bench_app.arrived")
 
 
 @app.task
@@ -152,6 +157,33 @@ def arrived(run: str, key: int) -> None:
     """A keyed copy that only arrives: received, acknowledged and ended as a parked copy is
     (Celery's ``Ignore``), with no ZooKeeper request. With a relay, the floor under park's burst."""
     raise Ignore()
+
+
+def ack_in_consumer(task, app, consumer, **kwargs):
+    """A ``Task.Strategy`` that acks each message in the worker's main process and does nothing
+    else: no request, no pool slot, no ZooKeeper. What a copy parked in the consumer costs at least.
+
+    It is called on the consumer's thread, and ``ack`` is Celery's promise that runs the ack on
+    the consumer's event loop as soon as it can, so the prefetch window moves on at once; Redis
+    acks one message per call, as Celery's own acks do.
+    """
+
+    log, errors = logging.getLogger(__name__), consumer.connection_errors
+
+    def handle(message, body, ack, reject, callbacks, **kw) -> None:
+        args = message.payload[0]  # protocol 2: (args, kwargs, embed), decoded as a consumer must
+        ack(log, errors)  # what a request's ack passes: where to log a failed ack, and which errors
+        _note(args[0], kind="arrived", key=args[1])
+
+    return handle
+
+
+# By name: a function set on the task class would be bound to the task as a method.
+@app.task(Strategy=f"{__name__}:ack_in_consumer")
+def consumer_arrived(run: str, key: int) -> None:
+    """A keyed copy that only reaches the worker's consumer (its strategy acks it and stops):
+    with a relay, the floor under any park decided in the worker's main process."""
+    raise AssertionError("consumer_arrived never reaches a pool process")
 
 
 @app.task
