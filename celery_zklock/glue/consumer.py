@@ -30,16 +30,17 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 from celery.worker.request import Request
 from celery.worker.state import reserved_requests
 from kazoo.exceptions import NoNodeError
 
 from ..exceptions import explain
+from ..layout import node_object
 from ..recipes.park import PARKED as _PARKED_PREFIX
-from ..recipes.park import SETTLE, ParkedQueue, ParkUntold, delivery_token
-from ..recipes.rules import Rule
+from ..recipes.park import SETTLE, ParkedQueue, ParkUntold, delivery_token, parked_prefix
+from ..recipes.rules import Rule, sequence
 from ..zk import Liveness, Session, deadline, reply, session_for
 from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import request_context
@@ -59,42 +60,50 @@ class Decision(str, enum.Enum):
 
     PARK = "park"  # park it here, and acknowledge it once parked: it never takes a slot
     PASS = "pass"  # hand it to Celery's own handler: a pool process decides, as always
+    HOLD = "hold"  # keep it here until an earlier copy of its key, in the pool, shows what it did
 
 
 class View(NamedTuple):
-    """What the consumer knows of one key (from ZooKeeper, and from what it sent the pool)."""
+    """What the consumer read of one key in ZooKeeper (its watches then set)."""
 
-    read: bool  #: a read of the key has answered (its watches are set)
-    blocked: bool  #: at that read, the key had no room for one more holder
-    parked: int  #: at that read, copies parked in the key's queue
-    passed: bool  #: a copy went to the pool while no read had answered yet
+    blocked: bool  #: the key had no room for one more holder
+    parked: int  #: copies parked in the key's queue
 
 
-def decide(view: Optional[View], in_pool: int, leases: int) -> Decision:
-    """Park a first delivery, or pass it to the pool, from the key's ``view`` (None: the
-    consumer has no view of the key yet), the copies of the key it passed to its pool that
-    have not ended (``in_pool``), and how many holders the key has room for (``leases``).
+def decide(view: Optional[View], in_pool: int, unsettled: int, parking: int, leases: int) -> Decision:
+    """Park a first delivery, pass it to the pool, or hold it a moment, from what the consumer
+    knows of its key: ``view`` (None: not read yet, or ZooKeeper does not answer), the copies
+    of the key it passed to its pool that are still there (``in_pool``), those of them not yet
+    seen to hold the key, park or end (``unsettled``), the copies it is parking (``parking``),
+    and how many holders the key has room for (``leases``).
 
     It parks only where the copy could not run now: the key is held (or our own pool copies
-    fill it), or copies are parked before it. With no view yet, the first copy goes to the
-    pool, and the ones behind it park until the view answers. A wrong guess either way is
-    safe: a copy parked while its key is free is sent on at once, and a copy passed while its
-    key is held parks in the pool, as before::
+    fill it), or copies are parked before it. A copy behind one that went to the pool waits
+    until that one has held or parked (else it might park ahead of it: out of publish order);
+    one behind copies being parked here parks behind them. A wrong guess is safe either way:
+    a copy parked while its key is free is sent on at once, and a copy passed while its key
+    is held parks in the pool, as before::
 
-        >>> decide(None, 0, 1).value, decide(View(False, False, 0, True), 0, 1).value
-        ('pass', 'park')
-        >>> [decide(View(True, blocked, parked, False), 0, 1).value for blocked, parked in [(True, 0), (False, 2)]]
-        ['park', 'park']
-        >>> decide(View(True, False, 0, False), 1, 1).value, decide(View(True, False, 0, False), 1, 2).value
-        ('park', 'pass')
+        >>> free, held = View(False, 0), View(True, 0)
+        >>> [decide(v, 0, 0, 0, 1).value for v in (None, free, held, View(False, 3))]
+        ['pass', 'pass', 'park', 'park']
+        >>> decide(free, 1, 1, 0, 1).value, decide(free, 1, 0, 0, 1).value, decide(free, 1, 0, 0, 2).value
+        ('hold', 'park', 'pass')
+        >>> decide(free, 0, 0, 2, 1).value
+        'park'
     """
-    if view is None:
-        return Decision.PASS
-    if not view.read:
-        return Decision.PARK if view.passed else Decision.PASS
-    if view.blocked or view.parked > 0 or in_pool >= leases:
+    if unsettled:
+        return Decision.HOLD
+    if parking:
         return Decision.PARK
-    return Decision.PASS
+    if view is not None and (view.blocked or view.parked > 0):
+        return Decision.PARK
+    return Decision.PARK if in_pool >= leases else Decision.PASS
+
+
+#: Seconds a copy is held at most behind an earlier one that does not show what it did (it
+#: waits for a busy pool's slot, say): then it is decided as if that one held the key.
+HOLD_AT_MOST = 1.0
 
 
 class _Key:
@@ -102,10 +111,17 @@ class _Key:
 
     def __init__(self, key: str, queue_path: str, lock: str, rule: Rule, owner: _ConsumerParking) -> None:
         self.key, self.queue_path, self.lock, self.rule = key, queue_path, lock, rule
-        self.view = View(False, False, 0, False)
+        #: What the last read found (None: none answered since the key came into view).
+        self.view: Optional[View] = None
         #: A read is asked for and not yet done (so watches that fire meanwhile ask for none).
         self.asked = False
+        #: The copies passed to the pool (their requests), and those not yet seen to hold, park or end, by id.
         self.passed: List[weakref.ref[Any]] = []
+        self.unsettled: Dict[str, weakref.ref[Any]] = {}
+        #: Copies being parked here (their parks not yet answered), and those held: in order.
+        self.parking = 0
+        self.held: Deque[Tuple[float, Callable[[Decision], None]]] = deque()
+        self.expiring = False
         owner_ref = weakref.ref(owner)
 
         def fired(event: Any) -> None:  # one callable per key: kazoo keeps each watcher once
@@ -118,7 +134,14 @@ class _Key:
     def in_pool(self) -> int:
         """Copies of this key passed to the pool that are still reserved there (not ended)."""
         self.passed = [ref for ref in self.passed if ref() is not None and ref() in reserved_requests]
+        for task_id, ref in list(self.unsettled.items()):
+            if ref() is None or ref() not in reserved_requests:
+                del self.unsettled[task_id]  # it ended
         return len(self.passed)
+
+    def decide(self) -> Decision:
+        in_pool = self.in_pool()
+        return decide(self.view, in_pool, len(self.unsettled), self.parking, self.rule.leases)
 
 
 class _Job(NamedTuple):
@@ -199,27 +222,68 @@ class _ConsumerParking:
 
     def handle(self, task: Any, spec: Any, consumer: Any, request_of: Callable[[], Any], message: Any,
                passing: Callable[[Optional[_Key]], None], acking: Callable[[], None]) -> Tuple[bool, Optional[_Key]]:
-        """Decide a first delivery on the loop's thread: (True, its key) when it is being parked
-        here; (False, its key or None) when the caller hands it to Celery's own handler."""
+        """Decide a first delivery on the loop's thread: (True, its key) when the consumer has
+        it (parking or holding it); (False, its key or None) when the caller hands it to
+        Celery's own handler now."""
         planned = self._plan(task, spec, consumer, message)
         if planned is None:
             return False, None
         key, retries = planned
         entry = self._entry(key, spec)
-        view = entry.view
-        decision = decide(view, entry.in_pool(), entry.rule.leases)
+        limit = spec.parked_limit(self.defaults)
+
+        def go(decision: Decision) -> None:
+            if decision == Decision.PASS:
+                passing(entry)
+                return
+            request = request_of()
+            entry.parking += 1
+            self._submit(("park", _Job(entry, task, request, delivery_token(request.id, retries), limit,
+                                       lambda: passing(entry), acking)))
+
+        decision = Decision.HOLD if entry.held else entry.decide()  # behind copies held: in order
         if decision == Decision.PASS:
-            if not view.read:
-                entry.view = View(view.read, view.blocked, view.parked, True)
             return False, entry
-        request = request_of()
-        job = _Job(entry, task, request, delivery_token(request.id, retries), spec.parked_limit(self.defaults),
-                   lambda: passing(entry), acking)
-        self._submit(("park", job))
+        if decision == Decision.HOLD:
+            entry.held.append((time.monotonic(), go))
+            self._expire_later(entry)
+        else:
+            go(decision)
         return True, entry
 
     def passed(self, entry: _Key, request: Any) -> None:
-        entry.passed.append(weakref.ref(request))
+        """``request`` went to the pool (Celery reserved it): the copies behind it wait to see what it does."""
+        ref = weakref.ref(request)
+        entry.passed.append(ref)
+        entry.unsettled[request.id] = ref
+        self._read_again(entry, later=0.0)
+
+    def _drain(self, entry: _Key) -> None:
+        """Decide the copies held for ``entry``, in order, as far as they can be (the loop's thread)."""
+        while entry.held:
+            decision = entry.decide()
+            if decision == Decision.HOLD:
+                return
+            entry.held.popleft()[1](decision)
+
+    def _settled(self, entry: _Key, ids: List[str]) -> None:
+        for task_id in ids:
+            entry.unsettled.pop(task_id, None)
+        self._drain(entry)
+
+    def _expire_later(self, entry: _Key) -> None:
+        if entry.expiring or self.hub is None:
+            return
+        entry.expiring = True
+        self.hub.call_later(HOLD_AT_MOST, self._expire, entry)
+
+    def _expire(self, entry: _Key) -> None:
+        entry.expiring = False
+        if entry.held and entry.held[0][0] <= time.monotonic() - HOLD_AT_MOST:
+            entry.unsettled.clear()  # those copies show nothing (a busy pool): decide as if they held the key
+        self._drain(entry)
+        if entry.held:
+            self._expire_later(entry)
 
     def _plan(self, task: Any, spec: Any, consumer: Any, message: Any) -> Optional[Tuple[str, int]]:
         """The key and retry count of a plain first delivery, or None: anything else goes to the pool."""
@@ -270,6 +334,8 @@ class _ConsumerParking:
     def _read_again(self, entry: _Key, later: float = SETTLE) -> None:
         """A watch of ``entry``'s key fired (kazoo's thread), or a read failed: read it again once,
         ``later`` (a hand-off fires several events; a stale view costs time, not a run)."""
+        if entry.unsettled or entry.held:
+            later = 0.0  # copies wait for what this read shows
         with self._lock:
             if entry.asked or self._keys.get(entry.key) is not entry:
                 return  # a read is coming, or the key left the view
@@ -349,9 +415,17 @@ class _ConsumerParking:
         if contenders is None or children is None:
             self._read_again(entry)  # made between our two reads: read again, with a child watch
             return
-        parked = sum(1 for c in children if c.startswith(_PARKED_PREFIX))
+        parked = [c for c in children if c.startswith(_PARKED_PREFIX)]
         with self._lock:
-            entry.view = View(True, not entry.rule.has_room(contenders), parked, False)
+            entry.view = View(not entry.rule.has_room(contenders), len(parked))
+            unsettled = list(entry.unsettled)
+        if unsettled or entry.held:
+            # What the copies passed to the pool did: each parked (its node is in the queue) or holds the key.
+            settled = [task_id for task_id in unsettled if any(c.startswith(parked_prefix(task_id)) for c in parked)]
+            rest = [task_id for task_id in unsettled if task_id not in settled]
+            if rest:
+                settled += _holding(client, entry, contenders, rest, until)
+            self.on_loop(lambda: self._settled(entry, settled))
         if parked:
             # Copies wait there: this process watches the queue too, and sends its head when nobody else would.
             _watch(session, self.settings, self.app).add(self._queue(session, entry), self._send)
@@ -364,7 +438,7 @@ class _ConsumerParking:
         if session is None or (job.client_id is not None and session.client.client_id != job.client_id):
             # No session, or a park whose reply was lost went out in a session that is gone, and
             # can commit nothing any more: the pool decides, and finds the copy if it parked.
-            self.on_loop(job.passing)
+            self._done(job, job.passing)
             return
         queue = self._queue(session, job.entry)
         where = f"task {job.task.name}[{job.request.id}]"
@@ -377,7 +451,7 @@ class _ConsumerParking:
             if job.tries >= 60:
                 logger.error("%s: could not tell whether it parked (%s); handed to the pool, which tells", where,
                              explain(exc))
-                self.on_loop(job.passing)
+                self._done(job, job.passing)
                 return
             again = _Job(*job[:-2], tries=job.tries + 1, client_id=job.client_id or session.client.client_id)
             timer = threading.Timer(0.5, self._submit, (("park", again),))
@@ -386,10 +460,10 @@ class _ConsumerParking:
             return
         except Exception as exc:  # noqa: BLE001 - nothing was written: the pool decides, as before
             logger.debug("%s: not parked by the consumer (%s); handed to the pool", where, explain(exc))
-            self.on_loop(job.passing)
+            self._done(job, job.passing)
             return
         if not name:
-            self.on_loop(job.passing)  # its queue is full: the pool refuses it, saying why
+            self._done(job, job.passing)  # its queue is full: the pool refuses it, saying why
             return
         self.durable(job)
         logger.info("%s parked by the worker's consumer: lock %r is held, or copies wait for it; the copy runs "
@@ -399,8 +473,17 @@ class _ConsumerParking:
             job.acking()  # sent as the loop's next turn starts: then (through our socket, after it) the record goes
             self.on_loop(lambda: self._submit(("acked", (queue, job.token))))
 
-        self.on_loop(ack)
+        self._done(job, ack)
         _watch(session, self.settings, self.app).add(queue, self._send)
+
+    def _done(self, job: _Job, outcome: Callable[[], None]) -> None:
+        """Hand a park's ``outcome`` to the loop's thread, where the copies held behind it go on."""
+        def done() -> None:
+            job.entry.parking -= 1
+            outcome()
+            self._drain(job.entry)
+
+        self.on_loop(done)
 
     def durable(self, job: _Job) -> None:
         """The copy's park is durable and its message not yet acknowledged (a test's fault hook)."""
@@ -435,6 +518,22 @@ def _children(client: Any, path: str, listed: Any, watch: Callable[[Any], None],
     except NoNodeError:
         pass
     return [] if reply(client.exists_async(path, watch=watch), until) is None else None
+
+
+def _holding(client: Any, entry: _Key, contenders: List[str], task_ids: List[str], until: Optional[float]
+             ) -> List[str]:
+    """Those of ``task_ids`` whose lock node holds ``entry``'s key (its holders' data names their task)."""
+    holders = sorted(entry.rule.blockers(contenders), key=sequence)[:entry.rule.leases]
+    reads = [client.get_async(f"{entry.lock}/{name}") for name in holders]
+    found = []
+    for read in reads:
+        try:
+            task_id = node_object(reply(read, until)[0]).get("task_id")
+        except NoNodeError:
+            continue
+        if task_id in task_ids:
+            found.append(task_id)
+    return found
 
 
 #: One consumer's part per app, in this process (the worker's main process).

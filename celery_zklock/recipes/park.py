@@ -68,8 +68,8 @@ from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "UNACKED", "InFlight", "Looked", "Nudge",
-           "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token", "head_of", "parked_sequence",
-           "redelivery", "unwatched", "waiting"]
+           "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token", "head_of", "parked_prefix",
+           "parked_sequence", "redelivery", "unwatched", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -174,6 +174,16 @@ def delivery_token(task_id: str, retries: int) -> bytes:
 
 def _record(holder: str, sent: str) -> bytes:
     return json.dumps({"holder": holder, "sent": sent}).encode()
+
+
+def parked_prefix(task_id: str) -> str:
+    """The start of the name of copy ``task_id``'s parked node (a hash: a task id may hold any
+    character, and a node name may not, a '/').
+
+    >>> parked_prefix("t1")
+    'p-628b49d96dcde97a-'
+    """
+    return _prefix(task_id)
 
 
 def _prefix(task_id: str) -> str:
