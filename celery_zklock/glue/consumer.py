@@ -28,6 +28,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 import weakref
 from collections import OrderedDict, deque
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
@@ -122,6 +123,9 @@ class _Key:
         self.parking = 0
         self.held: Deque[Tuple[float, Callable[[Decision], None]]] = deque()
         self.expiring = False
+        #: Its task parks at publish: once the key is seen held, a viewer node of ours lets publishers park.
+        self.publishers = False
+        self.viewer: Optional[str] = None
         owner_ref = weakref.ref(owner)
 
         def fired(event: Any) -> None:  # one callable per key: kazoo keeps each watcher once
@@ -183,6 +187,8 @@ class _ConsumerParking:
         self._writer.setblocking(False)
         self._woken = False
         self._session: Optional[Session] = None
+        #: Names this process's viewer nodes (see ParkedQueue.add_viewer).
+        self.token = uuid.uuid4().hex[:16]
         #: How long a ZooKeeper call of the consumer's may take: it holds the copy's message meanwhile.
         self.timeout = min(self.settings.connect_timeout, 2.0)
 
@@ -317,8 +323,11 @@ class _ConsumerParking:
             semaphore = spec.limit is not None
             entry = self._keys[key] = _Key(key, self.layout.parked(key, semaphore),
                                            lock_path(self.app, key, spec.limit), rule_for(spec.mode, spec.limit), self)
+            entry.publishers = bool(spec.park_at_publish)
             while len(self._keys) > VIEW_KEYS:
-                self._keys.popitem(last=False)  # its watches fire once more, for nothing
+                _, gone = self._keys.popitem(last=False)  # its watches fire once more, for nothing
+                if gone.viewer is not None and self._session is not None:
+                    self._session.nodes.delete_later(f"{gone.queue_path}/{gone.viewer}")
             entry.asked = True
             self._todo.append(("read", entry))
             self._start()
@@ -392,7 +401,10 @@ class _ConsumerParking:
         """Our watches may have died with the session: forget every view (each is read afresh)."""
         if liveness != Liveness.HELD:
             with self._lock:
-                self._keys.clear()
+                gone, self._keys = list(self._keys.values()), OrderedDict()
+            for entry in gone:  # a viewer that outlives a blip must not stand for a view we dropped
+                if entry.viewer is not None and self._session is not None:
+                    self._session.nodes.delete_later(f"{entry.queue_path}/{entry.viewer}")
 
     def _read(self, entry: _Key) -> None:
         with self._lock:
@@ -416,8 +428,17 @@ class _ConsumerParking:
             self._read_again(entry)  # made between our two reads: read again, with a child watch
             return
         parked = [c for c in children if c.startswith(_PARKED_PREFIX)]
+        blocked = not entry.rule.has_room(contenders)
+        if entry.publishers and entry.viewer is None and (blocked or parked):
+            # Publishers of this key's task may park behind it now: this process sends their copies on.
+            try:
+                entry.viewer = self._queue(session, entry).add_viewer(self.token, until)
+            except Exception as exc:  # noqa: BLE001 - publishers publish as usual meanwhile
+                logger.debug("celery-zklock: no viewer for key %r (%s)", entry.key, explain(exc))
+            else:
+                self._read_again(entry, later=0.0)  # with our viewer there: a park may have come between
         with self._lock:
-            entry.view = View(not entry.rule.has_room(contenders), len(parked))
+            entry.view = View(blocked, len(parked))
             unsettled = list(entry.unsettled)
         if unsettled or entry.held:
             # What the copies passed to the pool did: each parked (its node is in the queue) or holds the key.

@@ -7,6 +7,7 @@ meets a held key waits in ZooKeeper rather than in a worker's slot.
     <root>/parked/locks/<key>/c-p-<id hash>-<seq>    the claim on the copy in flight (ephemeral)
     <root>/parked/locks/<key>/w-<token>-<seq>        a process watching the queue (ephemeral, sequential)
     <root>/parked/locks/<key>/t-p-<id hash>-<seq>    a taken copy that may be delivered again (persistent)
+    <root>/parked/locks/<key>/v-<token>-<seq>        a worker's consumer that sees the key held (ephemeral)
     <root>/parked/locks/<key>/a-<delivery token>     a message parked by a worker's main process, until
                                                      its acknowledgement is sent (persistent)
 
@@ -67,9 +68,9 @@ from ..layout import node_object
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "UNACKED", "InFlight", "Looked", "Nudge",
-           "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token", "head_of", "parked_prefix",
-           "parked_sequence", "redelivery", "unwatched", "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "UNACKED", "VIEWER", "InFlight", "Looked",
+           "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token", "head_of",
+           "parked_prefix", "parked_sequence", "redelivery", "unwatched", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -81,6 +82,9 @@ CLAIM = "c-"
 TAKEN = "t-"
 #: A process watching the queue (:meth:`ParkedQueue.follow`): this, its watch's token, a sequence number.
 MEMBER = "w-"
+#: A worker's consumer that sees the key held, and joins the queue's watchers as a copy parks
+#: (a publisher may park behind it): this, its token, a sequence number.
+VIEWER = "v-"
 #: A message a worker's main process parked and has not yet acknowledged: this plus its delivery token.
 UNACKED = "a-"
 #: A claim's data while its copy is on its way: this and its sender's token. The receiver empties
@@ -213,6 +217,11 @@ def _parked(children: List[str]) -> List[str]:
 def _members(children: List[str]) -> List[str]:
     """The watchers' member nodes among a queue's children, first first."""
     return sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
+
+
+def _viewers(children: List[str]) -> List[str]:
+    """The consumers' viewer nodes among a queue's children, first first."""
+    return sorted((c for c in children if _sequence(c, VIEWER) >= 0), key=lambda c: _sequence(c, VIEWER))
 
 
 def _member(token: str) -> str:
@@ -486,12 +495,15 @@ class ParkedQueue:
         """What a publisher's park commits on (nodes that must still be there), or ``[]`` where
         it must not park: the copy is published as it is, and a worker decides.
 
-        - The queue's first watcher (:meth:`follow`): someone must send the copy on should its
-          key's holder die before its hand-off. A publisher cannot (it may be a web request
-          that is gone by then), so with no watcher the copy goes to a worker, which parks it
-          and watches. The watcher may leave once the commit is in; a watcher that leaves
+        - The queue's first watcher (:meth:`follow`), or else its first viewer (a worker's
+          consumer that sees the key held, :meth:`add_viewer`): someone must send the copy on
+          should its key's holder die before its hand-off. A publisher cannot (it may be a web
+          request that is gone by then), so with neither the copy goes to a worker, which parks
+          it and watches. The watcher may leave once the commit is in; a watcher that leaves
           reads the queue again after its node is gone, and so sees the copy (:meth:`follow`,
-          :meth:`leave`).
+          :meth:`leave`). A viewer's watch on the queue fires with the commit, and it joins
+          the watchers (a viewer that dies meanwhile leaves the copy to the holder's
+          hand-off, as a dead watcher does, or to the periodic look for unwatched queues).
         - What keeps the copy from running now: a contender the key has no room beside (the
           holder hands the key on as it lets go), or else the head of the queue, in flight or
           about to be (its taker hands it on). With neither, the key has room and nothing is
@@ -499,7 +511,7 @@ class ParkedQueue:
 
         Both are for the decision, not for safety: a park whose guard went is tried again.
         """
-        members = _members(children)
+        members = _members(children) or _viewers(children)
         if not members:
             return []
         if not self.rule.has_room(contenders):
@@ -511,6 +523,21 @@ class ParkedQueue:
         return [self.node_path(members[0]), behind]
 
     # -- the watchers ------------------------------------------------------------------------
+    def add_viewer(self, token: str, until: Optional[float]) -> str:
+        """Make this session's viewer node in the queue (its container too): a publisher's park
+        counts it as a watcher (:meth:`_guards`). Its name; :meth:`drop_viewer` deletes it."""
+        made = self.session.nodes.ensure_container(self.path, None)
+        if made is not None:
+            try:
+                reply(made, until)
+            except NodeExistsError:
+                pass
+        return posixpath.basename(reply(self.session.nodes.create_contender(
+            self.node_path(f"{VIEWER}{token}-"), b""), until)[0])
+
+    def drop_viewer(self, name: str) -> None:
+        self.session.nodes.delete_later(self.node_path(name))
+
     def follow(self, token: str, watch: Callable[[Any], None], until: Optional[float]) -> Optional[bool]:
         """Herd-free watching, as in ZooKeeper's election recipe: each process that watches
         the queue keeps a member node in it (``MEMBER`` + ``token``, ephemeral and sequential),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 
 import pytest
 import redis
@@ -86,3 +88,31 @@ def test_zookeeper_unreachable_at_receipt_sends_the_copy_to_the_pool_as_before(w
     assert not isinstance(failed.value, CeleryTimeout)
     assert "did not run" in str(failed.value) or "ZooKeeper" in str(failed.value), failed.value
     assert json.dumps(str(failed.value))
+
+
+@pytest.mark.parametrize("holder", ["releases", "killed"])
+def test_a_publisher_parks_behind_a_held_key_before_any_copy_has_parked(holder, workers, queue, redis_server, kazoo,
+                                                                        zk_root):
+    # park_at_publish parks only where a live process will send the copy on. Before, that was a
+    # queue's watcher, which exists only once a copy parked: the first copy behind a held key
+    # always went to a worker. Now the consumer that sees the key held keeps a viewer node in
+    # its queue, which the publisher's guard counts, and the consumer then watches the copy.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking_at_publish, queue, "early", 30.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    wait_until(lambda: any(n.startswith("v-") for n in queue_left(kazoo, zk_root, "early")), timeout=10)
+    assert not [n for n in queue_left(kazoo, zk_root, "early") if n.startswith(("p-", "w-"))]
+    second = send(worker_app.parking_at_publish, queue, "early", 0.01, 1)
+    r = redis.Redis.from_url(redis_server.url)
+    assert [n for n in queue_left(kazoo, zk_root, "early") if n.startswith("p-")], "its publisher parked it"
+    assert r.llen(queue) == 0, "and did not publish it"
+    if holder == "killed":  # no hand-off: the consumer, now the queue's watcher, sends it once the lock goes
+        [start] = [e for e in events(redis_server.url) if e["event"] == "start" and e["task_id"] == first.id]
+        os.kill(start["pid"], signal.SIGKILL)
+        assert second.get(timeout=4 + 20) == 1
+    else:
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        assert [first.get(timeout=60), second.get(timeout=60)] == [0, 1]
+    deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
+    assert deliveries[second.id] == 1, "it reached a worker once, to run"
+    assert violations(holds(redis_server.url)) == []
