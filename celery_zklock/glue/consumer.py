@@ -343,7 +343,7 @@ class _ConsumerParking:
     def _read_again(self, entry: _Key, later: float = SETTLE) -> None:
         """A watch of ``entry``'s key fired (kazoo's thread), or a read failed: read it again once,
         ``later`` (a hand-off fires several events; a stale view costs time, not a run)."""
-        if entry.unsettled or entry.held:
+        if entry.unsettled:
             later = 0.0  # copies wait for what this read shows
         with self._lock:
             if entry.asked or self._keys.get(entry.key) is not entry:
