@@ -437,6 +437,10 @@ class _ConsumerParking:
                 logger.debug("celery-zklock: no viewer for key %r (%s)", entry.key, explain(exc))
             else:
                 self._read_again(entry, later=0.0)  # with our viewer there: a park may have come between
+        elif entry.viewer is not None and not blocked and not parked:
+            # Free and empty: no publisher parks here now, and the queue's node may be reaped.
+            self._queue(session, entry).drop_viewer(entry.viewer)
+            entry.viewer = None
         with self._lock:
             entry.view = View(blocked, len(parked))
             unsettled = list(entry.unsettled)
