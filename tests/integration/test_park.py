@@ -39,7 +39,10 @@ def parked_queue(zk_root: str, key: str) -> str:
 
 
 def queue_left(kazoo, zk_root: str, key: str) -> List[str]:
-    return children(kazoo, parked_queue(zk_root, key)) if kazoo.exists(parked_queue(zk_root, key)) else []
+    # Not an a- record: a worker's consumer killed between a park and its acknowledgement leaves
+    # it for the message's redelivery to find (it is no copy, and nothing waits on it).
+    left = children(kazoo, parked_queue(zk_root, key)) if kazoo.exists(parked_queue(zk_root, key)) else []
+    return [name for name in left if not name.startswith("a-")]
 
 
 def started(redis_url: str, task_id: str) -> bool:
@@ -469,6 +472,10 @@ def test_a_queue_whose_only_watcher_died_is_picked_up_by_a_worker_already_runnin
     assert [r.get(timeout=4 + 1 + 15) for r in rest] == [1, 2, 3, 4], "no new publish"
     history = moved_on(redis_server.url, kazoo, zk_root, "orphan", rest, killed, 4 + 1 + 3)
     if task == "parking_at_publish":
+        # Each copy's postrun is noted after its result is stored: wait for the notes, not only the results.
+        wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}
+                   >= {r.id for r in rest}, timeout=10)
+        history = events(redis_server.url)
         deliveries = collections.Counter(e["task_id"] for e in history if e["event"] == "delivered")
         assert [deliveries[r.id] for r in rest[1:]] == [1, 1, 1], "parked as they were published"
 

@@ -34,9 +34,7 @@ def test_a_renamed_tasks_copies_left_unwatched_are_still_told(workers, queue, re
     # The new worker's patrol runs every 2 s, once the dead sessions have expired. Before the
     # fix the copies waited in PENDING for ever (25 s here), their nodes in the queue.
     wait_until(lambda: [r.state for r in dropped] == ["FAILURE", "FAILURE"], timeout=30)
-    # (An a- record of a message the old worker's consumer parked and was killed before it
-    # acknowledged is no copy: it stays, for the message's redelivery to find.)
-    wait_until(lambda: [n for n in queue_left(kazoo, zk_root, "orph") if not n.startswith("a-")] == [], timeout=10)
+    wait_until(lambda: queue_left(kazoo, zk_root, "orph") == [], timeout=10)
     for result in dropped:
         with pytest.raises(NotRegistered):
             result.get(timeout=1)
