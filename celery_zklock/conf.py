@@ -83,6 +83,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_default_timeout": 60.0,
     "zklock_default_park_limit": 1000,
     "zklock_park_resend_after": 30.0,
+    "zklock_park_in_consumer": True,
     "zklock_dedupe_ttl": 3600.0,
     "zklock_dedupe_publish_timeout": 2.0,
     "zklock_beat_name": None,
@@ -143,6 +144,11 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                  "parked queue that no live process watches (its watchers all died) and watches "
                                  "it. A few session timeouts: a copy that waits longer in a busy worker's prefetch "
                                  "buffer is sent again too, harmlessly (the later send drops itself). At least 1 s."),
+    "zklock_park_in_consumer": ("bool", "Decide a `park` task's first delivery in the worker's main process, "
+                                "before a pool slot: a copy whose key it sees held (or whose queue has copies) "
+                                "is parked there, and never takes a slot. Whenever it cannot tell quickly (no "
+                                "session yet, ZooKeeper slow, a key it does not see yet, an eta, a canvas, a "
+                                "pool other than prefork), the copy goes to the pool, which parks it as before."),
     "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
                                "`None` waits forever."),
     "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "
@@ -521,6 +527,7 @@ class TaskDefaults:
     dedupe_publish_timeout: float = DEFAULTS["zklock_dedupe_publish_timeout"]
     park_limit: int = DEFAULTS["zklock_default_park_limit"]
     park_resend_after: float = DEFAULTS["zklock_park_resend_after"]
+    park_in_consumer: bool = DEFAULTS["zklock_park_in_consumer"]
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> TaskDefaults:
@@ -538,6 +545,7 @@ class TaskDefaults:
                                                                get("zklock_dedupe_publish_timeout")),
             "park_limit": lambda: positive_int("zklock_default_park_limit", get("zklock_default_park_limit")),
             "park_resend_after": lambda: _resend_after(get("zklock_park_resend_after")),
+            "park_in_consumer": lambda: _flag("zklock_park_in_consumer", get("zklock_park_in_consumer")),
         }))
 
 

@@ -10,7 +10,7 @@ import re
 from typing import Any, Callable, Dict, Iterable, List
 
 __all__ = ["connect_on_app_finalize", "current_app", "current_task", "finalized_apps", "hide_in_reports",
-           "on_task_made", "retried_request", "wrap_apply_async", "wrap_send_task"]
+           "on_task_made", "request_context", "retried_request", "wrap_apply_async", "wrap_send_task"]
 
 
 def current_task() -> Any:
@@ -28,6 +28,12 @@ def retried_request(task: Any, options: Dict[str, Any]) -> Any:
     if running is not None and options.get("task_id") == running.request.id and running.name == task.name:
         return running.request
     return None
+
+
+def request_context(request: Any) -> Any:
+    """The ``task.request`` a pool process would see for the consumer's ``request`` (a
+    ``celery.worker.request.Request``): its headers, delivery info, arguments and canvas."""
+    return request._context
 
 
 def current_app() -> Any:

@@ -58,6 +58,7 @@ from ..recipes.park import (
     ParkUntold,
     QueueWatch,
     Redelivery,
+    delivery_token,
     head_of,
     redelivery,
     unwatched,
@@ -313,7 +314,13 @@ class Parking:
         only behind copies already parked: None when there are none."""
         parked = False
         try:
-            found = self.queue.park(self.request.id, self._payload, self.limit, until, behind=behind)
+            # A message its worker's main process parked, delivered again (that process died before
+            # acknowledging it), finds that park's record and is not parked twice (nor run).
+            delivery = delivery_token(self.request.id, self.request.retries or 0)
+            found = self.queue.park(self.request.id, self._payload, self.limit, until, behind=behind,
+                                    delivery=delivery)
+            if found and self.queue.recorded and not self.task.acks_late:
+                self.queue.acked(delivery)  # acknowledged as it came to this process: its record may go
             if found == "":
                 return None
             if found is None:
@@ -501,19 +508,25 @@ class Parking:
             raise ConfigurationError(
                 f"task {self.task.name}: on_contention='park' needs a worker, which sends a parked copy "
                 "again through the broker; an eager call (apply(), task_always_eager) cannot park")
-        signature = self.task.signature_from_request(self.request)
-        options = signature.options
-        options["headers"] = {k: v for k, v in (options.get("headers") or {}).items()
-                              if k not in (PARK_HEADER, SENT_HEADER)}
-        payload = encode(self.task, self.request.id, signature)
-        if len(payload) > MAX_PAYLOAD:
-            raise ParkedMessageTooLarge(
-                f"task {self.task.name}: this copy's message is {len(payload):,} bytes, over the {MAX_PAYLOAD:,} "
-                "a ZooKeeper node may hold, so it cannot park; pass large arguments by reference (a path, a row id)")
-        return payload
+        return message_of(self.task, self.request)
 
     def _send(self, node: str, payload: bytes) -> None:
         send(self.task.app, node, payload)
+
+
+def message_of(task: Any, request: Any) -> bytes:
+    """A copy's message as the task's retry would send it, from its request (a pool process's
+    ``task.request``, or the Context a worker's main process builds), ready to park."""
+    signature = task.signature_from_request(request)
+    options = signature.options
+    options["headers"] = {k: v for k, v in (options.get("headers") or {}).items()
+                          if k not in (PARK_HEADER, SENT_HEADER)}
+    payload = encode(task, request.id, signature)
+    if len(payload) > MAX_PAYLOAD:
+        raise ParkedMessageTooLarge(
+            f"task {task.name}: this copy's message is {len(payload):,} bytes, over the {MAX_PAYLOAD:,} "
+            "a ZooKeeper node may hold, so it cannot park; pass large arguments by reference (a path, a row id)")
+    return payload
 
 
 def _queue_at(session: Session, app: Any, path: str, spec: Any) -> ParkedQueue:

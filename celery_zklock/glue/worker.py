@@ -34,7 +34,8 @@ it looks at each task Celery makes from a function as it is made. Then:
    short before it gave it back; a parked copy's taken record, once its result is stored),
    ``worker_init`` (refuse a worker whose locked tasks or settings are wrong; serve its
    metrics, before the pool forks; keep its name for a beat it embeds; a parking task's
-   STARTED state waits for its copy to hold the key),
+   STARTED state waits for its copy to hold the key, and its first deliveries are decided
+   by the consumer, before a slot: :mod:`.consumer`),
    ``worker_ready`` (say which ZooKeeper it uses, where its metrics are, and which
    keys ZooKeeper shows in clear), ``beat_embedded_init`` (a ``-B`` beat follows its
    worker: see :func:`~celery_zklock.glue.beat.embedded`), ``worker_process_init``
@@ -74,7 +75,7 @@ from celery.signals import (
 from ..conf import SECRET_SETTINGS
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
-from . import beat, dedupe, metrics, parking
+from . import beat, consumer, dedupe, metrics, parking
 from .api import claim_scheme, layout_of, metrics_of, settings_of
 from .celery_internals import (
     connect_on_app_finalize,
@@ -114,6 +115,7 @@ def install() -> None:
         task_postrun.connect(parking.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
         worker_init.connect(parking.started_when_held, weak=False)
+        worker_init.connect(consumer.install, weak=False)  # park tasks' first deliveries: decided before a slot
         worker_ready.connect(_tell_where, weak=False)
         beat_embedded_init.connect(beat.embedded, weak=False)
         worker_init.connect(beat.worker_named, weak=False)
@@ -121,6 +123,7 @@ def install() -> None:
         worker_ready.connect(lambda **kwargs: metrics.announce(), weak=False)
         worker_process_init.connect(_open_session, weak=False)
         worker_process_shutdown.connect(_close_sessions, weak=False)
+        worker_shutdown.connect(consumer.stop, weak=False)
         worker_shutdown.connect(_stop, weak=False)
         if hasattr(os, "register_at_fork"):
             # (In the child, logging has made the locks afresh: nothing to release there.)

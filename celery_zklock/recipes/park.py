@@ -7,6 +7,9 @@ meets a held key waits in ZooKeeper rather than in a worker's slot.
     <root>/parked/locks/<key>/c-p-<id hash>-<seq>    the claim on the copy in flight (ephemeral)
     <root>/parked/locks/<key>/w-<token>-<seq>        a process watching the queue (ephemeral, sequential)
     <root>/parked/locks/<key>/t-p-<id hash>-<seq>    a taken copy that may be delivered again (persistent)
+    <root>/parked/locks/<key>/v-<token>-<seq>        a worker's consumer that sees the key held (ephemeral)
+    <root>/parked/locks/<key>/a-<delivery token>     a message parked by a worker's main process, until
+                                                     its acknowledgement is sent (persistent)
 
 The queue is a container beside the key's lock, in sequence order. Its head is sent
 again by :meth:`ParkedQueue.nudge`, and only when the key has room for it and nobody
@@ -66,9 +69,9 @@ from ..layout import node_object
 from ..zk import Liveness, Session, deadline, reply, through_blips
 from .rules import Rule, sequence
 
-__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "InFlight", "Looked", "Nudge",
-           "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "head_of", "parked_sequence", "redelivery",
-           "unwatched", "waiting"]
+__all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "UNACKED", "VIEWER", "InFlight",
+           "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token", "head_of",
+           "parked_prefix", "parked_sequence", "redelivery", "unwatched", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -80,6 +83,11 @@ CLAIM = "c-"
 TAKEN = "t-"
 #: A process watching the queue (:meth:`ParkedQueue.follow`): this, its watch's token, a sequence number.
 MEMBER = "w-"
+#: A worker's consumer that sees the key held, and joins the queue's watchers as a copy parks
+#: (a publisher may park behind it): this, its token, a sequence number.
+VIEWER = "v-"
+#: A message a worker's main process parked and has not yet acknowledged: this plus its delivery token.
+UNACKED = "a-"
 #: A claim's data while its copy is on its way: this and its sender's token. The receiver empties
 #: it as it moves the claim to its own session, and the taker marks it ``taken:``.
 SENT = b"sent:"
@@ -160,8 +168,31 @@ def redelivery(record: Optional[Dict[str, Any]], sent: Optional[str], contenders
     return Redelivery.RUN
 
 
+def delivery_token(task_id: str, retries: int) -> bytes:
+    """The ring token of a message parked by a worker's main process: the same for every delivery
+    of one message (its task id, and its retry count, which a retry of the copy raises).
+
+    >>> delivery_token("t1", 0) == delivery_token("t1", 0), delivery_token("t1", 0) == delivery_token("t1", 1)
+    (True, False)
+    >>> len(delivery_token("t1", 0))
+    16
+    """
+    digest = hashlib.sha256(f"{task_id}\0{retries}".encode("utf-8", "surrogatepass")).hexdigest()
+    return f"m{digest[:_TOKEN - 1]}".encode()
+
+
 def _record(holder: str, sent: str) -> bytes:
     return json.dumps({"holder": holder, "sent": sent}).encode()
+
+
+def parked_prefix(task_id: str) -> str:
+    """The start of the name of copy ``task_id``'s parked node (a hash: a task id may hold any
+    character, and a node name may not, a '/').
+
+    >>> parked_prefix("t1")
+    'p-628b49d96dcde97a-'
+    """
+    return _prefix(task_id)
 
 
 def _prefix(task_id: str) -> str:
@@ -193,13 +224,19 @@ def _members(children: List[str]) -> List[str]:
     return sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
 
 
+def _viewers(children: List[str]) -> List[str]:
+    """The consumers' viewer nodes among a queue's children, first first."""
+    return sorted((c for c in children if _sequence(c, VIEWER) >= 0), key=lambda c: _sequence(c, VIEWER))
+
+
 def _member(token: str) -> str:
     """The name of a watcher's member node, but its sequence number (see ParkedQueue.follow)."""
     return f"{MEMBER}{token}-"
 
 
 class ParkUntold(Exception):
-    """A publisher's park (``guarded``) sent its write and got no answer: the copy may be parked."""
+    """A publisher's park (``guarded``), or one under a token of its caller's, sent its write and
+    got no answer: the copy may be parked (the same park run again finds out)."""
 
 
 def _untold(path: str, what: str) -> RuntimeError:
@@ -296,6 +333,8 @@ class ParkedQueue:
         self.path = path
         self.lock_path = lock_path
         self.rule = rule
+        #: The last park found its message's record (see park's ``unacked``).
+        self.recorded = False
 
     def node_path(self, name: str) -> str:
         return f"{self.path}/{name}"
@@ -323,7 +362,8 @@ class ParkedQueue:
 
     # -- the parker ------------------------------------------------------------------------
     def park(self, task_id: str, payload: Union[bytes, Callable[[], bytes]], limit: int, until: Optional[float],
-             behind: bool = False, guarded: bool = False) -> Optional[str]:
+             behind: bool = False, guarded: bool = False, delivery: Optional[bytes] = None,
+             unacked: bool = False) -> Optional[str]:
         """Put copy ``task_id`` at the back of the queue: its node's name, or None when the
         queue holds ``limit`` copies already. A copy already parked (its message delivered
         again) keeps its place: its node's name is returned and no second node is made.
@@ -337,6 +377,15 @@ class ParkedQueue:
 
         The limit holds exactly: each park bumps the queue node's version in the same
         transaction as its create, so two parkers never both take the last place.
+
+        ``delivery`` is the message's :func:`delivery_token`. A worker's main process parks
+        with ``unacked``: the park's transaction also leaves a record of the message
+        (``UNACKED`` plus the token), which stays until its acknowledgement is sent
+        (:meth:`acked`). Any park of a message whose record is there returns at once without
+        parking: the message was parked before, and its copy is parked still, or was taken
+        since; it is the same message delivered again (its worker died between the park and
+        the acknowledgement), or a lost reply's park run again. A ``ParkUntold`` then tells
+        a park with ``unacked`` whose write got no answer: run again, it finds out.
         """
         built: List[bytes] = []
 
@@ -352,13 +401,13 @@ class ParkedQueue:
             message()  # a message it cannot park is refused before anything is sent
         # Run again after a lost reply, it finds its node by its prefix and makes no second one;
         # or, where the copy was sent and taken meanwhile, finds this park's token in the ring.
-        token = uuid.uuid4().hex[:_TOKEN].encode()
+        mark = delivery if unacked and delivery is not None else uuid.uuid4().hex[:_TOKEN].encode()
         first: List[int] = []  # the queue node's version and czxid under this park's latest try
         try:
-            return through_blips(self.session, until,
-                                 lambda: self._park_now(task_id, message, limit, until, token, first, behind, guarded))
+            return through_blips(self.session, until, lambda: self._park_now(
+                task_id, message, limit, until, mark, first, behind, guarded, delivery, unacked))
         except Exception as exc:
-            if guarded and first:
+            if (guarded or unacked) and first:
                 # A try went out and was never answered: it may have parked the copy. A publisher
                 # must not then publish it too (it could run twice), nor say it parked.
                 raise ParkUntold(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
@@ -366,7 +415,8 @@ class ParkedQueue:
             raise
 
     def _park_now(self, task_id: str, message: Callable[[], bytes], limit: int, until: Optional[float], token: bytes,
-                  first: List[int], behind: bool, guarded: bool) -> Optional[str]:
+                  first: List[int], behind: bool, guarded: bool, delivery: Optional[bytes] = None,
+                  unacked: bool = False) -> Optional[str]:
         client = self.session.client
         nodes = self.session.nodes
         prefix = _prefix(task_id)
@@ -403,8 +453,12 @@ class ParkedQueue:
             # Not sorted: only our own node and the count matter here (a long queue is read per park).
             parked = [name for name in children if parked_sequence(name) >= 0]
             mine = [name for name in parked if name.startswith(prefix)]
+            record = UNACKED + delivery.decode() if delivery is not None else None
+            self.recorded = record is not None and record in children
             if mine:
                 return min(mine, key=parked_sequence)
+            if self.recorded:
+                return prefix  # this very message was parked, and its copy taken since: it ran, or runs
             ring = [data[i:i + _TOKEN] for i in range(0, len(data), _TOKEN)]
             if token in ring:
                 return prefix  # an earlier try of ours parked it, and it was taken since: it ran, or runs
@@ -425,6 +479,8 @@ class ParkedQueue:
             tx = client.transaction()
             tx.set_data(self.path, (data + token)[-_RING * _TOKEN:], version=stat.version)
             tx.create(self.node_path(prefix), payload, sequence=True)
+            if unacked and record is not None:
+                tx.create(self.node_path(record), b"")
             for guard in guards:  # gone by the commit: read again and decide again
                 tx.check(guard, -1)
             results = reply(tx.commit_async(), until)
@@ -435,16 +491,24 @@ class ParkedQueue:
             first[:] = []  # this try is answered: it did not commit
             # Another parker took a place first, or the queue was reaped: look again.
 
+    def acked(self, delivery: bytes) -> None:
+        """The message parked with ``unacked`` under ``delivery`` was acknowledged: its record
+        goes (not waited for; one left behind by a death in between only keeps the queue's node)."""
+        self.session.nodes.delete_later(self.node_path(UNACKED + delivery.decode()))
+
     def _guards(self, children: List[str], parked: List[str], contenders: List[str]) -> List[str]:
         """What a publisher's park commits on (nodes that must still be there), or ``[]`` where
         it must not park: the copy is published as it is, and a worker decides.
 
-        - The queue's first watcher (:meth:`follow`): someone must send the copy on should its
-          key's holder die before its hand-off. A publisher cannot (it may be a web request
-          that is gone by then), so with no watcher the copy goes to a worker, which parks it
-          and watches. The watcher may leave once the commit is in; a watcher that leaves
+        - The queue's first watcher (:meth:`follow`), or else its first viewer (a worker's
+          consumer that sees the key held, :meth:`add_viewer`): someone must send the copy on
+          should its key's holder die before its hand-off. A publisher cannot (it may be a web
+          request that is gone by then), so with neither the copy goes to a worker, which parks
+          it and watches. The watcher may leave once the commit is in; a watcher that leaves
           reads the queue again after its node is gone, and so sees the copy (:meth:`follow`,
-          :meth:`leave`).
+          :meth:`leave`). A viewer's watch on the queue fires with the commit, and it joins
+          the watchers (a viewer that dies meanwhile leaves the copy to the holder's
+          hand-off, as a dead watcher does, or to the periodic look for unwatched queues).
         - What keeps the copy from running now: a contender the key has no room beside (the
           holder hands the key on as it lets go), or else the head of the queue, in flight or
           about to be (its taker hands it on). With neither, the key has room and nothing is
@@ -452,7 +516,7 @@ class ParkedQueue:
 
         Both are for the decision, not for safety: a park whose guard went is tried again.
         """
-        members = _members(children)
+        members = _members(children) or _viewers(children)
         if not members:
             return []
         if not self.rule.has_room(contenders):
@@ -464,6 +528,21 @@ class ParkedQueue:
         return [self.node_path(members[0]), behind]
 
     # -- the watchers ------------------------------------------------------------------------
+    def add_viewer(self, token: str, until: Optional[float]) -> str:
+        """Make this session's viewer node in the queue (its container too): a publisher's park
+        counts it as a watcher (:meth:`_guards`). Its name; :meth:`drop_viewer` deletes it."""
+        made = self.session.nodes.ensure_container(self.path, None)
+        if made is not None:
+            try:
+                reply(made, until)
+            except NodeExistsError:
+                pass
+        return posixpath.basename(reply(self.session.nodes.create_contender(
+            self.node_path(f"{VIEWER}{token}-"), b""), until)[0])
+
+    def drop_viewer(self, name: str) -> None:
+        self.session.nodes.delete_later(self.node_path(name))
+
     def follow(self, token: str, watch: Callable[[Any], None], until: Optional[float]) -> Optional[bool]:
         """Herd-free watching, as in ZooKeeper's election recipe: each process that watches
         the queue keeps a member node in it (``MEMBER`` + ``token``, ephemeral and sequential),

@@ -415,6 +415,22 @@ def _take_then_die(self: ParkedQueue, name: str, until: Any, *args: Any, **kwarg
     return taken
 
 
+def _durable_then_die(self: Any, job: Any) -> None:
+    # The fault hook of the consumer-park tests: the worker's main process dies once its park of a
+    # copy is durable and before the copy's message is acknowledged.
+    if history().getdel("park:kill-after-consumer-park"):
+        history().rpush("history", json.dumps({"event": "killed", "flag": "park:kill-after-consumer-park",
+                                               "task_id": job.request.id, "pid": os.getpid(),
+                                               "time": time.monotonic()}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ.get("ZKT_CONSUMER_FAULTS"):  # only where a test asks: each park reads a flag from Redis
+    from celery_zklock.glue import consumer as _consumer
+
+    _consumer._ConsumerParking.durable = _durable_then_die  # type: ignore[method-assign]
+
+
 @worker_process_init.connect
 def _hook_the_take(**kwargs: Any) -> None:
     # In a worker's pool processes only: a test process that imports this app (and takes a node

@@ -126,3 +126,28 @@ def test_celery_masks_the_settings_that_can_hold_a_secret_in_its_reports():
     shown = filter_hidden_settings({"zklock_auth": "app:s3cret", "CELERY_ZKLOCK_AUTH": "app:s3cret",
                                     "zklock_root": "/celery-zklock"})
     assert shown == {"zklock_auth": "********", "CELERY_ZKLOCK_AUTH": "********", "zklock_root": "/celery-zklock"}
+
+
+def test_a_consumers_request_gives_the_context_a_pool_process_would_see():
+    from celery import Celery
+    from kombu import Message
+
+    app = Celery("private-api", set_as_current=False)
+
+    @app.task(name="t", shared=False)
+    def t(key: str) -> str:
+        return key
+
+    task = app.tasks["t"]
+    body = (("k",), {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None})
+    from kombu.serialization import dumps
+
+    content_type, encoding, data = dumps(body, serializer="json")
+    message = Message(body=data, content_type=content_type, content_encoding=encoding, channel=None,
+                      headers={"id": "i1", "task": "t", "retries": 2, "zklock_x": "h"},
+                      delivery_info={"routing_key": "q", "exchange": ""}, properties={"reply_to": "r"})
+    from celery.worker.request import Request
+
+    context = celery_internals.request_context(Request(message, app=app, task=task))
+    assert (context.id, context.args, context.retries, context.reply_to) == ("i1", ["k"], 2, "r")
+    assert task.signature_from_request(context).options["task_id"] == "i1"

@@ -1,0 +1,650 @@
+"""Park before a slot: a ``park`` task's first delivery is decided in the worker's main process
+(its consumer), through the task's Celery ``Strategy``, before it goes to a pool process.
+
+A copy whose key the consumer sees held, or whose key's queue has copies parked, is parked
+there and acknowledged once its park is durable: it never takes a pool slot, and it runs when
+its turn comes, sent again as any parked copy is. Every other copy goes to Celery's own
+handler unchanged, and a pool process decides, as it always did (it parks a copy the
+consumer did not). So the pool stays the authority: a view that is stale or missing costs a
+slot, never a run. What the consumer decides from is :func:`decide`.
+
+Threads: the consumer's event loop decides and never waits for ZooKeeper. One thread of this
+module's own (started with the first message, a daemon) reads the keys' views and parks, with
+synchronous kazoo calls; it hands each outcome back to the loop through a socket the loop
+watches (kombu's transports are not thread-safe: a message is acknowledged, or handed to the
+pool, only on the loop's thread). Copies the consumer parked are watched by this process's
+:class:`~celery_zklock.recipes.park.QueueWatch`, whose sends go out on the loop's thread too.
+
+Example::
+
+    task.Strategy = "celery_zklock.glue.consumer:strategy"   # what worker_init does for each park task
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import logging
+import socket
+import threading
+import time
+import uuid
+import weakref
+from collections import OrderedDict, deque
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
+
+from celery.worker.request import Request
+from celery.worker.state import reserved_requests
+from kazoo.exceptions import NoNodeError
+
+from ..exceptions import explain
+from ..layout import node_object
+from ..recipes.park import PARKED as _PARKED_PREFIX
+from ..recipes.park import SETTLE, ParkedQueue, ParkUntold, delivery_token, parked_prefix
+from ..recipes.rules import Rule, sequence
+from ..zk import Liveness, Session, deadline, reply, session_for
+from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
+from .celery_internals import request_context
+from .options import spec_of
+from .parking import PARK_HEADER, SENT_HEADER, _watch, message_of, send
+
+__all__ = ["Decision", "View", "decide", "install", "strategy"]
+
+logger = logging.getLogger("celery_zklock")
+
+#: How many keys' views the consumer keeps (least recently used go first).
+VIEW_KEYS = 1024
+
+
+class Decision(str, enum.Enum):
+    """What the consumer does with a first delivery of a park task."""
+
+    PARK = "park"  # park it here, and acknowledge it once parked: it never takes a slot
+    PASS = "pass"  # hand it to Celery's own handler: a pool process decides, as always
+    HOLD = "hold"  # keep it here until an earlier copy of its key, in the pool, shows what it did
+
+
+class View(NamedTuple):
+    """What the consumer read of one key in ZooKeeper (its watches then set)."""
+
+    blocked: bool  #: the key had no room for one more holder
+    parked: int  #: copies parked in the key's queue
+
+
+def decide(view: Optional[View], in_pool: int, unsettled: int, parking: int, leases: int) -> Decision:
+    """Park a first delivery, pass it to the pool, or hold it a moment, from what the consumer
+    knows of its key: ``view`` (None: not read yet, or ZooKeeper does not answer), the copies
+    of the key it passed to its pool that are still there (``in_pool``), those of them not yet
+    seen to hold the key, park or end (``unsettled``), the copies it is parking (``parking``),
+    and how many holders the key has room for (``leases``).
+
+    It parks only where the copy could not run now: the key is held (or our own pool copies
+    fill it), or copies are parked before it. A copy behind one that went to the pool waits
+    until that one has held or parked (else it might park ahead of it: out of publish order);
+    one behind copies being parked here parks behind them. A wrong guess is safe either way:
+    a copy parked while its key is free is sent on at once, and a copy passed while its key
+    is held parks in the pool, as before::
+
+        >>> free, held = View(False, 0), View(True, 0)
+        >>> [decide(v, 0, 0, 0, 1).value for v in (None, free, held, View(False, 3))]
+        ['pass', 'pass', 'park', 'park']
+        >>> decide(free, 1, 1, 0, 1).value, decide(free, 1, 0, 0, 1).value, decide(free, 1, 0, 0, 2).value
+        ('hold', 'park', 'pass')
+        >>> decide(free, 0, 0, 2, 1).value
+        'park'
+    """
+    if unsettled:
+        return Decision.HOLD
+    if parking:
+        return Decision.PARK
+    if view is not None and (view.blocked or view.parked > 0):
+        return Decision.PARK
+    return Decision.PARK if in_pool >= leases else Decision.PASS
+
+
+#: Seconds a copy is held at most behind an earlier one that does not show what it did (it
+#: waits for a busy pool's slot, say): then it is decided as if that one held the key.
+HOLD_AT_MOST = 1.0
+
+
+class _Key:
+    """One key's view, and the copies of it this consumer passed to its pool."""
+
+    def __init__(self, key: str, queue_path: str, lock: str, rule: Rule, owner: _ConsumerParking) -> None:
+        self.key, self.queue_path, self.lock, self.rule = key, queue_path, lock, rule
+        #: What the last read found (None: none answered since the key came into view).
+        self.view: Optional[View] = None
+        #: A read is asked for and not yet done (so watches that fire meanwhile ask for none).
+        self.asked = False
+        #: The copies passed to the pool (their requests), and those not yet seen to hold, park or end, by id.
+        self.passed: List[weakref.ref[Any]] = []
+        self.unsettled: Dict[str, weakref.ref[Any]] = {}
+        #: Copies being parked here (their parks not yet answered), and those held: in order.
+        self.parking = 0
+        self.held: Deque[Tuple[float, Callable[[Decision], None]]] = deque()
+        self.expiring = False
+        #: Its task parks at publish: once the key is seen held, a viewer node of ours lets publishers park.
+        self.publishers = False
+        self.viewer: Optional[str] = None
+        owner_ref = weakref.ref(owner)
+
+        def fired(event: Any) -> None:  # one callable per key: kazoo keeps each watcher once
+            found = owner_ref()
+            if found is not None:
+                found._read_again(self)
+
+        self.fired = fired
+
+    def in_pool(self) -> int:
+        """Copies of this key passed to the pool that are still reserved there (not ended)."""
+        self.passed = [ref for ref in self.passed if ref() is not None and ref() in reserved_requests]
+        for task_id, ref in list(self.unsettled.items()):
+            if ref() is None or ref() not in reserved_requests:
+                del self.unsettled[task_id]  # it ended
+        return len(self.passed)
+
+    def decide(self) -> Decision:
+        in_pool = self.in_pool()
+        return decide(self.view, in_pool, len(self.unsettled), self.parking, self.rule.leases)
+
+
+class _Job(NamedTuple):
+    """A first delivery the consumer parks, and what to do with it after."""
+
+    entry: _Key
+    task: Any
+    request: Any  #: Celery's request for it (its context is the copy's message)
+    token: bytes
+    limit: int
+    passing: Callable[[], None]  #: hand it to Celery's own handler (on the loop's thread)
+    acking: Callable[[], None]  #: acknowledge it (on the loop's thread)
+    tries: int = 0
+    client_id: Any = None  #: the session a park whose reply was lost was sent in
+
+
+class _ConsumerParking:
+    """The consumer's part: the views, the thread, and the hand-back to the event loop."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.settings = settings_of(app)
+        self.defaults = task_defaults(app)
+        self.layout = layout_of(app)
+        self.hub: Any = None
+        self._keys: OrderedDict[str, _Key] = OrderedDict()
+        self._lock = threading.Lock()
+        self._todo: Deque[Tuple[str, Any]] = deque()
+        #: Reads a watch asked for, each due after SETTLE: (when, order, key).
+        self._later: List[Tuple[float, int, _Key]] = []
+        self._seq = 0
+        self._wake = threading.Condition(self._lock)
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+        #: Callables for the loop's thread, and the socket pair that wakes it for them.
+        self._ready: Deque[Callable[[], None]] = deque()
+        self._reader, self._writer = socket.socketpair()
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)
+        self._woken = False
+        self._session: Optional[Session] = None
+        #: Names this process's viewer nodes (see ParkedQueue.add_viewer).
+        self.token = uuid.uuid4().hex[:16]
+        #: How long a ZooKeeper call of the consumer's may take: it holds the copy's message meanwhile.
+        self.timeout = min(self.settings.connect_timeout, 2.0)
+
+    # -- the event loop's side ---------------------------------------------------------------
+    def attach(self, hub: Any) -> None:
+        """Watch our socket from the consumer's event loop (again after a reconnect's reset)."""
+        self.hub = hub
+        if self._reader.fileno() not in hub.readers:
+            hub.add_reader(self._reader.fileno(), self._on_ready)
+
+    def _on_ready(self, *args: Any) -> None:
+        try:
+            while self._reader.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        with self._lock:
+            self._woken = False
+            todo, self._ready = self._ready, deque()
+        for call in todo:
+            try:
+                call()
+            except Exception:  # noqa: BLE001 - one message's failure must not stop the others
+                logger.exception("celery-zklock: a parked-in-consumer outcome failed on the event loop")
+
+    def on_loop(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the event loop's thread, soon (any thread)."""
+        with self._lock:
+            self._ready.append(call)
+            wake = not self._woken
+            self._woken = True
+        if wake:
+            try:
+                self._writer.send(b"\0")
+            except OSError:  # full (the loop wakes anyway) or closed (shutting down)
+                pass
+
+    def handle(self, task: Any, spec: Any, consumer: Any, request_of: Callable[[], Any], message: Any,
+               passing: Callable[[Optional[_Key]], None], acking: Callable[[], None]) -> Tuple[bool, Optional[_Key]]:
+        """Decide a first delivery on the loop's thread: (True, its key) when the consumer has
+        it (parking or holding it); (False, its key or None) when the caller hands it to
+        Celery's own handler now."""
+        planned = self._plan(task, spec, consumer, message)
+        if planned is None:
+            return False, None
+        key, retries = planned
+        entry = self._entry(key, spec)
+        limit = spec.parked_limit(self.defaults)
+
+        def go(decision: Decision) -> None:
+            if decision == Decision.PASS:
+                passing(entry)
+                return
+            request = request_of()
+            entry.parking += 1
+            self._submit(("park", _Job(entry, task, request, delivery_token(request.id, retries), limit,
+                                       lambda: passing(entry), acking)))
+
+        decision = Decision.HOLD if entry.held else entry.decide()  # behind copies held: in order
+        if decision == Decision.PASS:
+            return False, entry
+        if decision == Decision.HOLD:
+            entry.held.append((time.monotonic(), go))
+            self._expire_later(entry)
+        else:
+            go(decision)
+        return True, entry
+
+    def passed(self, entry: _Key, request: Any) -> None:
+        """``request`` went to the pool (Celery reserved it): the copies behind it wait to see what it does."""
+        ref = weakref.ref(request)
+        entry.passed.append(ref)
+        entry.unsettled[request.id] = ref
+        self._read_again(entry, later=0.0)
+
+    def _drain(self, entry: _Key) -> None:
+        """Decide the copies held for ``entry``, in order, as far as they can be (the loop's thread)."""
+        while entry.held:
+            decision = entry.decide()
+            if decision == Decision.HOLD:
+                return
+            entry.held.popleft()[1](decision)
+
+    def _settled(self, entry: _Key, ids: List[str]) -> None:
+        for task_id in ids:
+            entry.unsettled.pop(task_id, None)
+        self._drain(entry)
+
+    def _expire_later(self, entry: _Key) -> None:
+        if entry.expiring or self.hub is None:
+            return
+        entry.expiring = True
+        self.hub.call_later(HOLD_AT_MOST, self._expire, entry)
+
+    def _expire(self, entry: _Key) -> None:
+        entry.expiring = False
+        if entry.held and entry.held[0][0] <= time.monotonic() - HOLD_AT_MOST:
+            entry.unsettled.clear()  # those copies show nothing (a busy pool): decide as if they held the key
+        self._drain(entry)
+        if entry.held:
+            self._expire_later(entry)
+
+    def _plan(self, task: Any, spec: Any, consumer: Any, message: Any) -> Optional[Tuple[str, int]]:
+        """The key and retry count of a plain first delivery, or None: anything else goes to the pool."""
+        headers = message.headers
+        if not isinstance(headers, dict) or PARK_HEADER in headers or SENT_HEADER in headers:
+            return None
+        if headers.get("eta") or headers.get("expires") or headers.get("group") or headers.get("chord") \
+                or headers.get("id") in consumer.controller.state.revoked:
+            return None
+        if self._stopped or self.layout.secret is not None or task.rate_limit:
+            return None
+        try:
+            args, kwargs, embed = message.payload
+        except Exception:  # noqa: BLE001 - a message Celery's handler reports as it always does
+            return None
+        if any((embed or {}).get(k) for k in ("callbacks", "errbacks", "chain", "chord")):
+            return None  # a canvas: the pool parks it as before
+        try:
+            keys = spec.keys(task.name, task.run, tuple(args or ()), dict(kwargs or {}), False, False)
+        except Exception:  # noqa: BLE001 - the pool process says why
+            return None
+        retries = headers.get("retries") or 0
+        return (keys[0], int(retries)) if len(keys) == 1 and isinstance(retries, int) else None
+
+    def _entry(self, key: str, spec: Any) -> _Key:
+        with self._lock:
+            entry = self._keys.get(key)
+            if entry is not None:
+                self._keys.move_to_end(key)
+                return entry
+            semaphore = spec.limit is not None
+            entry = self._keys[key] = _Key(key, self.layout.parked(key, semaphore),
+                                           lock_path(self.app, key, spec.limit), rule_for(spec.mode, spec.limit), self)
+            entry.publishers = bool(spec.park_at_publish)
+            while len(self._keys) > VIEW_KEYS:
+                _, gone = self._keys.popitem(last=False)  # its watches fire once more, for nothing
+                if gone.viewer is not None and self._session is not None:
+                    self._session.nodes.delete_later(f"{gone.queue_path}/{gone.viewer}")
+            entry.asked = True
+            self._todo.append(("read", entry))
+            self._start()
+            self._wake.notify()
+            return entry
+
+    def _submit(self, work: Tuple[str, Any]) -> None:
+        with self._lock:
+            self._todo.append(work)
+            self._start()
+            self._wake.notify()
+
+    def _read_again(self, entry: _Key, later: float = SETTLE) -> None:
+        """A watch of ``entry``'s key fired (kazoo's thread), or a read failed: read it again once,
+        ``later`` (a hand-off fires several events; a stale view costs time, not a run)."""
+        if entry.unsettled:
+            later = 0.0  # copies wait for what this read shows
+        with self._lock:
+            if entry.asked or self._keys.get(entry.key) is not entry:
+                return  # a read is coming, or the key left the view
+            entry.asked = True
+            self._seq += 1
+            heapq.heappush(self._later, (time.monotonic() + later, self._seq, entry))
+            self._wake.notify()
+
+    # -- the thread's side ------------------------------------------------------------------
+    def _start(self) -> None:  # under self._lock
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="celery-zklock-consumer", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped:
+                    if self._later and self._later[0][0] <= time.monotonic():
+                        self._todo.append(("read", heapq.heappop(self._later)[2]))
+                    if self._todo:
+                        break
+                    self._wake.wait(max(0.0, self._later[0][0] - time.monotonic()) if self._later else None)
+                if self._stopped:
+                    return
+                kind, work = self._todo.popleft()
+            try:
+                if kind == "read":
+                    self._read(work)
+                elif kind == "acked":
+                    work[0].acked(work[1])
+                else:
+                    self._park(work)
+            except Exception:  # noqa: BLE001 - the thread must live on
+                logger.exception("celery-zklock: the consumer's %s failed", kind)
+
+    def session(self) -> Optional[Session]:
+        """This process's session, if it is up and connected now (never waits for one to start)."""
+        try:
+            session = session_for(self.settings, 0.0)
+        except Exception:  # noqa: BLE001 - not yet, or ZooKeeper is away: the pool decides meanwhile
+            return None
+        if session is not self._session:
+            self._session = session
+            session.add_listener(self)
+        return session if session.client.connected else None
+
+    def on_session_state(self, liveness: Liveness) -> None:
+        """Our watches may have died with the session: forget every view (each is read afresh)."""
+        if liveness != Liveness.HELD:
+            with self._lock:
+                gone, self._keys = list(self._keys.values()), OrderedDict()
+            for entry in gone:  # a viewer that outlives a blip must not stand for a view we dropped
+                if entry.viewer is not None and self._session is not None:
+                    self._session.nodes.delete_later(f"{entry.queue_path}/{entry.viewer}")
+
+    def _read(self, entry: _Key) -> None:
+        with self._lock:
+            entry.asked = False
+        session = self.session()
+        if session is None:
+            self._read_again(entry, later=1.0)  # no view yet: copies go to the pool meanwhile
+            return
+        client = session.client
+        until = deadline(self.timeout)
+        locked = client.get_children_async(entry.lock, watch=entry.fired)
+        listed = client.get_children_async(entry.queue_path, watch=entry.fired)
+        try:
+            contenders = _children(client, entry.lock, locked, entry.fired, until)
+            children = _children(client, entry.queue_path, listed, entry.fired, until)
+        except Exception as exc:  # noqa: BLE001 - no view: copies go to the pool meanwhile
+            logger.debug("celery-zklock: the consumer could not read key %r (%s)", entry.key, explain(exc))
+            self._read_again(entry, later=1.0)
+            return
+        if contenders is None or children is None:
+            self._read_again(entry)  # made between our two reads: read again, with a child watch
+            return
+        parked = [c for c in children if c.startswith(_PARKED_PREFIX)]
+        blocked = not entry.rule.has_room(contenders)
+        if entry.publishers and entry.viewer is None and (blocked or parked):
+            # Publishers of this key's task may park behind it now: this process sends their copies on.
+            try:
+                entry.viewer = self._queue(session, entry).add_viewer(self.token, until)
+            except Exception as exc:  # noqa: BLE001 - publishers publish as usual meanwhile
+                logger.debug("celery-zklock: no viewer for key %r (%s)", entry.key, explain(exc))
+            else:
+                self._read_again(entry, later=0.0)  # with our viewer there: a park may have come between
+        elif entry.viewer is not None and not blocked and not parked:
+            # Free and empty: no publisher parks here now, and the queue's node may be reaped.
+            self._queue(session, entry).drop_viewer(entry.viewer)
+            entry.viewer = None
+        with self._lock:
+            entry.view = View(blocked, len(parked))
+            unsettled = list(entry.unsettled)
+        if unsettled or entry.held:
+            # What the copies passed to the pool did: each parked (its node is in the queue) or holds the key.
+            settled = [task_id for task_id in unsettled if any(c.startswith(parked_prefix(task_id)) for c in parked)]
+            rest = [task_id for task_id in unsettled if task_id not in settled]
+            if rest:
+                settled += _holding(client, entry, contenders, rest, until)
+            self.on_loop(lambda: self._settled(entry, settled))
+        if parked:
+            # Copies wait there: this process watches the queue too, and sends its head when nobody else would.
+            _watch(session, self.settings, self.app).add(self._queue(session, entry), self._send)
+
+    def _queue(self, session: Session, entry: _Key) -> ParkedQueue:
+        return ParkedQueue(session, entry.queue_path, entry.lock, entry.rule)
+
+    def _park(self, job: _Job) -> None:
+        session = self.session()
+        if session is None or (job.client_id is not None and session.client.client_id != job.client_id):
+            # No session, or a park whose reply was lost went out in a session that is gone, and
+            # can commit nothing any more: the pool decides, and finds the copy if it parked.
+            self._done(job, job.passing)
+            return
+        queue = self._queue(session, job.entry)
+        where = f"task {job.task.name}[{job.request.id}]"
+        try:
+            name = queue.park(job.request.id, lambda: message_of(job.task, request_context(job.request)), job.limit,
+                              deadline(self.timeout), delivery=job.token, unacked=True)
+        except ParkUntold as exc:
+            # It may have parked: the same park, run again, finds its node or its token, and never
+            # makes a second one. Until it knows, the message stays with us, unacknowledged.
+            if job.tries >= 60:
+                logger.error("%s: could not tell whether it parked (%s); handed to the pool, which tells", where,
+                             explain(exc))
+                self._done(job, job.passing)
+                return
+            again = _Job(*job[:-2], tries=job.tries + 1, client_id=job.client_id or session.client.client_id)
+            timer = threading.Timer(0.5, self._submit, (("park", again),))
+            timer.daemon = True
+            timer.start()
+            return
+        except Exception as exc:  # noqa: BLE001 - nothing was written: the pool decides, as before
+            logger.debug("%s: not parked by the consumer (%s); handed to the pool", where, explain(exc))
+            self._done(job, job.passing)
+            return
+        if not name:
+            self._done(job, job.passing)  # its queue is full: the pool refuses it, saying why
+            return
+        self.durable(job)
+        logger.info("%s parked by the worker's consumer: lock %r is held, or copies wait for it; the copy runs "
+                    "when its turn comes", where, job.entry.key)
+
+        def ack() -> None:
+            job.acking()  # sent as the loop's next turn starts: then (through our socket, after it) the record goes
+            self.on_loop(lambda: self._submit(("acked", (queue, job.token))))
+
+        self._done(job, ack)
+        _watch(session, self.settings, self.app).add(queue, self._send)
+
+    def _done(self, job: _Job, outcome: Callable[[], None]) -> None:
+        """Hand a park's ``outcome`` to the loop's thread, where the copies held behind it go on."""
+        def done() -> None:
+            job.entry.parking -= 1
+            outcome()
+            self._drain(job.entry)
+
+        self.on_loop(done)
+
+    def durable(self, job: _Job) -> None:
+        """The copy's park is durable and its message not yet acknowledged (a test's fault hook)."""
+
+    def _send(self, node: str, payload: bytes) -> None:
+        """A :class:`QueueWatch` send from this process: published on the loop's thread, and waited for."""
+        done = threading.Event()
+        failed: List[BaseException] = []
+
+        def publish() -> None:
+            try:
+                send(self.app, node, payload)
+            except BaseException as exc:  # noqa: BLE001 - told to the watch's thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        self.on_loop(publish)
+        if not done.wait(self.settings.connect_timeout):
+            raise TimeoutError(f"the worker's event loop did not send {node} within "
+                               f"{self.settings.connect_timeout:g}s")
+        if failed:
+            raise failed[0]
+
+
+def _children(client: Any, path: str, listed: Any, watch: Callable[[Any], None], until: Optional[float]
+              ) -> Optional[List[str]]:
+    """The children ``listed`` read, with ``watch`` set; [] for a node that does not exist (a
+    watch is set on its creation instead); None when it was made meanwhile (read again)."""
+    try:
+        return list(reply(listed, until))
+    except NoNodeError:
+        pass
+    return [] if reply(client.exists_async(path, watch=watch), until) is None else None
+
+
+def _holding(client: Any, entry: _Key, contenders: List[str], task_ids: List[str], until: Optional[float]
+             ) -> List[str]:
+    """Those of ``task_ids`` whose lock node holds ``entry``'s key (its holders' data names their task)."""
+    holders = sorted(entry.rule.blockers(contenders), key=sequence)[:entry.rule.leases]
+    reads = [client.get_async(f"{entry.lock}/{name}") for name in holders]
+    found = []
+    for read in reads:
+        try:
+            task_id = node_object(reply(read, until)[0]).get("task_id")
+        except NoNodeError:
+            continue
+        if task_id in task_ids:
+            found.append(task_id)
+    return found
+
+
+#: One consumer's part per app, in this process (the worker's main process).
+_parts: weakref.WeakKeyDictionary[Any, _ConsumerParking] = weakref.WeakKeyDictionary()
+_parts_lock = threading.Lock()
+
+
+def _part(app: Any) -> _ConsumerParking:
+    with _parts_lock:
+        found = _parts.get(app)
+        if found is None or found._stopped:
+            found = _parts[app] = _ConsumerParking(app)
+        return found
+
+
+def _prefork(consumer: Any) -> bool:
+    pool = getattr(consumer, "pool", None)
+    return type(pool).__module__ == "celery.concurrency.prefork" and getattr(consumer, "hub", None) is not None
+
+
+def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
+    """A park task's Celery ``Strategy``: Celery's own, behind the consumer's decision."""
+    from celery.worker.strategy import default
+
+    handler = default(task, app, consumer, **kwargs)
+    spec = spec_of(task)
+    if spec is None or not spec.lock or spec.contention(task_defaults(app)) != "park" or not _prefork(consumer) \
+            or spec.mode == "read":
+        return handler  # read locks let readers in beside each other: nothing for our count to tell
+    part = _part(app)
+    part.attach(consumer.hub)
+    hostname = consumer.hostname
+    connection_errors = consumer.connection_errors
+
+    def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any) -> Any:
+        def request_of() -> Any:
+            return Request(message, on_ack=ack, on_reject=reject, app=app, hostname=hostname,
+                           connection_errors=connection_errors, task=task)
+
+        def passing(entry: Optional[_Key] = None) -> None:
+            if entry is None:
+                handler(message, body, ack, reject, callbacks)
+                return
+            handler(message, body, ack, reject, [*(callbacks or ()), lambda req: part.passed(entry, req)])
+
+        def acking() -> None:
+            ack(logger, connection_errors)
+
+        entry: Optional[_Key] = None
+        try:
+            parked, entry = part.handle(task, spec, consumer, request_of, message, passing, acking)
+            if parked:
+                return None
+        except Exception:  # noqa: BLE001 - the consumer's decision is an optimization: the pool decides
+            logger.exception("celery-zklock: task %s: the consumer could not decide; handed to the pool", task.name)
+        return passing(entry)
+
+    return on_message
+
+
+def install(sender: Any = None, **kwargs: Any) -> None:
+    """A ``worker_init`` receiver: each park task's first deliveries are decided by the consumer
+    (``zklock_park_in_consumer``, on by default), with Celery's own strategy behind it."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    from .options import locked_tasks
+
+    try:
+        defaults = task_defaults(app)
+    except Exception:  # noqa: BLE001 - the worker refuses to start, saying why (worker._validate)
+        return
+    if not defaults.park_in_consumer:
+        return
+    for name, locking in locked_tasks(app).items():
+        task = app.tasks.get(name)
+        spec = locking.spec
+        if task is not None and spec is not None and spec.lock and spec.contention(defaults) == "park" \
+                and type(task).Strategy == "celery.worker.strategy:default" \
+                and task.__dict__.get("Strategy") is None:
+            task.Strategy = "celery_zklock.glue.consumer:strategy"
+
+
+def stop(**kwargs: Any) -> None:
+    """A ``worker_shutdown`` receiver: the consumer's thread stops."""
+    with _parts_lock:
+        parts = list(_parts.values())
+    for part in parts:
+        part.stop()

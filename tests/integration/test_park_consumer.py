@@ -1,0 +1,118 @@
+"""A park task's first delivery decided in the worker's main process, before a pool slot
+(``zklock_park_in_consumer``): with real prefork workers, Redis and ZooKeeper."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+
+import pytest
+import redis
+from celery.exceptions import TimeoutError as CeleryTimeout
+
+from celery_zklock.testing import violations
+from tests.apps import worker_app
+from tests.integration.test_park import queue_left, started
+from tests.util import events, holds, send, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def ignored(redis_url: str) -> collections.Counter:
+    """How often each task id reached a pool slot and left it unrun (it parked there, or dropped itself)."""
+    return collections.Counter(e["task_id"] for e in events(redis_url)
+                               if e["event"] == "delivered" and e["state"] == "IGNORED")
+
+
+def test_a_burst_behind_a_held_key_parks_in_the_consumer_and_takes_no_slot(workers, queue, redis_server, kazoo,
+                                                                           zk_root):
+    # Before: every copy went to a pool slot to park (30 of 30 here). Now the consumer sees the
+    # key held (by a copy it passed to its own pool) and parks them itself: at most one copy
+    # reaches a slot before its turn, and each runs once, in publish order.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking, queue, "burst", 30.0, 0, "", True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking, queue, "burst", 0.01, i) for i in range(1, 31)]
+    wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "burst") if n.startswith("p-")]) == 30,
+               timeout=30)
+    slots = ignored(redis_server.url)
+    assert sum(slots.values()) <= 1, f"copies that reached a pool slot before their turn: {dict(slots)}"
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    keyed = [first, *rest]
+    assert [r.get(timeout=60) for r in keyed] == list(range(31)), "every caller gets its own copy's result"
+    bodies = [e for e in events(redis_server.url) if e["event"] == "body"]
+    assert [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])] == [r.id for r in keyed], \
+        "each copy runs once, in publish order"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: not [n for n in queue_left(kazoo, zk_root, "burst") if n.startswith("p-")], timeout=10)
+
+
+def test_a_consumer_killed_between_its_park_and_the_ack_runs_the_copy_once(workers, queue, redis_server, kazoo,
+                                                                           zk_root):
+    # The park is durable and the message unacknowledged when the whole worker dies: the parked
+    # node is sent by the next worker and runs, and the message, delivered again after Redis'
+    # visibility timeout (after the copy ran), finds its park's token in the queue's ring and
+    # drops itself instead of running a second time.
+    w1 = workers("w1", concurrency=2, ZKT_CONSUMER_FAULTS="1", ZKT_VISIBILITY="8")
+    first = send(worker_app.parking, queue, "gone", 30.0, 0, "", True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    history = redis.Redis.from_url(redis_server.url)
+    history.set("park:kill-after-consumer-park", "1")
+    second = send(worker_app.parking, queue, "gone", 0.01, 1)
+    wait_until(lambda: any(e["event"] == "killed" for e in events(redis_server.url)), timeout=30)
+    killed = next(e for e in events(redis_server.url) if e["event"] == "killed")
+    assert killed["task_id"] == second.id
+    w1.crash()  # its pool processes too: the holder's lock goes with its session
+    assert [n for n in queue_left(kazoo, zk_root, "gone") if n.startswith("p-")], "the park was durable"
+    workers("w2", concurrency=2, ZKT_VISIBILITY="8")
+    assert second.get(timeout=60) == 1
+    later = send(worker_app.parking, queue, "gone", 0.01, 2)
+    assert later.get(timeout=60) == 2
+
+    # The message w1 fetched and never acknowledged comes back to w2, and drops itself there.
+    wait_until(lambda: ignored(redis_server.url)[second.id] == 1, timeout=40)
+    bodies = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "body")
+    assert bodies[second.id] == 1 and bodies[later.id] == 1, f"each copy once: {dict(bodies)}"
+    assert violations(holds(redis_server.url)) == []
+
+
+def test_zookeeper_unreachable_at_receipt_sends_the_copy_to_the_pool_as_before(workers, queue, redis_server):
+    # No session in the main process: the consumer cannot decide, so the copy goes to a pool
+    # process, which fails it as it always did (its caller told), rather than holding it.
+    workers("w1", concurrency=1, ZKT_HOSTS="127.0.0.1:1", ZKT_CONNECT_TIMEOUT="1")
+    result = send(worker_app.parking, queue, "away", 0.01, 0)
+    with pytest.raises(Exception) as failed:
+        result.get(timeout=30)
+    assert not isinstance(failed.value, CeleryTimeout)
+    assert "did not run" in str(failed.value) or "ZooKeeper" in str(failed.value), failed.value
+    assert json.dumps(str(failed.value))
+
+
+@pytest.mark.parametrize("holder", ["releases", "killed"])
+def test_a_publisher_parks_behind_a_held_key_before_any_copy_has_parked(holder, workers, queue, redis_server, kazoo,
+                                                                        zk_root):
+    # park_at_publish parks only where a live process will send the copy on. Before, that was a
+    # queue's watcher, which exists only once a copy parked: the first copy behind a held key
+    # always went to a worker. Now the consumer that sees the key held keeps a viewer node in
+    # its queue, which the publisher's guard counts, and the consumer then watches the copy.
+    workers("w1", concurrency=2)
+    first = send(worker_app.parking_at_publish, queue, "early", 30.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    wait_until(lambda: any(n.startswith("v-") for n in queue_left(kazoo, zk_root, "early")), timeout=10)
+    assert not [n for n in queue_left(kazoo, zk_root, "early") if n.startswith(("p-", "w-"))]
+    second = send(worker_app.parking_at_publish, queue, "early", 0.01, 1)
+    r = redis.Redis.from_url(redis_server.url)
+    assert [n for n in queue_left(kazoo, zk_root, "early") if n.startswith("p-")], "its publisher parked it"
+    assert r.llen(queue) == 0, "and did not publish it"
+    if holder == "killed":  # no hand-off: the consumer, now the queue's watcher, sends it once the lock goes
+        [start] = [e for e in events(redis_server.url) if e["event"] == "start" and e["task_id"] == first.id]
+        os.kill(start["pid"], signal.SIGKILL)
+        assert second.get(timeout=4 + 20) == 1
+    else:
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        assert [first.get(timeout=60), second.get(timeout=60)] == [0, 1]
+    deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
+    assert deliveries[second.id] == 1, "it reached a worker once, to run"
+    assert violations(holds(redis_server.url)) == []
