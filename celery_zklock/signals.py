@@ -18,7 +18,8 @@ __all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released", "tas
 #: (from the acquire's call to holding: a few milliseconds when nobody held the key).
 lock_acquired = Signal(name="lock_acquired")
 #: A task found its lock held by another, once per call, as the task settles what to do
-#: about it. Arguments: ``sender``, ``lock``, ``policy`` (the task's ``on_contention``) and
+#: about it (a copy a worker's consumer parks before a pool slot: from the worker's main
+#: process). Arguments: ``sender``, ``lock``, ``policy`` (the task's ``on_contention``) and
 #: ``outcome``: ``waited`` (it waited and then held: sent just after ``lock_acquired``),
 #: ``preempted`` (it asked the holder to go, and held), ``skipped`` (also a copy a full
 #: parked queue refused), ``retried``, ``raised`` (also a ``wait`` that timed out),

@@ -37,8 +37,10 @@ from celery.worker.request import Request
 from celery.worker.state import reserved_requests
 from kazoo.exceptions import NoNodeError
 
+from .. import signals
 from ..exceptions import explain
 from ..layout import node_object
+from ..recipes.lock import Lock
 from ..recipes.park import PARKED as _PARKED_PREFIX
 from ..recipes.park import SETTLE, ParkedQueue, ParkUntold, delivery_token, parked_prefix
 from ..recipes.rules import Rule, sequence
@@ -110,8 +112,8 @@ HOLD_AT_MOST = 1.0
 class _Key:
     """One key's view, and the copies of it this consumer passed to its pool."""
 
-    def __init__(self, key: str, queue_path: str, lock: str, rule: Rule, owner: _ConsumerParking) -> None:
-        self.key, self.queue_path, self.lock, self.rule = key, queue_path, lock, rule
+    def __init__(self, key: str, queue_path: str, lock: str, rule: Rule, mode: str, owner: _ConsumerParking) -> None:
+        self.key, self.queue_path, self.lock, self.rule, self.mode = key, queue_path, lock, rule, mode
         #: What the last read found (None: none answered since the key came into view).
         self.view: Optional[View] = None
         #: A read is asked for and not yet done (so watches that fire meanwhile ask for none).
@@ -321,8 +323,10 @@ class _ConsumerParking:
                 self._keys.move_to_end(key)
                 return entry
             semaphore = spec.limit is not None
+            rule = rule_for(spec.mode, spec.limit)
             entry = self._keys[key] = _Key(key, self.layout.parked(key, semaphore),
-                                           lock_path(self.app, key, spec.limit), rule_for(spec.mode, spec.limit), self)
+                                           lock_path(self.app, key, spec.limit), rule,
+                                           rule.name if semaphore else spec.mode, self)
             entry.publishers = bool(spec.park_at_publish)
             while len(self._keys) > VIEW_KEYS:
                 _, gone = self._keys.popitem(last=False)  # its watches fire once more, for nothing
@@ -491,6 +495,10 @@ class _ConsumerParking:
             self._done(job, job.passing)  # its queue is full: the pool refuses it, saying why
             return
         self.durable(job)
+        # Counted as a pool process's park is (metrics, receivers), from the worker's main process.
+        contended = Lock(session, job.entry.lock, job.entry.rule, key=job.entry.key, mode=job.entry.mode,
+                         label=job.entry.key)
+        signals.lock_contended.send(sender=job.task, lock=contended, policy="park", outcome="parked")
         logger.info("%s parked by the worker's consumer: lock %r is held, or copies wait for it; the copy runs "
                     "when its turn comes", where, job.entry.key)
 

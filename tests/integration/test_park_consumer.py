@@ -13,7 +13,9 @@ import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from celery_zklock.testing import violations
+from harness import free_port
 from tests.apps import worker_app
+from tests.integration.test_metrics import scrape, total
 from tests.integration.test_park import queue_left, started
 from tests.util import events, holds, send, wait_until
 
@@ -31,7 +33,8 @@ def test_a_burst_behind_a_held_key_parks_in_the_consumer_and_takes_no_slot(worke
     # Before: every copy went to a pool slot to park (30 of 30 here). Now the consumer sees the
     # key held (by a copy it passed to its own pool) and parks them itself: at most one copy
     # reaches a slot before its turn, and each runs once, in publish order.
-    workers("w1", concurrency=2)
+    port = free_port()
+    workers("w1", concurrency=2, ZKT_METRICS_PORT=str(port))
     first = send(worker_app.parking, queue, "burst", 30.0, 0, "", True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     rest = [send(worker_app.parking, queue, "burst", 0.01, i) for i in range(1, 31)]
@@ -39,6 +42,8 @@ def test_a_burst_behind_a_held_key_parks_in_the_consumer_and_takes_no_slot(worke
                timeout=30)
     slots = ignored(redis_server.url)
     assert sum(slots.values()) <= 1, f"copies that reached a pool slot before their turn: {dict(slots)}"
+    # Counted as parked wherever they parked (the consumer's parks went uncounted).
+    assert total(scrape(port), "celery_zklock_contended_total", policy="park", outcome="parked") == 30
     redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
     keyed = [first, *rest]
     assert [r.get(timeout=60) for r in keyed] == list(range(31)), "every caller gets its own copy's result"
