@@ -499,8 +499,11 @@ class _ConsumerParking:
         contended = Lock(session, job.entry.lock, job.entry.rule, key=job.entry.key, mode=job.entry.mode,
                          label=job.entry.key)
         signals.lock_contended.send(sender=job.task, lock=contended, policy="park", outcome="parked")
-        logger.info("%s parked by the worker's consumer: lock %r is held, or copies wait for it; the copy runs "
-                    "when its turn comes", where, job.entry.key)
+        view = job.entry.view
+        held = view is None or view.blocked
+        why = f"lock {job.entry.key!r} is held" if held else "copies are parked before it"
+        logger.info("%s parked by the worker's consumer before a pool slot: %s; the copy runs when its turn comes",
+                    where, why)
 
         def ack() -> None:
             job.acking()  # sent as the loop's next turn starts: then (through our socket, after it) the record goes
@@ -629,7 +632,7 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
 
 def install(sender: Any = None, **kwargs: Any) -> None:
     """A ``worker_init`` receiver: each park task's first deliveries are decided by the consumer
-    (``zklock_park_in_consumer``, on by default), with Celery's own strategy behind it."""
+    (``zklock_park_in_consumer``, off by default), with Celery's own strategy behind it."""
     app = getattr(sender, "app", None)
     if app is None:
         return

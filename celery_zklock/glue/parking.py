@@ -295,8 +295,9 @@ class Parking:
                         "runs it); this one is dropped", self.where, self.label)
             raise Ignore()
         signals.lock_contended.send(sender=self.task, lock=self.lock, policy="park", outcome="parked")
-        logger.info("%s: lock %r is held by a contender that never parked; the copy stays at the head of the "
-                    "key's parked queue", self.where, self.label)
+        logger.info("%s: lock %r is held by a copy that took it without parking (it found the key free, or its "
+                    "task does not park); the copy stays at the head of the key's parked queue", self.where,
+                    self.label)
         raise Ignore()
 
     def _held_by_this_copy(self, until: Optional[float]) -> bool:

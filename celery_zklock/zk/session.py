@@ -501,10 +501,12 @@ def session_for(settings: Settings, wait: Optional[float] = None) -> Session:
                          daemon=True).start()
     # A caller that may wait only so long does not wait again on a start that already kept
     # one such caller waiting in vain: it fails at once (the start goes on meanwhile).
-    if not attempt.done.wait(0 if wait is not None and attempt.overdue else wait):
+    overdue = wait is not None and attempt.overdue
+    if not attempt.done.wait(0 if overdue else wait):
         attempt.overdue = True
-        raise ZooKeeperUnavailable(f"no ZooKeeper session within {wait:g}s (zklock_hosts={settings.hosts!r}); "
-                                   "still trying in the background")
+        said = (f"a start under way has not answered within {wait:g}s" if overdue
+                else f"no ZooKeeper session within {wait:g}s")
+        raise ZooKeeperUnavailable(f"{said} (zklock_hosts={settings.hosts!r}); still trying in the background")
     if attempt.error is not None:
         raise copy.copy(attempt.error)
     assert attempt.session is not None

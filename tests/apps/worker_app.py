@@ -34,6 +34,7 @@ app.conf.update(
     zklock_key_secret=os.environ.get("ZKT_KEY_SECRET"),
     zklock_metrics_port=int(os.environ["ZKT_METRICS_PORT"]) if os.environ.get("ZKT_METRICS_PORT") else None,
     zklock_park_resend_after=float(os.environ.get("ZKT_PARK_RESEND_AFTER", "30")),
+    zklock_park_in_consumer=os.environ.get("ZKT_PARK_IN_CONSUMER") == "1",  # opt-in, as in the product
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),

@@ -22,6 +22,12 @@ from tests.util import events, holds, send, wait_until
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture
+def workers(workers):
+    """This file's workers decide park tasks in their consumer (``zklock_park_in_consumer``, opt-in)."""
+    return lambda *args, **env: workers(*args, **{"ZKT_PARK_IN_CONSUMER": "1", **env})
+
+
 def ignored(redis_url: str) -> collections.Counter:
     """How often each task id reached a pool slot and left it unrun (it parked there, or dropped itself)."""
     return collections.Counter(e["task_id"] for e in events(redis_url)
