@@ -99,8 +99,20 @@ def test_a_prefork_workers_counts_agree_with_its_history(workers, queue, redis_s
     assert total(samples, "celery_zklock_lost_total") == len(interrupted)
 
     # A pool process SIGKILLed: its counts stay, its live gauge goes; its replacement's comes.
-    victim = worker.children()[0]
-    os.kill(victim, signal.SIGKILL)
+    victims = []
+
+    def kill_one() -> bool:
+        for pid in worker.children():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # recycled (--max-tasks-per-child 1) between the listing and the kill
+                continue
+            victims.append(pid)
+            return True
+        return False
+
+    wait_until(kill_one, timeout=10)
+    victim = victims[0]
     wait_until(lambda: victim not in worker.children() and len(worker.children()) == 3, timeout=30)
     wait_until(lambda: total(scrape(port), "celery_zklock_session_state", state="held") == 3, timeout=30)
     assert total(scrape(port), "celery_zklock_acquired_total") == len(bodies) + len(interrupted)
