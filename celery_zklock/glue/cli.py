@@ -159,6 +159,8 @@ def _unheld(row: Dict[str, Any]) -> str:
 
     >>> _unheld({"waiters": 0, "parked": [{"sent": True, "task_id": "abc"}, {"sent": False}]})
     'no holder: head in flight (parked copy abc, sent to be run; 1 more parked)'
+    >>> _unheld({"waiters": 0, "parked": [{"sent": False}], "watched": False})[:60]
+    'no holder: 1 parked, the head not sent yet (no live worker w'
     """
     parked = row.get("parked", [])
     if parked and parked[0].get("sent"):
@@ -166,6 +168,9 @@ def _unheld(row: Dict[str, Any]) -> str:
         return f"no holder: head in flight (parked copy {parked[0].get('task_id')}, sent to be run{more})"
     if row["waiters"]:
         return "no holder: its next waiter is taking it"
+    if not row.get("watched", True):
+        return (f"no holder: {len(parked)} parked, the head not sent yet (no live worker watches the queue: a "
+                "running worker adopts it within zklock_park_resend_after)")
     return f"no holder: {len(parked)} parked, the head not sent yet (a worker watching the queue sends it)"
 
 

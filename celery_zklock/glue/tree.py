@@ -21,7 +21,7 @@ from kazoo.exceptions import NoNodeError
 
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, hashed_name, node_object
 from ..recipes.marker import STARTED, read_marker
-from ..recipes.park import InFlight
+from ..recipes.park import MEMBER, InFlight
 from ..recipes.park import waiting as parked_copies
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session
@@ -85,6 +85,9 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
             nodes, infos, holding, waiting = queue_of(session, path)
             parked = [_parked(node, data, since, now, sent)
                       for node, data, since, sent in parked_copies(session, f"{parked_base}/{name}", None)]
+            # Whether a live process sends its head when the key is let go (a member node is
+            # ephemeral: it goes with its watcher's session).
+            watched = bool(parked) and any(c.startswith(MEMBER) for c in children(session, f"{parked_base}/{name}"))
             if not nodes and not parked:
                 continue
             key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
@@ -98,7 +101,7 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
                          # In queue order: the next holder first.
                          "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
                          # Parked copies (on_contention="park"), head first: they hold no worker slot.
-                         "parked": parked,
+                         "parked": parked, "watched": watched,
                          "limit": rule.leases if holders and holders[0]["mode"] == "semaphore" else None})
     return rows
 
