@@ -64,6 +64,7 @@ import queue
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
@@ -235,6 +236,38 @@ def unwatched(session: Session, paths: List[str], timeout: float, batch: int = 2
     return found
 
 
+@dataclass
+class _ParkTry:
+    """One park across its tries (``through_blips`` runs a try again after a lost reply)."""
+
+    #: The copy's message, or what builds it (see ParkedQueue.park).
+    payload: Union[bytes, Callable[[], bytes]]
+    #: The message, once built.
+    built: Optional[bytes] = None
+    #: The queue node's (version, czxid) under the latest try whose reply is not in: that try
+    #: committed at this version of this node, or not at all.
+    unanswered: Optional[Tuple[int, int]] = None
+
+    def message(self) -> bytes:
+        """The message, built once; ValueError when it is too large to park."""
+        if self.built is None:
+            data = self.payload if isinstance(self.payload, bytes) else self.payload()
+            if len(data) > MAX_PAYLOAD:
+                raise ValueError(f"{len(data)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
+            self.built = data
+        return self.built
+
+
+@dataclass
+class _NudgeTry:
+    """One nudge across its tries."""
+
+    #: What look() found before the release: only the first try claims from it.
+    looked: Optional[Looked]
+    #: The head this nudge claimed: what a SENT answer sent.
+    head: Optional[str] = None
+
+
 class ParkedQueue:
     """The parked copies of the key whose lock is at ``lock_path``, under ``rule``."""
 
@@ -297,35 +330,25 @@ class ParkedQueue:
         the acknowledgement), or a lost reply's park run again. A ``ParkUntold`` then tells
         a park with ``unacked`` whose write got no answer: run again, it finds out.
         """
-        built: List[bytes] = []
-
-        def message() -> bytes:
-            if not built:
-                data = payload if isinstance(payload, bytes) else payload()
-                if len(data) > MAX_PAYLOAD:
-                    raise ValueError(f"{len(data)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
-                built.append(data)
-            return built[0]
-
+        attempt = _ParkTry(payload)
         if not behind:
-            message()  # a message it cannot park is refused before anything is sent
+            attempt.message()  # a message it cannot park is refused before anything is sent
         # Run again after a lost reply, it finds its node by its prefix and makes no second one;
         # or, where the copy was sent and taken meanwhile, finds this park's token in the ring.
         mark = delivery if unacked and delivery is not None else uuid.uuid4().hex[:TOKEN].encode()
-        first: List[int] = []  # the queue node's version and czxid under this park's latest try
         try:
             return through_blips(self.session, until, lambda: self._park_now(
-                task_id, message, limit, until, mark, first, behind, guarded, delivery, unacked))
+                task_id, attempt, limit, until, mark, behind, guarded, delivery, unacked))
         except Exception as exc:
-            if (guarded or unacked) and first:
+            if (guarded or unacked) and attempt.unanswered is not None:
                 # A try went out and was never answered: it may have parked the copy. A publisher
                 # must not then publish it too (it could run twice), nor say it parked.
                 raise ParkUntold(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
                                   "parked cannot be told") from exc
             raise
 
-    def _park_now(self, task_id: str, message: Callable[[], bytes], limit: int, until: Optional[float], token: bytes,
-                  first: List[int], behind: bool, guarded: bool, delivery: Optional[bytes] = None,
+    def _park_now(self, task_id: str, attempt: _ParkTry, limit: int, until: Optional[float], token: bytes,
+                  behind: bool, guarded: bool, delivery: Optional[bytes] = None,
                   unacked: bool = False) -> Optional[str]:
         client = self.session.client
         nodes = self.session.nodes
@@ -347,7 +370,7 @@ class ParkedQueue:
                 data, stat = reply(read, until)
                 children = reply(listed, until)
             except NoNodeError:
-                if first:
+                if attempt.unanswered is not None:
                     raise _untold(self.path, "was reaped") from None
                 if behind or guarded:
                     return ""  # nothing parked (a park after this one finds the queue gone and makes it)
@@ -362,8 +385,9 @@ class ParkedQueue:
                     pass
             record = UNACKED + delivery.decode() if delivery is not None else None
             self.recorded = record is not None and record in children
-            turn = park_turn(children, data, prefix, token, record, (first[0], first[1]) if first else None,
-                             stat.version, stat.czxid, limit, behind, (contenders, self.rule) if guarded else None)
+            unanswered = attempt.unanswered
+            turn = park_turn(children, data, prefix, token, record, unanswered, stat.version, stat.czxid, limit,
+                             behind, (contenders, self.rule) if guarded else None)
             if turn.action == Park.THERE:
                 return turn.node
             if turn.action == Park.GONE:
@@ -371,14 +395,13 @@ class ParkedQueue:
             if turn.action == Park.REAPED:
                 raise _untold(self.path, "was reaped and made again")
             if turn.action == Park.OVERRUN:
-                raise _untold(self.path, f"took {stat.version - first[0]} parks")
+                raise _untold(self.path, f"took {stat.version - (unanswered or (0, 0))[0]} parks")
             if turn.action in (Park.ALONE, Park.UNGUARDED):
                 return ""
             if turn.action == Park.FULL:
                 return None
-            payload = message()  # built once, and before anything is written: it may refuse the copy
-            # A try whose reply is lost committed at this version of this queue node, or not at all.
-            first[:] = [stat.version, stat.czxid]
+            payload = attempt.message()  # built once, and before anything is written: it may refuse the copy
+            attempt.unanswered = (stat.version, stat.czxid)
             tx = client.transaction()
             tx.set_data(self.path, (data + token)[-RING * TOKEN:], version=stat.version)
             tx.create(self.node_path(prefix), payload, sequence=True)
@@ -391,7 +414,7 @@ class ParkedQueue:
                 return posixpath.basename(results[1])
             if not any(isinstance(r, (BadVersionError, NoNodeError)) for r in results):
                 raise next(r for r in results if isinstance(r, Exception))
-            first[:] = []  # this try is answered: it did not commit
+            attempt.unanswered = None  # this try is answered: it did not commit
             # Another parker took a place first, or the queue was reaped: look again.
 
     def acked(self, delivery: bytes) -> None:
@@ -554,17 +577,17 @@ class ParkedQueue:
         """
         # A claim this call made, found again after a lost reply, is known by its token.
         token = SENT + uuid.uuid4().hex.encode()
-        first: List[Any] = [looked]  # then the head it found
-        done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, first))
-        if done == Nudge.SENT and sent is not None:
-            sent(first[1])
+        attempt = _NudgeTry(looked)
+        done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, attempt))
+        if done == Nudge.SENT and sent is not None and attempt.head is not None:
+            sent(attempt.head)
         return done
 
     def _nudge_now(self, send: Send, until: Optional[float], token: bytes,
-                   watch: Optional[Callable[[Any], None]], first: List[Any]) -> Nudge:
+                   watch: Optional[Callable[[Any], None]], attempt: _NudgeTry) -> Nudge:
         client = self.session.client
         while True:
-            looked, first[0] = first[0], None  # once: a try after a lost reply, or a failed claim, reads afresh
+            looked, attempt.looked = attempt.looked, None  # once: a retry, or a failed claim, reads afresh
             if looked is not None:
                 children, contenders = looked
             else:
@@ -586,7 +609,7 @@ class ParkedQueue:
             if turn.action == Hand.EMPTY:
                 return Nudge.EMPTY
             head = str(turn.head)
-            first[1:] = [head]  # what a SENT answer sent
+            attempt.head = head
             claim = self.node_path(CLAIM + head)
             if turn.action == Hand.CLAIMED:
                 # Ours, if this call made it and lost the reply: send then.
