@@ -70,9 +70,10 @@ from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task
 from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
 
-__all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "as_new_delivery",
-           "describe", "encode", "ended", "leave_queue", "lost", "orphans", "parked_header", "publish", "received",
-           "revoked", "send", "started_when_held", "sweep", "unknown"]
+__all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "Stage", "abandon_received",
+           "as_new_delivery", "comes_back", "describe", "encode", "ended", "leave_queue", "lost", "orphans",
+           "parked_header", "publish", "receipt_of", "received", "revoked", "send", "started_when_held", "sweep",
+           "unknown"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -834,11 +835,33 @@ def _receipt(task: Any, task_id: str) -> Tuple[Optional[str], Optional[str]]:
         return None, None
     dying = getattr(task, "request", None)
     nonce = _sent_nonce(dying) if dying is not None and getattr(dying, "id", None) == task_id else None
-    at = next((i for i, (_, sent) in enumerate(receipts) if nonce is not None and sent == nonce), len(receipts) - 1)
-    found = receipts.pop(at)
+    found = receipts.pop(receipt_of([sent for _, sent in receipts], nonce))
     if not receipts:
         del _received[task_id]
     return found
+
+
+def receipt_of(nonces: List[Optional[str]], nonce: Optional[str]) -> int:
+    """Which of a task id's receipts (the nonces of their sends, oldest first) a dying request
+    is: the one whose send's nonce it carries, else the latest (an older one has most likely ended).
+
+    >>> receipt_of(["n1", "n2", "n3"], "n2"), receipt_of(["n1", "n2"], None), receipt_of(["n1", None], "n9")
+    (1, 1, 1)
+    """
+    return next((i for i, sent in enumerate(nonces) if nonce is not None and sent == nonce), len(nonces) - 1)
+
+
+def comes_back(time_limit: bool, acks_late: bool, reject_on_worker_lost: bool, acks_on_timeout: bool) -> bool:
+    """Whether the message of a copy whose pool process died under it (or, with ``time_limit``,
+    hit its hard time limit) comes back to a worker, rather than Celery storing its failure and
+    acknowledging it: its claim is then given back, not its copy removed (see :func:`lost`).
+
+    >>> comes_back(False, True, True, True), comes_back(False, True, False, True), comes_back(False, False, True, True)
+    (True, False, False)
+    >>> comes_back(True, True, True, True), comes_back(True, True, False, False)
+    (False, True)
+    """
+    return acks_late and (not acks_on_timeout if time_limit else reject_on_worker_lost)
 
 
 def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs: Any) -> None:
@@ -858,14 +881,12 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     spec = spec_of(sender)
     if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or spec is None:
         return
-    if isinstance(exception, TimeLimitExceeded):
-        # Celery 5.4+ reads acks_on_timeout, which falls back to acks_on_failure_or_timeout (default True).
-        acked = next((v for v in (getattr(sender, "acks_on_timeout", None),
-                                  getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
-        comes_back = bool(sender.acks_late and not acked)
-    else:
-        comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
-    _give_up(sender.app, sender.name, spec, task_id, header, revoked=not comes_back, sent=sent)
+    # Celery 5.4+ reads acks_on_timeout, which falls back to acks_on_failure_or_timeout (default True).
+    acked = next((v for v in (getattr(sender, "acks_on_timeout", None),
+                              getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
+    back = comes_back(isinstance(exception, TimeLimitExceeded), bool(sender.acks_late),
+                      bool(getattr(sender, "reject_on_worker_lost", False)), bool(acked))
+    _give_up(sender.app, sender.name, spec, task_id, header, revoked=not back, sent=sent)
 
 
 def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, revoked: bool,
