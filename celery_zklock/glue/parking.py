@@ -412,7 +412,7 @@ class Parking:
 
     def redelivered(self, until: Optional[float]) -> bool:
         """The key is held: True for the send that took this copy, delivered again, which waits
-        for the key as it would had it never parked (:func:`.recipes.park.redelivery`)."""
+        for the key as it would had it never parked (:func:`.recipes.park_rules.redelivery`)."""
         if self.received is None or self.sent is None or self._received(until):
             return False
         record, _, _ = self.queue.taken(self.received, until)
