@@ -19,6 +19,7 @@ no result is stored under its id, which the copy sent again fills in.
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import logging
@@ -69,9 +70,10 @@ from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task
 from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
 
-__all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "abandon_received", "as_new_delivery",
-           "describe", "encode", "ended", "leave_queue", "lost", "orphans", "parked_header", "publish", "received",
-           "revoked", "send", "started_when_held", "sweep", "unknown"]
+__all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "Stage", "abandon_received",
+           "as_new_delivery", "comes_back", "describe", "encode", "ended", "leave_queue", "lost", "orphans",
+           "parked_header", "publish", "receipt_of", "received", "revoked", "send", "started_when_held", "sweep",
+           "unknown"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -214,6 +216,42 @@ def describe(app: Any, path: str, head: str, payload: bytes) -> str:
     return (f"of task {meta.get('task', '?')}[{meta.get('id', '?')}] ({', '.join(where)}; node {path}/{head})")
 
 
+class Stage(str, enum.Enum):
+    """Where one call's copy is in its key's parked queue: one value, read by each of
+    :class:`Parking`'s steps (the life of the copy across calls is the design page's table)::
+
+        NEW ------------------------------------ holding() ----------------> TAKEN
+        SENT --_received()--> RECEIVED --holding()--> TAKING --take--------> TAKEN
+                  |              ^                       |
+                  |              +-----------------------+ (another send took it)
+                  +---------> GONE
+        GONE, RECEIVED --holding(): redelivery() RUN --------------------> RETAKEN
+        any --released()--> HANDED_ON
+
+    >>> [s.value for s in Stage if s.runs], [s.value for s in Stage if not s.node_there]
+    (['taking', 'taken', 'retaken'], ['gone', 'retaken'])
+    """
+
+    NEW = "new"  # a copy not sent from the queue: it parks, or holds the key as any copy
+    SENT = "sent"  # sent again from the queue: its receive is on its way, its answer not read
+    RECEIVED = "received"  # its node is there, its claim ours: it takes the node once it holds the key
+    GONE = "gone"  # its node is gone: a second send (it drops), or the taking send delivered again
+    TAKING = "taking"  # it holds the key and its take is on its way: from here it ends as a failure, not parked
+    TAKEN = "taken"  # it holds the key and took its node (a new copy: it holds the key): it runs
+    RETAKEN = "retaken"  # the taking send delivered again, holding the key: it took the record over, and runs
+    HANDED_ON = "handed on"  # it let go of the key and sent the next head: once is enough
+
+    @property
+    def runs(self) -> bool:
+        """Whether the copy's body is this call's to run (its claim goes as it lets go)."""
+        return self in (Stage.TAKING, Stage.TAKEN, Stage.RETAKEN)
+
+    @property
+    def node_there(self) -> bool:
+        """What the receive found: False where the copy's node was gone (a new copy has none to find)."""
+        return self not in (Stage.GONE, Stage.RETAKEN)
+
+
 class Parking:
     """One call's part in its key's parked queue."""
 
@@ -228,12 +266,8 @@ class Parking:
         semaphore = lock.rule.name == "semaphore"
         self.queue = ParkedQueue(session, layout_of(task.app).parked(lock.key or "", semaphore), lock.path, lock.rule)
         header = parked_header(self.request)
-        #: This copy held the key (and must hand it on as it lets go).
+        #: This copy held the key (and must hand it on as it lets go): run_locked's second net reads it.
         self.took = False
-        #: It took its parked node (a received copy).
-        self.taken = False
-        #: It handed the key on (see released): once is enough.
-        self._handed_on = False
         #: A received copy's receive, sent by before() and read by holding().
         self._receiving: Any = None
         #: The look at the queue sent as the body starts (holding()), read by look().
@@ -248,8 +282,8 @@ class Parking:
         #: The nonce of the send it came in, where its message may be delivered again (acks_late):
         #: its take leaves a record that only a redelivery of this send may run it from.
         self.sent = _sent_nonce(self.request) if self.received is not None and task.acks_late else None
-        #: The answer to before()'s receive, once read: False when the copy's node is gone.
-        self._node_there: Optional[bool] = None
+        #: Where this copy is in its queue's life (see Stage).
+        self.stage = Stage.NEW if self.received is None else Stage.SENT
 
     # -- before, or instead of, holding ------------------------------------------------------
     def before(self, until: Optional[float]) -> Optional[str]:
@@ -361,19 +395,24 @@ class Parking:
         # the node it left is sent again: told, then run once, never lost.
         if not self._received(until):  # before it is taken: a failure here leaves it parked (abandoned())
             return self._redelivered_runs(until)
-        self.taken = True
-        self.taken = self.received is None or self.queue.take(self.received, until, self.sent, self.lock.node)
-        if self.received is not None and self.taken and self.sent:  # the take made a record, at version 0
-            _taken[self.request.id] = (self.queue, self.received, 0, self.settings.connect_timeout)
-        if self.received is not None and not self.taken:
-            return self._redelivered_runs(until)  # another send took it: its redelivery, perhaps
-        if self.taken:
-            self._look_ahead()
-        return self.taken
+        if self.received is None:
+            self.stage = Stage.TAKEN  # a new copy: it holds the key, and runs
+        else:
+            self.stage = Stage.TAKING
+            if not self.queue.take(self.received, until, self.sent, self.lock.node):
+                # Another send took it since our receive: still RECEIVED (it took nothing, and an
+                # exception now gives its claim back), it asks as a copy whose node was gone does.
+                self.stage = Stage.RECEIVED
+                return self._redelivered_runs(until)  # its redelivery, perhaps
+            self.stage = Stage.TAKEN
+            if self.sent:  # the take made a record, at version 0
+                _taken[self.request.id] = (self.queue, self.received, 0, self.settings.connect_timeout)
+        self._look_ahead()
+        return True
 
     def redelivered(self, until: Optional[float]) -> bool:
         """The key is held: True for the send that took this copy, delivered again, which waits
-        for the key as it would had it never parked (:func:`.recipes.park.redelivery`)."""
+        for the key as it would had it never parked (:func:`.recipes.park_rules.redelivery`)."""
         if self.received is None or self.sent is None or self._received(until):
             return False
         record, _, _ = self.queue.taken(self.received, until)
@@ -399,7 +438,7 @@ class Parking:
                 continue  # it changed since we read it: decide again
             logger.warning("%s: delivered again after its take (its process or worker died before it ended); it "
                            "runs now, holding lock %r", self.where, self.label)
-            self.taken = True
+            self.stage = Stage.RETAKEN
             _taken[self.request.id] = (self.queue, self.received, retaken, self.settings.connect_timeout)
             self._look_ahead()
             return True
@@ -437,19 +476,19 @@ class Parking:
     def _received(self, until: Optional[float]) -> bool:
         """The answer to before()'s receive, if it is still to be read: False when the copy's
         node is gone, a second send of a copy already taken, which must not run."""
-        if self._node_there is not None:
-            return self._node_there
+        if self.stage != Stage.SENT:
+            return self.stage.node_there
         sent, self._receiving = self._receiving, None
         if sent is None or self.received is None:
             return True
-        self._node_there = self.queue.received(self.received, sent, until)
-        return self._node_there
+        self.stage = Stage.RECEIVED if self.queue.received(self.received, sent, until) else Stage.GONE
+        return self.stage.node_there
 
     def abandoned(self, exc: BaseException) -> bool:
         """``exc`` ends this call. True for a received copy that had not taken its node: it is
         still parked and runs when it is sent again, so the caller raises ``Ignore`` (no result
         is stored under its id); its claim goes in the background, so that it is sent again."""
-        if self.received is None or self.taken or isinstance(exc, Ignore) or self._node_there is False:
+        if self.received is None or self.stage.runs or isinstance(exc, Ignore) or self.stage == Stage.GONE:
             return False  # a redelivery's node is gone: it fails (or is requeued) as a task that never parked
         logger.warning("%s: %s before the copy could take its place; it stays parked, and is sent again",
                        self.where, explain(exc))
@@ -462,7 +501,7 @@ class Parking:
         effort: on any failure it reads after."""
         looking, self._looking = self._looking, None
         node = self.lock.node
-        if node is None or self._handed_on or not self.queue.session.client.connected:
+        if node is None or self.stage == Stage.HANDED_ON or not self.queue.session.client.connected:
             return
         try:
             self._looked = (looking or self.queue.look(node))(deadline(self.settings.connect_timeout))
@@ -473,9 +512,9 @@ class Parking:
         """The key was let go (or never taken): send the queue's head if it has room now.
         Once: the glue calls it from two nets, as it releases, so that an exception landing
         in one (a soft time limit) cannot leave a taken copy's claim behind."""
-        if self._handed_on:
+        if self.stage == Stage.HANDED_ON:
             return
-        if self.received is not None and self.taken:
+        if self.received is not None and self.stage.runs:
             self.queue.done(self.received)
         try:
             looked, self._looked = self._looked, None
@@ -488,7 +527,7 @@ class Parking:
         except Exception as exc:  # noqa: BLE001 - the processes watching the queue send it instead
             logger.warning("%s: could not send the next parked copy of lock %r (%s); the processes watching "
                            "the key's queue will", self.where, self.label, explain(exc))
-        self._handed_on = True
+        self.stage = Stage.HANDED_ON
 
     def _watch(self) -> QueueWatch:
         watch = _watch(self.queue.session, self.settings, self.task.app)
@@ -796,11 +835,33 @@ def _receipt(task: Any, task_id: str) -> Tuple[Optional[str], Optional[str]]:
         return None, None
     dying = getattr(task, "request", None)
     nonce = _sent_nonce(dying) if dying is not None and getattr(dying, "id", None) == task_id else None
-    at = next((i for i, (_, sent) in enumerate(receipts) if nonce is not None and sent == nonce), len(receipts) - 1)
-    found = receipts.pop(at)
+    found = receipts.pop(receipt_of([sent for _, sent in receipts], nonce))
     if not receipts:
         del _received[task_id]
     return found
+
+
+def receipt_of(nonces: List[Optional[str]], nonce: Optional[str]) -> int:
+    """Which of a task id's receipts (the nonces of their sends, oldest first) a dying request
+    is: the one whose send's nonce it carries, else the latest (an older one has most likely ended).
+
+    >>> receipt_of(["n1", "n2", "n3"], "n2"), receipt_of(["n1", "n2"], None), receipt_of(["n1", None], "n9")
+    (1, 1, 1)
+    """
+    return next((i for i, sent in enumerate(nonces) if nonce is not None and sent == nonce), len(nonces) - 1)
+
+
+def comes_back(time_limit: bool, acks_late: bool, reject_on_worker_lost: bool, acks_on_timeout: bool) -> bool:
+    """Whether the message of a copy whose pool process died under it (or, with ``time_limit``,
+    hit its hard time limit) comes back to a worker, rather than Celery storing its failure and
+    acknowledging it: its claim is then given back, not its copy removed (see :func:`lost`).
+
+    >>> comes_back(False, True, True, True), comes_back(False, True, False, True), comes_back(False, False, True, True)
+    (True, False, False)
+    >>> comes_back(True, True, True, True), comes_back(True, True, False, False)
+    (False, True)
+    """
+    return acks_late and (not acks_on_timeout if time_limit else reject_on_worker_lost)
 
 
 def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs: Any) -> None:
@@ -820,14 +881,12 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
     spec = spec_of(sender)
     if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or spec is None:
         return
-    if isinstance(exception, TimeLimitExceeded):
-        # Celery 5.4+ reads acks_on_timeout, which falls back to acks_on_failure_or_timeout (default True).
-        acked = next((v for v in (getattr(sender, "acks_on_timeout", None),
-                                  getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
-        comes_back = bool(sender.acks_late and not acked)
-    else:
-        comes_back = bool(sender.acks_late and getattr(sender, "reject_on_worker_lost", False))
-    _give_up(sender.app, sender.name, spec, task_id, header, revoked=not comes_back, sent=sent)
+    # Celery 5.4+ reads acks_on_timeout, which falls back to acks_on_failure_or_timeout (default True).
+    acked = next((v for v in (getattr(sender, "acks_on_timeout", None),
+                              getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
+    back = comes_back(isinstance(exception, TimeLimitExceeded), bool(sender.acks_late),
+                      bool(getattr(sender, "reject_on_worker_lost", False)), bool(acked))
+    _give_up(sender.app, sender.name, spec, task_id, header, revoked=not back, sent=sent)
 
 
 def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, revoked: bool,

@@ -6,7 +6,9 @@
 - :mod:`.queue`: a read-only view of a key's queue (holders, contenders);
 - :mod:`.election`: leader election on the lock, as a state machine;
 - :mod:`.marker`: one dedupe marker per key;
-- :mod:`.order`: the order of publishes, which ``preempt`` goes by.
+- :mod:`.order`: the order of publishes, which ``preempt`` goes by;
+- :mod:`.park`: a key's parked copies (the queue ZooKeeper holds, and the watch that sends them on),
+  asking :mod:`.park_rules`, its pure decisions, what each read means.
 """
 
 from .election import Election, ElectionState

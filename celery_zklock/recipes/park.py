@@ -41,6 +41,11 @@ send it came in (a nonce each send carries) and its lock node. A delivery whose 
 runs only if it is that very send delivered again and the copy's last taker no longer holds
 the key (:func:`redelivery`); the record goes once the copy's result is stored.
 
+What each read means is decided in :mod:`.park_rules`, pure and doctested: whether a copy parks
+(:func:`.park_rules.park_turn`), what a nudge does with the head (:func:`.park_rules.head_turn`),
+who of the watchers nudges (:func:`.park_rules.follow_turn`), and what a receive, a take, a resend,
+a decline and a redelivery found. This module only reads and writes ZooKeeper, and asks them.
+
 Example::
 
     queue = ParkedQueue(session, layout.parked(key), layout.lock(key), EXCLUSIVE)
@@ -52,7 +57,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 import json
 import logging
 import posixpath
@@ -60,14 +64,50 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..exceptions import explain
 from ..layout import node_object
 from ..zk import Liveness, Session, deadline, reply, through_blips
-from .rules import Rule, sequence
+from .park_rules import (
+    CLAIM,
+    MEMBER,
+    PARKED,
+    RING,
+    SENT,
+    TAKEN,
+    TAKEN_MARK,
+    TOKEN,
+    UNACKED,
+    VIEWER,
+    Follow,
+    Guard,
+    Hand,
+    Park,
+    Redelivery,
+    declines,
+    delivery_token,
+    follow_turn,
+    forgets,
+    head_turn,
+    orphaned,
+    park_turn,
+    parked_prefix,
+    parked_sequence,
+    received_answer,
+    redelivery,
+    resends,
+    took,
+)
+from .park_rules import failed as _failed
+from .park_rules import member_prefix as _member
+from .park_rules import members as _members
+from .park_rules import parked as _parked
+from .park_rules import parked_prefix as _prefix
+from .rules import Rule
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "UNACKED", "VIEWER", "InFlight",
            "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token", "head_of",
@@ -75,24 +115,6 @@ __all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_M
 
 logger = logging.getLogger("celery_zklock")
 
-#: A parked copy's node name starts with this, then a hash of its task id.
-PARKED = "p-"
-#: The claim on a parked copy in flight: this plus the copy's node name.
-CLAIM = "c-"
-#: The record of a taken copy whose message may be delivered again: this plus the copy's node name.
-TAKEN = "t-"
-#: A process watching the queue (:meth:`ParkedQueue.follow`): this, its watch's token, a sequence number.
-MEMBER = "w-"
-#: A worker's consumer that sees the key held, and joins the queue's watchers as a copy parks
-#: (a publisher may park behind it): this, its token, a sequence number.
-VIEWER = "v-"
-#: A message a worker's main process parked and has not yet acknowledged: this plus its delivery token.
-UNACKED = "a-"
-#: A claim's data while its copy is on its way: this and its sender's token. The receiver empties
-#: it as it moves the claim to its own session, and the taker marks it ``taken:``.
-SENT = b"sent:"
-#: A taken claim's data starts with this (then a mark of the take's own, see ParkedQueue.take).
-TAKEN_MARK = b"taken:"
 #: The most a parked copy's node may hold: ZooKeeper refuses a request over ``jute.maxbuffer``
 #: (1 MiB by default), and the create's path and ACL travel with the data.
 MAX_PAYLOAD = 1_000_000
@@ -104,11 +126,6 @@ MAX_PAYLOAD = 1_000_000
 #: after they settle costs one per process, and the kills and declines the watch is for are
 #: seen as late: the copy still goes within its claimant's session timeout and this.
 SETTLE = 0.05
-
-#: Each park writes a token of its own into the queue node's data, which keeps the newest
-#: _RING of them: a park whose reply was lost finds its token there even after its copy was
-#: sent, taken and run meanwhile (its node gone), and does not park it a second time.
-_TOKEN, _RING = 16, 256
 
 #: ``send(node path, payload)``: publish a parked copy again (the glue's part).
 Send = Callable[[str, bytes], None]
@@ -128,110 +145,8 @@ class Nudge(str, enum.Enum):
     FOLLOWING = "following"  # another process watches the queue for us (QueueWatch only)
 
 
-class Redelivery(str, enum.Enum):
-    """What a delivery of a parked copy whose node is gone does (:func:`redelivery`)."""
-
-    DROP = "drop"  # a second send, or a copy that ended: it must not run
-    CONTEND = "contend"  # the send that took the copy, delivered again: it waits for the key, as `wait` does
-    WAIT = "wait"  # it holds a lease beside the copy's last taker, which still holds one: wait for that to go
-    RUN = "run"  # the copy's last taker let go of the key and the copy did not end: this delivery runs it
-
-
-def redelivery(record: Optional[Dict[str, Any]], sent: Optional[str], contenders: Optional[Collection[str]],
-               ours: Optional[str]) -> Redelivery:
-    """Decide for a delivery whose parked node is gone, from the copy's taken record (None: no
-    record), the nonce of the send the delivery came in, and, once it holds the key, the key's
-    contenders and its own lock node (``ours``; None while it does not hold the key yet).
-
-    Only the very send that took the copy, delivered again (its nonce in the record), may run
-    it: every other send carries another nonce and drops itself, whatever the record says. And
-    it runs only holding the key, once the copy's last taker no longer holds it (the taker's
-    lock node is no contender), so two deliveries never run the copy at once::
-
-        >>> record = {"sent": "n1", "holder": "a__lock__0000000001"}
-        >>> [redelivery(r, s, None, None).value for r, s in [(None, "n1"), (record, "n2"), (record, None)]]
-        ['drop', 'drop', 'drop']
-        >>> redelivery(record, "n1", None, None).value
-        'contend'
-        >>> redelivery(record, "n1", ["a__lock__0000000001", "b__lock__0000000002"], "b__lock__0000000002").value
-        'wait'
-        >>> redelivery(record, "n1", ["b__lock__0000000002"], "b__lock__0000000002").value
-        'run'
-    """
-    if record is None or not sent or record.get("sent") != sent:
-        return Redelivery.DROP
-    if ours is None or contenders is None:
-        return Redelivery.CONTEND
-    holder = record.get("holder")
-    if holder != ours and holder in contenders:
-        return Redelivery.WAIT
-    return Redelivery.RUN
-
-
-def delivery_token(task_id: str, retries: int) -> bytes:
-    """The ring token of a message parked by a worker's main process: the same for every delivery
-    of one message (its task id, and its retry count, which a retry of the copy raises).
-
-    >>> delivery_token("t1", 0) == delivery_token("t1", 0), delivery_token("t1", 0) == delivery_token("t1", 1)
-    (True, False)
-    >>> len(delivery_token("t1", 0))
-    16
-    """
-    digest = hashlib.sha256(f"{task_id}\0{retries}".encode("utf-8", "surrogatepass")).hexdigest()
-    return f"m{digest[:_TOKEN - 1]}".encode()
-
-
 def _record(holder: str, sent: str) -> bytes:
     return json.dumps({"holder": holder, "sent": sent}).encode()
-
-
-def parked_prefix(task_id: str) -> str:
-    """The start of the name of copy ``task_id``'s parked node (a hash: a task id may hold any
-    character, and a node name may not, a '/').
-
-    >>> parked_prefix("t1")
-    'p-628b49d96dcde97a-'
-    """
-    return _prefix(task_id)
-
-
-def _prefix(task_id: str) -> str:
-    # A hash: a task id may hold any character, and a node name may not (a '/').
-    return f"{PARKED}{hashlib.sha256(task_id.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}-"
-
-
-def parked_sequence(name: str) -> int:
-    """The queue position of a parked copy's node (-1 for anything else).
-
-    >>> parked_sequence("p-0123456789abcdef-0000000007"), parked_sequence("c-p-x-0000000001"), parked_sequence("p-x-²")
-    (7, -1, -1)
-    """
-    return _sequence(name, PARKED)
-
-
-def _sequence(name: str, prefix: str) -> int:
-    head, _, seq = name.rpartition("-")
-    # isascii: str.isdigit() also passes '²', which int() refuses (junk written by others).
-    return int(seq) if name.startswith(prefix) and head and seq.isascii() and seq.isdigit() else -1
-
-
-def _parked(children: List[str]) -> List[str]:
-    return sorted((c for c in children if parked_sequence(c) >= 0), key=parked_sequence)
-
-
-def _members(children: List[str]) -> List[str]:
-    """The watchers' member nodes among a queue's children, first first."""
-    return sorted((c for c in children if _sequence(c, MEMBER) >= 0), key=lambda c: _sequence(c, MEMBER))
-
-
-def _viewers(children: List[str]) -> List[str]:
-    """The consumers' viewer nodes among a queue's children, first first."""
-    return sorted((c for c in children if _sequence(c, VIEWER) >= 0), key=lambda c: _sequence(c, VIEWER))
-
-
-def _member(token: str) -> str:
-    """The name of a watcher's member node, but its sequence number (see ParkedQueue.follow)."""
-    return f"{MEMBER}{token}-"
 
 
 class ParkUntold(Exception):
@@ -246,10 +161,6 @@ def _untold(path: str, what: str) -> RuntimeError:
     the copy twice, and not parking could lose it; this way its caller is told."""
     return RuntimeError(f"parked queue {path} {what} since this park's reply was lost; whether it parked "
                         "cannot be told")
-
-
-def _failed(results: List[Any]) -> bool:
-    return any(isinstance(r, Exception) for r in results)
 
 
 class InFlight(NamedTuple):
@@ -320,9 +231,41 @@ def unwatched(session: Session, paths: List[str], timeout: float, batch: int = 2
                 children = reply(listed, until)
             except NoNodeError:
                 continue
-            if _parked(children) and not _members(children):
+            if orphaned(children):
                 found.append(path)
     return found
+
+
+@dataclass
+class _ParkTry:
+    """One park across its tries (``through_blips`` runs a try again after a lost reply)."""
+
+    #: The copy's message, or what builds it (see ParkedQueue.park).
+    payload: Union[bytes, Callable[[], bytes]]
+    #: The message, once built.
+    built: Optional[bytes] = None
+    #: The queue node's (version, czxid) under the latest try whose reply is not in: that try
+    #: committed at this version of this node, or not at all.
+    unanswered: Optional[Tuple[int, int]] = None
+
+    def message(self) -> bytes:
+        """The message, built once; ValueError when it is too large to park."""
+        if self.built is None:
+            data = self.payload if isinstance(self.payload, bytes) else self.payload()
+            if len(data) > MAX_PAYLOAD:
+                raise ValueError(f"{len(data)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
+            self.built = data
+        return self.built
+
+
+@dataclass
+class _NudgeTry:
+    """One nudge across its tries."""
+
+    #: What look() found before the release: only the first try claims from it.
+    looked: Optional[Looked]
+    #: The head this nudge claimed: what a SENT answer sent.
+    head: Optional[str] = None
 
 
 class ParkedQueue:
@@ -387,35 +330,25 @@ class ParkedQueue:
         the acknowledgement), or a lost reply's park run again. A ``ParkUntold`` then tells
         a park with ``unacked`` whose write got no answer: run again, it finds out.
         """
-        built: List[bytes] = []
-
-        def message() -> bytes:
-            if not built:
-                data = payload if isinstance(payload, bytes) else payload()
-                if len(data) > MAX_PAYLOAD:
-                    raise ValueError(f"{len(data)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
-                built.append(data)
-            return built[0]
-
+        attempt = _ParkTry(payload)
         if not behind:
-            message()  # a message it cannot park is refused before anything is sent
+            attempt.message()  # a message it cannot park is refused before anything is sent
         # Run again after a lost reply, it finds its node by its prefix and makes no second one;
         # or, where the copy was sent and taken meanwhile, finds this park's token in the ring.
-        mark = delivery if unacked and delivery is not None else uuid.uuid4().hex[:_TOKEN].encode()
-        first: List[int] = []  # the queue node's version and czxid under this park's latest try
+        mark = delivery if unacked and delivery is not None else uuid.uuid4().hex[:TOKEN].encode()
         try:
             return through_blips(self.session, until, lambda: self._park_now(
-                task_id, message, limit, until, mark, first, behind, guarded, delivery, unacked))
+                task_id, attempt, limit, until, mark, behind, guarded, delivery, unacked))
         except Exception as exc:
-            if (guarded or unacked) and first:
+            if (guarded or unacked) and attempt.unanswered is not None:
                 # A try went out and was never answered: it may have parked the copy. A publisher
                 # must not then publish it too (it could run twice), nor say it parked.
                 raise ParkUntold(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
                                   "parked cannot be told") from exc
             raise
 
-    def _park_now(self, task_id: str, message: Callable[[], bytes], limit: int, until: Optional[float], token: bytes,
-                  first: List[int], behind: bool, guarded: bool, delivery: Optional[bytes] = None,
+    def _park_now(self, task_id: str, attempt: _ParkTry, limit: int, until: Optional[float], token: bytes,
+                  behind: bool, guarded: bool, delivery: Optional[bytes] = None,
                   unacked: bool = False) -> Optional[str]:
         client = self.session.client
         nodes = self.session.nodes
@@ -437,7 +370,7 @@ class ParkedQueue:
                 data, stat = reply(read, until)
                 children = reply(listed, until)
             except NoNodeError:
-                if first:
+                if attempt.unanswered is not None:
                     raise _untold(self.path, "was reaped") from None
                 if behind or guarded:
                     return ""  # nothing parked (a park after this one finds the queue gone and makes it)
@@ -450,45 +383,38 @@ class ParkedQueue:
                     contenders = reply(locked, until)
                 except NoNodeError:
                     pass
-            # Not sorted: only our own node and the count matter here (a long queue is read per park).
-            parked = [name for name in children if parked_sequence(name) >= 0]
-            mine = [name for name in parked if name.startswith(prefix)]
             record = UNACKED + delivery.decode() if delivery is not None else None
             self.recorded = record is not None and record in children
-            if mine:
-                return min(mine, key=parked_sequence)
-            if self.recorded:
-                return prefix  # this very message was parked, and its copy taken since: it ran, or runs
-            ring = [data[i:i + _TOKEN] for i in range(0, len(data), _TOKEN)]
-            if token in ring:
-                return prefix  # an earlier try of ours parked it, and it was taken since: it ran, or runs
-            if first and stat.czxid != first[1]:
+            unanswered = attempt.unanswered
+            turn = park_turn(children, data, prefix, token, record, unanswered, stat.version, stat.czxid, limit,
+                             behind, (contenders, self.rule) if guarded else None)
+            if turn.action == Park.THERE:
+                return turn.node
+            if turn.action == Park.GONE:
+                return prefix  # it ran, or runs
+            if turn.action == Park.REAPED:
                 raise _untold(self.path, "was reaped and made again")
-            if first and stat.version - first[0] > _RING:
-                raise _untold(self.path, f"took {stat.version - first[0]} parks")
-            if behind and not parked:
+            if turn.action == Park.OVERRUN:
+                raise _untold(self.path, f"took {stat.version - (unanswered or (0, 0))[0]} parks")
+            if turn.action in (Park.ALONE, Park.UNGUARDED):
                 return ""
-            guards = self._guards(children, parked, contenders) if guarded else []
-            if guarded and not guards:
-                return ""
-            if len(parked) >= limit:
+            if turn.action == Park.FULL:
                 return None
-            payload = message()  # built once, and before anything is written: it may refuse the copy
-            # A try whose reply is lost committed at this version of this queue node, or not at all.
-            first[:] = [stat.version, stat.czxid]
+            payload = attempt.message()  # built once, and before anything is written: it may refuse the copy
+            attempt.unanswered = (stat.version, stat.czxid)
             tx = client.transaction()
-            tx.set_data(self.path, (data + token)[-_RING * _TOKEN:], version=stat.version)
+            tx.set_data(self.path, (data + token)[-RING * TOKEN:], version=stat.version)
             tx.create(self.node_path(prefix), payload, sequence=True)
             if unacked and record is not None:
                 tx.create(self.node_path(record), b"")
-            for guard in guards:  # gone by the commit: read again and decide again
+            for guard in self._guards(turn.guard):  # gone by the commit: read again and decide again
                 tx.check(guard, -1)
             results = reply(tx.commit_async(), until)
             if not _failed(results):
                 return posixpath.basename(results[1])
             if not any(isinstance(r, (BadVersionError, NoNodeError)) for r in results):
                 raise next(r for r in results if isinstance(r, Exception))
-            first[:] = []  # this try is answered: it did not commit
+            attempt.unanswered = None  # this try is answered: it did not commit
             # Another parker took a place first, or the queue was reaped: look again.
 
     def acked(self, delivery: bytes) -> None:
@@ -496,9 +422,9 @@ class ParkedQueue:
         goes (not waited for; one left behind by a death in between only keeps the queue's node)."""
         self.session.nodes.delete_later(self.node_path(UNACKED + delivery.decode()))
 
-    def _guards(self, children: List[str], parked: List[str], contenders: List[str]) -> List[str]:
-        """What a publisher's park commits on (nodes that must still be there), or ``[]`` where
-        it must not park: the copy is published as it is, and a worker decides.
+    def _guards(self, guard: Optional[Guard]) -> List[str]:
+        """The paths a publisher's park commits on (nodes that must still be there), from
+        :func:`.park_rules.guard`; ``[]`` for none. Why each:
 
         - The queue's first watcher (:meth:`follow`), or else its first viewer (a worker's
           consumer that sees the key held, :meth:`add_viewer`): someone must send the copy on
@@ -516,16 +442,10 @@ class ParkedQueue:
 
         Both are for the decision, not for safety: a park whose guard went is tried again.
         """
-        members = _members(children) or _viewers(children)
-        if not members:
+        if guard is None:
             return []
-        if not self.rule.has_room(contenders):
-            behind = f"{self.lock_path}/{min(self.rule.blockers(contenders), key=sequence)}"
-        elif parked:
-            behind = self.node_path(min(parked, key=parked_sequence))
-        else:
-            return []
-        return [self.node_path(members[0]), behind]
+        blocker = f"{self.lock_path}/{guard.blocker}" if guard.in_lock else self.node_path(guard.blocker)
+        return [self.node_path(guard.member), blocker]
 
     # -- the watchers ------------------------------------------------------------------------
     def add_viewer(self, token: str, until: Optional[float]) -> str:
@@ -565,26 +485,24 @@ class ParkedQueue:
                 children = reply(listed, until)
             except NoNodeError:
                 return None
-            members = _members(children)
-            ours = [m for m in members if m.startswith(_member(token))]
-            if not any(parked_sequence(c) >= 0 for c in children):
-                if not ours:
-                    return None
+            turn = follow_turn(children, token)
+            if turn.action == Follow.GONE:
+                return None
+            if turn.action == Follow.LEAVE:
                 # Gone first, then read again: a publisher's park that committed while our
                 # member stood (it checks the first one: _guards) is seen, and we stay.
-                self._delete_now(ours, until)
+                self._delete_now(list(turn.ours), until)
                 continue
-            if not ours:
+            if turn.action == Follow.JOIN:
                 try:
                     reply(self.session.nodes.create_contender(self.node_path(_member(token)), b""), until)
                 except NoNodeError:
                     return None
                 continue  # read again, with it (a create whose reply was lost is found by its token)
-            self._drop(ours[1:])  # made by a create whose reply was lost: one member each
-            at = members.index(ours[0])
-            if at == 0:
+            self._drop(list(turn.ours))  # made by a create whose reply was lost: one member each
+            if turn.action == Follow.LEAD:
                 return True
-            if reply(client.exists_async(self.node_path(members[at - 1]), watch=watch), until) is not None:
+            if reply(client.exists_async(self.node_path(str(turn.before)), watch=watch), until) is not None:
                 return False
             # The member before ours went between our reads: read again.
 
@@ -659,17 +577,17 @@ class ParkedQueue:
         """
         # A claim this call made, found again after a lost reply, is known by its token.
         token = SENT + uuid.uuid4().hex.encode()
-        first: List[Any] = [looked]  # then the head it found
-        done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, first))
-        if done == Nudge.SENT and sent is not None:
-            sent(first[1])
+        attempt = _NudgeTry(looked)
+        done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, attempt))
+        if done == Nudge.SENT and sent is not None and attempt.head is not None:
+            sent(attempt.head)
         return done
 
     def _nudge_now(self, send: Send, until: Optional[float], token: bytes,
-                   watch: Optional[Callable[[Any], None]], first: List[Any]) -> Nudge:
+                   watch: Optional[Callable[[Any], None]], attempt: _NudgeTry) -> Nudge:
         client = self.session.client
         while True:
-            looked, first[0] = first[0], None  # once: a try after a lost reply, or a failed claim, reads afresh
+            looked, attempt.looked = attempt.looked, None  # once: a retry, or a failed claim, reads afresh
             if looked is not None:
                 children, contenders = looked
             else:
@@ -685,23 +603,22 @@ class ParkedQueue:
                     contenders = reply(locked, until)
                 except NoNodeError:
                     contenders = []
-            parked = _parked(children)
-            if looked is not None and not (parked and CLAIM + parked[0] not in children
-                                           and self.rule.has_room(contenders)):
+            turn = head_turn(children, contenders, self.rule)
+            if looked is not None and turn.action != Hand.CLAIM:
                 continue  # only a claim may come of a look: any other answer is read after the release
-            if not parked:
+            if turn.action == Hand.EMPTY:
                 return Nudge.EMPTY
-            head = parked[0]
-            first[1:] = [head]  # what a SENT answer sent
+            head = str(turn.head)
+            attempt.head = head
             claim = self.node_path(CLAIM + head)
-            if CLAIM + head in children:
+            if turn.action == Hand.CLAIMED:
                 # Ours, if this call made it and lost the reply: send then.
                 try:
                     mine = reply(client.get_async(claim), until)[0] == token
                 except NoNodeError:
                     continue
                 return self._send(head, claim, send, until) if mine else Nudge.CLAIMED
-            if not self.rule.has_room(contenders):
+            if turn.action == Hand.BUSY:
                 return Nudge.BUSY
             tx = client.transaction()
             tx.check(self.node_path(head), -1)
@@ -750,8 +667,7 @@ class ParkedQueue:
         try:
             # Usually one read: the claim is gone (taken and done) or changed (received).
             data, stat = reply(client.get_async(self.node_path(CLAIM + head)), until)
-            ours = client.client_id is not None and stat.ephemeralOwner == client.client_id[0]
-            if not ours or not data.startswith(SENT):
+            if not resends(data, stat.ephemeralOwner, client.client_id[0] if client.client_id is not None else None):
                 return False  # received (its data emptied, in its receiver's session) or taken (marked)
             payload, _ = reply(client.get_async(self.node_path(head)), until)
         except NoNodeError:
@@ -787,11 +703,8 @@ class ParkedQueue:
             tries = [reply(one, until) for one in sent]
         except ConnectionLoss:
             return self.receive(name, until)
-        if any(not _failed(results) for results in tries):
-            return True
-        if all(isinstance(results[0], NoNodeError) for results in tries):
-            return False  # the node is gone
-        return self.receive(name, until)
+        answer = received_answer(tries)
+        return self.receive(name, until) if answer is None else answer
 
     def _receive_now(self, name: str, until: Optional[float]) -> bool:
         def replace(tx: Any, claim: str) -> None:
@@ -853,9 +766,10 @@ class ParkedQueue:
         if taken:
             return True
         try:  # the node is gone: taken by us, in a run whose reply was lost, or by another send
-            return reply(self.session.client.get_async(self.node_path(CLAIM + name)), until)[0] == mark
+            claim: Optional[bytes] = reply(self.session.client.get_async(self.node_path(CLAIM + name)), until)[0]
         except NoNodeError:
-            return False
+            claim = None
+        return took(claim, mark)
 
     def taken(self, name: str, until: Optional[float]) -> Tuple[Optional[Dict[str, Any]], int, List[str]]:
         """Copy ``name``'s taken record (None: there is none), its version, and the key's
@@ -918,7 +832,7 @@ class ParkedQueue:
             data, stat = reply(self.session.client.get_async(self.node_path(TAKEN + name)), until)
         except NoNodeError:
             return
-        if node_object(data).get("sent") == sent:
+        if forgets(node_object(data), sent):
             self.forget(name, stat.version, until)
 
     def decline(self, name: str, until: Optional[float]) -> None:
@@ -932,7 +846,7 @@ class ParkedQueue:
         while True:
             try:
                 data, stat = reply(client.get_async(claim), until)
-                if data.startswith(TAKEN_MARK):
+                if not declines(data):
                     # Another delivery of this copy took it (a second send ran into its take): the
                     # claim is that taker's, which reads its mark there after a lost reply.
                     return

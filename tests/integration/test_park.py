@@ -62,6 +62,9 @@ def test_parked_copies_free_the_slots_and_run_once_each_in_publish_order(workers
         others.append(send(worker_app.unrelated, queue, n))
     assert [r.get(timeout=60) for r in others] == list(range(20))
     assert [r.get(timeout=60) for r in keyed] == list(range(10)), "every caller gets its own copy's result"
+    # Each copy's postrun is noted after its result is stored: wait for the notes, not only the results.
+    wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}
+               >= {r.id for r in keyed}, timeout=10)
     history = events(redis_server.url)
     late = {e["n"]: round(e["time"] - published[e["n"]], 2) for e in history if e["event"] == "unrelated"
             and e["time"] - published[e["n"]] > 1.0}
@@ -97,6 +100,9 @@ def test_a_publisher_parks_a_copy_itself_and_no_worker_receives_it_before_its_tu
     redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
     keyed = [first, second, *rest]
     assert [r.get(timeout=60) for r in keyed] == list(range(10)), "every caller gets its own copy's result"
+    # Each copy's postrun is noted after its result is stored: wait for the notes, not only the results.
+    wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}
+               >= {r.id for r in keyed}, timeout=10)
     history = events(redis_server.url)
     deliveries = collections.Counter(e["task_id"] for e in history if e["event"] == "delivered")
     assert deliveries[second.id] == 2, "the worker parked it, then ran it"

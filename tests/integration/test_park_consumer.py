@@ -124,6 +124,9 @@ def test_a_publisher_parks_behind_a_held_key_before_any_copy_has_parked(holder, 
     else:
         r.rpush(f"nobody-pushes:{first.id}", "go")
         assert [first.get(timeout=60), second.get(timeout=60)] == [0, 1]
+    # Its postrun is noted after its result is stored: wait for the note, not only the result.
+    wait_until(lambda: any(e["event"] == "delivered" and e["task_id"] == second.id
+                           for e in events(redis_server.url)), timeout=10)
     deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
     assert deliveries[second.id] == 1, "it reached a worker once, to run"
     assert violations(holds(redis_server.url)) == []
