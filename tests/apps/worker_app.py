@@ -22,7 +22,8 @@ from celery_zklock.recipes.park import ParkedQueue
 app = Celery("worker_app")
 app.conf.update(
     broker_url=os.environ.get("ZKT_BROKER", "memory://"),
-    result_backend=os.environ.get("ZKT_BROKER", "cache+memory://"),
+    # ZKT_BACKEND: results and the history in a Redis of their own, for a test that restarts the broker.
+    result_backend=os.environ.get("ZKT_BACKEND") or os.environ.get("ZKT_BROKER", "cache+memory://"),
     zklock_hosts=os.environ.get("ZKT_HOSTS", "127.0.0.1:1"),
     zklock_root=os.environ.get("ZKT_ROOT", "/zklock-tests"),
     zklock_session_timeout=float(os.environ.get("ZKT_SESSION_TIMEOUT", "4")),
@@ -52,7 +53,7 @@ def history() -> Any:
     global _redis
     if _redis is None:
         # No socket timeout: hold_on_socket's BLPOP may block longer than redis-py 8's default of 5 s.
-        _redis = redis.Redis.from_url(app.conf.broker_url, socket_timeout=None)
+        _redis = redis.Redis.from_url(os.environ.get("ZKT_BACKEND") or app.conf.broker_url, socket_timeout=None)
     return _redis
 
 

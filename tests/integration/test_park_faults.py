@@ -1,0 +1,68 @@
+"""Park under the faults its rows of the fault table (docs/guarantees.md) had no test for: a
+broker restarted as a holder hands its key on, a publisher that cannot reach ZooKeeper, and
+deploys of a task whose publishers park its copies."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Iterator
+
+import pytest
+import redis
+
+from harness import RedisServer
+from tests.apps import worker_app
+from tests.integration.test_park import moved_on, queue_left, started
+from tests.integration.test_park_retry_and_deploy import parked
+from tests.util import events, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def broker() -> Iterator[RedisServer]:
+    """A broker of its own (the test restarts it), with an append-only file: a restart loses no message."""
+    with RedisServer(persistent=True) as server:
+        yield server
+
+
+@pytest.mark.parametrize("task", ["parking", "parking_at_publish"])
+def test_a_broker_restarted_as_the_holder_lets_go_runs_each_parked_copy_once_in_its_turn(
+        task, broker, workers, queue, redis_server, kazoo, zk_root):
+    # The holder lets go while the broker is down: the head's send fails. Its copies live in
+    # ZooKeeper, and must go on once the broker is back: once each, in order, none left.
+    # Results and the history live in the session's Redis, which stays up.
+    parking_task = getattr(worker_app, task)
+    w = workers("w1", concurrency=2, ZKT_BROKER=broker.url, ZKT_BACKEND=redis_server.url,
+                ZKT_PARK_RESEND_AFTER="2")
+    with worker_app.app.connection_for_write(broker.url) as conn:
+        producer = worker_app.app.amqp.Producer(conn)
+
+        def publish(seq: int, seconds: float = 0.1, gated: bool = False):
+            return parking_task.apply_async(("rb", seconds, seq), {"gated": gated}, queue=queue, producer=producer)
+
+        first = publish(0, 60.0, True)
+        wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+        rest = [publish(1)]
+        # Watched from now on: parking_at_publish's later copies park as they are published
+        # (a copy published before anyone watched may run after them: the guide says so).
+        wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "rb")), timeout=30)
+        rest += [publish(i) for i in (2, 3)]
+        wait_until(lambda: parked(kazoo, zk_root, "rb") == 3, timeout=30)
+    broker.stop()
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    assert first.get(timeout=30) == 0
+    # The send of the head was tried, and failed, while the broker was down.
+    wait_until(lambda: "could not send" in w.log_text(), timeout=30)
+    broker.start()
+    restarted = time.monotonic()
+    assert [r.get(timeout=2 + 30) for r in rest] == [1, 2, 3]
+    assert w.running
+    moved_on(redis_server.url, kazoo, zk_root, "rb", rest, restarted, 2 + 10, before=[first])
+    if task == "parking_at_publish":
+        # Each copy's postrun is noted after its result is stored: wait for the notes, not only the results.
+        wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}
+                   >= {r.id for r in rest}, timeout=10)
+        deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
+        assert [deliveries[r.id] for r in rest[1:]] == [1, 1], "parked as they were published"
