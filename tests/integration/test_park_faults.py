@@ -11,11 +11,11 @@ from typing import Iterator
 import pytest
 import redis
 
-from harness import RedisServer
+from harness import RedisServer, free_port
 from tests.apps import worker_app
 from tests.integration.test_park import moved_on, queue_left, started
 from tests.integration.test_park_retry_and_deploy import parked
-from tests.util import events, wait_until
+from tests.util import events, send, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -66,3 +66,41 @@ def test_a_broker_restarted_as_the_holder_lets_go_runs_each_parked_copy_once_in_
                    >= {r.id for r in rest}, timeout=10)
         deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
         assert [deliveries[r.id] for r in rest[1:]] == [1, 1], "parked as they were published"
+
+
+def test_a_publisher_that_cannot_reach_zookeeper_publishes_as_usual_and_the_worker_parks_the_copy(
+        workers, queue, redis_server, kazoo, zk_root, caplog):
+    # park_at_publish with the publisher's ZooKeeper unreachable (nothing listens where it
+    # looks; the worker's stays up): each copy goes to the worker as usual, within
+    # zklock_dedupe_publish_timeout, and the worker parks it. None is lost or run twice, and
+    # the key's queue keeps its order: the copies parked at publish before, then these.
+    w = workers("w1", concurrency=2)
+    first = send(worker_app.parking_at_publish, queue, "zu", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(worker_app.parking_at_publish, queue, "zu", 0.1, 1)]  # the worker parks it, and watches
+    wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "zu")), timeout=30)
+    rest.append(send(worker_app.parking_at_publish, queue, "zu", 0.1, 2))  # parked as it is published
+    assert parked(kazoo, zk_root, "zu") == 2
+    hosts, worker_app.app.conf.zklock_hosts = worker_app.app.conf.zklock_hosts, f"127.0.0.1:{free_port()}"
+    worker_app.app.__dict__.pop("_zklock_settings", None)  # read again: this process's publishes only
+    try:
+        for seq in (3, 4):
+            began = time.monotonic()
+            rest.append(send(worker_app.parking_at_publish, queue, "zu", 0.1, seq))
+            # The guide's bound: zklock_dedupe_publish_timeout (2 s), then a second of slack.
+            assert time.monotonic() - began < 2 + 1
+            wait_until(lambda n=seq: parked(kazoo, zk_root, "zu") == n, timeout=30)  # the worker parked it
+    finally:
+        worker_app.app.conf.zklock_hosts = hosts
+        worker_app.app.__dict__.pop("_zklock_settings", None)
+    said = [r.getMessage() for r in caplog.records if "published as usual" in r.getMessage()]
+    assert [rest[2].id in said[0], rest[3].id in said[1]] == [True, True], said
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    assert first.get(timeout=30) == 0
+    assert [r.get(timeout=30) for r in rest] == [1, 2, 3, 4]
+    moved_on(redis_server.url, kazoo, zk_root, "zu", rest, 0, float("inf"), before=[first])
+    wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}
+               >= {r.id for r in rest}, timeout=10)
+    deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
+    assert [deliveries[r.id] for r in rest] == [2, 1, 2, 2], "parked by the worker, at publish, by the worker twice"
+    assert w.running
