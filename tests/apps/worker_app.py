@@ -357,6 +357,29 @@ if not os.environ.get("ZKT_KEY_SECRET"):
             (hold_on_socket if gated else hold)(seconds, key)
             return seq
 
+    # ``deployed`` whose publishers park its copies (park_at_publish), as ZKT_PARK_DEPLOY left it:
+    # under "wait" and "unlocked" it no longer parks, at publish or anywhere.
+    DEPLOYED_AT_PUBLISH = "tests.apps.worker_app.deployed_at_publish"
+    DEPLOYED_AT_PUBLISH_RENAMED = "tests.apps.worker_app.deployed_at_publish_renamed"
+
+    if _DEPLOY == "unlocked":
+        @app.task(bind=True, shared=False, name=DEPLOYED_AT_PUBLISH)
+        def deployed_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+            """``deployed_at_publish``, taking no lock: its start alone is noted."""
+            note("start", key=key, seq=seq)
+            time.sleep(seconds)
+            return seq
+    else:
+        @app.task(bind=True, shared=False,
+                  name=DEPLOYED_AT_PUBLISH_RENAMED if _DEPLOY == "renamed" else DEPLOYED_AT_PUBLISH)
+        @zk_locked(key="park:{key}", **({"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait"
+                                        else {"on_contention": "park", "park_at_publish": True}))
+        def deployed_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+            """``parking_at_publish``, as the deploy named by ZKT_PARK_DEPLOY left it."""
+            note("start", key=key, seq=seq)
+            (hold_on_socket if gated else hold)(seconds, key)
+            return seq
+
 
 @task_postrun.connect
 def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: Any) -> None:

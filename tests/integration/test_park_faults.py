@@ -10,12 +10,14 @@ from typing import Iterator
 
 import pytest
 import redis
+from celery.exceptions import NotRegistered
 
+from celery_zklock.testing import violations
 from harness import RedisServer, free_port
 from tests.apps import worker_app
 from tests.integration.test_park import moved_on, queue_left, started
-from tests.integration.test_park_retry_and_deploy import parked
-from tests.util import events, send, wait_until
+from tests.integration.test_park_retry_and_deploy import _stop_consuming, parked, starts
+from tests.util import events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +106,70 @@ def test_a_publisher_that_cannot_reach_zookeeper_publishes_as_usual_and_the_work
     deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
     assert [deliveries[r.id] for r in rest] == [2, 1, 2, 2], "parked by the worker, at publish, by the worker twice"
     assert w.running
+
+
+def _parked_at_publish(kazoo, zk_root: str, key: str, queue: str, first_seq: int, count: int) -> list:
+    """``count`` copies of ``deployed_at_publish`` this process parks as it publishes them (a
+    process of a worker watches ``key``'s queue already)."""
+    before = parked(kazoo, zk_root, key)
+    copies = [send(worker_app.deployed_at_publish, queue, key, 0.1, i) for i in range(first_seq, first_seq + count)]
+    assert parked(kazoo, zk_root, key) == before + count, "each parked before its publish returned"
+    return copies
+
+
+def test_a_deploy_that_renames_a_task_parked_at_publish_tells_its_callers_and_its_key_moves_on(
+        workers, queue, redis_server, kazoo, zk_root):
+    # The park row's rename, with copies their publisher parked: they leave the queue as the
+    # new worker meets their old name (their callers get NotRegistered), and the new name's
+    # copies, parked behind them, run in order.
+    old = workers("old", concurrency=2)
+    first = send(worker_app.deployed_at_publish, queue, "rp", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    dropped = [send(worker_app.deployed_at_publish, queue, "rp", 0.1, 1)]  # the worker parks it, and watches
+    wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "rp")), timeout=30)
+    dropped += _parked_at_publish(kazoo, zk_root, "rp", queue, 2, 2)
+    workers("new", concurrency=2, ZKT_PARK_DEPLOY="renamed")
+    _stop_consuming("old", queue)
+    later = [worker_app.app.send_task(worker_app.DEPLOYED_AT_PUBLISH_RENAMED, ("rp", 0.1, i), queue=queue)
+             for i in (4, 5)]
+    wait_until(lambda: parked(kazoo, zk_root, "rp") == 5, timeout=30)  # behind the old name's copies
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    assert first.get(timeout=30) == 0
+    old.stop(timeout=20)
+    assert [r.get(timeout=30) for r in later] == [4, 5], "the key's later copies run, in order"
+    for result in dropped:
+        with pytest.raises(NotRegistered):
+            result.get(timeout=10)
+    ran = starts(redis_server.url)
+    assert [ran[r.id] for r in [first, *dropped, *later]] == [1, 0, 0, 0, 1, 1]
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: queue_left(kazoo, zk_root, "rp") == [], timeout=10)
+
+
+@pytest.mark.parametrize("deploy", ["wait", "unlocked"])
+def test_a_deploy_that_stops_a_task_parking_at_publish_runs_each_parked_copy_once(
+        deploy, workers, queue, redis_server, kazoo, zk_root):
+    # The park row's change of policy, with copies their publisher parked, one of them parked
+    # after the deploy began by a publisher still on the old code (the old worker still watches).
+    old = workers("old", concurrency=2)
+    first = send(worker_app.deployed_at_publish, queue, "sp", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    copies = [send(worker_app.deployed_at_publish, queue, "sp", 0.1, 1)]  # the worker parks it, and watches
+    wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "sp")), timeout=30)
+    copies += _parked_at_publish(kazoo, zk_root, "sp", queue, 2, 2)
+    workers("new", concurrency=2, ZKT_PARK_DEPLOY=deploy)
+    _stop_consuming("old", queue)
+    copies += _parked_at_publish(kazoo, zk_root, "sp", queue, 4, 1)  # an old publisher, mid-deploy
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    assert first.get(timeout=30) == 0
+    old.stop(timeout=20)
+    assert [r.get(timeout=30) for r in copies] == [1, 2, 3, 4]
+    wait_until(lambda: queue_left(kazoo, zk_root, "sp") == [], timeout=10)
+    ran = starts(redis_server.url)
+    assert [ran[r.id] for r in [first, *copies]] == [1] * 5, "each copy's body once"
+    assert sum(ran.values()) == 5
+    if deploy == "wait":  # the bodies that took the lock, in order, none beside another
+        bodies = [e["task_id"] for e in sorted(events(redis_server.url), key=lambda e: e.get("start", 0))
+                  if e["event"] == "body"]
+        assert bodies == [r.id for r in [first, *copies]]
+    assert violations(holds(redis_server.url)) == []
