@@ -5,8 +5,10 @@ deploys of a task whose publishers park its copies."""
 from __future__ import annotations
 
 import collections
+import json
+import signal
 import time
-from typing import Iterator
+from typing import Iterator, List
 
 import pytest
 import redis
@@ -15,7 +17,7 @@ from celery.exceptions import NotRegistered
 from celery_zklock.testing import violations
 from harness import RedisServer, free_port
 from tests.apps import worker_app
-from tests.integration.test_park import moved_on, queue_left, started
+from tests.integration.test_park import moved_on, parked_queue, queue_left, started
 from tests.integration.test_park_retry_and_deploy import _stop_consuming, parked, starts
 from tests.util import events, holds, send, wait_until
 
@@ -173,3 +175,43 @@ def test_a_deploy_that_stops_a_task_parking_at_publish_runs_each_parked_copy_onc
                   if e["event"] == "body"]
         assert bodies == [r.id for r in [first, *copies]]
     assert violations(holds(redis_server.url)) == []
+
+
+def turns(kazoo, zk_root: str, key: str) -> List[str]:
+    """The task ids of ``key``'s parked copies, in the queue's order."""
+    path = parked_queue(zk_root, key)
+    names = sorted((n for n in queue_left(kazoo, zk_root, key) if n.startswith("p-")),
+                   key=lambda n: n.rsplit("-", 1)[1])
+    return [json.loads(kazoo.get(f"{path}/{name}")[0].partition(b"\n")[0])["id"] for name in names]
+
+
+@pytest.mark.parametrize("task", ["parking", "parking_at_publish"])
+def test_a_rolling_restart_runs_each_parked_copy_once_in_its_turn(task, workers, queue, redis_server, kazoo,
+                                                                   zk_root):
+    # A deploy of the same code: each worker in turn stopped warm and started again, the
+    # holder's first, as it lets go, while the key's copies hand on from one to the next
+    # through the restarts (a head sent to a worker stopping goes back to the broker).
+    parking_task = getattr(worker_app, task)
+    running = {name: workers(name, concurrency=2, ZKT_PARK_RESEND_AFTER="2") for name in ("a", "b")}
+    first = parking_task.apply_async(("roll", 60.0, 0), {"gated": True}, queue=queue)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    rest = [send(parking_task, queue, "roll", 0.4, 1)]
+    wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "roll")), timeout=30)
+    rest += [send(parking_task, queue, "roll", 0.4, i) for i in range(2, 7)]
+    wait_until(lambda: parked(kazoo, zk_root, "roll") == 6, timeout=30)
+    # Their turns: the queue's order, which is the order the parks reached ZooKeeper (two
+    # workers parking their prefetched copies may interleave them: the guide says so).
+    rest.sort(key=lambda r: turns(kazoo, zk_root, "roll").index(r.id))
+    holder = next(e["worker"] for e in events(redis_server.url) if e["event"] == "start" and e["task_id"] == first.id)
+    order = sorted(running, key=lambda name: not holder.startswith(f"{name}@"))
+    for n, name in enumerate(order):
+        if n == 0:
+            running[name].signal(signal.SIGTERM)  # it takes no new message, and waits for its body
+            redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+            assert first.get(timeout=30) == 0
+        assert running[name].stop(timeout=30) == 0
+        workers(f"{name}2", concurrency=2, ZKT_PARK_RESEND_AFTER="2")
+    assert sorted(r.get(timeout=30) for r in rest) == list(range(1, 7))
+    if task == "parking_at_publish":
+        assert [r.get() for r in rest] == list(range(1, 7)), "parked in publish order"
+    moved_on(redis_server.url, kazoo, zk_root, "roll", rest, 0, float("inf"), before=[first])
