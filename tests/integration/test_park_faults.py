@@ -170,10 +170,7 @@ def test_a_deploy_that_stops_a_task_parking_at_publish_runs_each_parked_copy_onc
     ran = starts(redis_server.url)
     assert [ran[r.id] for r in [first, *copies]] == [1] * 5, "each copy's body once"
     assert sum(ran.values()) == 5
-    if deploy == "wait":  # the bodies that took the lock, in order, none beside another
-        bodies = [e["task_id"] for e in sorted(events(redis_server.url), key=lambda e: e.get("start", 0))
-                  if e["event"] == "body"]
-        assert bodies == [r.id for r in [first, *copies]]
+    # Not their parked order: each leaves the queue and then contends as a new copy (the guide says so).
     assert violations(holds(redis_server.url)) == []
 
 
