@@ -14,8 +14,9 @@ import pytest
 import redis
 from celery.exceptions import NotRegistered
 
+from celery_zklock import LockLost
 from celery_zklock.testing import violations
-from harness import RedisServer, free_port
+from harness import RedisServer, TcpProxy, free_port
 from tests.apps import worker_app
 from tests.integration.test_park import moved_on, parked_queue, queue_left, started
 from tests.integration.test_park_retry_and_deploy import _stop_consuming, parked, starts
@@ -212,3 +213,31 @@ def test_a_rolling_restart_runs_each_parked_copy_once_in_its_turn(task, workers,
     if task == "parking_at_publish":
         assert [r.get() for r in rest] == list(range(1, 7)), "parked in publish order"
     moved_on(redis_server.url, kazoo, zk_root, "roll", rest, 0, float("inf"), before=[first])
+
+
+def test_parked_copies_outlive_a_zookeeper_outage_longer_than_the_session_and_run_once_each(
+        workers, queue, redis_server, kazoo, zk_root, zk_server):
+    # ZooKeeper unreachable from the worker (every connection closed, every new one refused)
+    # for longer than its session timeout: the holder's session expires with every watcher
+    # of the key's queue. The holder's body is interrupted (its caller told); the copies,
+    # parked in ZooKeeper, are still there once it answers again, and a worker looks for a
+    # queue nobody watches every zklock_park_resend_after: each copy runs once, in order.
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts, ZKT_PARK_RESEND_AFTER="1")
+        first = send(worker_app.parking, queue, "out", 60.0, 0)  # short sleeps: its LockLost lands
+        wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+        rest = [send(worker_app.parking, queue, "out", 0.1, i) for i in (1, 2, 3)]
+        wait_until(lambda: parked(kazoo, zk_root, "out") == 3, timeout=30)
+        order = turns(kazoo, zk_root, "out")
+        proxy.mode = "refuse"
+        proxy.reset()
+        # Past the session timeout (4 s): the server expires the worker's sessions.
+        wait_until(lambda: not any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "out")), timeout=15)
+        with pytest.raises(LockLost):
+            first.get(timeout=15)
+        assert parked(kazoo, zk_root, "out") == 3, "nothing ran, and nothing was lost, while it was out"
+        proxy.mode = "pass"
+        back = time.monotonic()
+        assert sorted(r.get(timeout=30) for r in rest) == [1, 2, 3]
+    rest.sort(key=lambda r: order.index(r.id))
+    moved_on(redis_server.url, kazoo, zk_root, "out", rest, back, 1 + 5 + 3)
