@@ -1,6 +1,7 @@
 """Park under the faults its rows of the fault table (docs/guarantees.md) had no test for: a
-broker restarted as a holder hands its key on, a publisher that cannot reach ZooKeeper, and
-deploys of a task whose publishers park its copies."""
+broker restarted as a holder hands its key on, a publisher that cannot reach ZooKeeper, a
+worker's ZooKeeper gone past its session timeout, deploys of a task whose publishers park its
+copies, and a rolling restart."""
 
 from __future__ import annotations
 
