@@ -22,7 +22,8 @@ from celery_zklock.recipes.park import ParkedQueue
 app = Celery("worker_app")
 app.conf.update(
     broker_url=os.environ.get("ZKT_BROKER", "memory://"),
-    result_backend=os.environ.get("ZKT_BROKER", "cache+memory://"),
+    # ZKT_BACKEND: results and the history in a Redis of their own, for a test that restarts the broker.
+    result_backend=os.environ.get("ZKT_BACKEND") or os.environ.get("ZKT_BROKER", "cache+memory://"),
     zklock_hosts=os.environ.get("ZKT_HOSTS", "127.0.0.1:1"),
     zklock_root=os.environ.get("ZKT_ROOT", "/zklock-tests"),
     zklock_session_timeout=float(os.environ.get("ZKT_SESSION_TIMEOUT", "4")),
@@ -52,7 +53,7 @@ def history() -> Any:
     global _redis
     if _redis is None:
         # No socket timeout: hold_on_socket's BLPOP may block longer than redis-py 8's default of 5 s.
-        _redis = redis.Redis.from_url(app.conf.broker_url, socket_timeout=None)
+        _redis = redis.Redis.from_url(os.environ.get("ZKT_BACKEND") or app.conf.broker_url, socket_timeout=None)
     return _redis
 
 
@@ -352,6 +353,29 @@ if not os.environ.get("ZKT_KEY_SECRET"):
                                         else {"on_contention": "park"}))
         def deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
             """``parking``, as the deploy named by ZKT_PARK_DEPLOY left it."""
+            note("start", key=key, seq=seq)
+            (hold_on_socket if gated else hold)(seconds, key)
+            return seq
+
+    # ``deployed`` whose publishers park its copies (park_at_publish), as ZKT_PARK_DEPLOY left it:
+    # under "wait" and "unlocked" it no longer parks, at publish or anywhere.
+    DEPLOYED_AT_PUBLISH = "tests.apps.worker_app.deployed_at_publish"
+    DEPLOYED_AT_PUBLISH_RENAMED = "tests.apps.worker_app.deployed_at_publish_renamed"
+
+    if _DEPLOY == "unlocked":
+        @app.task(bind=True, shared=False, name=DEPLOYED_AT_PUBLISH)
+        def deployed_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+            """``deployed_at_publish``, taking no lock: its start alone is noted."""
+            note("start", key=key, seq=seq)
+            time.sleep(seconds)
+            return seq
+    else:
+        @app.task(bind=True, shared=False,
+                  name=DEPLOYED_AT_PUBLISH_RENAMED if _DEPLOY == "renamed" else DEPLOYED_AT_PUBLISH)
+        @zk_locked(key="park:{key}", **({"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait"
+                                        else {"on_contention": "park", "park_at_publish": True}))
+        def deployed_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+            """``parking_at_publish``, as the deploy named by ZKT_PARK_DEPLOY left it."""
             note("start", key=key, seq=seq)
             (hold_on_socket if gated else hold)(seconds, key)
             return seq

@@ -22,7 +22,9 @@ rounds, ``park`` and ``preempt`` (a lock's ``on_contention``, with no dedupe), a
 :func:`harness.dedupe.contention_violations`: no body ran twice, a parked copy was neither
 lost nor doubled, a preempted one was told, fencing tokens rose, no two bodies of a key
 overlapped but for a preempted holder's, and no preempt body began while a newer-published
-copy's ran. Their publishes touch ZooKeeper only for a preempt copy's place (one write), so
+copy's ran; a park round's queues must empty once its copies settle (a node left is a
+copy, claim or watcher nobody will clear). Their publishes touch ZooKeeper only for a
+preempt copy's place (one write), so
 their lost and held replies strike the worker's link, where the hand-offs and requests travel; but
 for ``park_publish`` rounds, whose publishers park, where they strike the link a round draws.
 
@@ -292,6 +294,16 @@ class Round:
         return [r for r in map(json.loads, self.rig.redis.lrange("dedupe:runs", self.first_event, -1))
                 if r["task_id"] in ours or r.get("key") in self.keys]
 
+    def parked_left(self) -> Dict[str, List[str]]:
+        """This round's keys' parked queues that still hold a node (but a consumer's ``a-`` record)."""
+        tree, left = f"{self.rig.root}/parked/locks", {}
+        for name in children(self.rig.kazoo, tree):
+            if any(name.endswith(f":{key}") for key in self.keys):
+                nodes = [n for n in children(self.rig.kazoo, f"{tree}/{name}") if not n.startswith("a-")]
+                if nodes:
+                    left[name] = nodes
+        return left
+
     def settled(self) -> bool:
         """Every new copy ran all its bodies (a retried copy two), or was killed, revoked or failed."""
         ends: Dict[str, int] = {}
@@ -327,6 +339,13 @@ class Round:
         if self.mode in CONTENTION:
             sent = [p["asked"] for p in self.publishes if p["got"] is not None] + sorted(self.unpromised)
             results = {t: dedupe_app.app.AsyncResult(t).result for t in sent}
+            if self.mode == "park":
+                # Every copy settled: its key's parked queue must empty too (a dead process's
+                # watcher goes with its session), or a node left there is a copy nobody will run.
+                try:
+                    wait_until(lambda: not self.parked_left(), timeout=30)
+                except AssertionError:
+                    problems.append(f"parked nodes left once the work settled: {self.parked_left()}")
             return problems + contention_violations(self.publishes, self.history(), self.mode, results,
                                                     self.unpromised)
         if self.mode == "latest":  # its markers stay, started, until they expire
