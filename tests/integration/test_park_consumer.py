@@ -130,3 +130,34 @@ def test_a_publisher_parks_behind_a_held_key_before_any_copy_has_parked(holder, 
     deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
     assert deliveries[second.id] == 1, "it reached a worker once, to run"
     assert violations(holds(redis_server.url)) == []
+
+
+def test_a_parked_message_whose_ack_failed_comes_back_and_runs_no_second_time(workers, queue, redis_server, kazoo,
+                                                                               zk_root):
+    # The consumer parks a copy and its acknowledgement fails (kombu logs and swallows the
+    # broker's error): the message stays the broker's, and comes back after the visibility
+    # timeout, once the parked copy ran and the key is free. Before, the park's record was
+    # deleted all the same, and that delivery, finding no record and a free key, ran again.
+    workers("w1", concurrency=2, ZKT_CONSUMER_FAULTS="1", ZKT_VISIBILITY="5")
+    first = send(worker_app.parking, queue, "ackfail", 30.0, 0, "", True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    history = redis.Redis.from_url(redis_server.url)
+    wait_until(lambda: history.hlen("unacked") == 0, timeout=10)  # the holder's ack is in (the pool's accept)
+    history.set("park:fail-next-ack", "1")
+    second = send(worker_app.parking, queue, "ackfail", 0.01, 1)
+    wait_until(lambda: any(e["event"] == "ack-failed" for e in events(redis_server.url)), timeout=30)
+    assert [n for n in queue_left(kazoo, zk_root, "ackfail") if n.startswith("p-")], "it parked in the consumer"
+    history.rpush(f"nobody-pushes:{first.id}", "go")
+    assert [first.get(timeout=30), second.get(timeout=30)] == [0, 1]
+
+    def delivered() -> int:
+        return sum(1 for e in events(redis_server.url) if e["event"] == "delivered" and e["task_id"] == second.id)
+
+    # Sent again from the queue (1), then the message that was never acknowledged (2).
+    wait_until(lambda: delivered() == 2, timeout=30)
+    bodies = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "body")
+    assert bodies[second.id] == 1, f"the copy ran {bodies[second.id]} times"
+    assert ignored(redis_server.url)[second.id] == 1, "its message, delivered again, dropped itself"
+    wait_until(lambda: not [n for n in queue_left(kazoo, zk_root, "ackfail") if n.startswith(("p-", "a-"))],
+               timeout=10)
+    assert violations(holds(redis_server.url)) == []
