@@ -12,8 +12,9 @@ import pytest
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
+from celery_zklock.recipes.park import parked_prefix
 from celery_zklock.testing import violations
-from harness import free_port
+from harness import Op, TcpProxy, free_port
 from tests.apps import worker_app
 from tests.integration.test_metrics import scrape, total
 from tests.integration.test_park import queue_left, started
@@ -160,4 +161,86 @@ def test_a_parked_message_whose_ack_failed_comes_back_and_runs_no_second_time(wo
     assert ignored(redis_server.url)[second.id] == 1, "its message, delivered again, dropped itself"
     wait_until(lambda: not [n for n in queue_left(kazoo, zk_root, "ackfail") if n.startswith(("p-", "a-"))],
                timeout=10)
+    assert violations(holds(redis_server.url)) == []
+
+
+def test_a_blip_while_a_keys_copy_is_being_parked_keeps_the_order_of_the_copies_behind_it(workers, queue,
+                                                                                           redis_server, kazoo,
+                                                                                           zk_root, zk_server):
+    # The worker's links reset while the consumer parks copy 2; its park, tried again after
+    # the reconnect, is held on its way to ZooKeeper while copy 3 comes. Before, the blip
+    # dropped the key's view with copy 2's park in it: copy 3 found a fresh key, went to the
+    # pool and parked there, ahead of copy 2 (run order 0, 1, 3, 2).
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts, ZKT_SESSION_TIMEOUT="8")
+        first = send(worker_app.parking, queue, "blip", 30.0, 0, "", True)
+        wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+        keyed = [first, send(worker_app.parking, queue, "blip", 0.01, 1)]
+        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "blip") if n.startswith("p-")]) == 1,
+                   timeout=20)
+        held = proxy.hold_request(Op.MULTI)
+        keyed.append(send(worker_app.parking, queue, "blip", 0.01, 2))
+        held.wait_matched(10)  # copy 2's park, in the worker's main process
+        again = proxy.hold_request(Op.MULTI)  # the same park, tried again once the link is back
+        proxy.reset()
+        held.release()
+        again.wait_matched(10)
+        r = redis.Redis.from_url(redis_server.url)
+        keyed.append(send(worker_app.parking, queue, "blip", 0.01, 3))
+        wait_until(lambda: r.llen(queue) == 0, timeout=10)  # the worker has copy 3
+
+        def third_parked() -> bool:
+            return any(n.startswith(parked_prefix(keyed[3].id)) for n in queue_left(kazoo, zk_root, "blip"))
+
+        # Not waited for (it must not happen): long enough for a pool process's park, within the park's 2 s.
+        try:
+            wait_until(third_parked, timeout=1.0)
+        except AssertionError:
+            pass
+        assert not third_parked(), "copy 3 parked while copy 2's park was held"
+        again.release()
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        assert [k.get(timeout=60) for k in keyed] == [0, 1, 2, 3]
+    bodies = [e for e in events(redis_server.url) if e["event"] == "body"]
+    ran = [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])]
+    assert ran == [k.id for k in keyed], f"run order {[[k.id for k in keyed].index(t) for t in ran]}"
+    assert violations(holds(redis_server.url)) == []
+
+
+def test_a_park_in_flight_as_the_main_process_loses_its_session_keeps_its_place(workers, queue, redis_server, kazoo,
+                                                                                zk_root, zk_server):
+    # The main process is paused past its session with copy 2's park on its way to ZooKeeper
+    # (held: it never commits) and copy 3 behind it. Before, copy 2 went to the pool once the
+    # session was found gone, and copy 3's park, already with the consumer's thread, went
+    # ahead of it (run order 0, 1, 3, 2); now copy 2's park is tried again in the new session,
+    # first of its key's parks.
+    with TcpProxy(zk_server.port) as proxy:
+        w1 = workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts, ZKT_SESSION_TIMEOUT="4")
+        first = send(worker_app.parking, queue, "paused", 30.0, 0, "", True)
+        wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+        keyed = [first, send(worker_app.parking, queue, "paused", 0.01, 1)]
+        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "paused") if n.startswith("p-")]) == 1,
+                   timeout=20)
+        wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "paused")), timeout=10)
+        held = proxy.hold_request(Op.MULTI)
+        keyed.append(send(worker_app.parking, queue, "paused", 0.01, 2))
+        held.wait_matched(10)  # copy 2's park, in the worker's main process
+        r = redis.Redis.from_url(redis_server.url)
+        keyed.append(send(worker_app.parking, queue, "paused", 0.01, 3))
+        wait_until(lambda: r.llen(queue) == 0, timeout=10)  # the worker has copy 3, behind copy 2
+        os.kill(w1.pid, signal.SIGSTOP)
+        try:
+            # Its session is gone once its queue watcher's ephemeral node is.
+            wait_until(lambda: not any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "paused")),
+                       timeout=20)
+            held.release()
+        finally:
+            os.kill(w1.pid, signal.SIGCONT)
+        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "paused") if n.startswith("p-")]) == 3,
+                   timeout=20)
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        assert [k.get(timeout=60) for k in keyed] == [0, 1, 2, 3]
+    bodies = [e for e in events(redis_server.url) if e["event"] == "body"]
+    ran = [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])]
+    assert ran == [k.id for k in keyed], f"run order {[[k.id for k in keyed].index(t) for t in ran]}"
     assert violations(holds(redis_server.url)) == []
