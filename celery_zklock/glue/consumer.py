@@ -169,7 +169,9 @@ class _Job(NamedTuple):
     token: bytes
     limit: int
     passing: Callable[[], None]  #: hand it to Celery's own handler (on the loop's thread)
-    acking: Callable[[], bool]  #: acknowledge it (on the loop's thread): whether the broker took the ack
+    #: Acknowledge it (on the loop's thread; Celery sends it as the loop's next turn starts):
+    #: what it returns says, after that, whether the broker took it.
+    acking: Callable[[], Callable[[], bool]]
     again: Callable[[Decision], None]  #: decide it afresh (on the loop's thread), as it arrived
     tries: int = 0
     #: When ZooKeeper first did not answer this park (monotonic; None: it always did).
@@ -244,7 +246,8 @@ class _ConsumerParking:
                 pass
 
     def handle(self, task: Any, spec: Any, consumer: Any, request_of: Callable[[], Any], message: Any,
-               passing: Callable[[Optional[_Key]], None], acking: Callable[[], bool]) -> Tuple[bool, Optional[_Key]]:
+               passing: Callable[[Optional[_Key]], None], acking: Callable[[], Callable[[], bool]]
+               ) -> Tuple[bool, Optional[_Key]]:
         """Decide a first delivery on the loop's thread: (True, its key) when the consumer has
         it (parking or holding it); (False, its key or None) when the caller hands it to
         Celery's own handler now."""
@@ -536,14 +539,19 @@ class _ConsumerParking:
                     where, why)
 
         def ack() -> None:
-            if not job.acking():
-                # The broker may not have it: the message may come back. Its record stays, so that
-                # delivery finds it and drops itself, as after a death before the acknowledgement.
-                logger.warning("%s: its acknowledgement failed after it parked; the record of its park stays, so "
-                               "the message, if delivered again, drops itself (the parked copy runs once)", where)
-                return
-            # Sent as the loop's next turn starts: then (through our socket, after it) the record goes.
-            self.on_loop(lambda: self._submit(("acked", (job.entry, job.token, 0))))
+            taken = job.acking()  # sent as the loop's next turn starts: then, through our socket, we look
+
+            def after() -> None:
+                if not taken():
+                    # The broker may not have it: the message may come back. Its record stays, so that
+                    # delivery finds it and drops itself, as after a death before the acknowledgement.
+                    logger.warning("%s: its acknowledgement failed after it parked; the record of its park stays, "
+                                   "so the message, if delivered again, drops itself (the parked copy runs once)",
+                                   where)
+                    return
+                self._submit(("acked", (job.entry, job.token, 0)))
+
+            self.on_loop(after)
 
         self._done(job, ack)
         _watch(session, self.settings, self.app).add(queue, self._send)
@@ -717,15 +725,15 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
                 return
             handler(message, body, ack, reject, [*(callbacks or ()), lambda req: part.passed(entry, req)])
 
-        def acking() -> bool:
-            # kombu's ack_log_error logs a broker's error and swallows it: whether the ack was
-            # taken is the message's state after it.
+        def acking() -> Callable[[], bool]:
+            # Celery's ack is kombu's ack_log_error, called as the loop's next turn starts: it logs
+            # a broker's error and swallows it, so whether the broker took the ack is the
+            # message's state after that.
             try:
                 ack(logger, connection_errors)
             except Exception as exc:  # noqa: BLE001 - a broken pipe, re-raised by kombu after its log
                 logger.debug("celery-zklock: the acknowledgement of a parked message failed (%s)", explain(exc))
-                return False
-            return bool(message.acknowledged)
+            return lambda: bool(message.acknowledged)
 
         entry: Optional[_Key] = None
         try:

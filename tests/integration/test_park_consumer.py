@@ -17,8 +17,8 @@ from celery_zklock.testing import violations
 from harness import Op, TcpProxy, free_port
 from tests.apps import worker_app
 from tests.integration.test_metrics import scrape, total
-from tests.integration.test_park import queue_left, started
-from tests.util import events, holds, send, wait_until
+from tests.integration.test_park import parked_queue, queue_left, started
+from tests.util import children, events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +27,11 @@ pytestmark = pytest.mark.slow
 def workers(workers):
     """This file's workers decide park tasks in their consumer (``zklock_park_in_consumer``, opt-in)."""
     return lambda *args, **env: workers(*args, **{"ZKT_PARK_IN_CONSUMER": "1", **env})
+
+
+def records(kazoo, zk_root: str, key: str) -> list:
+    """The ``a-`` records left in ``key``'s queue (each goes once its message's ack is taken)."""
+    return [n for n in children(kazoo, parked_queue(zk_root, key)) if n.startswith("a-")]
 
 
 def ignored(redis_url: str) -> collections.Counter:
@@ -59,6 +64,7 @@ def test_a_burst_behind_a_held_key_parks_in_the_consumer_and_takes_no_slot(worke
         "each copy runs once, in publish order"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: not [n for n in queue_left(kazoo, zk_root, "burst") if n.startswith("p-")], timeout=10)
+    wait_until(lambda: not records(kazoo, zk_root, "burst"), timeout=10)  # every ack was taken
 
 
 def test_a_consumer_killed_between_its_park_and_the_ack_runs_the_copy_once(workers, queue, redis_server, kazoo,
@@ -159,8 +165,8 @@ def test_a_parked_message_whose_ack_failed_comes_back_and_runs_no_second_time(wo
     bodies = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "body")
     assert bodies[second.id] == 1, f"the copy ran {bodies[second.id]} times"
     assert ignored(redis_server.url)[second.id] == 1, "its message, delivered again, dropped itself"
-    wait_until(lambda: not [n for n in queue_left(kazoo, zk_root, "ackfail") if n.startswith(("p-", "a-"))],
-               timeout=10)
+    wait_until(lambda: not [n for n in queue_left(kazoo, zk_root, "ackfail") if n.startswith("p-")], timeout=10)
+    wait_until(lambda: not records(kazoo, zk_root, "ackfail"), timeout=10)  # gone with the message it records
     assert violations(holds(redis_server.url)) == []
 
 
@@ -205,6 +211,7 @@ def test_a_blip_while_a_keys_copy_is_being_parked_keeps_the_order_of_the_copies_
     ran = [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])]
     assert ran == [k.id for k in keyed], f"run order {[[k.id for k in keyed].index(t) for t in ran]}"
     assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: not records(kazoo, zk_root, "blip"), timeout=10)  # each ack taken, each record gone
 
 
 def test_a_park_in_flight_as_the_main_process_loses_its_session_keeps_its_place(workers, queue, redis_server, kazoo,
@@ -244,3 +251,4 @@ def test_a_park_in_flight_as_the_main_process_loses_its_session_keeps_its_place(
     ran = [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])]
     assert ran == [k.id for k in keyed], f"run order {[[k.id for k in keyed].index(t) for t in ran]}"
     assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: not records(kazoo, zk_root, "paused"), timeout=10)  # each ack taken, each record gone
