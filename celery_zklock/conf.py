@@ -149,8 +149,8 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                 "is parked there, and never takes a slot. Whenever it cannot tell quickly (no "
                                 "session yet, ZooKeeper slow, a key it does not see yet, an eta, a canvas, a "
                                 "pool other than prefork), the copy goes to the pool, which parks it as before. Off by "
-                                "default until its faults are all covered: a blip of the main process's session "
-                                "can break a key's publish order (never run a copy twice)."),
+                                "default until its faults are all covered: in a fleet mixing workers with it on and "
+                                "off, a key's publish order can break (never a copy run twice)."),
     "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
                                "`None` waits forever."),
     "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "

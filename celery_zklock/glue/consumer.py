@@ -35,16 +35,16 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 from celery.worker.request import Request
 from celery.worker.state import reserved_requests
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 
 from .. import signals
 from ..exceptions import explain
 from ..layout import node_object
 from ..recipes.lock import Lock
 from ..recipes.park import PARKED as _PARKED_PREFIX
-from ..recipes.park import SETTLE, ParkedQueue, ParkUntold, delivery_token, parked_prefix
+from ..recipes.park import SETTLE, UNACKED, ParkedQueue, ParkUntold, delivery_token, parked_prefix
 from ..recipes.rules import Rule, sequence
-from ..zk import Liveness, Session, deadline, reply, session_for
+from ..zk import Liveness, Session, deadline, reply, session_for, timeouts
 from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import request_context
 from .options import spec_of
@@ -108,6 +108,9 @@ def decide(view: Optional[View], in_pool: int, unsettled: int, parking: int, lea
 #: waits for a busy pool's slot, say): then it is decided as if that one held the key.
 HOLD_AT_MOST = 1.0
 
+#: Seconds between tries of a park (or of a record's delete) that ZooKeeper did not answer.
+RETRY_EVERY = 0.25
+
 
 class _Key:
     """One key's view, and the copies of it this consumer passed to its pool."""
@@ -123,6 +126,9 @@ class _Key:
         self.unsettled: Dict[str, weakref.ref[Any]] = {}
         #: Copies being parked here (their parks not yet answered), and those held: in order.
         self.parking = 0
+        #: The parks of those copies, in order: only the first is with the thread (or its timer),
+        #: so a park tried again keeps its place, and none behind it commits first.
+        self.jobs: Deque[_Job] = deque()
         self.held: Deque[Tuple[float, Callable[[Decision], None]]] = deque()
         self.expiring = False
         #: Its task parks at publish: once the key is seen held, a viewer node of ours lets publishers park.
@@ -149,6 +155,10 @@ class _Key:
         in_pool = self.in_pool()
         return decide(self.view, in_pool, len(self.unsettled), self.parking, self.rule.leases)
 
+    def busy(self) -> bool:
+        """Copies of this key are with the consumer or its pool: what it knows of them keeps their order."""
+        return bool(self.parking or self.held or self.unsettled or self.passed)
+
 
 class _Job(NamedTuple):
     """A first delivery the consumer parks, and what to do with it after."""
@@ -159,9 +169,13 @@ class _Job(NamedTuple):
     token: bytes
     limit: int
     passing: Callable[[], None]  #: hand it to Celery's own handler (on the loop's thread)
-    acking: Callable[[], None]  #: acknowledge it (on the loop's thread)
+    #: Acknowledge it (on the loop's thread; Celery sends it as the loop's next turn starts):
+    #: what it returns says, after that, whether the broker took it.
+    acking: Callable[[], Callable[[], bool]]
+    again: Callable[[Decision], None]  #: decide it afresh (on the loop's thread), as it arrived
     tries: int = 0
-    client_id: Any = None  #: the session a park whose reply was lost was sent in
+    #: When ZooKeeper first did not answer this park (monotonic; None: it always did).
+    since: Optional[float] = None
 
 
 class _ConsumerParking:
@@ -193,6 +207,9 @@ class _ConsumerParking:
         self.token = uuid.uuid4().hex[:16]
         #: How long a ZooKeeper call of the consumer's may take: it holds the copy's message meanwhile.
         self.timeout = min(self.settings.connect_timeout, 2.0)
+        #: How long a park ZooKeeper does not answer is tried again before its copy goes to the pool:
+        #: past a session's timeout, the session is back, or a new one is.
+        self.patience = self.settings.session_timeout + 2 * self.timeout
 
     # -- the event loop's side ---------------------------------------------------------------
     def attach(self, hub: Any) -> None:
@@ -229,7 +246,8 @@ class _ConsumerParking:
                 pass
 
     def handle(self, task: Any, spec: Any, consumer: Any, request_of: Callable[[], Any], message: Any,
-               passing: Callable[[Optional[_Key]], None], acking: Callable[[], None]) -> Tuple[bool, Optional[_Key]]:
+               passing: Callable[[Optional[_Key]], None], acking: Callable[[], Callable[[], bool]]
+               ) -> Tuple[bool, Optional[_Key]]:
         """Decide a first delivery on the loop's thread: (True, its key) when the consumer has
         it (parking or holding it); (False, its key or None) when the caller hands it to
         Celery's own handler now."""
@@ -246,8 +264,14 @@ class _ConsumerParking:
                 return
             request = request_of()
             entry.parking += 1
-            self._submit(("park", _Job(entry, task, request, delivery_token(request.id, retries), limit,
-                                       lambda: passing(entry), acking)))
+            job = _Job(entry, task, request, delivery_token(request.id, retries), limit, lambda: passing(entry),
+                       acking, go)
+            with self._lock:
+                entry.jobs.append(job)
+                if len(entry.jobs) == 1:  # else the park before it, once done, hands it to the thread
+                    self._todo.append(("park", job))
+                    self._start()
+                    self._wake.notify()
 
         decision = Decision.HOLD if entry.held else entry.decide()  # behind copies held: in order
         if decision == Decision.PASS:
@@ -384,7 +408,7 @@ class _ConsumerParking:
                 if kind == "read":
                     self._read(work)
                 elif kind == "acked":
-                    work[0].acked(work[1])
+                    self._forget(*work)
                 else:
                     self._park(work)
             except Exception:  # noqa: BLE001 - the thread must live on
@@ -402,13 +426,23 @@ class _ConsumerParking:
         return session if session.client.connected else None
 
     def on_session_state(self, liveness: Liveness) -> None:
-        """Our watches may have died with the session: forget every view (each is read afresh)."""
+        """Our watches may have died with the session: forget every view (each is read afresh).
+        A key with copies in hand (parking, held, or in the pool) stays, with what is known of
+        those copies: a fresh key would pass the next copy to the pool, to park there ahead of
+        them."""
         if liveness != Liveness.HELD:
             with self._lock:
-                gone, self._keys = list(self._keys.values()), OrderedDict()
-            for entry in gone:  # a viewer that outlives a blip must not stand for a view we dropped
+                entries, self._keys = list(self._keys.values()), OrderedDict()
+                kept = [entry for entry in entries if entry.busy()]
+                for entry in kept:
+                    self._keys[entry.key] = entry
+                    entry.view = None
+            for entry in entries:  # a viewer that outlives a blip must not stand for a view we dropped
                 if entry.viewer is not None and self._session is not None:
                     self._session.nodes.delete_later(f"{entry.queue_path}/{entry.viewer}")
+                entry.viewer = None
+            for entry in kept:
+                self._read_again(entry, later=0.0)
 
     def _read(self, entry: _Key) -> None:
         with self._lock:
@@ -463,37 +497,36 @@ class _ConsumerParking:
         return ParkedQueue(session, entry.queue_path, entry.lock, entry.rule)
 
     def _park(self, job: _Job) -> None:
+        where = f"task {job.task.name}[{job.request.id}]"
         session = self.session()
-        if session is None or (job.client_id is not None and session.client.client_id != job.client_id):
-            # No session, or a park whose reply was lost went out in a session that is gone, and
-            # can commit nothing any more: the pool decides, and finds the copy if it parked.
-            self._done(job, job.passing)
+        if session is None:
+            # A blip, or a session being made again: the copy waits here, in its place. Handed
+            # to the pool now, it and the copies behind it would park in whatever order their
+            # slots reach ZooKeeper.
+            self._again(job, where, "no ZooKeeper session")
             return
         queue = self._queue(session, job.entry)
-        where = f"task {job.task.name}[{job.request.id}]"
         try:
             name = queue.park(job.request.id, lambda: message_of(job.task, request_context(job.request)), job.limit,
                               deadline(self.timeout), delivery=job.token, unacked=True)
         except ParkUntold as exc:
-            # It may have parked: the same park, run again, finds its node or its token, and never
-            # makes a second one. Until it knows, the message stays with us, unacknowledged.
-            if job.tries >= 60:
-                logger.error("%s: could not tell whether it parked (%s); handed to the pool, which tells", where,
-                             explain(exc))
-                self._done(job, job.passing)
-                return
-            again = _Job(*job[:-2], tries=job.tries + 1, client_id=job.client_id or session.client.client_id)
-            timer = threading.Timer(0.5, self._submit, (("park", again),))
-            timer.daemon = True
-            timer.start()
+            # It may have parked: the same park, run again (in this session, or in the next one,
+            # once the old one can commit nothing more), finds its node, or the record of its
+            # message, which commits with the node, and never makes a second one. Until it
+            # knows, the message stays with us, unacknowledged, and the copies behind it wait.
+            self._again(job, where, explain(exc))
+            return
+        except (ConnectionLoss, SessionExpiredError, *timeouts()) as exc:
+            self._again(job, where, explain(exc))  # nothing was written: tried again, in its place
             return
         except Exception as exc:  # noqa: BLE001 - nothing was written: the pool decides, as before
             logger.debug("%s: not parked by the consumer (%s); handed to the pool", where, explain(exc))
-            self._done(job, job.passing)
+            self._fallback(job)
             return
         if not name:
-            self._done(job, job.passing)  # its queue is full: the pool refuses it, saying why
+            self._fallback(job)  # its queue is full: the pool refuses it, saying why
             return
+        self._next(job.entry)  # durable: the park behind it may go
         self.durable(job)
         # Counted as a pool process's park is (metrics, receivers), from the worker's main process.
         contended = Lock(session, job.entry.lock, job.entry.rule, key=job.entry.key, mode=job.entry.mode,
@@ -506,11 +539,66 @@ class _ConsumerParking:
                     where, why)
 
         def ack() -> None:
-            job.acking()  # sent as the loop's next turn starts: then (through our socket, after it) the record goes
-            self.on_loop(lambda: self._submit(("acked", (queue, job.token))))
+            taken = job.acking()  # sent as the loop's next turn starts: then, through our socket, we look
+
+            def after() -> None:
+                if not taken():
+                    # The broker may not have it: the message may come back. Its record stays, so that
+                    # delivery finds it and drops itself, as after a death before the acknowledgement.
+                    logger.warning("%s: its acknowledgement failed after it parked; the record of its park stays, "
+                                   "so the message, if delivered again, drops itself (the parked copy runs once)",
+                                   where)
+                    return
+                self._submit(("acked", (job.entry, job.token, 0)))
+
+            self.on_loop(after)
 
         self._done(job, ack)
         _watch(session, self.settings, self.app).add(queue, self._send)
+
+    def _again(self, job: _Job, where: str, why: str) -> None:
+        """Try ``job``'s park again soon, still first of its key's parks; past :attr:`patience`, hand it to the pool."""
+        now = time.monotonic()
+        since = now if job.since is None else job.since
+        if now - since > self.patience:
+            logger.warning("%s: ZooKeeper did not answer its park for %.0fs (%s); handed to the pool, which tells",
+                           where, now - since, why)
+            self._fallback(job)
+            return
+        again = job._replace(tries=job.tries + 1, since=since)
+        with self._lock:
+            if job.entry.jobs and job.entry.jobs[0] is job:
+                job.entry.jobs[0] = again
+        timer = threading.Timer(RETRY_EVERY, self._submit, (("park", again),))
+        timer.daemon = True
+        timer.start()
+
+    def _next(self, entry: _Key) -> None:
+        """The first of ``entry``'s parks is durable: the thread takes the next one."""
+        with self._lock:
+            entry.jobs.popleft()
+            if entry.jobs:
+                self._todo.append(("park", entry.jobs[0]))
+                self._wake.notify()
+
+    def _fallback(self, job: _Job) -> None:
+        """Hand ``job``'s copy to the pool, and decide the copies whose parks were behind it afresh,
+        behind it (on the loop's thread, so that no copy arriving meanwhile parks ahead of them)."""
+        entry = job.entry
+
+        def done() -> None:
+            with self._lock:
+                rest = list(entry.jobs)[1:]
+                entry.jobs.clear()
+            entry.parking -= 1 + len(rest)
+            job.passing()  # in the pool: the copies behind it wait to see it hold the key or park
+            for later in reversed(rest):
+                entry.held.appendleft((time.monotonic(), later.again))
+            self._drain(entry)
+            if entry.held:
+                self._expire_later(entry)
+
+        self.on_loop(done)
 
     def _done(self, job: _Job, outcome: Callable[[], None]) -> None:
         """Hand a park's ``outcome`` to the loop's thread, where the copies held behind it go on."""
@@ -520,6 +608,28 @@ class _ConsumerParking:
             self._drain(job.entry)
 
         self.on_loop(done)
+
+    def _forget(self, entry: _Key, token: bytes, tries: int) -> None:
+        """Delete the record of a parked message whose acknowledgement the broker took, in this
+        process's session as it is now (one made before a session expired is refused)."""
+        session = self.session()
+        path = f"{entry.queue_path}/{UNACKED}{token.decode()}"
+        why = "no ZooKeeper session"
+        if session is not None:
+            try:
+                reply(session.client.delete_async(path), deadline(self.timeout))
+                return
+            except NoNodeError:
+                return
+            except Exception as exc:  # noqa: BLE001 - tried again
+                why = explain(exc)
+        if tries * RETRY_EVERY >= max(self.patience, 60.0):
+            logger.warning("celery-zklock: could not delete %s (%s): an empty record, which only keeps the key's "
+                           "queue node; it may be deleted by hand", path, why)
+            return
+        timer = threading.Timer(RETRY_EVERY, self._submit, (("acked", (entry, token, tries + 1)),))
+        timer.daemon = True
+        timer.start()
 
     def durable(self, job: _Job) -> None:
         """The copy's park is durable and its message not yet acknowledged (a test's fault hook)."""
@@ -615,8 +725,15 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
                 return
             handler(message, body, ack, reject, [*(callbacks or ()), lambda req: part.passed(entry, req)])
 
-        def acking() -> None:
-            ack(logger, connection_errors)
+        def acking() -> Callable[[], bool]:
+            # Celery's ack is kombu's ack_log_error, called as the loop's next turn starts: it logs
+            # a broker's error and swallows it, so whether the broker took the ack is the
+            # message's state after that.
+            try:
+                ack(logger, connection_errors)
+            except Exception as exc:  # noqa: BLE001 - a broken pipe, re-raised by kombu after its log
+                logger.debug("celery-zklock: the acknowledgement of a parked message failed (%s)", explain(exc))
+            return lambda: bool(message.acknowledged)
 
         entry: Optional[_Key] = None
         try:

@@ -450,10 +450,23 @@ def _durable_then_die(self: Any, job: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _ack_or_fail(self: Any, multiple: bool = False) -> None:
+    # The fault hook of the consumer-park tests: the broker refuses one acknowledgement (as a
+    # broken connection does), which kombu's ack_log_error logs and swallows.
+    if history().getdel("park:fail-next-ack"):
+        history().rpush("history", json.dumps({"event": "ack-failed", "pid": os.getpid(), "time": time.monotonic()}))
+        raise redis.exceptions.ConnectionError("the test's broker refused this acknowledgement")
+    _ack(self, multiple=multiple)
+
+
 if os.environ.get("ZKT_CONSUMER_FAULTS"):  # only where a test asks: each park reads a flag from Redis
+    from kombu.message import Message
+
     from celery_zklock.glue import consumer as _consumer
 
     _consumer._ConsumerParking.durable = _durable_then_die  # type: ignore[method-assign]
+    _ack = Message.ack
+    Message.ack = _ack_or_fail  # type: ignore[method-assign]
 
 
 @worker_process_init.connect

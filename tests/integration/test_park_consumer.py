@@ -12,12 +12,13 @@ import pytest
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
+from celery_zklock.recipes.park import parked_prefix
 from celery_zklock.testing import violations
-from harness import free_port
+from harness import Op, TcpProxy, free_port
 from tests.apps import worker_app
 from tests.integration.test_metrics import scrape, total
-from tests.integration.test_park import queue_left, started
-from tests.util import events, holds, send, wait_until
+from tests.integration.test_park import parked_queue, queue_left, started
+from tests.util import children, events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +27,11 @@ pytestmark = pytest.mark.slow
 def workers(workers):
     """This file's workers decide park tasks in their consumer (``zklock_park_in_consumer``, opt-in)."""
     return lambda *args, **env: workers(*args, **{"ZKT_PARK_IN_CONSUMER": "1", **env})
+
+
+def records(kazoo, zk_root: str, key: str) -> list:
+    """The ``a-`` records left in ``key``'s queue (each goes once its message's ack is taken)."""
+    return [n for n in children(kazoo, parked_queue(zk_root, key)) if n.startswith("a-")]
 
 
 def ignored(redis_url: str) -> collections.Counter:
@@ -58,6 +64,7 @@ def test_a_burst_behind_a_held_key_parks_in_the_consumer_and_takes_no_slot(worke
         "each copy runs once, in publish order"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: not [n for n in queue_left(kazoo, zk_root, "burst") if n.startswith("p-")], timeout=10)
+    wait_until(lambda: not records(kazoo, zk_root, "burst"), timeout=10)  # every ack was taken
 
 
 def test_a_consumer_killed_between_its_park_and_the_ack_runs_the_copy_once(workers, queue, redis_server, kazoo,
@@ -130,3 +137,118 @@ def test_a_publisher_parks_behind_a_held_key_before_any_copy_has_parked(holder, 
     deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
     assert deliveries[second.id] == 1, "it reached a worker once, to run"
     assert violations(holds(redis_server.url)) == []
+
+
+def test_a_parked_message_whose_ack_failed_comes_back_and_runs_no_second_time(workers, queue, redis_server, kazoo,
+                                                                               zk_root):
+    # The consumer parks a copy and its acknowledgement fails (kombu logs and swallows the
+    # broker's error): the message stays the broker's, and comes back after the visibility
+    # timeout, once the parked copy ran and the key is free. Before, the park's record was
+    # deleted all the same, and that delivery, finding no record and a free key, ran again.
+    workers("w1", concurrency=2, ZKT_CONSUMER_FAULTS="1", ZKT_VISIBILITY="5")
+    first = send(worker_app.parking, queue, "ackfail", 30.0, 0, "", True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    history = redis.Redis.from_url(redis_server.url)
+    wait_until(lambda: history.hlen("unacked") == 0, timeout=10)  # the holder's ack is in (the pool's accept)
+    history.set("park:fail-next-ack", "1")
+    second = send(worker_app.parking, queue, "ackfail", 0.01, 1)
+    wait_until(lambda: any(e["event"] == "ack-failed" for e in events(redis_server.url)), timeout=30)
+    assert [n for n in queue_left(kazoo, zk_root, "ackfail") if n.startswith("p-")], "it parked in the consumer"
+    history.rpush(f"nobody-pushes:{first.id}", "go")
+    assert [first.get(timeout=30), second.get(timeout=30)] == [0, 1]
+
+    def delivered() -> int:
+        return sum(1 for e in events(redis_server.url) if e["event"] == "delivered" and e["task_id"] == second.id)
+
+    # Sent again from the queue (1), then the message that was never acknowledged (2).
+    wait_until(lambda: delivered() == 2, timeout=30)
+    bodies = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "body")
+    assert bodies[second.id] == 1, f"the copy ran {bodies[second.id]} times"
+    assert ignored(redis_server.url)[second.id] == 1, "its message, delivered again, dropped itself"
+    wait_until(lambda: not [n for n in queue_left(kazoo, zk_root, "ackfail") if n.startswith("p-")], timeout=10)
+    wait_until(lambda: not records(kazoo, zk_root, "ackfail"), timeout=10)  # gone with the message it records
+    assert violations(holds(redis_server.url)) == []
+
+
+def test_a_blip_while_a_keys_copy_is_being_parked_keeps_the_order_of_the_copies_behind_it(workers, queue,
+                                                                                           redis_server, kazoo,
+                                                                                           zk_root, zk_server):
+    # The worker's links reset while the consumer parks copy 2; its park, tried again after
+    # the reconnect, is held on its way to ZooKeeper while copy 3 comes. Before, the blip
+    # dropped the key's view with copy 2's park in it: copy 3 found a fresh key, went to the
+    # pool and parked there, ahead of copy 2 (run order 0, 1, 3, 2).
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts, ZKT_SESSION_TIMEOUT="8")
+        first = send(worker_app.parking, queue, "blip", 30.0, 0, "", True)
+        wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+        keyed = [first, send(worker_app.parking, queue, "blip", 0.01, 1)]
+        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "blip") if n.startswith("p-")]) == 1,
+                   timeout=20)
+        held = proxy.hold_request(Op.MULTI)
+        keyed.append(send(worker_app.parking, queue, "blip", 0.01, 2))
+        held.wait_matched(10)  # copy 2's park, in the worker's main process
+        again = proxy.hold_request(Op.MULTI)  # the same park, tried again once the link is back
+        proxy.reset()
+        held.release()
+        again.wait_matched(10)
+        r = redis.Redis.from_url(redis_server.url)
+        keyed.append(send(worker_app.parking, queue, "blip", 0.01, 3))
+        wait_until(lambda: r.llen(queue) == 0, timeout=10)  # the worker has copy 3
+
+        def third_parked() -> bool:
+            return any(n.startswith(parked_prefix(keyed[3].id)) for n in queue_left(kazoo, zk_root, "blip"))
+
+        # Not waited for (it must not happen): long enough for a pool process's park, within the park's 2 s.
+        try:
+            wait_until(third_parked, timeout=1.0)
+        except AssertionError:
+            pass
+        assert not third_parked(), "copy 3 parked while copy 2's park was held"
+        again.release()
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        assert [k.get(timeout=60) for k in keyed] == [0, 1, 2, 3]
+    bodies = [e for e in events(redis_server.url) if e["event"] == "body"]
+    ran = [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])]
+    assert ran == [k.id for k in keyed], f"run order {[[k.id for k in keyed].index(t) for t in ran]}"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: not records(kazoo, zk_root, "blip"), timeout=10)  # each ack taken, each record gone
+
+
+def test_a_park_in_flight_as_the_main_process_loses_its_session_keeps_its_place(workers, queue, redis_server, kazoo,
+                                                                                zk_root, zk_server):
+    # The main process is paused past its session with copy 2's park on its way to ZooKeeper
+    # (held: it never commits) and copy 3 behind it. Before, copy 2 went to the pool once the
+    # session was found gone, and copy 3's park, already with the consumer's thread, went
+    # ahead of it (run order 0, 1, 3, 2); now copy 2's park is tried again in the new session,
+    # first of its key's parks.
+    with TcpProxy(zk_server.port) as proxy:
+        w1 = workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts, ZKT_SESSION_TIMEOUT="4")
+        first = send(worker_app.parking, queue, "paused", 30.0, 0, "", True)
+        wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+        keyed = [first, send(worker_app.parking, queue, "paused", 0.01, 1)]
+        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "paused") if n.startswith("p-")]) == 1,
+                   timeout=20)
+        wait_until(lambda: any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "paused")), timeout=10)
+        held = proxy.hold_request(Op.MULTI)
+        keyed.append(send(worker_app.parking, queue, "paused", 0.01, 2))
+        held.wait_matched(10)  # copy 2's park, in the worker's main process
+        r = redis.Redis.from_url(redis_server.url)
+        keyed.append(send(worker_app.parking, queue, "paused", 0.01, 3))
+        wait_until(lambda: r.llen(queue) == 0, timeout=10)  # the worker has copy 3, behind copy 2
+        os.kill(w1.pid, signal.SIGSTOP)
+        try:
+            # Its session is gone once its queue watcher's ephemeral node is.
+            wait_until(lambda: not any(n.startswith("w-") for n in queue_left(kazoo, zk_root, "paused")),
+                       timeout=20)
+            held.release()
+        finally:
+            os.kill(w1.pid, signal.SIGCONT)
+        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "paused") if n.startswith("p-")]) == 3,
+                   timeout=20)
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        assert [k.get(timeout=60) for k in keyed] == [0, 1, 2, 3]
+    bodies = [e for e in events(redis_server.url) if e["event"] == "body"]
+    ran = [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])]
+    assert ran == [k.id for k in keyed], f"run order {[[k.id for k in keyed].index(t) for t in ran]}"
+    assert violations(holds(redis_server.url)) == []
+    wait_until(lambda: not records(kazoo, zk_root, "paused"), timeout=10)  # each ack taken, each record gone
