@@ -64,6 +64,7 @@ from ..recipes.park import (
     redelivery,
     unwatched,
 )
+from ..recipes.park_rules import Contended, GiveUp, contention, give_up_turn
 from ..zk import Session, deadline, reply, session_for, timeouts
 from ..zk.deadlines import remaining
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
@@ -315,14 +316,16 @@ class Parking:
     def contended(self, until: Optional[float]) -> str:
         """The key is held: park, or say why a full queue refused the copy. A received copy
         keeps its place at the head instead."""
-        if self.received is None:
+        received = self.received is not None
+        there = received and self._received(until)
+        turn = contention(received, there, there and self._held_by_this_copy(until))
+        if turn == Contended.PARK:
             return cast(str, self.park(until))  # not behind: it parks (raises), or is refused
-        if not self._received(until):
+        if turn == Contended.DROP:
             self.dropped()
-        twin = self._held_by_this_copy(until)
-        self.queue.decline(self.received, until)
+        self.queue.decline(cast(str, self.received), until)
         self.released()
-        if twin:
+        if turn == Contended.TWIN:
             # Not a contender that never parked: another send of this very copy (a resend, a
             # watcher's) holds the key and takes (or took) its node, and runs it. This one must not.
             logger.info("%s: lock %r is held by another delivery of this very copy (a second send of it, which "
@@ -779,7 +782,7 @@ def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     spec = spec_of(sender) if sender is not None else None
     if header is None or spec is None:
         return
-    _give_up(sender.app, sender.name, spec, request.id, header, revoked=True)
+    _give_up(sender.app, sender.name, spec, request.id, header, GiveUp.REMOVE)
 
 
 def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "", **kwargs: Any) -> None:
@@ -794,7 +797,7 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
                    "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)
     # With its send's nonce: a second send must not forget the take of the send that took the copy.
-    _give_up(app, name, None, id, header, revoked=True, sent=_header(message, SENT_HEADER))
+    _give_up(app, name, None, id, header, GiveUp.REMOVE, sent=_header(message, SENT_HEADER))
 
 
 #: Task id -> the (parked node, the send's nonce) of each receipt of a copy sent again that this
@@ -817,7 +820,7 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     if task is not None and spec_of(task) is None:
         logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
                        "key's parked queue, and runs", task.name, request.id)
-        _give_up(task.app, task.name, None, request.id, header, revoked=True, sent=_sent_nonce(request))
+        _give_up(task.app, task.name, None, request.id, header, GiveUp.REMOVE, sent=_sent_nonce(request))
         return
     _received.setdefault(request.id, []).append((header, _sent_nonce(request)))
     _received.move_to_end(request.id)
@@ -886,17 +889,17 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
                               getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
     back = comes_back(isinstance(exception, TimeLimitExceeded), bool(sender.acks_late),
                       bool(getattr(sender, "reject_on_worker_lost", False)), bool(acked))
-    _give_up(sender.app, sender.name, spec, task_id, header, revoked=not back, sent=sent)
+    _give_up(sender.app, sender.name, spec, task_id, header, give_up_turn(back), sent=sent)
 
 
-def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, revoked: bool,
+def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, turn: GiveUp,
              sent: Optional[str] = None) -> None:
     # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
     # another thread there would share the consumer's broker transport. It only changes the
     # queue; the pool processes watching it (the releaser that sent the copy is one) see the
     # change and send the next copy. ``spec`` is None for a task this worker does not know, or
     # that takes no lock: a removal reads no rule.
-    threading.Thread(target=_give_up_now, args=(app, task_name, spec, task_id, header, revoked, sent),
+    threading.Thread(target=_give_up_now, args=(app, task_name, spec, task_id, header, turn, sent),
                      name="celery-zklock-parked", daemon=True).start()
 
 
@@ -904,17 +907,17 @@ def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, rev
 _GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
 
 
-def _give_up_now(app: Any, task_name: str, spec: Any, task_id: str, header: str, revoked: bool,
+def _give_up_now(app: Any, task_name: str, spec: Any, task_id: str, header: str, turn: GiveUp,
                  sent: Optional[str]) -> None:
     settings = settings_of(app)
     path, name = posixpath.dirname(header), posixpath.basename(header)
-    what = "taken out of its queue" if revoked else "given its claim back"
+    what = turn.done
     backoff, failure = 0.5, "no try"
     for _ in range(_GIVE_UP_TRIES):
         try:
             parked = _queue_at(session_for(settings), app, path, spec)
             until = deadline(settings.connect_timeout)
-            if revoked:
+            if turn == GiveUp.REMOVE:
                 parked.remove(name, until, sent)
             else:
                 parked.decline(name, until)
