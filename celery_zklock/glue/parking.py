@@ -60,7 +60,7 @@ from ..recipes.park import (
     QueueWatch,
     Redelivery,
     delivery_token,
-    head_of,
+    head_and_count,
     redelivery,
     unwatched,
 )
@@ -200,9 +200,7 @@ def describe(app: Any, path: str, head: str, payload: bytes) -> str:
     """
     meta_line, _, body = payload.partition(b"\n")
     meta = node_object(meta_line)
-    name = posixpath.basename(path)
-    key = decode_key(name)
-    where = [f"lock key {key!r}" if key is not None else f"lock key named {name}"]
+    where = [_key_of(path)]
     try:
         message = loads(body, meta["content_type"], meta.get("content_encoding") or "utf-8",
                         accept=prepare_accept_content(app.conf.accept_content))
@@ -971,21 +969,37 @@ def _adopt(app: Any, session: Session, watch: QueueWatch, orphans: bool) -> None
         # time (one shared deadline timed out on ~10,000 queues, each turn, before the last).
         queues = unwatched(session, [path for path in queues if path not in watched], timeout)
     for path in queues:
-        head = head_of(session, path, deadline(timeout) if orphans else until, unwatched=orphans)
-        if head is None:
+        found = head_and_count(session, path, deadline(timeout) if orphans else until, unwatched=orphans)
+        if found is None:
             continue
+        head, count = found
         meta = node_object(head.partition(b"\n")[0])
         task = app.tasks.get(meta.get("task"))
         if task is None and (meta.get("app") is None or meta.get("app") != app.main):
             continue  # another app's queue, under a shared root: its own workers watch it
         if orphans:
-            logger.warning("celery-zklock: parked copies at %s had no live watcher (the processes that watched "
-                           "them died); watching them now", path)
+            # The one line that says a stalled queue moves again: named as every other line names
+            # a key (under hashed names, its node's name; never the key nor the secret).
+            logger.warning("celery-zklock: %s, %d %s parked, had no live watcher (the processes that watched it "
+                           "died); this worker adopted it and sends its copies on (queue %s)", _key_of(path), count,
+                           "copy" if count == 1 else "copies", path)
         # A head whose task takes no lock any more, or that this app no longer has (a deploy
         # removed or renamed it), is sent all the same: it leaves its queue as it is received
         # (see received and unknown), its caller told, and the next goes.
         spec = spec_of(task) if task is not None else None
         watch.add(_queue_at(session, app, path, spec), functools.partial(send, app))
+
+
+def _key_of(path: str) -> str:
+    """How a log line names the key of the parked queue at ``path``: the key, or under hashed key
+    names (or a name that encodes no text) its node's name.
+
+    >>> _key_of("/r/parked/locks/k-acct:7"), _key_of("/r/parked/semaphores/s-9c1e")
+    ("lock key 'acct:7'", 'lock key named s-9c1e')
+    """
+    name = posixpath.basename(path)
+    key = decode_key(name)
+    return f"lock key {key!r}" if key is not None else f"lock key named {name}"
 
 
 def _children(session: Session, path: str, until: Optional[float]) -> List[str]:

@@ -118,8 +118,8 @@ from .park_rules import parked_prefix as _prefix
 from .rules import Rule
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "UNACKED", "VIEWER", "InFlight",
-           "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token", "head_of",
-           "parked_prefix", "parked_sequence", "redelivery", "unwatched", "waiting"]
+           "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token",
+           "head_and_count", "head_of", "parked_prefix", "parked_sequence", "redelivery", "unwatched", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -199,6 +199,13 @@ def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[s
 def head_of(session: Session, path: str, until: Optional[float], unwatched: bool = False) -> Optional[bytes]:
     """The payload of the head of the queue at ``path``; None when nothing is parked there, or,
     with ``unwatched``, when a live process watches it (a member node of its is there)."""
+    found = head_and_count(session, path, until, unwatched)
+    return found[0] if found is not None else None
+
+
+def head_and_count(session: Session, path: str, until: Optional[float],
+                   unwatched: bool = False) -> Optional[Tuple[bytes, int]]:
+    """:func:`head_of`, and how many copies are parked in the queue (as read with the head)."""
     client = session.client
     while True:
         try:
@@ -209,7 +216,7 @@ def head_of(session: Session, path: str, until: Optional[float], unwatched: bool
         if not parked or (unwatched and _members(children)):
             return None
         try:
-            return cast(bytes, reply(client.get_async(f"{path}/{parked[0]}"), until)[0])
+            return cast(bytes, reply(client.get_async(f"{path}/{parked[0]}"), until)[0]), len(parked)
         except NoNodeError:
             continue  # taken while we looked: the next one
 
