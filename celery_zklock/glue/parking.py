@@ -173,6 +173,11 @@ _watches: weakref.WeakKeyDictionary[Session, QueueWatch] = weakref.WeakKeyDictio
 def _watch(session: Session, settings: Settings, app: Any) -> QueueWatch:
     found = _watches.get(session)
     if found is None:
+        # A closed session's watch has stopped (QueueWatch.on_session_state), and its entry, which
+        # holds the session, would keep both for ever: a process that closes and starts sessions
+        # again (a test suite's in-process apps) would pile them up.
+        for closed in [s for s in list(_watches) if s.closed]:
+            _watches.pop(closed, None)
         found = _watches[session] = QueueWatch(session, settings.connect_timeout,
                                                task_defaults(app).park_resend_after,
                                                resent=functools.partial(_resent, app))

@@ -887,6 +887,7 @@ class QueueWatch:
 
     Threads: :meth:`add` any thread; watches and session notices run on kazoo's or the
     session's thread and only hand a queue's path to this watch's own thread, which nudges.
+    That thread ends once the session is closed (the process leaving, a test's sessions ended).
     """
 
     def __init__(self, session: Session, timeout: float, resend_after: float = 30.0,
@@ -1023,7 +1024,11 @@ class QueueWatch:
                 self._failed("parked queues: could not look for queues nobody watches", exc)
 
     def _failed(self, what: str, exc: Exception) -> None:
-        """Say that a timed look failed."""
+        """Say that a timed look failed; at debug only once the session is closed: the process is
+        leaving (the queue's other watchers, or the next worker's look, send its head)."""
+        if self.session.closed:
+            logger.debug("%s: the session is closed (%s)", what, explain(exc))
+            return
         logger.warning("%s (%s); trying again in %gs", what, explain(exc), self.resend_after)
 
     @staticmethod
@@ -1035,7 +1040,8 @@ class QueueWatch:
                        head, after)
 
     def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        # Not for a closed session, whose client is gone: the thread would only fail each turn.
+        if (self._thread is None or not self._thread.is_alive()) and not self.session.closed:
             self._thread = threading.Thread(target=self._run, name="celery-zklock-parked", daemon=True)
             self._thread.start()
 
@@ -1044,6 +1050,11 @@ class QueueWatch:
             return sorted(self._queues)
 
     def on_session_state(self, liveness: Liveness) -> None:
+        if self.session.closed:
+            # Closed for good (the process is leaving, or a test ended its sessions): the thread
+            # ends with it, else its timed turns fail for ever on a session with no client.
+            self.stop()
+            return
         if liveness == Liveness.HELD:  # perhaps a new session, whose watches are not set yet
             for path in self.watched():
                 self._todo.put(path)
@@ -1057,8 +1068,8 @@ class QueueWatch:
                 path = self._todo.get(timeout=self._next_due())
             except queue.Empty:
                 path = ""
-            if path is None:
-                return
+            if path is None or self.session.closed:
+                return  # stopped, or its session closed under a timed wait (see on_session_state)
             self._timed()
             if not path:
                 continue  # a timed turn, or a new one to wait for
