@@ -50,7 +50,12 @@ def names_we_define() -> Set[str]:
                 found.add(node.attr)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_private(node.value):
                 found.add(node.value)  # setattr/getattr by name
-    return {n for n in found if _is_private(n)}
+    # A named tuple's own API is public, underscore and all (it keeps field names free).
+    return {n for n in found if _is_private(n)} | NAMEDTUPLE_API
+
+
+#: The methods and attributes every ``typing.NamedTuple`` has (see ``collections.namedtuple``).
+NAMEDTUPLE_API = {"_replace", "_asdict", "_make", "_fields", "_field_defaults"}
 
 
 def foreign_private_uses(path: Path, tree: ast.Module, ours: Set[str]) -> List[str]:
