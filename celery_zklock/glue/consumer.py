@@ -109,6 +109,11 @@ def decide(view: Optional[View], in_pool: int, unsettled: int, parking: int, lea
 #: waits for a busy pool's slot, say): then it is decided as if that one held the key.
 HOLD_AT_MOST = 1.0
 
+#: The most copies, all keys together, for which the consumer widens its prefetch window while
+#: they park (as Celery does for a task with an ETA): the copies that come meanwhile join the
+#: next batch, and other tasks are not kept waiting behind copies that will never take a slot.
+LEND_AT_MOST = 4 * BATCH
+
 #: Seconds between tries of a park (or of a record's delete) that ZooKeeper did not answer.
 RETRY_EVERY = 0.25
 
@@ -179,6 +184,9 @@ class _Job(NamedTuple):
     tries: int = 0
     #: When ZooKeeper first did not answer this park (monotonic; None: it always did).
     since: Optional[float] = None
+    #: The consumer's prefetch window (kombu's QoS) it widened by one while the copy parks: given back
+    #: as its message is acknowledged or handed to the pool (None: not widened).
+    lent: Any = None
 
 
 class _ConsumerParking:
@@ -213,6 +221,8 @@ class _ConsumerParking:
         #: How long a park ZooKeeper does not answer is tried again before its copy goes to the pool:
         #: past a session's timeout, the session is back, or a new one is.
         self.patience = self.settings.session_timeout + 2 * self.timeout
+        #: How many copies the prefetch window is widened for now (the loop's thread only).
+        self.lent = 0
 
     # -- the event loop's side ---------------------------------------------------------------
     def attach(self, hub: Any) -> None:
@@ -267,8 +277,14 @@ class _ConsumerParking:
                 return
             request = request_of()
             entry.parking += 1
+            qos = getattr(consumer, "qos", None)
+            if qos is not None and self.lent < LEND_AT_MOST:
+                qos.increment_eventually()  # applied by the loop as its turn ends
+                self.lent += 1
+            else:
+                qos = None
             job = _Job(entry, task, request, delivery_token(request.id, retries), limit, lambda: passing(entry),
-                       acking, go)
+                       acking, go, lent=qos)
             with self._lock:
                 entry.jobs.append(job)
                 if len(entry.jobs) == 1:  # else the batch before it, once done, hands it to the thread
@@ -374,8 +390,8 @@ class _ConsumerParking:
     def _read_again(self, entry: _Key, later: float = SETTLE) -> None:
         """A watch of ``entry``'s key fired (kazoo's thread), or a read failed: read it again once,
         ``later`` (a hand-off fires several events; a stale view costs time, not a run)."""
-        if entry.unsettled:
-            later = 0.0  # copies wait for what this read shows
+        if entry.unsettled and later <= SETTLE:
+            later = 0.0  # copies wait for what this read shows (a read that failed waits all the same)
         with self._lock:
             if entry.asked or self._keys.get(entry.key) is not entry:
                 return  # a read is coming, or the key left the view
@@ -452,7 +468,8 @@ class _ConsumerParking:
             entry.asked = False
         session = self.session()
         if session is None:
-            self._read_again(entry, later=1.0)  # no view yet: copies go to the pool meanwhile
+            # No view yet: copies go to the pool meanwhile (or wait, a moment, for what the pool's did).
+            self._read_again(entry, later=RETRY_EVERY if entry.unsettled else 1.0)
             return
         client = session.client
         until = deadline(self.timeout)
@@ -463,7 +480,7 @@ class _ConsumerParking:
             children = _children(client, entry.queue_path, listed, entry.fired, until)
         except Exception as exc:  # noqa: BLE001 - no view: copies go to the pool meanwhile
             logger.debug("celery-zklock: the consumer could not read key %r (%s)", entry.key, explain(exc))
-            self._read_again(entry, later=1.0)
+            self._read_again(entry, later=RETRY_EVERY if entry.unsettled else 1.0)
             return
         if contenders is None or children is None:
             self._read_again(entry)  # made between our two reads: read again, with a child watch
@@ -565,6 +582,7 @@ class _ConsumerParking:
             entry.parking -= len(jobs)
             # Sent as the loop's next turn starts: then, through our socket, we look.
             taken = [(job, job.acking()) for job in jobs]
+            self._give_back(jobs)
 
             def after() -> None:
                 acked = []
@@ -604,6 +622,13 @@ class _ConsumerParking:
         timer.daemon = True
         timer.start()
 
+    def _give_back(self, jobs: List[_Job]) -> None:
+        """Narrow the prefetch window again by what ``jobs`` widened it (the loop's thread)."""
+        for job in jobs:
+            if job.lent is not None:
+                job.lent.decrement_eventually()
+                self.lent -= 1
+
     def _fallback(self, job: _Job) -> None:
         """Hand ``job``'s copy to the pool, and decide the copies whose parks were behind it afresh,
         behind it (on the loop's thread, so that no copy arriving meanwhile parks ahead of them)."""
@@ -614,6 +639,7 @@ class _ConsumerParking:
                 rest = list(entry.jobs)[1:]
                 entry.jobs.clear()
             entry.parking -= 1 + len(rest)
+            self._give_back([job, *rest])  # each is counted in the window again: in the pool, or as it arrives
             job.passing()  # in the pool: the copies behind it wait to see it hold the key or park
             for later in reversed(rest):
                 entry.held.appendleft((time.monotonic(), later.again))
