@@ -292,6 +292,7 @@ def compare(args: argparse.Namespace, zk_server: ZooKeeperPeer, rs: RedisServer)
     rows = [RELAY, CONSUMER_FLOOR, "park"]
     codes = {"this": str(ROOT), "baseline": f"{Path(args.compare).resolve()}{os.pathsep}{ROOT}"}
     samples: Dict[str, List[Dict[str, Row]]] = {code: [] for code in codes}
+    tasks.app.conf.update(broker_url=rs.url, zklock_hosts=zk_server.hosts)
     r = redis.Redis.from_url(rs.url)
     copies = args.keyed - args.keys
     load = [os.getloadavg()]
