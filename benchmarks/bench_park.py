@@ -32,7 +32,7 @@ and the worker's CPU (its main process and pool processes, from ``/proc``, befor
 row). A table of issue 42's targets follows, each against floor rows of the same run.
 
     python -m benchmarks.bench_park [--keyed 200] [--unrelated 400] [--keys 4] [--ms 100] [--pin] [--fsync]
-                                    [--deadline 600] [--consumer] [--compare DIR [--rounds 2]]
+                                    [--deadline 600] [--consumer] [--compare DIR [--rounds 2] [--profile PREFIX]]
 
 With ``--consumer`` the park rows are decided in the worker's main process
 (``zklock_park_in_consumer``). ``--compare DIR`` measures a change: only the relay, the
@@ -299,7 +299,8 @@ def compare(args: argparse.Namespace, zk_server: ZooKeeperPeer, rs: RedisServer)
     for n in range(args.rounds):
         for code in (list(codes) if n % 2 == 0 else list(reversed(codes))):
             env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk_server.hosts, "PYTHONPATH": codes[code],
-                   "BENCH_PARK_IN_CONSUMER": "1"}
+                   "BENCH_PARK_IN_CONSUMER": "1", "BENCH_PROFILE": f"{args.profile}-{code}-{n + 1}" if args.profile
+                   else ""}
             worker = CeleryWorker("benchmarks.park_bench_app", name=f"bench-{code}", concurrency=args.concurrency,
                                   env=env)
             with worker:
@@ -348,6 +349,8 @@ def main() -> None:
     parser.add_argument("--compare", metavar="DIR", help="park in the consumer: this checkout against DIR's "
                         "celery_zklock (the relay, consumer floor and park rows only)")
     parser.add_argument("--rounds", type=int, default=2, help="with --compare: rounds, each on both")
+    parser.add_argument("--profile", metavar="PREFIX", help="with --compare: cProfile the worker's main process "
+                        "(its event loop and the consumer's thread) into PREFIX-<code>-<round>.<n>")
     args = parser.parse_args()
     if args.keyed % args.keys:
         parser.error(f"--keyed {args.keyed}: must be a multiple of --keys {args.keys} (each key's relay sends as many)")

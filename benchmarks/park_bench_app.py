@@ -191,3 +191,34 @@ def consumer_arrived(run: str, key: int) -> None:
 @app.task
 def unrelated(run: str, n: int) -> None:
     _note(run, kind="unrelated", n=n, start=time.monotonic())
+
+
+if os.environ.get("BENCH_PROFILE"):  # bench_park --profile: cProfile of the worker's main process
+    import cProfile
+
+    from celery.signals import worker_ready, worker_shutdown
+
+    from celery_zklock.glue import consumer as _consumer
+
+    _profiles: list = []
+    _consumer_run = _consumer._ConsumerParking._run
+
+    def _profiled_run(self) -> None:
+        # The consumer's own thread: cProfile sees only the thread that enabled it.
+        profile = cProfile.Profile()
+        _profiles.append(profile)
+        profile.enable()
+        _consumer_run(self)
+
+    _consumer._ConsumerParking._run = _profiled_run  # type: ignore[method-assign]
+
+    @worker_ready.connect
+    def _profile_the_loop(**kwargs) -> None:
+        profile = cProfile.Profile()
+        _profiles.append(profile)
+        profile.enable()
+
+    @worker_shutdown.connect
+    def _dump_profiles(**kwargs) -> None:
+        for n, profile in enumerate(_profiles):
+            profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{n}")
