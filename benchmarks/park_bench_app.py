@@ -198,27 +198,25 @@ if os.environ.get("BENCH_PROFILE"):  # bench_park --profile: cProfile of the wor
 
     from celery.signals import worker_ready, worker_shutdown
 
-    from celery_zklock.glue import consumer as _consumer
-
     _profiles: list = []
-    _consumer_run = _consumer._ConsumerParking._run
+    _thread_run = threading.Thread.run
 
     def _profiled_run(self) -> None:
-        # The consumer's own thread: cProfile sees only the thread that enabled it.
+        # Each thread the main process starts once ready (the consumer's, kazoo's, the queue
+        # watch's): cProfile sees only the thread that enabled it.
         profile = cProfile.Profile()
-        _profiles.append(profile)
+        _profiles.append((self.name, profile))
         profile.enable()
-        _consumer_run(self)
-
-    _consumer._ConsumerParking._run = _profiled_run  # type: ignore[method-assign]
+        _thread_run(self)
 
     @worker_ready.connect
     def _profile_the_loop(**kwargs) -> None:
+        threading.Thread.run = _profiled_run  # type: ignore[method-assign]
         profile = cProfile.Profile()
-        _profiles.append(profile)
+        _profiles.append(("loop", profile))
         profile.enable()
 
     @worker_shutdown.connect
     def _dump_profiles(**kwargs) -> None:
-        for n, profile in enumerate(_profiles):
-            profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{n}")
+        for n, (name, profile) in enumerate(_profiles):
+            profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{n}.{name.replace('/', '_')}")

@@ -535,7 +535,7 @@ class _ConsumerParking:
         queue = self._queue(session, entry)
         copies = [Parking(job.request.id, functools.partial(_message, job), job.limit, job.token) for job in jobs]
         try:
-            names = queue.park_many(copies, deadline(self.timeout))
+            names = queue.park_many(copies, deadline(self.timeout), again=first.tries > 0)
         except ParkUntold as exc:
             # It may have parked: the same park, run again (in this session, or in the next one,
             # once the old one can commit nothing more), finds the nodes, or the records of their

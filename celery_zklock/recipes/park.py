@@ -431,7 +431,8 @@ class ParkedQueue:
             attempt.unanswered = None  # this try is answered: it did not commit
             # Another parker took a place first, or the queue was reaped: look again.
 
-    def park_many(self, copies: Sequence[Parking], until: Optional[float]) -> List[Optional[str]]:
+    def park_many(self, copies: Sequence[Parking], until: Optional[float], again: bool = False
+                  ) -> List[Optional[str]]:
         """Park ``copies`` at the back of the queue, in order, each as :meth:`park` with
         ``unacked`` parks it, with one read and one transaction for them all (a worker's main
         process parks a burst of one key so).
@@ -443,17 +444,23 @@ class ParkedQueue:
         are for the next call. The transaction commits every copy's node and record or none,
         so a try run again after a lost reply finds all of them, or writes all of them.
         ``ParkUntold`` as :meth:`park` with ``unacked``.
+
+        The read is synced only for a park tried ``again`` (or after a lost reply): one that
+        may have committed must see its commit. A first try needs no sync: every park bumps
+        the queue node's version, which the transaction checks, so a read that missed one
+        commits nothing, and reads again; and its sequence nodes take their order from the
+        leader, whatever the read saw.
         """
         attempt = _ParkTry(b"")  # only its ``unanswered`` is used: one for the whole transaction
         try:
-            return through_blips(self.session, until, lambda: self._park_many_now(copies, attempt, until))
+            return through_blips(self.session, until, lambda: self._park_many_now(copies, attempt, until, again))
         except Exception as exc:
             if attempt.unanswered is not None:
                 raise ParkUntold(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
                                  "parked cannot be told") from exc
             raise
 
-    def _park_many_now(self, copies: Sequence[Parking], attempt: _ParkTry, until: Optional[float]
+    def _park_many_now(self, copies: Sequence[Parking], attempt: _ParkTry, until: Optional[float], again: bool
                        ) -> List[Optional[str]]:
         client = self.session.client
         nodes = self.session.nodes
@@ -465,11 +472,12 @@ class ParkedQueue:
                     reply(made, until)
                 except NodeExistsError:
                     pass
-            synced = client.sync_async(self.path)
+            synced = client.sync_async(self.path) if again or attempt.unanswered is not None else None
             read = client.get_async(self.path)
             listed = client.get_children_async(self.path)
             try:
-                reply(synced, until)
+                if synced is not None:
+                    reply(synced, until)
                 data, stat = reply(read, until)
                 children = list(reply(listed, until))
             except NoNodeError:
