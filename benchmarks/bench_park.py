@@ -105,6 +105,30 @@ def worker_cpu(worker: CeleryWorker) -> Tuple[float, float]:
     return used[0], sum(used[1:])
 
 
+def thread_cpu(pid: int, names_file: Path) -> Dict[str, float]:
+    """CPU seconds each named thread of process ``pid`` has used so far (names from ``names_file``,
+    written by the bench app's threads as they start; kazoo's and the like by their Python name)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    names = {}
+    if names_file.exists():
+        for line in names_file.read_text().splitlines():
+            owner, tid, name = line.split(" ", 2)
+            if int(owner) == pid:
+                names[tid] = name
+    used: Dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        name = names.get(task.name, "other")
+        for prefix in ("Thread-", "Dummy-"):  # kazoo's workers: "Thread-8 (_thread_worker)"
+            if name.startswith(prefix) and "(" in name:
+                name = name[name.index("(") + 1:-1]
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
 def slots_before_turn(entries: List[dict], bodies: List[dict], keys: int) -> Dict[int, int]:
     """Per key, the keyed copies that entered a pool process before their turn: before the previous
     body on their key ended. A copy with no body (an arrival) never had a turn, and counts."""
@@ -298,7 +322,9 @@ def compare(args: argparse.Namespace, zk_server: ZooKeeperPeer, rs: RedisServer)
     load = [os.getloadavg()]
     for n in range(args.rounds):
         for code in (list(codes) if n % 2 == 0 else list(reversed(codes))):
+            names_file = Path(f"/tmp/bench-park-threads-{os.getpid()}-{code}-{n}")
             env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk_server.hosts, "PYTHONPATH": codes[code],
+                   "BENCH_THREADS": str(names_file),
                    "BENCH_PARK_IN_CONSUMER": "1", "BENCH_PROFILE": f"{args.profile}-{code}-{n + 1}" if args.profile
                    else ""}
             worker = CeleryWorker("benchmarks.park_bench_app", name=f"bench-{code}", concurrency=args.concurrency,
@@ -311,8 +337,11 @@ def compare(args: argparse.Namespace, zk_server: ZooKeeperPeer, rs: RedisServer)
                 results: Dict[str, Row] = {}
                 for policy in rows:
                     before = int(zk_server.mntr()["zk_packets_received"])
+                    threads = thread_cpu(worker.pid, names_file)
                     results[policy] = run(policy, args, r, cpu)
                     results[policy]["requests"] = int(zk_server.mntr()["zk_packets_received"]) - before
+                    after = thread_cpu(worker.pid, names_file)
+                    results[policy]["threads"] = {name: used - threads.get(name, 0.0) for name, used in after.items()}
                 samples[code].append(results)
                 load.append(os.getloadavg())
     print(f"park in the consumer, this checkout against {args.compare}: prefork -c {args.concurrency}, "
@@ -332,6 +361,14 @@ def compare(args: argparse.Namespace, zk_server: ZooKeeperPeer, rs: RedisServer)
             print(f"{code:<10}{n + 1:>6}{per(park, 'cpu'):>12.2f}ms{per(park, 'cpu_main'):>6.2f}ms"
                   f"{per(floor, 'cpu'):>13.2f}ms{per(floor, 'cpu_main'):>6.2f}ms"
                   f"{park['requests'] / args.keyed:>14.1f}{park['p99'] * 1000:>13.1f}ms{park['makespan']:>9.2f}s")
+    print("\nthe main process's threads in the park row, ms per copy (minus the same thread in the relay row)")
+    for code, rounds in samples.items():
+        for n, res in enumerate(rounds):
+            relay_threads = res[RELAY]["threads"]
+            shares = {name: (used - relay_threads.get(name, 0.0)) / copies * 1000
+                      for name, used in res["park"]["threads"].items()}
+            print(f"{code:<10}{n + 1:>6}  " + ", ".join(f"{name} {ms:.2f}" for name, ms in
+                                                       sorted(shares.items(), key=lambda item: -item[1])))
 
 
 def main() -> None:

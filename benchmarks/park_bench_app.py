@@ -220,3 +220,20 @@ if os.environ.get("BENCH_PROFILE"):  # bench_park --profile: cProfile of the wor
     def _dump_profiles(**kwargs) -> None:
         for n, (name, profile) in enumerate(_profiles):
             profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{n}.{name.replace('/', '_')}")
+
+
+if os.environ.get("BENCH_THREADS"):  # bench_park --compare: each main-process thread's name, by its id
+    from celery.signals import worker_ready as _ready
+
+    _named_run = threading.Thread.run
+
+    def _named(self) -> None:
+        with open(os.environ["BENCH_THREADS"], "a") as names:
+            names.write(f"{os.getpid()} {threading.get_native_id()} {self.name}\n")
+        _named_run(self)
+
+    @_ready.connect
+    def _name_threads(**kwargs) -> None:
+        with open(os.environ["BENCH_THREADS"], "a") as names:
+            names.write(f"{os.getpid()} {threading.get_native_id()} loop\n")
+        threading.Thread.run = _named  # type: ignore[method-assign]
