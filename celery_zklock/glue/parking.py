@@ -60,10 +60,11 @@ from ..recipes.park import (
     QueueWatch,
     Redelivery,
     delivery_token,
-    head_of,
+    head_and_count,
     redelivery,
     unwatched,
 )
+from ..recipes.park_rules import Contended, GiveUp, contention, give_up_turn
 from ..zk import Session, deadline, reply, session_for, timeouts
 from ..zk.deadlines import remaining
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
@@ -172,6 +173,11 @@ _watches: weakref.WeakKeyDictionary[Session, QueueWatch] = weakref.WeakKeyDictio
 def _watch(session: Session, settings: Settings, app: Any) -> QueueWatch:
     found = _watches.get(session)
     if found is None:
+        # A closed session's watch has stopped (QueueWatch.on_session_state), and its entry, which
+        # holds the session, would keep both for ever: a process that closes and starts sessions
+        # again (a test suite's in-process apps) would pile them up.
+        for closed in [s for s in list(_watches) if s.closed]:
+            _watches.pop(closed, None)
         found = _watches[session] = QueueWatch(session, settings.connect_timeout,
                                                task_defaults(app).park_resend_after,
                                                resent=functools.partial(_resent, app))
@@ -199,9 +205,7 @@ def describe(app: Any, path: str, head: str, payload: bytes) -> str:
     """
     meta_line, _, body = payload.partition(b"\n")
     meta = node_object(meta_line)
-    name = posixpath.basename(path)
-    key = decode_key(name)
-    where = [f"lock key {key!r}" if key is not None else f"lock key named {name}"]
+    where = [_key_of(path)]
     try:
         message = loads(body, meta["content_type"], meta.get("content_encoding") or "utf-8",
                         accept=prepare_accept_content(app.conf.accept_content))
@@ -315,14 +319,16 @@ class Parking:
     def contended(self, until: Optional[float]) -> str:
         """The key is held: park, or say why a full queue refused the copy. A received copy
         keeps its place at the head instead."""
-        if self.received is None:
+        received = self.received is not None
+        there = received and self._received(until)
+        turn = contention(received, there, there and self._held_by_this_copy(until))
+        if turn == Contended.PARK:
             return cast(str, self.park(until))  # not behind: it parks (raises), or is refused
-        if not self._received(until):
+        if turn == Contended.DROP:
             self.dropped()
-        twin = self._held_by_this_copy(until)
-        self.queue.decline(self.received, until)
+        self.queue.decline(cast(str, self.received), until)
         self.released()
-        if twin:
+        if turn == Contended.TWIN:
             # Not a contender that never parked: another send of this very copy (a resend, a
             # watcher's) holds the key and takes (or took) its node, and runs it. This one must not.
             logger.info("%s: lock %r is held by another delivery of this very copy (a second send of it, which "
@@ -779,7 +785,7 @@ def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     spec = spec_of(sender) if sender is not None else None
     if header is None or spec is None:
         return
-    _give_up(sender.app, sender.name, spec, request.id, header, revoked=True)
+    _give_up(sender.app, sender.name, spec, request.id, header, GiveUp.REMOVE)
 
 
 def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "", **kwargs: Any) -> None:
@@ -794,7 +800,7 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
                    "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)
     # With its send's nonce: a second send must not forget the take of the send that took the copy.
-    _give_up(app, name, None, id, header, revoked=True, sent=_header(message, SENT_HEADER))
+    _give_up(app, name, None, id, header, GiveUp.REMOVE, sent=_header(message, SENT_HEADER))
 
 
 #: Task id -> the (parked node, the send's nonce) of each receipt of a copy sent again that this
@@ -817,7 +823,7 @@ def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     if task is not None and spec_of(task) is None:
         logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
                        "key's parked queue, and runs", task.name, request.id)
-        _give_up(task.app, task.name, None, request.id, header, revoked=True, sent=_sent_nonce(request))
+        _give_up(task.app, task.name, None, request.id, header, GiveUp.REMOVE, sent=_sent_nonce(request))
         return
     _received.setdefault(request.id, []).append((header, _sent_nonce(request)))
     _received.move_to_end(request.id)
@@ -886,17 +892,17 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs:
                               getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
     back = comes_back(isinstance(exception, TimeLimitExceeded), bool(sender.acks_late),
                       bool(getattr(sender, "reject_on_worker_lost", False)), bool(acked))
-    _give_up(sender.app, sender.name, spec, task_id, header, revoked=not back, sent=sent)
+    _give_up(sender.app, sender.name, spec, task_id, header, give_up_turn(back), sent=sent)
 
 
-def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, revoked: bool,
+def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, turn: GiveUp,
              sent: Optional[str] = None) -> None:
     # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
     # another thread there would share the consumer's broker transport. It only changes the
     # queue; the pool processes watching it (the releaser that sent the copy is one) see the
     # change and send the next copy. ``spec`` is None for a task this worker does not know, or
     # that takes no lock: a removal reads no rule.
-    threading.Thread(target=_give_up_now, args=(app, task_name, spec, task_id, header, revoked, sent),
+    threading.Thread(target=_give_up_now, args=(app, task_name, spec, task_id, header, turn, sent),
                      name="celery-zklock-parked", daemon=True).start()
 
 
@@ -904,17 +910,17 @@ def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, rev
 _GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
 
 
-def _give_up_now(app: Any, task_name: str, spec: Any, task_id: str, header: str, revoked: bool,
+def _give_up_now(app: Any, task_name: str, spec: Any, task_id: str, header: str, turn: GiveUp,
                  sent: Optional[str]) -> None:
     settings = settings_of(app)
     path, name = posixpath.dirname(header), posixpath.basename(header)
-    what = "taken out of its queue" if revoked else "given its claim back"
+    what = turn.done
     backoff, failure = 0.5, "no try"
     for _ in range(_GIVE_UP_TRIES):
         try:
             parked = _queue_at(session_for(settings), app, path, spec)
             until = deadline(settings.connect_timeout)
-            if revoked:
+            if turn == GiveUp.REMOVE:
                 parked.remove(name, until, sent)
             else:
                 parked.decline(name, until)
@@ -968,21 +974,37 @@ def _adopt(app: Any, session: Session, watch: QueueWatch, orphans: bool) -> None
         # time (one shared deadline timed out on ~10,000 queues, each turn, before the last).
         queues = unwatched(session, [path for path in queues if path not in watched], timeout)
     for path in queues:
-        head = head_of(session, path, deadline(timeout) if orphans else until, unwatched=orphans)
-        if head is None:
+        found = head_and_count(session, path, deadline(timeout) if orphans else until, unwatched=orphans)
+        if found is None:
             continue
+        head, count = found
         meta = node_object(head.partition(b"\n")[0])
         task = app.tasks.get(meta.get("task"))
         if task is None and (meta.get("app") is None or meta.get("app") != app.main):
             continue  # another app's queue, under a shared root: its own workers watch it
         if orphans:
-            logger.warning("celery-zklock: parked copies at %s had no live watcher (the processes that watched "
-                           "them died); watching them now", path)
+            # The one line that says a stalled queue moves again: named as every other line names
+            # a key (under hashed names, its node's name; never the key nor the secret).
+            logger.warning("celery-zklock: %s, %d %s parked, had no live watcher (the processes that watched it "
+                           "died); this worker adopted it and sends its copies on (queue %s)", _key_of(path), count,
+                           "copy" if count == 1 else "copies", path)
         # A head whose task takes no lock any more, or that this app no longer has (a deploy
         # removed or renamed it), is sent all the same: it leaves its queue as it is received
         # (see received and unknown), its caller told, and the next goes.
         spec = spec_of(task) if task is not None else None
         watch.add(_queue_at(session, app, path, spec), functools.partial(send, app))
+
+
+def _key_of(path: str) -> str:
+    """How a log line names the key of the parked queue at ``path``: the key, or under hashed key
+    names (or a name that encodes no text) its node's name.
+
+    >>> _key_of("/r/parked/locks/k-acct:7"), _key_of("/r/parked/semaphores/s-9c1e")
+    ("lock key 'acct:7'", 'lock key named s-9c1e')
+    """
+    name = posixpath.basename(path)
+    key = decode_key(name)
+    return f"lock key {key!r}" if key is not None else f"lock key named {name}"
 
 
 def _children(session: Session, path: str, until: Optional[float]) -> List[str]:

@@ -43,8 +43,10 @@ the key (:func:`redelivery`); the record goes once the copy's result is stored.
 
 What each read means is decided in :mod:`.park_rules`, pure and doctested: whether a copy parks
 (:func:`.park_rules.park_turn`), what a nudge does with the head (:func:`.park_rules.head_turn`),
-who of the watchers nudges (:func:`.park_rules.follow_turn`), and what a receive, a take, a resend,
-a decline and a redelivery found. This module only reads and writes ZooKeeper, and asks them.
+who of the watchers nudges (:func:`.park_rules.follow_turn`), what a receive, a take, a resend,
+a decline and a redelivery found, and when a watch nudges, resends and patrols
+(:func:`.park_rules.watch_turn`, :func:`.park_rules.timed_turn`). This module only reads and
+writes ZooKeeper, reads the clock, and asks them.
 
 Example::
 
@@ -55,7 +57,6 @@ Example::
 
 from __future__ import annotations
 
-import enum
 import functools
 import json
 import logging
@@ -86,13 +87,17 @@ from .park_rules import (
     Follow,
     Guard,
     Hand,
+    Nudge,
     Park,
     Redelivery,
+    Watch,
+    backs_off,
     declines,
     delivery_token,
     follow_turn,
     forgets,
     head_turn,
+    next_wait,
     orphaned,
     park_turn,
     parked_prefix,
@@ -100,7 +105,10 @@ from .park_rules import (
     received_answer,
     redelivery,
     resends,
+    resent_at,
+    timed_turn,
     took,
+    watch_turn,
 )
 from .park_rules import failed as _failed
 from .park_rules import member_prefix as _member
@@ -111,7 +119,7 @@ from .rules import Rule
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "UNACKED", "VIEWER", "InFlight",
            "Looked", "Nudge", "ParkUntold", "ParkedQueue", "Parking", "QueueWatch", "Redelivery", "delivery_token",
-           "head_of", "parked_prefix", "parked_sequence", "redelivery", "unwatched", "waiting"]
+           "head_and_count", "head_of", "parked_prefix", "parked_sequence", "redelivery", "unwatched", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -133,16 +141,6 @@ Send = Callable[[str, bytes], None]
 Resent = Callable[["ParkedQueue", str, bytes, float], None]
 #: What :meth:`ParkedQueue.look` found: the queue's children, and the key's contenders.
 Looked = Tuple[List[str], List[str]]
-
-
-class Nudge(str, enum.Enum):
-    """What :meth:`ParkedQueue.nudge` found, and did."""
-
-    EMPTY = "empty"  # nothing parked
-    CLAIMED = "claimed"  # the head is in flight: its claimant's session lives
-    BUSY = "busy"  # the key has no room: whoever holds it nudges as it lets go
-    SENT = "sent"  # we claimed the head and sent it
-    FOLLOWING = "following"  # another process watches the queue for us (QueueWatch only)
 
 
 def _record(holder: str, sent: str) -> bytes:
@@ -201,6 +199,13 @@ def waiting(session: Session, path: str, until: Optional[float]) -> List[Tuple[s
 def head_of(session: Session, path: str, until: Optional[float], unwatched: bool = False) -> Optional[bytes]:
     """The payload of the head of the queue at ``path``; None when nothing is parked there, or,
     with ``unwatched``, when a live process watches it (a member node of its is there)."""
+    found = head_and_count(session, path, until, unwatched)
+    return found[0] if found is not None else None
+
+
+def head_and_count(session: Session, path: str, until: Optional[float],
+                   unwatched: bool = False) -> Optional[Tuple[bytes, int]]:
+    """:func:`head_of`, and how many copies are parked in the queue (as read with the head)."""
     client = session.client
     while True:
         try:
@@ -211,7 +216,7 @@ def head_of(session: Session, path: str, until: Optional[float], unwatched: bool
         if not parked or (unwatched and _members(children)):
             return None
         try:
-            return cast(bytes, reply(client.get_async(f"{path}/{parked[0]}"), until)[0])
+            return cast(bytes, reply(client.get_async(f"{path}/{parked[0]}"), until)[0]), len(parked)
         except NoNodeError:
             continue  # taken while we looked: the next one
 
@@ -1025,6 +1030,7 @@ class QueueWatch:
 
     Threads: :meth:`add` any thread; watches and session notices run on kazoo's or the
     session's thread and only hand a queue's path to this watch's own thread, which nudges.
+    That thread ends once the session is closed (the process leaving, a test's sessions ended).
     """
 
     def __init__(self, session: Session, timeout: float, resend_after: float = 30.0,
@@ -1118,18 +1124,21 @@ class QueueWatch:
 
     def _next_due(self) -> Optional[float]:
         """Seconds until the next timed look (see sent, patrol), or None for none."""
-        with self._lock:
-            due = [at for at, *_ in self._in_flight.values()] + ([self._patrol[0]] if self._patrol else [])
-        return max(0.0, min(due) - time.monotonic()) if due else None
-
-    def _timed(self) -> None:
-        """Send again each head whose time came (see sent), and patrol if its time came."""
         now = time.monotonic()
         with self._lock:
-            due = [(path, entry) for path, entry in self._in_flight.items() if entry[0] <= now]
-            patrol = self._patrol if self._patrol is not None and self._patrol[0] <= now else None
-            if patrol is not None:
-                self._patrol = (now + self.resend_after, patrol[1])
+            return next_wait(now, [at for at, *_ in self._in_flight.values()],
+                             self._patrol[0] if self._patrol else None)
+
+    def _timed(self) -> None:
+        """Send again each head whose time came (see sent), and patrol if its time came (timed_turn)."""
+        now = time.monotonic()
+        with self._lock:
+            turn = timed_turn(now, {path: entry[0] for path, entry in self._in_flight.items()},
+                              self._patrol[0] if self._patrol else None, self.resend_after)
+            due = [(path, self._in_flight[path]) for path in turn.resend]
+            patrol = self._patrol[1] if self._patrol is not None and turn.patrols else None
+            if self._patrol is not None and turn.patrol_at is not None:
+                self._patrol = (turn.patrol_at, self._patrol[1])
         failed = False
         for path, entry in due:
             _, parked, head, send = entry
@@ -1141,22 +1150,29 @@ class QueueWatch:
                     if again:
                         self.resent(parked, head, payloads[-1] if payloads else b"", self.resend_after)
                 except Exception as exc:  # noqa: BLE001 - tried again at the next turn
-                    logger.warning("parked copy %s/%s: could not send it again (%s); trying again in %gs",
-                                   parked.path, head, explain(exc), self.resend_after)
+                    self._failed(f"parked copy {parked.path}/{head}: could not send it again", exc)
                     failed = True
             with self._lock:
                 if self._in_flight.get(path) is not entry:
                     continue  # a later head was sent meanwhile: this one is gone
-                if again:
-                    self._in_flight[path] = (time.monotonic() + self.resend_after, parked, head, send)
+                at = resent_at(time.monotonic(), again, self.resend_after)
+                if at is not None:
+                    self._in_flight[path] = (at, parked, head, send)
                 else:
                     del self._in_flight[path]
         if patrol is not None:
             try:
-                patrol[1]()
+                patrol()
             except Exception as exc:  # noqa: BLE001 - the next turn looks again
-                logger.warning("parked queues: could not look for queues nobody watches (%s); looking again in %gs",
-                               explain(exc), self.resend_after)
+                self._failed("parked queues: could not look for queues nobody watches", exc)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """Say that a timed look failed; at debug only once the session is closed: the process is
+        leaving (the queue's other watchers, or the next worker's look, send its head)."""
+        if self.session.closed:
+            logger.debug("%s: the session is closed (%s)", what, explain(exc))
+            return
+        logger.warning("%s (%s); trying again in %gs", what, explain(exc), self.resend_after)
 
     @staticmethod
     def _resent(parked: ParkedQueue, head: str, payload: bytes, after: float) -> None:
@@ -1167,7 +1183,8 @@ class QueueWatch:
                        head, after)
 
     def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        # Not for a closed session, whose client is gone: the thread would only fail each turn.
+        if (self._thread is None or not self._thread.is_alive()) and not self.session.closed:
             self._thread = threading.Thread(target=self._run, name="celery-zklock-parked", daemon=True)
             self._thread.start()
 
@@ -1176,6 +1193,11 @@ class QueueWatch:
             return sorted(self._queues)
 
     def on_session_state(self, liveness: Liveness) -> None:
+        if self.session.closed:
+            # Closed for good (the process is leaving, or a test ended its sessions): the thread
+            # ends with it, else its timed turns fail for ever on a session with no client.
+            self.stop()
+            return
         if liveness == Liveness.HELD:  # perhaps a new session, whose watches are not set yet
             for path in self.watched():
                 self._todo.put(path)
@@ -1189,33 +1211,32 @@ class QueueWatch:
                 path = self._todo.get(timeout=self._next_due())
             except queue.Empty:
                 path = ""
-            if path is None:
-                return
+            if path is None or self.session.closed:
+                return  # stopped, or its session closed under a timed wait (see on_session_state)
             self._timed()
             if not path:
                 continue  # a timed turn, or a new one to wait for
             self._remove()
             with self._lock:
                 entry = self._queues.get(path)
-                added = self._added.get(path)
+                added = self._added.get(path, 0)
                 retry_at, backoff = self._backoff.get(path, (0.0, 0.0))
-            if entry is None or time.monotonic() < retry_at:
+            if entry is None or backs_off(time.monotonic(), retry_at):
                 continue  # a timer nudges it then: a failing send must not spin on its own claim's delete
             done = self._follow(*entry)
             with self._lock:
-                if done is None:
-                    backoff = min(max(2 * backoff, 0.5), 10.0)
-                    self._backoff[path] = (time.monotonic() + backoff, backoff)
-                    timer = threading.Timer(backoff, self._todo.put, (path,))
+                turn = watch_turn(done, added, self._added.get(path, 0), backoff)
+                if turn.action == Watch.BACK_OFF:
+                    self._backoff[path] = (time.monotonic() + turn.backoff, turn.backoff)
+                    timer = threading.Timer(turn.backoff, self._todo.put, (path,))
                     timer.daemon = True
                     timer.start()
                     continue
                 self._backoff.pop(path, None)
-                if done == Nudge.EMPTY:
-                    if self._added.get(path) == added:
-                        del self._queues[path], self._added[path]
-                    else:
-                        self._todo.put(path)  # a copy parked since we left the queue's members: join again
+                if turn.action == Watch.DROP:
+                    del self._queues[path], self._added[path]
+                elif turn.action == Watch.AGAIN:
+                    self._todo.put(path)  # a copy parked since we left the queue's members: join again
 
     def _remove(self) -> None:
         with self._lock:

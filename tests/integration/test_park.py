@@ -463,7 +463,7 @@ def test_a_queue_whose_only_watcher_died_is_picked_up_by_a_worker_already_runnin
     # the copies parked, and nothing else woke it: the copies waited for the key's next
     # publish. It looks every zklock_park_resend_after for a queue with no live watcher.
     parking_task = getattr(worker_app, task)
-    workers("a", concurrency=2, queue=f"{queue}-a", ZKT_PARK_RESEND_AFTER="1")
+    a = workers("a", concurrency=2, queue=f"{queue}-a", ZKT_PARK_RESEND_AFTER="1")
     b = workers("b", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
     first = send(parking_task, queue, "orphan", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
@@ -478,6 +478,10 @@ def test_a_queue_whose_only_watcher_died_is_picked_up_by_a_worker_already_runnin
     # zklock_session_timeout is 4 s here: b's watchers and its holder go then; a looks every 1 s.
     assert [r.get(timeout=4 + 1 + 15) for r in rest] == [1, 2, 3, 4], "no new publish"
     history = moved_on(redis_server.url, kazoo, zk_root, "orphan", rest, killed, 4 + 1 + 3)
+    # The operator is told the stall ended: which key, how many copies it had waiting.
+    adopted = [line for line in a.log_text().splitlines() if "had no live watcher" in line]
+    assert any("lock key 'park:orphan', 4 copies parked" in line and "adopted it" in line for line in adopted), \
+        a.log_tail()
     if task == "parking_at_publish":
         # Each copy's postrun is noted after its result is stored: wait for the notes, not only the results.
         wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}

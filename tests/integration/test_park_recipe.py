@@ -456,3 +456,25 @@ def test_a_queue_nobody_watches_is_told_from_one_somebody_does(new_session, zk_r
     assert parked.follow("token", lambda event: None, deadline(10))
     assert head_of(session, queue_path, deadline(10)) == b"m1"
     assert head_of(session, queue_path, deadline(10), unwatched=True) is None, "it has a live watcher"
+
+
+def test_a_watch_ends_as_soon_as_its_session_closes(new_session, zk_root):
+    # A watch with a queue and nothing timed sleeps on its queue of work: the session's close
+    # (a pool process's worker_process_shutdown) ends it at once, not at some later turn.
+    queue_path, lock_path = paths(zk_root)
+    session = new_session()
+    parked = ParkedQueue(session, queue_path, lock_path, EXCLUSIVE)
+    parked.park("copy-1", b"m1", 10, deadline(10))
+    watch = QueueWatch(session, 10)
+    watch.add(parked, Sends())
+    wait_until(lambda: any(c.startswith("w-") for c in session.client.get_children(queue_path)),
+               timeout=10)  # it joined the queue's watchers, and waits for their events
+    idle = QueueWatch(session, 10)  # its queues all sent on and dropped: no watch left to fire
+    idle._start()
+    threads = [watch._thread, idle._thread]
+    assert all(t is not None and t.is_alive() for t in threads)
+    session.close()
+    for thread in threads:
+        assert thread is not None
+        thread.join(5)
+        assert not thread.is_alive(), "a watch's thread outlived its session"

@@ -23,20 +23,30 @@ import pytest
 from kazoo.exceptions import NoNodeError
 
 from celery_zklock.recipes.park_rules import (
+    BACKOFF_MAX,
     CLAIM,
     SENT,
     TAKEN_MARK,
+    Contended,
     Hand,
+    Nudge,
     Park,
     Redelivery,
+    Watch,
+    backs_off,
+    contention,
     declines,
     head_turn,
+    next_wait,
     park_turn,
     parked,
     received_answer,
     redelivery,
     resends,
+    resent_at,
+    timed_turn,
     took,
+    watch_turn,
 )
 from celery_zklock.recipes.rules import EXCLUSIVE, Rule, semaphore
 
@@ -166,10 +176,12 @@ class World:
                 pass  # Parking.redelivered: it waits for the key, as `wait` does
             else:
                 del self.locks[d.lock]  # not held at once: its node goes
-                if d.seen:  # Parking.contended: it stays at the head, its claim given back
+                # Parking.contended (a twin holder only changes its log line): DROP, a second send;
+                # else it stays at the head, its claim given back.
+                if contention(True, bool(d.seen), False) != Contended.DROP:
                     self.decline(d.node)
                     self.nudge(d.session)
-                d.step = "done"  # or a second send, dropped
+                d.step = "done"
         elif d.step == "holding":  # Parking.holding
             if d.seen and self.take(d):
                 self.start(d)
@@ -379,6 +391,7 @@ WRONG = {
                                               else _redelivery(record, sent, contenders, ours)),
     "a head no worker began is never sent again": ("resends", lambda claim, owner, session: False),
     "a declined copy keeps its claim": ("declines", lambda claim: False),
+    "a received copy that meets the key held drops": ("contention", lambda received, there, twin: Contended.DROP),
 }
 
 
@@ -393,3 +406,51 @@ def test_the_schedules_catch_a_wrong_decision(monkeypatch, wrong):
             for node in world.copies:
                 assert node in world.stored or node in world.failed, node
             assert not world.failed or not world.comes_back
+
+
+def test_a_watch_backs_off_a_failing_queue_and_drops_an_empty_one():
+    """QueueWatch._run's turns, on a clock of our own: a queue whose nudge keeps failing is
+    nudged again later each time, up to BACKOFF_MAX, and not before its time; it is watched
+    again at once once a nudge works; an empty queue is dropped unless added since."""
+    now, backoff, retries = 0.0, 0.0, []
+    for _ in range(8):
+        turn = watch_turn(None, 1, 1, backoff)
+        assert turn.action == Watch.BACK_OFF
+        backoff, retry_at = turn.backoff, now + turn.backoff
+        assert backs_off(now, retry_at) and backs_off(retry_at - 0.01, retry_at) and not backs_off(retry_at, retry_at)
+        retries.append(backoff)
+        now = retry_at
+    assert retries == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0] and max(retries) == BACKOFF_MAX
+    assert [watch_turn(done, 3, 3, backoff).action for done in Nudge] == [
+        Watch.DROP, Watch.WATCH, Watch.WATCH, Watch.WATCH, Watch.WATCH]
+    assert watch_turn(Nudge.EMPTY, 3, 4, 0.0).action == Watch.AGAIN  # a copy parked as it left: join again
+
+
+def test_a_watch_resends_each_head_and_patrols_every_period():
+    """QueueWatch._timed's turns, on a clock of our own (every 30 s): a head not received is sent
+    again every period, from its own send; one received is forgotten; the patrol comes every
+    period; and the thread sleeps exactly until the earliest of them."""
+    every, sends, patrol_at, now = 30.0, {"/a": 30.0, "/b": 45.0}, 30.0, 0.0
+    resent: List[Tuple[float, str]] = []
+    patrols: List[float] = []
+    while True:
+        wait = next_wait(now, sends.values(), patrol_at)
+        assert wait is not None and wait >= 0.0
+        if now + wait > 100.0:
+            break
+        now += wait
+        turn = timed_turn(now, sends, patrol_at, every)
+        assert turn.resend or turn.patrols, (now, turn)  # it woke for something
+        patrol_at = turn.patrol_at
+        if turn.patrols:
+            patrols.append(now)
+        for path in turn.resend:
+            resent.append((now, path))
+            at = resent_at(now, path == "/a" or now < 70.0, every)  # /b is received after its 2nd resend
+            if at is None:
+                del sends[path]
+            else:
+                sends[path] = at
+    assert resent == [(30.0, "/a"), (45.0, "/b"), (60.0, "/a"), (75.0, "/b"), (90.0, "/a")], resent
+    assert patrols == [30.0, 60.0, 90.0] and "/b" not in sends
+    assert timed_turn(29.9, {"/a": 30.0}, 30.0, every) == (tuple(), 30.0, False)  # nothing before its time
