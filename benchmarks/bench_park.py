@@ -32,7 +32,14 @@ and the worker's CPU (its main process and pool processes, from ``/proc``, befor
 row). A table of issue 42's targets follows, each against floor rows of the same run.
 
     python -m benchmarks.bench_park [--keyed 200] [--unrelated 400] [--keys 4] [--ms 100] [--pin] [--fsync]
-                                    [--deadline 600]
+                                    [--deadline 600] [--consumer] [--compare DIR [--rounds 2] [--profile PREFIX]]
+
+With ``--consumer`` the park rows are decided in the worker's main process
+(``zklock_park_in_consumer``). ``--compare DIR`` measures a change: only the relay, the
+consumer floor and park (in the consumer) rows, on a worker running this checkout's
+``celery_zklock`` and on one running the ``celery_zklock`` under ``DIR`` (another checkout,
+say ``git archive main celery_zklock | tar -x -C DIR``), one after the other, ``--rounds``
+times (ABBA order), each park row against its own worker's relay.
 
 A run with the defaults takes about three minutes on two cores.
 """
@@ -40,6 +47,7 @@ A run with the defaults takes about three minutes on two cores.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -95,6 +103,30 @@ def worker_cpu(worker: CeleryWorker) -> Tuple[float, float]:
             continue
         used.append((int(fields[11]) + int(fields[12])) / ticks)
     return used[0], sum(used[1:])
+
+
+def thread_cpu(pid: int, names_file: Path) -> Dict[str, float]:
+    """CPU seconds each named thread of process ``pid`` has used so far (names from ``names_file``,
+    written by the bench app's threads as they start; kazoo's and the like by their Python name)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    names = {}
+    if names_file.exists():
+        for line in names_file.read_text().splitlines():
+            owner, tid, name = line.split(" ", 2)
+            if int(owner) == pid:
+                names[tid] = name
+    used: Dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        name = names.get(task.name, "other")
+        for prefix in ("Thread-", "Dummy-"):  # kazoo's workers: "Thread-8 (_thread_worker)"
+            if name.startswith(prefix) and "(" in name:
+                name = name[name.index("(") + 1:-1]
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
 
 
 def slots_before_turn(entries: List[dict], bodies: List[dict], keys: int) -> Dict[int, int]:
@@ -279,6 +311,66 @@ def print_targets(results: Dict[str, Row], copies: int) -> None:
         print(f"{label:<38}" + "".join(f"{measure(results[c], c):>{width}}" for c in columns))
 
 
+def compare(args: argparse.Namespace, zk_server: ZooKeeperPeer, rs: RedisServer) -> None:
+    """Park in the consumer, on this checkout and on ``args.compare``'s, rounds alternated (see the module doc)."""
+    rows = [RELAY, CONSUMER_FLOOR, "park"]
+    codes = {"this": str(ROOT), "baseline": f"{Path(args.compare).resolve()}{os.pathsep}{ROOT}"}
+    samples: Dict[str, List[Dict[str, Row]]] = {code: [] for code in codes}
+    tasks.app.conf.update(broker_url=rs.url, zklock_hosts=zk_server.hosts)
+    r = redis.Redis.from_url(rs.url)
+    copies = args.keyed - args.keys
+    load = [os.getloadavg()]
+    for n in range(args.rounds):
+        for code in (list(codes) if n % 2 == 0 else list(reversed(codes))):
+            names_file = Path(f"/tmp/bench-park-threads-{os.getpid()}-{code}-{n}")
+            env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk_server.hosts, "PYTHONPATH": codes[code],
+                   "BENCH_THREADS": str(names_file),
+                   "BENCH_PARK_IN_CONSUMER": "1", "BENCH_PROFILE": f"{args.profile}-{code}-{n + 1}" if args.profile
+                   else ""}
+            worker = CeleryWorker("benchmarks.park_bench_app", name=f"bench-{code}", concurrency=args.concurrency,
+                                  env=env)
+            with worker:
+                cpu = functools.partial(worker_cpu, worker)
+                warm = argparse.Namespace(**{**vars(args), "keyed": 20, "unrelated": 20})
+                for policy in rows:
+                    run(policy, warm, r, cpu)
+                results: Dict[str, Row] = {}
+                for policy in rows:
+                    before = int(zk_server.mntr()["zk_packets_received"])
+                    threads = thread_cpu(worker.pid, names_file)
+                    results[policy] = run(policy, args, r, cpu)
+                    results[policy]["requests"] = int(zk_server.mntr()["zk_packets_received"]) - before
+                    after = thread_cpu(worker.pid, names_file)
+                    results[policy]["threads"] = {name: used - threads.get(name, 0.0) for name, used in after.items()}
+                samples[code].append(results)
+                load.append(os.getloadavg())
+    print(f"park in the consumer, this checkout against {args.compare}: prefork -c {args.concurrency}, "
+          f"{args.keyed} keyed ({args.ms:g} ms) on {args.keys} keys, {args.unrelated} unrelated; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average (1 min) "
+          + " -> ".join(f"{one:.2f}" for one, _, _ in load))
+    print(f"\nper copy over relay: (row CPU - the same worker's relay CPU) / {copies} copies; 'main': the main "
+          f"process's share")
+    print(f"{'code':<10}{'round':>6}{'park ms/copy':>14}{'main':>8}{'floor ms/copy':>15}{'main':>8}"
+          f"{'ZK req/keyed':>14}{'unrelated p99':>15}{'makespan':>10}")
+    for code, rounds in samples.items():
+        for n, res in enumerate(rounds):
+            def per(row: Row, key: str, relay: Row = res[RELAY]) -> float:
+                return (row[key] - relay[key]) / copies * 1000
+
+            park, floor = res["park"], res[CONSUMER_FLOOR]
+            print(f"{code:<10}{n + 1:>6}{per(park, 'cpu'):>12.2f}ms{per(park, 'cpu_main'):>6.2f}ms"
+                  f"{per(floor, 'cpu'):>13.2f}ms{per(floor, 'cpu_main'):>6.2f}ms"
+                  f"{park['requests'] / args.keyed:>14.1f}{park['p99'] * 1000:>13.1f}ms{park['makespan']:>9.2f}s")
+    print("\nthe main process's threads in the park row, ms per copy (minus the same thread in the relay row)")
+    for code, rounds in samples.items():
+        for n, res in enumerate(rounds):
+            relay_threads = res[RELAY]["threads"]
+            shares = {name: (used - relay_threads.get(name, 0.0)) / copies * 1000
+                      for name, used in res["park"]["threads"].items()}
+            print(f"{code:<10}{n + 1:>6}  " + ", ".join(f"{name} {ms:.2f}" for name, ms in
+                                                       sorted(shares.items(), key=lambda item: -item[1])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keyed", type=int, default=200)
@@ -289,6 +381,13 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="ZooKeeper on CPU 1, everything else on CPU 0")
     parser.add_argument("--fsync", action="store_true", help="let the server fsync each write (production-like)")
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds a row may take before the run fails")
+    parser.add_argument("--consumer", action="store_true",
+                        help="park decided in the worker's main process (zklock_park_in_consumer)")
+    parser.add_argument("--compare", metavar="DIR", help="park in the consumer: this checkout against DIR's "
+                        "celery_zklock (the relay, consumer floor and park rows only)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --compare: rounds, each on both")
+    parser.add_argument("--profile", metavar="PREFIX", help="with --compare: cProfile the worker's main process "
+                        "(its event loop and the consumer's thread) into PREFIX-<code>-<round>.<n>")
     args = parser.parse_args()
     if args.keyed % args.keys:
         parser.error(f"--keyed {args.keyed}: must be a multiple of --keys {args.keys} (each key's relay sends as many)")
@@ -297,8 +396,13 @@ def main() -> None:
     zk_server = ZooKeeperPeer(extra_config={"forceSync": "yes"} if args.fsync else {}, cpus="1" if args.pin else None,
                               container_check_ms=60_000)
     results: Dict[str, Row] = {}
+    if args.compare:
+        with zk_server, RedisServer() as rs:
+            compare(args, zk_server, rs)
+        return
     with zk_server, RedisServer() as rs:
-        env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk_server.hosts, "PYTHONPATH": str(ROOT)}
+        env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk_server.hosts, "PYTHONPATH": str(ROOT),
+               "BENCH_PARK_IN_CONSUMER": "1" if args.consumer else ""}
         tasks.app.conf.update(broker_url=rs.url, zklock_hosts=zk_server.hosts)
         r = redis.Redis.from_url(rs.url)
         worker = CeleryWorker("benchmarks.park_bench_app", name="bench", concurrency=args.concurrency, env=env)

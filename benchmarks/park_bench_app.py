@@ -26,6 +26,8 @@ app.conf.update(
     task_ignore_result=True,
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
+    # bench_park --consumer: park decided in the worker's main process, before a slot.
+    zklock_park_in_consumer=os.environ.get("BENCH_PARK_IN_CONSUMER") == "1",
 )
 #: Each process's marks not sent yet (by pid: a pool process inherits its parent's dict, not its thread).
 _marks: dict = {}
@@ -189,3 +191,49 @@ def consumer_arrived(run: str, key: int) -> None:
 @app.task
 def unrelated(run: str, n: int) -> None:
     _note(run, kind="unrelated", n=n, start=time.monotonic())
+
+
+if os.environ.get("BENCH_PROFILE"):  # bench_park --profile: cProfile of the worker's main process
+    import cProfile
+
+    from celery.signals import worker_ready, worker_shutdown
+
+    _profiles: list = []
+    _thread_run = threading.Thread.run
+
+    def _profiled_run(self) -> None:
+        # Each thread the main process starts once ready (the consumer's, kazoo's, the queue
+        # watch's): cProfile sees only the thread that enabled it.
+        profile = cProfile.Profile()
+        _profiles.append((self.name, profile))
+        profile.enable()
+        _thread_run(self)
+
+    @worker_ready.connect
+    def _profile_the_loop(**kwargs) -> None:
+        threading.Thread.run = _profiled_run  # type: ignore[method-assign]
+        profile = cProfile.Profile()
+        _profiles.append(("loop", profile))
+        profile.enable()
+
+    @worker_shutdown.connect
+    def _dump_profiles(**kwargs) -> None:
+        for n, (name, profile) in enumerate(_profiles):
+            profile.dump_stats(f"{os.environ['BENCH_PROFILE']}.{n}.{name.replace('/', '_')}")
+
+
+if os.environ.get("BENCH_THREADS"):  # bench_park --compare: each main-process thread's name, by its id
+    from celery.signals import worker_ready as _ready
+
+    _named_run = threading.Thread.run
+
+    def _named(self) -> None:
+        with open(os.environ["BENCH_THREADS"], "a") as names:
+            names.write(f"{os.getpid()} {threading.get_native_id()} {self.name}\n")
+        _named_run(self)
+
+    @_ready.connect
+    def _name_threads(**kwargs) -> None:
+        with open(os.environ["BENCH_THREADS"], "a") as names:
+            names.write(f"{os.getpid()} {threading.get_native_id()} loop\n")
+        threading.Thread.run = _named  # type: ignore[method-assign]

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import logging
 import socket
@@ -41,8 +42,8 @@ from .. import signals
 from ..exceptions import explain
 from ..layout import node_object
 from ..recipes.lock import Lock
+from ..recipes.park import BATCH, SETTLE, UNACKED, ParkedQueue, Parking, ParkUntold, delivery_token, parked_prefix
 from ..recipes.park import PARKED as _PARKED_PREFIX
-from ..recipes.park import SETTLE, UNACKED, ParkedQueue, ParkUntold, delivery_token, parked_prefix
 from ..recipes.rules import Rule, sequence
 from ..zk import Liveness, Session, deadline, reply, session_for, timeouts
 from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
@@ -108,6 +109,11 @@ def decide(view: Optional[View], in_pool: int, unsettled: int, parking: int, lea
 #: waits for a busy pool's slot, say): then it is decided as if that one held the key.
 HOLD_AT_MOST = 1.0
 
+#: The most copies, all keys together, for which the consumer widens its prefetch window while
+#: they park (as Celery does for a task with an ETA): the copies that come meanwhile join the
+#: next batch, and other tasks are not kept waiting behind copies that will never take a slot.
+LEND_AT_MOST = 4 * BATCH
+
 #: Seconds between tries of a park (or of a record's delete) that ZooKeeper did not answer.
 RETRY_EVERY = 0.25
 
@@ -126,8 +132,10 @@ class _Key:
         self.unsettled: Dict[str, weakref.ref[Any]] = {}
         #: Copies being parked here (their parks not yet answered), and those held: in order.
         self.parking = 0
-        #: The parks of those copies, in order: only the first is with the thread (or its timer),
-        #: so a park tried again keeps its place, and none behind it commits first.
+        #: The parks of those copies, in order. The thread (or its timer) has one batch of them
+        #: at a time, from the first: a park tried again keeps its place, none behind it commits
+        #: first, and every copy that came meanwhile joins the next batch (one read and one
+        #: transaction for them all).
         self.jobs: Deque[_Job] = deque()
         self.held: Deque[Tuple[float, Callable[[Decision], None]]] = deque()
         self.expiring = False
@@ -176,6 +184,9 @@ class _Job(NamedTuple):
     tries: int = 0
     #: When ZooKeeper first did not answer this park (monotonic; None: it always did).
     since: Optional[float] = None
+    #: The consumer's prefetch window (kombu's QoS) it widened by one while the copy parks: given back
+    #: as its message is acknowledged or handed to the pool (None: not widened).
+    lent: Any = None
 
 
 class _ConsumerParking:
@@ -210,6 +221,8 @@ class _ConsumerParking:
         #: How long a park ZooKeeper does not answer is tried again before its copy goes to the pool:
         #: past a session's timeout, the session is back, or a new one is.
         self.patience = self.settings.session_timeout + 2 * self.timeout
+        #: How many copies the prefetch window is widened for now (the loop's thread only).
+        self.lent = 0
 
     # -- the event loop's side ---------------------------------------------------------------
     def attach(self, hub: Any) -> None:
@@ -264,12 +277,18 @@ class _ConsumerParking:
                 return
             request = request_of()
             entry.parking += 1
+            qos = getattr(consumer, "qos", None)
+            if qos is not None and self.lent < LEND_AT_MOST:
+                qos.increment_eventually()  # applied by the loop as its turn ends
+                self.lent += 1
+            else:
+                qos = None
             job = _Job(entry, task, request, delivery_token(request.id, retries), limit, lambda: passing(entry),
-                       acking, go)
+                       acking, go, lent=qos)
             with self._lock:
                 entry.jobs.append(job)
-                if len(entry.jobs) == 1:  # else the park before it, once done, hands it to the thread
-                    self._todo.append(("park", job))
+                if len(entry.jobs) == 1:  # else the batch before it, once done, hands it to the thread
+                    self._todo.append(("park", entry))
                     self._start()
                     self._wake.notify()
 
@@ -371,8 +390,8 @@ class _ConsumerParking:
     def _read_again(self, entry: _Key, later: float = SETTLE) -> None:
         """A watch of ``entry``'s key fired (kazoo's thread), or a read failed: read it again once,
         ``later`` (a hand-off fires several events; a stale view costs time, not a run)."""
-        if entry.unsettled:
-            later = 0.0  # copies wait for what this read shows
+        if entry.unsettled and later <= SETTLE:
+            later = 0.0  # copies wait for what this read shows (a read that failed waits all the same)
         with self._lock:
             if entry.asked or self._keys.get(entry.key) is not entry:
                 return  # a read is coming, or the key left the view
@@ -449,7 +468,8 @@ class _ConsumerParking:
             entry.asked = False
         session = self.session()
         if session is None:
-            self._read_again(entry, later=1.0)  # no view yet: copies go to the pool meanwhile
+            # No view yet: copies go to the pool meanwhile (or wait, a moment, for what the pool's did).
+            self._read_again(entry, later=RETRY_EVERY if entry.unsettled else 1.0)
             return
         client = session.client
         until = deadline(self.timeout)
@@ -460,7 +480,7 @@ class _ConsumerParking:
             children = _children(client, entry.queue_path, listed, entry.fired, until)
         except Exception as exc:  # noqa: BLE001 - no view: copies go to the pool meanwhile
             logger.debug("celery-zklock: the consumer could not read key %r (%s)", entry.key, explain(exc))
-            self._read_again(entry, later=1.0)
+            self._read_again(entry, later=RETRY_EVERY if entry.unsettled else 1.0)
             return
         if contenders is None or children is None:
             self._read_again(entry)  # made between our two reads: read again, with a child watch
@@ -496,68 +516,97 @@ class _ConsumerParking:
     def _queue(self, session: Session, entry: _Key) -> ParkedQueue:
         return ParkedQueue(session, entry.queue_path, entry.lock, entry.rule)
 
-    def _park(self, job: _Job) -> None:
-        where = f"task {job.task.name}[{job.request.id}]"
+    def _park(self, entry: _Key) -> None:
+        """Park ``entry``'s pending copies, from the first, as one batch: one read and one
+        transaction (the first's outcome is theirs: all parked, or all tried again)."""
+        with self._lock:
+            jobs = list(entry.jobs)[:BATCH]
+        if not jobs:
+            return
+        first = jobs[0]
+        where = f"task {first.task.name}[{first.request.id}]" + (f" and {len(jobs) - 1} after it" if len(jobs) > 1
+                                                                 else "")
         session = self.session()
         if session is None:
-            # A blip, or a session being made again: the copy waits here, in its place. Handed
-            # to the pool now, it and the copies behind it would park in whatever order their
-            # slots reach ZooKeeper.
-            self._again(job, where, "no ZooKeeper session")
+            # A blip, or a session being made again: the copies wait here, in their place. Handed
+            # to the pool now, they would park in whatever order their slots reach ZooKeeper.
+            self._again(first, where, "no ZooKeeper session")
             return
-        queue = self._queue(session, job.entry)
+        queue = self._queue(session, entry)
+        copies = [Parking(job.request.id, functools.partial(_message, job), job.limit, job.token) for job in jobs]
         try:
-            name = queue.park(job.request.id, lambda: message_of(job.task, request_context(job.request)), job.limit,
-                              deadline(self.timeout), delivery=job.token, unacked=True)
+            names = queue.park_many(copies, deadline(self.timeout), again=first.tries > 0)
         except ParkUntold as exc:
             # It may have parked: the same park, run again (in this session, or in the next one,
-            # once the old one can commit nothing more), finds its node, or the record of its
-            # message, which commits with the node, and never makes a second one. Until it
-            # knows, the message stays with us, unacknowledged, and the copies behind it wait.
-            self._again(job, where, explain(exc))
+            # once the old one can commit nothing more), finds the nodes, or the records of their
+            # messages, which commit with them, and never makes second ones. Until it knows, the
+            # messages stay with us, unacknowledged, and the copies behind them wait.
+            self._again(first, where, explain(exc))
             return
         except (ConnectionLoss, SessionExpiredError, *timeouts()) as exc:
-            self._again(job, where, explain(exc))  # nothing was written: tried again, in its place
+            self._again(first, where, explain(exc))  # nothing was written: tried again, in its place
             return
         except Exception as exc:  # noqa: BLE001 - nothing was written: the pool decides, as before
             logger.debug("%s: not parked by the consumer (%s); handed to the pool", where, explain(exc))
-            self._fallback(job)
+            self._fallback(first)
             return
-        if not name:
-            self._fallback(job)  # its queue is full: the pool refuses it, saying why
-            return
-        self._next(job.entry)  # durable: the park behind it may go
-        self.durable(job)
-        # Counted as a pool process's park is (metrics, receivers), from the worker's main process.
-        contended = Lock(session, job.entry.lock, job.entry.rule, key=job.entry.key, mode=job.entry.mode,
-                         label=job.entry.key)
-        signals.lock_contended.send(sender=job.task, lock=contended, policy="park", outcome="parked")
-        view = job.entry.view
-        held = view is None or view.blocked
-        why = f"lock {job.entry.key!r} is held" if held else "copies are parked before it"
-        logger.info("%s parked by the worker's consumer before a pool slot: %s; the copy runs when its turn comes",
-                    where, why)
+        parked = [job for job, name in zip(jobs, names) if name]
+        with self._lock:
+            for _ in parked:
+                entry.jobs.popleft()  # durable: the parks behind them may go
+            if entry.jobs and len(parked) == len(names):  # else the one refused goes to the pool first
+                self._todo.append(("park", entry))
+                self._wake.notify()
+        if parked:
+            self._parked(session, queue, parked)
+        if len(parked) < len(names):
+            self._fallback(jobs[len(parked)])  # its queue is full: the pool refuses it, saying why
 
-        def ack() -> None:
-            taken = job.acking()  # sent as the loop's next turn starts: then, through our socket, we look
+    def _parked(self, session: Session, queue: ParkedQueue, jobs: List[_Job]) -> None:
+        """``jobs``' copies are parked, durably: their messages are acknowledged on the loop's thread, together."""
+        entry = jobs[0].entry
+        for job in jobs:
+            self.durable(job)
+        # Counted as a pool process's park is (metrics, receivers), from the worker's main process.
+        contended = Lock(session, entry.lock, entry.rule, key=entry.key, mode=entry.mode, label=entry.key)
+        for job in jobs:
+            signals.lock_contended.send(sender=job.task, lock=contended, policy="park", outcome="parked")
+        if logger.isEnabledFor(logging.INFO):
+            view = entry.view
+            why = f"lock {entry.key!r} is held" if view is None or view.blocked else "copies are parked before it"
+            for job in jobs:
+                logger.info("task %s[%s] parked by the worker's consumer before a pool slot: %s; the copy runs when "
+                            "its turn comes", job.task.name, job.request.id, why)
+
+        def done() -> None:
+            entry.parking -= len(jobs)
+            # Sent as the loop's next turn starts: then, through our socket, we look.
+            taken = [(job, job.acking()) for job in jobs]
+            self._give_back(jobs)
 
             def after() -> None:
-                if not taken():
+                acked = []
+                for job, took in taken:
+                    if took():
+                        acked.append(job.token)
+                        continue
                     # The broker may not have it: the message may come back. Its record stays, so that
                     # delivery finds it and drops itself, as after a death before the acknowledgement.
-                    logger.warning("%s: its acknowledgement failed after it parked; the record of its park stays, "
-                                   "so the message, if delivered again, drops itself (the parked copy runs once)",
-                                   where)
-                    return
-                self._submit(("acked", (job.entry, job.token, 0)))
+                    logger.warning("task %s[%s]: its acknowledgement failed after it parked; the record of its park "
+                                   "stays, so the message, if delivered again, drops itself (the parked copy runs "
+                                   "once)", job.task.name, job.request.id)
+                if acked:
+                    self._submit(("acked", (entry, acked, 0)))
 
             self.on_loop(after)
+            self._drain(entry)
 
-        self._done(job, ack)
+        self.on_loop(done)
         _watch(session, self.settings, self.app).add(queue, self._send)
 
     def _again(self, job: _Job, where: str, why: str) -> None:
-        """Try ``job``'s park again soon, still first of its key's parks; past :attr:`patience`, hand it to the pool."""
+        """Try the park of ``job`` (the first of its key's), and of those behind it, again soon,
+        in its place; past :attr:`patience`, hand it to the pool."""
         now = time.monotonic()
         since = now if job.since is None else job.since
         if now - since > self.patience:
@@ -569,17 +618,16 @@ class _ConsumerParking:
         with self._lock:
             if job.entry.jobs and job.entry.jobs[0] is job:
                 job.entry.jobs[0] = again
-        timer = threading.Timer(RETRY_EVERY, self._submit, (("park", again),))
+        timer = threading.Timer(RETRY_EVERY, self._submit, (("park", job.entry),))
         timer.daemon = True
         timer.start()
 
-    def _next(self, entry: _Key) -> None:
-        """The first of ``entry``'s parks is durable: the thread takes the next one."""
-        with self._lock:
-            entry.jobs.popleft()
-            if entry.jobs:
-                self._todo.append(("park", entry.jobs[0]))
-                self._wake.notify()
+    def _give_back(self, jobs: List[_Job]) -> None:
+        """Narrow the prefetch window again by what ``jobs`` widened it (the loop's thread)."""
+        for job in jobs:
+            if job.lent is not None:
+                job.lent.decrement_eventually()
+                self.lent -= 1
 
     def _fallback(self, job: _Job) -> None:
         """Hand ``job``'s copy to the pool, and decide the copies whose parks were behind it afresh,
@@ -591,6 +639,7 @@ class _ConsumerParking:
                 rest = list(entry.jobs)[1:]
                 entry.jobs.clear()
             entry.parking -= 1 + len(rest)
+            self._give_back([job, *rest])  # each is counted in the window again: in the pool, or as it arrives
             job.passing()  # in the pool: the copies behind it wait to see it hold the key or park
             for later in reversed(rest):
                 entry.held.appendleft((time.monotonic(), later.again))
@@ -600,34 +649,23 @@ class _ConsumerParking:
 
         self.on_loop(done)
 
-    def _done(self, job: _Job, outcome: Callable[[], None]) -> None:
-        """Hand a park's ``outcome`` to the loop's thread, where the copies held behind it go on."""
-        def done() -> None:
-            job.entry.parking -= 1
-            outcome()
-            self._drain(job.entry)
-
-        self.on_loop(done)
-
-    def _forget(self, entry: _Key, token: bytes, tries: int) -> None:
-        """Delete the record of a parked message whose acknowledgement the broker took, in this
+    def _forget(self, entry: _Key, tokens: List[bytes], tries: int) -> None:
+        """Delete the records of parked messages whose acknowledgements the broker took, in this
         process's session as it is now (one made before a session expired is refused)."""
         session = self.session()
-        path = f"{entry.queue_path}/{UNACKED}{token.decode()}"
         why = "no ZooKeeper session"
         if session is not None:
             try:
-                reply(session.client.delete_async(path), deadline(self.timeout))
-                return
-            except NoNodeError:
+                self._queue(session, entry).acked_many(tokens, deadline(self.timeout))
                 return
             except Exception as exc:  # noqa: BLE001 - tried again
                 why = explain(exc)
         if tries * RETRY_EVERY >= max(self.patience, 60.0):
-            logger.warning("celery-zklock: could not delete %s (%s): an empty record, which only keeps the key's "
-                           "queue node; it may be deleted by hand", path, why)
+            paths = ", ".join(f"{entry.queue_path}/{UNACKED}{token.decode()}" for token in tokens)
+            logger.warning("celery-zklock: could not delete %s (%s): empty records, which only keep the key's "
+                           "queue node; they may be deleted by hand", paths, why)
             return
-        timer = threading.Timer(RETRY_EVERY, self._submit, (("acked", (entry, token, tries + 1)),))
+        timer = threading.Timer(RETRY_EVERY, self._submit, (("acked", (entry, tokens, tries + 1)),))
         timer.daemon = True
         timer.start()
 
@@ -653,6 +691,11 @@ class _ConsumerParking:
                                f"{self.settings.connect_timeout:g}s")
         if failed:
             raise failed[0]
+
+
+def _message(job: _Job) -> bytes:
+    """The message a parked copy of ``job`` holds (built only if it parks)."""
+    return message_of(job.task, request_context(job.request))
 
 
 def _children(client: Any, path: str, listed: Any, watch: Callable[[Any], None], until: Optional[float]

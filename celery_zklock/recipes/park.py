@@ -66,7 +66,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
@@ -118,7 +118,7 @@ from .park_rules import parked_prefix as _prefix
 from .rules import Rule
 
 __all__ = ["CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "UNACKED", "VIEWER", "InFlight",
-           "Looked", "Nudge", "ParkUntold", "ParkedQueue", "QueueWatch", "Redelivery", "delivery_token",
+           "Looked", "Nudge", "ParkUntold", "ParkedQueue", "Parking", "QueueWatch", "Redelivery", "delivery_token",
            "head_and_count", "head_of", "parked_prefix", "parked_sequence", "redelivery", "unwatched", "waiting"]
 
 logger = logging.getLogger("celery_zklock")
@@ -261,6 +261,20 @@ class _ParkTry:
                 raise ValueError(f"{len(data)} bytes, over the {MAX_PAYLOAD} a ZooKeeper node may hold")
             self.built = data
         return self.built
+
+
+class Parking(NamedTuple):
+    """One copy of a batch that a worker's main process parks (:meth:`ParkedQueue.park_many`)."""
+
+    task_id: str
+    payload: Union[bytes, Callable[[], bytes]]  #: its message, or what builds it (only to park)
+    limit: int
+    delivery: bytes  #: its message's :func:`delivery_token`
+
+
+#: The most copies one transaction of :meth:`ParkedQueue.park_many` parks: their tokens must
+#: all stay in the queue node's ring (``RING`` of them) for a lost reply's try to find.
+BATCH = 64
 
 
 @dataclass
@@ -421,6 +435,135 @@ class ParkedQueue:
                 raise next(r for r in results if isinstance(r, Exception))
             attempt.unanswered = None  # this try is answered: it did not commit
             # Another parker took a place first, or the queue was reaped: look again.
+
+    def park_many(self, copies: Sequence[Parking], until: Optional[float], again: bool = False
+                  ) -> List[Optional[str]]:
+        """Park ``copies`` at the back of the queue, in order, each as :meth:`park` with
+        ``unacked`` parks it, with one read and one transaction for them all (a worker's main
+        process parks a burst of one key so).
+
+        The answer is one entry per copy from the first, and may be shorter than ``copies``:
+        a copy's node name (or, for a message parked before, whose copy was taken since, its
+        node's prefix); None for a copy the queue had no room for, and nothing after it; the
+        copies left out (a message too large to join the others, or the same message twice)
+        are for the next call. The transaction commits every copy's node and record or none,
+        so a try run again after a lost reply finds all of them, or writes all of them.
+        ``ParkUntold`` as :meth:`park` with ``unacked``.
+
+        The read is synced only for a park tried ``again`` (or after a lost reply): one that
+        may have committed must see its commit. A first try needs no sync: every park bumps
+        the queue node's version, which the transaction checks, so a read that missed one
+        commits nothing, and reads again; and its sequence nodes take their order from the
+        leader, whatever the read saw.
+        """
+        attempt = _ParkTry(b"")  # only its ``unanswered`` is used: one for the whole transaction
+        try:
+            return through_blips(self.session, until, lambda: self._park_many_now(copies, attempt, until, again))
+        except Exception as exc:
+            if attempt.unanswered is not None:
+                raise ParkUntold(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
+                                 "parked cannot be told") from exc
+            raise
+
+    def _park_many_now(self, copies: Sequence[Parking], attempt: _ParkTry, until: Optional[float], again: bool
+                       ) -> List[Optional[str]]:
+        client = self.session.client
+        nodes = self.session.nodes
+        messages: Dict[int, bytes] = {}
+        while True:
+            made = nodes.ensure_container(self.path, None)
+            if made is not None:
+                try:
+                    reply(made, until)
+                except NodeExistsError:
+                    pass
+            synced = client.sync_async(self.path) if again or attempt.unanswered is not None else None
+            read = client.get_async(self.path)
+            listed = client.get_children_async(self.path)
+            try:
+                if synced is not None:
+                    reply(synced, until)
+                data, stat = reply(read, until)
+                children = list(reply(listed, until))
+            except NoNodeError:
+                if attempt.unanswered is not None:
+                    raise _untold(self.path, "was reaped") from None
+                nodes.container_gone(self.path)  # reaped since we last used it
+                continue
+            nodes.container_used(self.path)
+            answers: List[Optional[str]] = []
+            writes: List[Tuple[int, str, str]] = []  # (index, prefix, record) of each copy written
+            size = 0
+            for i, copy in enumerate(copies[:BATCH]):
+                prefix, record = _prefix(copy.task_id), UNACKED + copy.delivery.decode()
+                if any(prefix == p or record == r for _, p, r in writes):
+                    break  # the same message twice: the next call finds this one parked
+                # The copies written before it count against the limit as the parked ones do.
+                turn = park_turn(children, data, prefix, copy.delivery, record, attempt.unanswered, stat.version,
+                                 stat.czxid, copy.limit - len(writes))
+                if turn.action == Park.THERE:
+                    answers.append(turn.node)
+                    continue
+                if turn.action == Park.GONE:
+                    answers.append(prefix)  # it ran, or runs
+                    continue
+                if turn.action == Park.REAPED:
+                    raise _untold(self.path, "was reaped and made again")
+                if turn.action == Park.OVERRUN:
+                    raise _untold(self.path, f"took {stat.version - (attempt.unanswered or (0, 0))[0]} parks")
+                if turn.action == Park.FULL:
+                    answers.append(None)
+                    break
+                if i not in messages:
+                    try:
+                        messages[i] = _ParkTry(copy.payload).message()
+                    except ValueError:
+                        if i == 0:
+                            raise
+                        break  # refused alone, by the next call
+                if writes and size + len(messages[i]) > MAX_PAYLOAD:
+                    break  # one transaction is one request, under ZooKeeper's jute.maxbuffer too
+                size += len(messages[i])
+                answers.append("")
+                writes.append((i, prefix, record))
+            if not writes:
+                return answers
+            attempt.unanswered = (stat.version, stat.czxid)
+            tx = client.transaction()
+            tokens = b"".join(copies[i].delivery for i, _, _ in writes)
+            tx.set_data(self.path, (data + tokens)[-RING * TOKEN:], version=stat.version)
+            for i, prefix, record in writes:
+                tx.create(self.node_path(prefix), messages[i], sequence=True)
+                tx.create(self.node_path(record), b"")
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                for n, (i, _, _) in enumerate(writes):
+                    answers[i] = posixpath.basename(results[1 + 2 * n])
+                return answers
+            if not any(isinstance(r, (BadVersionError, NoNodeError)) for r in results):
+                raise next(r for r in results if isinstance(r, Exception))
+            attempt.unanswered = None  # this try is answered: it did not commit
+            # Another parker took a place first, or the queue was reaped: look again.
+
+    def acked_many(self, deliveries: Sequence[bytes], until: Optional[float]) -> None:
+        """The messages parked under ``deliveries`` by :meth:`park_many` were acknowledged: their
+        records go, in one transaction (one by one where some are gone already). Waited for."""
+        paths = [self.node_path(UNACKED + delivery.decode()) for delivery in deliveries]
+        if len(paths) > 1:
+            tx = self.session.client.transaction()
+            for path in paths:
+                tx.delete(path)
+            results = reply(tx.commit_async(), until)
+            if not _failed(results):
+                return
+            if not any(isinstance(r, NoNodeError) for r in results):
+                raise next(r for r in results if isinstance(r, Exception))
+        deletes = [self.session.client.delete_async(path) for path in paths]
+        for delete in deletes:
+            try:
+                reply(delete, until)
+            except NoNodeError:
+                pass
 
     def acked(self, delivery: bytes) -> None:
         """The message parked with ``unacked`` under ``delivery`` was acknowledged: its record

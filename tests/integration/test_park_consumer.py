@@ -15,6 +15,7 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from celery_zklock.recipes.park import parked_prefix
 from celery_zklock.testing import violations
 from harness import Op, TcpProxy, free_port
+from harness.proxy import Fault
 from tests.apps import worker_app
 from tests.integration.test_metrics import scrape, total
 from tests.integration.test_park import parked_queue, queue_left, started
@@ -252,3 +253,45 @@ def test_a_park_in_flight_as_the_main_process_loses_its_session_keeps_its_place(
     assert ran == [k.id for k in keyed], f"run order {[[k.id for k in keyed].index(t) for t in ran]}"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: not records(kazoo, zk_root, "paused"), timeout=10)  # each ack taken, each record gone
+
+
+
+def test_a_burst_behind_a_held_key_is_parked_in_batches_of_few_requests(workers, queue, redis_server, kazoo, zk_root,
+                                                                        zk_server):
+    # Before, the consumer parked each copy on its own: a sync, a read of the queue node, one of
+    # its children and a transaction, then a delete of its a- record (five requests a copy, 200
+    # here), and it took only as many copies as its prefetch window (2 here) at a time. Now it
+    # widens the window for the copies it parks, and those that come while a park is in flight
+    # go together: one read and one transaction for the batch, one transaction for their records.
+    copies = 40
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts)
+        first = send(worker_app.parking, queue, "batch", 30.0, 0, "", True)
+        wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+        r = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: r.hlen("unacked") == 0, timeout=10)  # the holder's ack is in (the pool's accept)
+        sent: collections.Counter = collections.Counter()  # the worker's requests (all of them pass the proxy), by op
+        proxy.arm(Fault("request", lambda xid, op: bool(sent.update([op])), "count", count=1 << 30))
+        held = proxy.hold_request(Op.MULTI)  # the burst's first park, in flight until released
+        rest = [send(worker_app.parking, queue, "batch", 0.01, i) for i in range(1, copies + 1)]
+        held.wait_matched(10)
+        wait_until(lambda: r.llen(queue) == 0, timeout=10)  # the worker took every copy in meanwhile
+        held.release()
+        # Every message acknowledged (each once parked), and every record deleted.
+        wait_until(lambda: r.hlen("unacked") == 0, timeout=30)
+        path = parked_queue(zk_root, "batch")
+        wait_until(lambda: not [n for n in children(kazoo, path) if n.startswith("a-")], timeout=10)
+        requests = sum(n for op, n in sent.items() if op != Op.PING)
+        parked = [n for n in children(kazoo, path) if n.startswith("p-")]
+        assert len(parked) == copies, f"{len(parked)} of {copies} parked"
+        assert sum(ignored(redis_server.url).values()) == 0, "none reached a pool slot"
+        # Two parks (the first, then the rest together), their records' deletes, the watches' reads.
+        assert sent[Op.MULTI] <= 6, f"{sent[Op.MULTI]} transactions to park {copies} copies: {dict(sent)}"
+        assert requests < copies, f"{requests} requests to park {copies} copies: {dict(sent)}"
+        r.rpush(f"nobody-pushes:{first.id}", "go")
+        keyed = [first, *rest]
+        assert [k.get(timeout=60) for k in keyed] == list(range(copies + 1))
+    bodies = [e for e in events(redis_server.url) if e["event"] == "body"]
+    assert [e["task_id"] for e in sorted(bodies, key=lambda e: e["start"])] == [k.id for k in keyed], \
+        "each copy runs once, in publish order"
+    assert violations(holds(redis_server.url)) == []

@@ -9,7 +9,17 @@ from typing import Any, Callable, List, Tuple
 import pytest
 
 from celery_zklock.recipes import EXCLUSIVE, Lock
-from celery_zklock.recipes.park import Nudge, ParkedQueue, ParkUntold, QueueWatch, head_of
+from celery_zklock.recipes.park import (
+    UNACKED,
+    Nudge,
+    ParkedQueue,
+    Parking,
+    ParkUntold,
+    QueueWatch,
+    delivery_token,
+    head_of,
+    parked_sequence,
+)
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
 from harness.proxy import Fault
@@ -478,3 +488,28 @@ def test_a_watch_ends_as_soon_as_its_session_closes(new_session, zk_root):
         assert thread is not None
         thread.join(5)
         assert not thread.is_alive(), "a watch's thread outlived its session"
+
+
+def test_a_batch_parks_in_order_and_run_again_after_a_lost_reply_makes_no_second_node(new_session, proxy, zk_root,
+                                                                                       kazoo):
+    """A worker's main process parks a key's pending copies in one transaction. Its reply lost,
+    the same batch run again finds every node (the transaction committed whole) and makes
+    none twice; a copy the queue has no room for is answered None, and nothing after it parks."""
+    queue_path, lock_path = paths(zk_root)
+    queue = ParkedQueue(new_session(hosts=proxy.hosts), queue_path, lock_path, EXCLUSIVE)
+    copies = [Parking(f"copy-{i}", f"m{i}".encode(), 3, delivery_token(f"copy-{i}", 0)) for i in range(5)]
+    held = proxy.hold_reply(Op.MULTI)
+    try:
+        with pytest.raises(ParkUntold, match="whether it parked cannot be told"):
+            queue.park_many(copies, deadline(1))
+    finally:
+        held.release()
+    names = queue.park_many(copies, deadline(10), again=True)
+    assert len(names) == 4 and names[3] is None, names  # limit 3: the fourth is refused, the fifth not tried
+    parked = sorted((c for c in kazoo.get_children(queue_path) if c.startswith("p-")), key=parked_sequence)
+    assert parked == names[:3], "one node each, in order"
+    assert [kazoo.get(f"{queue_path}/{name}")[0] for name in parked] == [b"m0", b"m1", b"m2"]
+    records = {c for c in kazoo.get_children(queue_path) if c.startswith(UNACKED)}
+    assert records == {UNACKED + c.delivery.decode() for c in copies[:3]}
+    queue.acked_many([c.delivery for c in copies[:3]], deadline(10))
+    assert not [c for c in kazoo.get_children(queue_path) if c.startswith(UNACKED)]
