@@ -749,7 +749,7 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
 
 def install(sender: Any = None, **kwargs: Any) -> None:
     """A ``worker_init`` receiver: each park task's first deliveries are decided by the consumer
-    (``zklock_park_in_consumer``, off by default), with Celery's own strategy behind it."""
+    (``zklock_park_in_consumer``, on by default), with Celery's own strategy behind it."""
     app = getattr(sender, "app", None)
     if app is None:
         return

@@ -35,13 +35,15 @@ app.conf.update(
     zklock_key_secret=os.environ.get("ZKT_KEY_SECRET"),
     zklock_metrics_port=int(os.environ["ZKT_METRICS_PORT"]) if os.environ.get("ZKT_METRICS_PORT") else None,
     zklock_park_resend_after=float(os.environ.get("ZKT_PARK_RESEND_AFTER", "30")),
-    zklock_park_in_consumer=os.environ.get("ZKT_PARK_IN_CONSUMER") == "1",  # opt-in, as in the product
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
     # Celery 5.3 retries for ~20 s per result collected after the test's Redis has stopped.
     result_backend_transport_options={"retry_policy": {"max_retries": 1}},
 )
+if os.environ.get("ZKT_PARK_IN_CONSUMER"):
+    # Unset: the product's default (the consumer decides). "0": the pool path, for the tests that keep it covered.
+    app.conf.zklock_park_in_consumer = os.environ["ZKT_PARK_IN_CONSUMER"] == "1"
 if os.environ.get("ZKT_VISIBILITY"):
     # The whole-worker kill tests: an unacked message comes back after ZKT_VISIBILITY s, swept every second.
     app.conf.broker_transport_options = {"visibility_timeout": float(os.environ["ZKT_VISIBILITY"]),
