@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def workers(workers):
-    """This file's workers decide park tasks in their consumer (``zklock_park_in_consumer``, opt-in)."""
+    """This file's workers decide park tasks in their consumer (``zklock_park_in_consumer``), whatever the default."""
     return lambda *args, **env: workers(*args, **{"ZKT_PARK_IN_CONSUMER": "1", **env})
 
 
