@@ -531,7 +531,13 @@ class _ConsumerParking:
         # Counted as a pool process's park is (metrics, receivers), from the worker's main process.
         contended = Lock(session, job.entry.lock, job.entry.rule, key=job.entry.key, mode=job.entry.mode,
                          label=job.entry.key)
-        signals.lock_contended.send(sender=job.task, lock=contended, policy="park", outcome="parked")
+        # Receivers read the copy's request from its task, as in a pool process (the task's request
+        # stack is this thread's: the main process runs no task of its own here).
+        job.task.push_request(**{**job.request.request_dict, "hostname": job.request.hostname})
+        try:
+            signals.lock_contended.send(sender=job.task, lock=contended, policy="park", outcome="parked")
+        finally:
+            job.task.pop_request()
         view = job.entry.view
         held = view is None or view.blocked
         why = f"lock {job.entry.key!r} is held" if held else "copies are parked before it"

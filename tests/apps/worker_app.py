@@ -16,7 +16,7 @@ import redis
 from celery import Celery, current_task
 from celery.signals import after_task_publish, before_task_publish, task_postrun, task_prerun, worker_process_init
 
-from celery_zklock import LockLost, Preempted, ZkLockedTask, current_lock, current_locks, zk_locked
+from celery_zklock import LockLost, Preempted, ZkLockedTask, current_lock, current_locks, signals, zk_locked
 from celery_zklock.recipes.park import ParkedQueue
 
 app = Celery("worker_app")
@@ -64,6 +64,17 @@ def note(event: str, **fields: Any) -> None:
     history().rpush("history", json.dumps({
         "event": event, "time": time.monotonic(), "pid": os.getpid(), "worker": request.hostname,
         "task_id": request.id, **fields}))
+
+
+@signals.lock_contended.connect
+def note_parked(sender: Any = None, lock: Any = None, outcome: str = "", **kwargs: Any) -> None:
+    """Each park, from the process that parked it: a pool process, or the worker's main process.
+
+    Read from ``sender.request`` as a receiver would: ``current_task`` is unset in the main process."""
+    if outcome == "parked":
+        history().rpush("history", json.dumps({
+            "event": "parked", "time": time.monotonic(), "pid": os.getpid(), "worker": sender.request.hostname,
+            "task_id": sender.request.id, "key": lock.key}))
 
 
 def note_body(lock: Any, key: str, start: float, end: float) -> None:

@@ -56,6 +56,11 @@ def test_a_burst_behind_a_held_key_parks_in_the_consumer_and_takes_no_slot(worke
     assert sum(slots.values()) <= 1, f"copies that reached a pool slot before their turn: {dict(slots)}"
     # Counted as parked wherever they parked (the consumer's parks went uncounted).
     assert total(scrape(port), "celery_zklock_contended_total", policy="park", outcome="parked") == 30
+    # And told to lock_contended's receivers as a pool process tells them: sender.request is the
+    # copy's (it was empty in the main process, and the demo lost which copies parked).
+    told = [e for e in events(redis_server.url) if e["event"] == "parked"]
+    assert collections.Counter(e["task_id"] for e in told) == collections.Counter(r.id for r in rest), told
+    assert all((e["worker"] or "").startswith("w1@") for e in told), told
     redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
     keyed = [first, *rest]
     assert [r.get(timeout=60) for r in keyed] == list(range(31)), "every caller gets its own copy's result"
