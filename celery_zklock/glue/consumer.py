@@ -42,7 +42,7 @@ from ..exceptions import explain
 from ..layout import node_object
 from ..recipes.lock import Lock
 from ..recipes.park import PARKED as _PARKED_PREFIX
-from ..recipes.park import SETTLE, UNACKED, ParkedQueue, ParkUntold, delivery_token, parked_prefix
+from ..recipes.park import SETTLE, UNACKED, VIEWER, ParkedQueue, ParkUntold, delivery_token, parked_prefix
 from ..recipes.rules import Rule, sequence
 from ..zk import Liveness, Session, deadline, reply, session_for, timeouts
 from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
@@ -467,12 +467,17 @@ class _ConsumerParking:
             return
         parked = [c for c in children if c.startswith(_PARKED_PREFIX)]
         blocked = not entry.rule.has_room(contenders)
+        # A viewer of ours we do not stand by (its create answered after we stopped waiting) goes:
+        # left, it would stand for a watcher of this key for our session's life.
+        for stray in [c for c in children if c.startswith(f"{VIEWER}{self.token}-") and c != entry.viewer]:
+            session.nodes.delete_later(f"{entry.queue_path}/{stray}")
         if entry.publishers and entry.viewer is None and (blocked or parked):
             # Publishers of this key's task may park behind it now: this process sends their copies on.
             try:
                 entry.viewer = self._queue(session, entry).add_viewer(self.token, until)
             except Exception as exc:  # noqa: BLE001 - publishers publish as usual meanwhile
                 logger.debug("celery-zklock: no viewer for key %r (%s)", entry.key, explain(exc))
+                self._read_again(entry, later=1.0)  # its create may yet commit: that read removes it
             else:
                 self._read_again(entry, later=0.0)  # with our viewer there: a park may have come between
         elif entry.viewer is not None and not blocked and not parked:

@@ -257,3 +257,30 @@ def test_a_park_in_flight_as_the_main_process_loses_its_session_keeps_its_place(
     assert ran == [k.id for k in keyed], f"run order {[[k.id for k in keyed].index(t) for t in ran]}"
     assert violations(holds(redis_server.url)) == []
     wait_until(lambda: not records(kazoo, zk_root, "paused"), timeout=10)  # each ack taken, each record gone
+
+
+def test_a_viewer_whose_create_answered_late_is_not_left_in_the_queue(workers, queue, redis_server, kazoo, zk_root,
+                                                                      zk_server):
+    # The consumer's viewer (the node that lets publishers park behind a held key) is made again
+    # after a blip, and its create is answered after the consumer stopped waiting (a slow
+    # ensemble: an ensemble test's park_publish round under leader_isolated found one left).
+    # Before, the consumer never knew of that node: it stayed in the queue, standing for a
+    # watcher, for the worker's session's life, long after the key was free and its queue empty.
+    with TcpProxy(zk_server.port) as proxy:
+        workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts, ZKT_SESSION_TIMEOUT="8")
+        first = send(worker_app.parking_at_publish, queue, "lateview", 30.0, 0, True)
+        wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+
+        def viewers() -> list:
+            return [n for n in queue_left(kazoo, zk_root, "lateview") if n.startswith("v-")]
+
+        wait_until(lambda: bool(viewers()), timeout=10)
+        [before] = viewers()
+        late = proxy.delay_reply(Op.CREATE2, 3.0)  # past the consumer's 2 s for a request
+        proxy.reset()
+        late.wait_matched(10)
+        wait_until(lambda: viewers() and viewers() != [before], timeout=10)  # the new one committed
+        redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+        assert first.get(timeout=30) == 0
+        # Free, and nothing parked: the consumer drops its viewer, whatever answered when.
+        wait_until(lambda: not viewers(), timeout=10)
