@@ -83,7 +83,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_default_timeout": 60.0,
     "zklock_default_park_limit": 1000,
     "zklock_park_resend_after": 30.0,
-    "zklock_park_in_consumer": False,
+    "zklock_park_in_consumer": True,
     "zklock_dedupe_ttl": 3600.0,
     "zklock_dedupe_publish_timeout": 2.0,
     "zklock_beat_name": None,
@@ -148,9 +148,9 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                 "before a pool slot: a copy whose key it sees held (or whose queue has copies) "
                                 "is parked there, and never takes a slot. Whenever it cannot tell quickly (no "
                                 "session yet, ZooKeeper slow, a key it does not see yet, an eta, a canvas, a "
-                                "pool other than prefork), the copy goes to the pool, which parks it as before. Off by "
-                                "default until its faults are all covered: in a fleet mixing workers with it on and "
-                                "off, a key's publish order can break (never a copy run twice)."),
+                                "pool other than prefork), the copy goes to the pool, which parks it as before. Off: "
+                                "every copy parks from a pool slot (better for a worker that runs only keyed tasks, "
+                                "where the makespan matters more than a free slot)."),
     "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
                                "`None` waits forever."),
     "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "

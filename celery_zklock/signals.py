@@ -23,7 +23,7 @@ lock_acquired = Signal(name="lock_acquired")
 #: ``outcome``: ``waited`` (it waited and then held: sent just after ``lock_acquired``),
 #: ``preempted`` (it asked the holder to go, and held), ``skipped`` (also a copy a full
 #: parked queue refused), ``retried``, ``raised`` (also a ``wait`` that timed out),
-#: or ``parked``.
+#: or ``parked``. ``sender.request`` is the copy's, in the main process too.
 lock_contended = Signal(name="lock_contended")
 #: A task gave its lock back. Arguments: ``sender``, ``lock``, ``held_seconds``.
 lock_released = Signal(name="lock_released")

@@ -42,7 +42,17 @@ from .. import signals
 from ..exceptions import explain
 from ..layout import node_object
 from ..recipes.lock import Lock
-from ..recipes.park import BATCH, SETTLE, UNACKED, ParkedQueue, Parking, ParkUntold, delivery_token, parked_prefix
+from ..recipes.park import (
+    BATCH,
+    SETTLE,
+    UNACKED,
+    VIEWER,
+    ParkedQueue,
+    Parking,
+    ParkUntold,
+    delivery_token,
+    parked_prefix,
+)
 from ..recipes.park import PARKED as _PARKED_PREFIX
 from ..recipes.rules import Rule, sequence
 from ..zk import Liveness, Session, deadline, reply, session_for, timeouts
@@ -487,12 +497,17 @@ class _ConsumerParking:
             return
         parked = [c for c in children if c.startswith(_PARKED_PREFIX)]
         blocked = not entry.rule.has_room(contenders)
+        # A viewer of ours we do not stand by (its create answered after we stopped waiting) goes:
+        # left, it would stand for a watcher of this key for our session's life.
+        for stray in [c for c in children if c.startswith(f"{VIEWER}{self.token}-") and c != entry.viewer]:
+            session.nodes.delete_later(f"{entry.queue_path}/{stray}")
         if entry.publishers and entry.viewer is None and (blocked or parked):
             # Publishers of this key's task may park behind it now: this process sends their copies on.
             try:
                 entry.viewer = self._queue(session, entry).add_viewer(self.token, until)
             except Exception as exc:  # noqa: BLE001 - publishers publish as usual meanwhile
                 logger.debug("celery-zklock: no viewer for key %r (%s)", entry.key, explain(exc))
+                self._read_again(entry, later=1.0)  # its create may yet commit: that read removes it
             else:
                 self._read_again(entry, later=0.0)  # with our viewer there: a park may have come between
         elif entry.viewer is not None and not blocked and not parked:
@@ -570,7 +585,13 @@ class _ConsumerParking:
         # Counted as a pool process's park is (metrics, receivers), from the worker's main process.
         contended = Lock(session, entry.lock, entry.rule, key=entry.key, mode=entry.mode, label=entry.key)
         for job in jobs:
-            signals.lock_contended.send(sender=job.task, lock=contended, policy="park", outcome="parked")
+            # Receivers read the copy's request from its task, as in a pool process (the task's request
+            # stack is this thread's: the main process runs no task of its own here).
+            job.task.push_request(**{**job.request.request_dict, "hostname": job.request.hostname})
+            try:
+                signals.lock_contended.send(sender=job.task, lock=contended, policy="park", outcome="parked")
+            finally:
+                job.task.pop_request()
         if logger.isEnabledFor(logging.INFO):
             view = entry.view
             why = f"lock {entry.key!r} is held" if view is None or view.blocked else "copies are parked before it"
@@ -792,7 +813,7 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
 
 def install(sender: Any = None, **kwargs: Any) -> None:
     """A ``worker_init`` receiver: each park task's first deliveries are decided by the consumer
-    (``zklock_park_in_consumer``, off by default), with Celery's own strategy behind it."""
+    (``zklock_park_in_consumer``, on by default), with Celery's own strategy behind it."""
     app = getattr(sender, "app", None)
     if app is None:
         return

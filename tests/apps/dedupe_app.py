@@ -40,6 +40,9 @@ app.conf.update(
     broker_transport_options={"visibility_timeout": float(os.environ.get("ZKT_VISIBILITY", "3600")),
                               "unacked_restore_interval": 1, "unacked_restore_throttle": 1},
 )
+if os.environ.get("ZKT_PARK_IN_CONSUMER"):
+    # Unset: the product's default (the consumer decides a park). "0": park rounds on the pool path.
+    app.conf.zklock_park_in_consumer = os.environ["ZKT_PARK_IN_CONSUMER"] == "1"
 _redis: Any = None
 
 

@@ -16,7 +16,7 @@ import redis
 from celery import Celery, current_task
 from celery.signals import after_task_publish, before_task_publish, task_postrun, task_prerun, worker_process_init
 
-from celery_zklock import LockLost, Preempted, ZkLockedTask, current_lock, current_locks, zk_locked
+from celery_zklock import LockLost, Preempted, ZkLockedTask, current_lock, current_locks, signals, zk_locked
 from celery_zklock.recipes.park import ParkedQueue
 
 app = Celery("worker_app")
@@ -35,13 +35,15 @@ app.conf.update(
     zklock_key_secret=os.environ.get("ZKT_KEY_SECRET"),
     zklock_metrics_port=int(os.environ["ZKT_METRICS_PORT"]) if os.environ.get("ZKT_METRICS_PORT") else None,
     zklock_park_resend_after=float(os.environ.get("ZKT_PARK_RESEND_AFTER", "30")),
-    zklock_park_in_consumer=os.environ.get("ZKT_PARK_IN_CONSUMER") == "1",  # opt-in, as in the product
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("ZKT_QUEUE", "celery"),
     # Celery 5.3 retries for ~20 s per result collected after the test's Redis has stopped.
     result_backend_transport_options={"retry_policy": {"max_retries": 1}},
 )
+if os.environ.get("ZKT_PARK_IN_CONSUMER"):
+    # Unset: the product's default (the consumer decides). "0": the pool path, for the tests that keep it covered.
+    app.conf.zklock_park_in_consumer = os.environ["ZKT_PARK_IN_CONSUMER"] == "1"
 if os.environ.get("ZKT_VISIBILITY"):
     # The whole-worker kill tests: an unacked message comes back after ZKT_VISIBILITY s, swept every second.
     app.conf.broker_transport_options = {"visibility_timeout": float(os.environ["ZKT_VISIBILITY"]),
@@ -62,6 +64,17 @@ def note(event: str, **fields: Any) -> None:
     history().rpush("history", json.dumps({
         "event": event, "time": time.monotonic(), "pid": os.getpid(), "worker": request.hostname,
         "task_id": request.id, **fields}))
+
+
+@signals.lock_contended.connect
+def note_parked(sender: Any = None, lock: Any = None, outcome: str = "", **kwargs: Any) -> None:
+    """Each park, from the process that parked it: a pool process, or the worker's main process.
+
+    Read from ``sender.request`` as a receiver would: ``current_task`` is unset in the main process."""
+    if outcome == "parked":
+        history().rpush("history", json.dumps({
+            "event": "parked", "time": time.monotonic(), "pid": os.getpid(), "worker": sender.request.hostname,
+            "task_id": sender.request.id, "key": lock.key}))
 
 
 def note_body(lock: Any, key: str, start: float, end: float) -> None:

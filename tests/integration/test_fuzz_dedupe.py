@@ -4,6 +4,7 @@ from a recorded seed, each round's history checked by :func:`harness.dedupe.dedu
     ZKLOCK_FUZZ_DEDUPE_ROUNDS=1000 pytest tests/integration/test_fuzz_dedupe.py   # a long run
     ZKLOCK_FUZZ_SEED=1234 ZKLOCK_FUZZ_DEDUPE_ROUNDS=1 pytest ...                 # replay one round
     ZKLOCK_FUZZ_DEDUPE_MODES=latest,latest_locked ...                               # one feature's rounds
+    ZKT_PARK_IN_CONSUMER=0 ZKLOCK_FUZZ_DEDUPE_MODES=park ...                        # parks from pool slots
     ZKLOCK_FUZZ_DEDUPE_FAULTS=child_paused ...                                      # one fault's rounds
 
 A round draws a mode (``queued``, ``queued_or_running``, ``queued_or_running`` with a lock

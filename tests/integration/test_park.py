@@ -49,9 +49,12 @@ def started(redis_url: str, task_id: str) -> bool:
     return any(e["event"] == "start" and e["task_id"] == task_id for e in events(redis_url))
 
 
-def test_parked_copies_free_the_slots_and_run_once_each_in_publish_order(workers, queue, redis_server, kazoo,
-                                                                         zk_root):
-    workers("w1", concurrency=2)
+@pytest.mark.parametrize("decided_in", ["consumer", "pool"])
+def test_parked_copies_free_the_slots_and_run_once_each_in_publish_order(decided_in, workers, queue, redis_server,
+                                                                         kazoo, zk_root):
+    # Both places a first delivery can park from: the worker's main process (the default) and a
+    # pool slot (zklock_park_in_consumer off), whose promises are the same.
+    workers("w1", concurrency=2, ZKT_PARK_IN_CONSUMER="1" if decided_in == "consumer" else "0")
     first = send(worker_app.parking, queue, "hot", 1.0, 0)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     keyed = [first] + [send(worker_app.parking, queue, "hot", 1.0, i) for i in range(1, 10)]
@@ -80,8 +83,10 @@ def test_a_publisher_parks_a_copy_itself_and_no_worker_receives_it_before_its_tu
                                                                                   kazoo, zk_root, env):
     # park_at_publish: the publisher parks a copy whose key is held, where a worker's process
     # watches the key's queue; the copy reaches a worker once, to run. With no watcher yet, a
-    # copy goes to the worker as usual, which parks it and watches.
-    workers("w1", concurrency=2)
+    # copy goes to the worker as usual, which parks it and watches. The pool path's case
+    # (zklock_park_in_consumer off): the consumer's, where a publisher parks before any copy
+    # has, is test_park_consumer.py's test_a_publisher_parks_behind_a_held_key_before_any_copy_has_parked.
+    workers("w1", concurrency=2, ZKT_PARK_IN_CONSUMER="0")
     first = send(worker_app.parking_at_publish, queue, "pub", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     second = send(worker_app.parking_at_publish, queue, "pub", 0.2, 1)

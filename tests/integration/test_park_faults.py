@@ -74,13 +74,15 @@ def test_a_broker_restarted_as_the_holder_lets_go_runs_each_parked_copy_once_in_
         assert [deliveries[r.id] for r in rest[1:]] == [1, 1], "parked as they were published"
 
 
+@pytest.mark.parametrize("decided_in", ["consumer", "pool"])
 def test_a_publisher_that_cannot_reach_zookeeper_publishes_as_usual_and_the_worker_parks_the_copy(
-        workers, queue, redis_server, kazoo, zk_root, caplog):
+        decided_in, workers, queue, redis_server, kazoo, zk_root, caplog):
     # park_at_publish with the publisher's ZooKeeper unreachable (nothing listens where it
     # looks; the worker's stays up): each copy goes to the worker as usual, within
     # zklock_dedupe_publish_timeout, and the worker parks it. None is lost or run twice, and
     # the key's queue keeps its order: the copies parked at publish before, then these.
-    w = workers("w1", concurrency=2)
+    # The worker parks in its main process (the default) or from a pool slot.
+    w = workers("w1", concurrency=2, ZKT_PARK_IN_CONSUMER="1" if decided_in == "consumer" else "0")
     first = send(worker_app.parking_at_publish, queue, "zu", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     rest = [send(worker_app.parking_at_publish, queue, "zu", 0.1, 1)]  # the worker parks it, and watches
@@ -108,7 +110,10 @@ def test_a_publisher_that_cannot_reach_zookeeper_publishes_as_usual_and_the_work
     wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}
                >= {r.id for r in rest}, timeout=10)
     deliveries = collections.Counter(e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered")
-    assert [deliveries[r.id] for r in rest] == [2, 1, 2, 2], "parked by the worker, at publish, by the worker twice"
+    if decided_in == "pool":
+        assert [deliveries[r.id] for r in rest] == [2, 1, 2, 2], "parked by the worker, at publish, by the worker twice"
+    else:  # the worker's parks took no slot: each copy reached one only to run
+        assert [deliveries[r.id] for r in rest] == [1, 1, 1, 1], "parked before a slot, or at publish"
     assert w.running
 
 
