@@ -36,13 +36,14 @@ import contextlib
 import enum
 import logging
 import threading
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 
 from ..exceptions import LockNotAcquired
 from ..layout import node_object
 from ..zk import Session
+from .engine import ContenderObserver
 from .lock import Lock, LockState
 from .rules import EXCLUSIVE, contender, sequence
 
@@ -221,17 +222,13 @@ class Election:
             self._set(LEADER_STATE[state])
 
     def _run(self) -> None:
-        announced = False
+        announce = _Announce(self)
         while self.state != ElectionState.CLOSED:
             lock = Lock(self.session, self.path, EXCLUSIVE, data=self.data, on_state=self._on_lock_state)
+            lock.observe(announce)
             self._lock = lock
             self._lost.clear()
             try:
-                if not announced:
-                    announced = True
-                    leader = self.leader()
-                    if leader is not None:
-                        logger.info("beat election %s: standby; the leader is %s", self.path, who(leader))
                 if not lock.acquire():
                     continue  # cancelled (closing) or interrupted: the loop condition decides
             except (ConnectionLoss, SessionExpiredError) as exc:
@@ -255,7 +252,29 @@ class Election:
             if self.state != ElectionState.CLOSED:
                 logger.warning("beat election %s: leadership lost; standing by again", self.path)
                 self._set(ElectionState.STANDBY)
-                announced = False
+                announce.done = False  # say again whom it stands behind
+
+
+class _Announce(ContenderObserver):
+    """Says once, as this candidate first waits in the queue, which candidate leads. Read once our
+    node stands behind another: a read before our node exists could miss a leader that joined a
+    moment before us, and the standby would never say it stands by (seen under load)."""
+
+    def __init__(self, election: Election) -> None:
+        self.election = election
+        self.done = False
+
+    def blocked(self, watching: Tuple[str, ...]) -> None:
+        if not watching or self.done:
+            return
+        self.done = True
+        try:
+            leader = self.election.leader()
+        except Exception as exc:  # noqa: BLE001 - a log line is not worth the wait for the lead
+            logger.debug("beat election %s: could not read its leader (%s)", self.election.path, exc)
+            return
+        if leader is not None:
+            logger.info("beat election %s: standby; the leader is %s", self.election.path, who(leader))
 
 
 def who(data: str) -> str:

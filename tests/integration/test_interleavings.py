@@ -138,6 +138,33 @@ def test_a_leader_whose_node_someone_deletes_stands_by_and_leads_again(new_sessi
     first.close()
 
 
+
+def test_a_standby_whose_leader_joined_just_before_it_says_whom_it_stands_behind(new_session, zk_root, caplog):
+    # The standby read the leader before its own node existed: a leader that joined between that
+    # read and the standby's create went unnamed, and the standby never said it stood by (a
+    # worker -B replica under CI load). The leader's join is placed right before the create.
+    path = f"{zk_root}/election-announce"
+    first = Election(new_session(), path, b"first")
+    second = Election(new_session(), path, b"second")
+    nodes = second.session.nodes
+    create = nodes.create_contender
+
+    def leader_joins_first(prefix: str, data: bytes):
+        if not first.is_leader:
+            assert first.start().wait_leader(10)
+        return create(prefix, data)
+
+    nodes.create_contender = leader_joins_first  # type: ignore[method-assign]
+    try:
+        with caplog.at_level("INFO", logger="celery_zklock"):
+            second.start()
+            wait_until(lambda: len(second.candidates()) == 2, timeout=10)
+            wait_until(lambda: "standby; the leader is" in caplog.text, timeout=5)
+        assert first.is_leader and not second.is_leader
+    finally:
+        second.close()
+        first.close()
+
 # -- the beat --------------------------------------------------------------------------
 class RecordingScheduler(LeaderScheduler):
     """LeaderScheduler that records what it would publish instead of publishing it."""
