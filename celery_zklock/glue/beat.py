@@ -360,7 +360,8 @@ class LeaderScheduler(_Leadership):
         new = super().reserve(entry)
         lead = self.election.leadership() if self.election is not None else None
         if lead is None or not self._record(lead, new):
-            logger.warning("beat: lost leadership before sending %s; not sent", entry.name)
+            logger.warning("beat: lost leadership before sending run %d of %s; not sent", new.total_run_count,
+                           entry.name)
             self.schedule[entry.name] = entry
             return entry
         self._recorded[entry.name] = (lead.token, new.total_run_count)
@@ -376,8 +377,8 @@ class LeaderScheduler(_Leadership):
             # reply revives the session of a leader that has already stood down).
             if lead is None or lead.token != recorded[0] or not election.session.is_alive():
                 # Another leader may be sending: this run goes unsent (its record counts it).
-                logger.warning("beat: leadership lost or in doubt after recording %s; not sent (run counted)",
-                               entry.name)
+                logger.warning("beat: leadership lost or in doubt after recording run %d of %s; not sent (run "
+                               "counted)", recorded[1], entry.name)
                 return
             options = dict(entry.options)
             options["headers"] = {**options.get("headers", {}), "zklock_beat": {
@@ -410,7 +411,7 @@ class LeaderScheduler(_Leadership):
                 results = tx.commit()
             except ConnectionLoss:
                 # The transaction may have committed before the connection broke: read it back.
-                committed = self._committed(path, run, session)
+                committed = self._committed(path, entry.name, run, session)
                 if committed is None:
                     return False
                 if committed:
@@ -433,14 +434,14 @@ class LeaderScheduler(_Leadership):
             return False
         return False
 
-    def _committed(self, path: str, run: Dict[str, Any], session: Session) -> Optional[bool]:
+    def _committed(self, path: str, name: str, run: Dict[str, Any], session: Session) -> Optional[bool]:
         """After a lost reply: whether the entry holds exactly this run, under this leadership
         (None: the connection did not come back within the session timeout)."""
         deadline = time.monotonic() + session.timeout
         while not session.client.connected:
             if time.monotonic() > deadline:
-                logger.warning("beat: could not learn whether run %s of %s was recorded; not sent",
-                               run["total_run_count"], path)
+                logger.warning("beat: could not learn whether run %d of %s was recorded; not sent",
+                               run["total_run_count"], name)
                 return None
             time.sleep(0.05)
         try:
@@ -451,8 +452,8 @@ class LeaderScheduler(_Leadership):
             return None
         newer = stored.get("token")
         if isinstance(newer, int) and isinstance(run["token"], int) and newer > run["token"]:  # czxids rise
-            logger.warning("beat: the reply to the record of %s was lost, and another leadership has recorded "
-                           "since; not sent", path)
+            logger.warning("beat: the reply to the record of run %d of %s was lost, and another leadership has "
+                           "recorded since; not sent", run["total_run_count"], name)
             return None
         committed = all(stored.get(k) == v for k, v in run.items())
         logger.warning("beat: the reply to the record of %s was lost; it %s", path,
