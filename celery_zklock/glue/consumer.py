@@ -59,9 +59,9 @@ from ..zk import Liveness, Session, deadline, reply, session_for, timeouts
 from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import request_context
 from .options import spec_of
-from .parking import PARK_HEADER, SENT_HEADER, _watch, message_of, send
+from .parking import PARK_HEADER, SENT_HEADER, _watch, leaves_unlocked, message_of, send
 
-__all__ = ["Decision", "View", "decide", "install", "strategy"]
+__all__ = ["Decision", "View", "decide", "install", "strategy", "unlocked"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -811,9 +811,28 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
     return on_message
 
 
+def unlocked(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
+    """The Celery ``Strategy`` of a task that takes no lock: Celery's own, but a message sent
+    from a parked queue before a deploy removed the task's lock is taken out of its queue
+    first, and dropped where another send of its copy took it (:func:`.parking.leaves_unlocked`)."""
+    from celery.worker.strategy import default
+
+    handler = default(task, app, consumer, **kwargs)
+    connection_errors = consumer.connection_errors
+
+    def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any) -> Any:
+        if PARK_HEADER in (message.headers or {}) and not leaves_unlocked(app, task.name, message):
+            ack(logger, connection_errors)
+            return None
+        return handler(message, body, ack, reject, callbacks)
+
+    return on_message
+
+
 def install(sender: Any = None, **kwargs: Any) -> None:
     """A ``worker_init`` receiver: each park task's first deliveries are decided by the consumer
-    (``zklock_park_in_consumer``, on by default), with Celery's own strategy behind it."""
+    (``zklock_park_in_consumer``), with Celery's own strategy behind it; and each task that
+    takes no lock drops a second send of a copy parked before a deploy removed its lock."""
     app = getattr(sender, "app", None)
     if app is None:
         return
@@ -823,9 +842,14 @@ def install(sender: Any = None, **kwargs: Any) -> None:
         defaults = task_defaults(app)
     except Exception:  # noqa: BLE001 - the worker refuses to start, saying why (worker._validate)
         return
+    locked = locked_tasks(app)
+    for name, task in app.tasks.items():
+        if name not in locked and not name.startswith("celery.") \
+                and type(task).Strategy == "celery.worker.strategy:default" and task.__dict__.get("Strategy") is None:
+            task.Strategy = "celery_zklock.glue.consumer:unlocked"
     if not defaults.park_in_consumer:
         return
-    for name, locking in locked_tasks(app).items():
+    for name, locking in locked.items():
         task = app.tasks.get(name)
         spec = locking.spec
         if task is not None and spec is not None and spec.lock and spec.contention(defaults) == "park" \

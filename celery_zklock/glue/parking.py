@@ -72,9 +72,9 @@ from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
 
 __all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "Stage", "abandon_received",
-           "as_new_delivery", "comes_back", "describe", "encode", "ended", "leave_queue", "lost", "orphans",
-           "parked_header", "publish", "receipt_of", "received", "revoked", "send", "started_when_held", "sweep",
-           "unknown"]
+           "as_new_delivery", "comes_back", "describe", "encode", "ended", "leave_queue", "leaves_unlocked", "lost",
+           "orphans", "parked_header", "publish", "receipt_of", "received", "revoked", "send", "started_when_held",
+           "sweep", "unknown"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -811,16 +811,68 @@ _received: OrderedDict[str, List[Tuple[str, Optional[str]]]] = OrderedDict()
 _RECEIVED_MAX = 10_000
 
 
+#: Ids of copies whose task takes no lock any more that the consumer took out of their queues
+#: (:func:`leaves_unlocked`), for :func:`received` to let be. Bounded as ``_received`` is.
+_left: OrderedDict[str, None] = OrderedDict()
+
+
+def leaves_unlocked(app: Any, task_name: str, message: Any) -> bool:
+    """The consumer receives a copy of a task that takes no lock any more (a deploy removed
+    it) whose message was sent from its key's parked queue: True when it runs.
+
+    Nothing of ours runs in such a task, so its take is done here, before Celery's own
+    strategy sees the message, as :func:`leave_queue` does in the pool for a task that no
+    longer parks: its node goes, and of all sends of the copy (one is sent again whenever its
+    sender's claim goes or nobody receives it) only the one that took it runs. False for a
+    second send, and for one ZooKeeper did not let take its node: that send is acknowledged
+    and dropped, and, in the second case, its claim is given back, so the copy stays parked
+    and is sent again. A redelivery of the send that took it is dropped too (not promised to run).
+
+    It waits for ZooKeeper on the consumer's thread, at most ``zklock_connect_timeout``: only
+    messages sent from a parked queue before a deploy come here."""
+    header = parked_header(message)
+    if header is None:
+        return True
+    task_id = str((getattr(message, "headers", None) or {}).get("id", ""))
+    settings = settings_of(app)
+    where = f"task {task_name}[{task_id}]"
+    path, name = posixpath.dirname(header), posixpath.basename(header)
+    try:
+        queue = _queue_at(session_for(settings), app, path, None)
+    except ValueError:  # a header that names no queue of ours: nothing of ours to leave
+        return True
+    try:
+        taken = queue.take(name, deadline(settings.connect_timeout))
+    except (KazooException, ZkLockError, *timeouts()) as exc:
+        logger.warning("%s: %s before the copy could leave its parked queue; it stays parked, and is sent again",
+                       where, explain(exc))
+        _give_up(app, task_name, None, task_id, header, GiveUp.DECLINE)
+        return False
+    if not taken:
+        logger.info("%s: a second send of a parked copy that has already been taken; dropped", where)
+        return False
+    queue.done(name)
+    _left[task_id] = None
+    while len(_left) > _RECEIVED_MAX:
+        _left.popitem(last=False)
+    logger.warning("%s: a parked copy sent again, of a task that takes no lock any more; it left its key's parked "
+                   "queue, and runs", where)
+    return True
+
+
 def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     """A ``task_received`` receiver (the consumer): remember the parked node of a copy sent again.
 
     A copy whose task takes no lock any more (a deploy removed it) runs here as any task
-    does, and nothing of ours would ever take its node: it leaves its queue now."""
+    does, and nothing of ours would ever take its node: where the consumer did not take it
+    (:func:`leaves_unlocked`; a task with a ``Strategy`` of its own), it leaves its queue now."""
     header = parked_header(request) if request is not None else None
     if header is None:
         return
     task = getattr(request, "task", None)
     if task is not None and spec_of(task) is None:
+        if _left.pop(request.id, False) is None:
+            return  # taken by the consumer already
         logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
                        "key's parked queue, and runs", task.name, request.id)
         _give_up(task.app, task.name, None, request.id, header, GiveUp.REMOVE, sent=_sent_nonce(request))
