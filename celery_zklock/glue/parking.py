@@ -19,6 +19,7 @@ no result is stored under its id, which the copy sent again fills in.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import json
@@ -533,6 +534,10 @@ class Parking:
         except Exception as exc:  # noqa: BLE001 - the processes watching the queue send it instead
             logger.warning("%s: could not send the next parked copy of lock %r (%s); the processes watching "
                            "the key's queue will", self.where, self.label, explain(exc))
+            # This process among them: a claim whose create went unanswered is ours, and only a
+            # nudge of ours sends under it (it is looked at again as the session comes back).
+            with contextlib.suppress(Exception):
+                _watch(self.queue.session, self.settings, self.task.app).add(self.queue, self._send, nudge=True)
         self.stage = Stage.HANDED_ON
 
     def _watch(self) -> QueueWatch:

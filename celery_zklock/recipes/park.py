@@ -57,6 +57,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -65,7 +66,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
@@ -277,6 +278,46 @@ class Parking(NamedTuple):
 BATCH = 64
 
 
+class _Unanswered:
+    """The claims this process tried to make whose answer has not come, by claim path, each
+    known by its nudge's token. A nudge that gave up past its deadline with its claim's create
+    unanswered may have made the claim: ephemeral, in our live session, and so, for every
+    watcher, a head sent and not received, which nobody sends again while we live. Whichever
+    nudge of ours comes next (a watcher's, as the session comes back) finds its token here and
+    sends the head under it. Bounded: a create that never reached the server leaves its token
+    until :data:`_UNANSWERED_MAX` newer ones push it out.
+
+    >>> claims = _Unanswered()
+    >>> claims.tried("c-p-1", b"sent:a"); claims.tried("c-p-1", b"sent:b"); claims.answered("c-p-1", b"sent:a")
+    >>> claims.ours("c-p-1", b"sent:a"), claims.ours("c-p-1", b"sent:b"), claims.ours("c-p-1", b"sent:b")
+    (False, True, False)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokens: Dict[Tuple[str, bytes], None] = {}
+
+    def tried(self, claim: str, token: bytes) -> None:
+        with self._lock:
+            self._tokens[(claim, token)] = None
+            while len(self._tokens) > _UNANSWERED_MAX:
+                del self._tokens[next(iter(self._tokens))]
+
+    def answered(self, claim: str, token: bytes) -> None:
+        with self._lock:
+            self._tokens.pop((claim, token), None)
+
+    def ours(self, claim: str, data: bytes) -> bool:
+        """Whether the claim holding ``data`` is one of ours whose create went unanswered; once:
+        of two nudges of ours that find it, one sends."""
+        with self._lock:
+            return self._tokens.pop((claim, data), False) is None
+
+
+_UNANSWERED_MAX = 1024
+_UNANSWERED = _Unanswered()
+
+
 @dataclass
 class _NudgeTry:
     """One nudge across its tries."""
@@ -285,6 +326,8 @@ class _NudgeTry:
     looked: Optional[Looked]
     #: The head this nudge claimed: what a SENT answer sent.
     head: Optional[str] = None
+    #: The claims it tried to make (see _Unanswered).
+    claims: Set[str] = field(default_factory=set)
 
 
 class ParkedQueue:
@@ -727,6 +770,8 @@ class ParkedQueue:
         token = SENT + uuid.uuid4().hex.encode()
         attempt = _NudgeTry(looked)
         done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, attempt))
+        for claim in attempt.claims:  # settled: a claim of ours is sent, or was never made
+            _UNANSWERED.answered(claim, token)
         if done == Nudge.SENT and sent is not None and attempt.head is not None:
             sent(attempt.head)
         return done
@@ -760,9 +805,11 @@ class ParkedQueue:
             attempt.head = head
             claim = self.node_path(CLAIM + head)
             if turn.action == Hand.CLAIMED:
-                # Ours, if this call made it and lost the reply: send then.
+                # Ours, if a nudge of ours (this one, or one that gave up) made it and lost the
+                # reply: send then.
                 try:
-                    mine = reply(client.get_async(claim), until)[0] == token
+                    data = reply(client.get_async(claim), until)[0]
+                    mine = data == token or _UNANSWERED.ours(claim, data)
                 except NoNodeError:
                     continue
                 return self._send(head, claim, send, until) if mine else Nudge.CLAIMED
@@ -772,6 +819,8 @@ class ParkedQueue:
             tx.check(self.node_path(head), -1)
             tx.create(claim, token, ephemeral=True)
             read = client.get_async(self.node_path(head))
+            _UNANSWERED.tried(claim, token)
+            attempt.claims.add(claim)
             results = reply(tx.commit_async(), until)
             try:
                 payload, _ = reply(read, until)
@@ -817,8 +866,15 @@ class ParkedQueue:
             data, stat = reply(client.get_async(self.node_path(CLAIM + head)), until)
             if not resends(data, stat.ephemeralOwner, client.client_id[0] if client.client_id is not None else None):
                 return False  # received (its data emptied, in its receiver's session) or taken (marked)
+        except NoNodeError:
+            return False
+        try:
             payload, _ = reply(client.get_async(self.node_path(head)), until)
         except NoNodeError:
+            # The copy left its queue (removed) under our claim: the claim, ours and on nothing,
+            # would stay for as long as we live. It goes, unless it changed since we read it.
+            with contextlib.suppress(NoNodeError, BadVersionError):
+                reply(client.delete_async(self.node_path(CLAIM + head), version=stat.version), until)
             return False
         send(self.node_path(head), payload)
         return True
@@ -972,7 +1028,10 @@ class ParkedQueue:
         through_blips(self.session, until, lambda: self._remove_now(name, until, sent))
 
     def _remove_now(self, name: str, until: Optional[float], sent: Optional[str]) -> None:
-        self._delete_now([CLAIM + name, name], until)
+        # The node first: a claim is made only in a transaction that checks its node, so none
+        # can come after it. Claim first, a watcher could claim the node between the two
+        # deletes, send a copy that drops itself, and keep a claim on nothing while it lived.
+        self._delete_now([name, CLAIM + name], until)
         if sent is None:
             self._delete_now([TAKEN + name], until)
             return

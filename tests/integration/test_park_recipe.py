@@ -3,10 +3,12 @@ Celery here, a send is a call recorded in a list."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any, Callable, List, Tuple
 
 import pytest
+from kazoo.handlers.threading import KazooTimeoutError
 
 from celery_zklock.recipes import EXCLUSIVE, Lock
 from celery_zklock.recipes.park import (
@@ -97,6 +99,49 @@ def test_two_nudges_racing_send_the_head_once(new_session, proxy, zk_root):
     thread.join(10)
     assert outcome == [Nudge.CLAIMED]
     assert sends.seen == [(fast.node_path(str(name)), b"m1")]
+
+
+def test_a_nudge_that_gave_up_on_its_claims_reply_sends_the_head_on_its_next_try(new_session, proxy, zk_root):
+    """A quorum loss in a CI run: a watcher's claim committed, its reply came after the nudge's
+    deadline, and the nudge gave up. The claim, ephemeral in our live session, told every
+    watcher that the head was sent; the next nudge, its token another, read it as someone
+    else's: 20 copies waited behind it for as long as the worker lived."""
+    queue_path, lock_path = paths(zk_root)
+    watcher = ParkedQueue(new_session(hosts=proxy.hosts, session_timeout=20.0), queue_path, lock_path, EXCLUSIVE)
+    name = watcher.park("copy-1", b"m1", 10, deadline(10))
+    sends = Sends()
+    held = proxy.hold_reply(Op.MULTI)
+    with pytest.raises(KazooTimeoutError):
+        watcher.nudge(sends, deadline(1))
+    held.release()
+    assert held.done.wait(5)
+    assert sends.seen == []
+    assert watcher.nudge(sends, deadline(10)) == Nudge.SENT, "our own claim, read as another's"
+    assert sends.seen == [(watcher.node_path(str(name)), b"m1")]
+
+
+def test_a_removal_racing_a_watchers_claim_leaves_no_claim_on_a_copy_gone(new_session, proxy, zk_root, kazoo):
+    """A copy whose receiver died leaves its queue (lost): its claim was deleted first, then its
+    node. A watcher claimed the node between the two deletes and sent it; the copy dropped
+    itself, and the claim, on nothing, stayed while the watcher lived (a CI run: the queue
+    never emptied)."""
+    queue_path, _ = paths(zk_root)
+    watcher = ParkedQueue(new_session(), queue_path, paths(zk_root)[1], EXCLUSIVE)
+    remover = ParkedQueue(new_session(hosts=proxy.hosts), queue_path, paths(zk_root)[1], EXCLUSIVE)
+    name = str(watcher.park("copy-1", b"m1", 10, deadline(10)))
+    sends = Sends()
+    assert watcher.nudge(sends, deadline(10)) == Nudge.SENT  # sent, under the watcher's claim
+    deletes = itertools.count()
+    held = proxy.arm(Fault("request", lambda xid, op: op == Op.DELETE and next(deletes) == 1, "hold",
+                           describe="the removal's second delete"))
+    thread = threading.Thread(target=remover.remove, args=(name, deadline(30)))
+    thread.start()
+    held.wait_matched()
+    watcher.nudge(sends, deadline(10))  # what its watch does as the first delete lands
+    held.release()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert kazoo.get_children(queue_path) == [], "a claim left on a copy gone"
 
 
 def test_a_look_taken_as_the_body_started_and_stale_by_its_release_still_sends_the_head(new_session, zk_root):
@@ -453,6 +498,20 @@ def test_a_sent_head_is_sent_again_by_its_sender_until_a_worker_receives_it(new_
     finally:
         watch.stop()
     assert {node for node, _ in sends.seen} == {sender.node_path(str(name))}
+
+
+def test_a_senders_claim_on_a_copy_that_left_its_queue_goes_at_its_next_resend(new_session, zk_root, kazoo):
+    """A claim on nothing (however it came about) must not outlive its use: its sender, the
+    only one who answers for it, deletes it as it finds the copy gone."""
+    queue_path, lock_path = paths(zk_root)
+    sender = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    name = str(sender.park("copy-1", b"m1", 10, deadline(10)))
+    sends = Sends()
+    assert sender.nudge(sends, deadline(10)) == Nudge.SENT
+    kazoo.delete(sender.node_path(name))  # the copy left its queue; its claim stayed
+    assert not sender.resend(name, sends, deadline(10)), "nothing to answer for"
+    assert kazoo.get_children(queue_path) == []
+    assert len(sends.seen) == 1
 
 
 def test_a_queue_nobody_watches_is_told_from_one_somebody_does(new_session, zk_root):
