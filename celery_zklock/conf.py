@@ -83,7 +83,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_default_timeout": 60.0,
     "zklock_default_park_limit": 1000,
     "zklock_park_resend_after": 30.0,
-    "zklock_park_in_consumer": False,
+    "zklock_park_in_consumer": True,
     "zklock_dedupe_ttl": 3600.0,
     "zklock_dedupe_publish_timeout": 2.0,
     "zklock_beat_name": None,
