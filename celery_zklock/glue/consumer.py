@@ -147,7 +147,8 @@ class _Key:
         #: first, and every copy that came meanwhile joins the next batch (one read and one
         #: transaction for them all).
         self.jobs: Deque[_Job] = deque()
-        self.held: Deque[Tuple[float, Callable[[Decision], None]]] = deque()
+        #: Each held copy: since when, what decides it, and the prefetch window it widened (or None).
+        self.held: Deque[Tuple[float, Callable[[Decision], None], Any]] = deque()
         self.expiring = False
         #: Its task parks at publish: once the key is seen held, a viewer node of ours lets publishers park.
         self.publishers = False
@@ -306,7 +307,15 @@ class _ConsumerParking:
         if decision == Decision.PASS:
             return False, entry
         if decision == Decision.HOLD:
-            entry.held.append((time.monotonic(), go))
+            # Widened while it is held too: else a key's held copies fill the window, and the
+            # worker fetches no other task until they are decided (HOLD_AT_MOST, under load).
+            qos = getattr(consumer, "qos", None)
+            if qos is not None and self.lent < LEND_AT_MOST:
+                qos.increment_eventually()
+                self.lent += 1
+            else:
+                qos = None
+            entry.held.append((time.monotonic(), go, qos))
             self._expire_later(entry)
         else:
             go(decision)
@@ -325,7 +334,11 @@ class _ConsumerParking:
             decision = entry.decide()
             if decision == Decision.HOLD:
                 return
-            entry.held.popleft()[1](decision)
+            _, go, lent = entry.held.popleft()
+            if lent is not None:  # given back as it is decided (a park widens it again, in the same turn)
+                lent.decrement_eventually()
+                self.lent -= 1
+            go(decision)
 
     def _settled(self, entry: _Key, ids: List[str]) -> None:
         for task_id in ids:
@@ -663,7 +676,7 @@ class _ConsumerParking:
             self._give_back([job, *rest])  # each is counted in the window again: in the pool, or as it arrives
             job.passing()  # in the pool: the copies behind it wait to see it hold the key or park
             for later in reversed(rest):
-                entry.held.appendleft((time.monotonic(), later.again))
+                entry.held.appendleft((time.monotonic(), later.again, None))
             self._drain(entry)
             if entry.held:
                 self._expire_later(entry)

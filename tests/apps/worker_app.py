@@ -482,6 +482,19 @@ if os.environ.get("ZKT_CONSUMER_FAULTS"):  # only where a test asks: each park r
     Message.ack = _ack_or_fail  # type: ignore[method-assign]
 
 
+if os.environ.get("ZKT_CONSUMER_BLIND"):  # the main process's views come late, and copies wait this long for them
+    from celery_zklock.glue import consumer as _blind
+
+    _blind.HOLD_AT_MOST = float(os.environ["ZKT_CONSUMER_BLIND"])
+    _read_view = _blind._ConsumerParking._read
+
+    def _read_late(self: Any, entry: Any) -> None:
+        time.sleep(2 * _blind.HOLD_AT_MOST)
+        _read_view(self, entry)
+
+    _blind._ConsumerParking._read = _read_late  # type: ignore[method-assign]
+
+
 @worker_process_init.connect
 def _hook_the_take(**kwargs: Any) -> None:
     # In a worker's pool processes only: a test process that imports this app (and takes a node
