@@ -25,7 +25,7 @@ from celery_zklock.recipes.park import (
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
 from harness.proxy import Fault
-from tests.util import wait_until
+from tests.util import children, wait_until
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def test_a_removal_racing_a_watchers_claim_leaves_no_claim_on_a_copy_gone(new_se
     held.release()
     thread.join(10)
     assert not thread.is_alive()
-    assert kazoo.get_children(queue_path) == [], "a claim left on a copy gone"
+    assert children(kazoo, queue_path) == [], "a claim left on a copy gone"
 
 
 def test_a_look_taken_as_the_body_started_and_stale_by_its_release_still_sends_the_head(new_session, zk_root):
@@ -215,7 +215,7 @@ def test_a_park_whose_reply_was_lost_while_its_copy_ran_parks_no_second_copy(new
     proxy.reset()  # the held reply is lost with the connection
     thread.join(20)
     assert parked and parked[0] is not None
-    assert [c for c in kazoo.get_children(queue_path) if c.startswith("p-")] == [], "parked a second time"
+    assert [c for c in children(kazoo, queue_path) if c.startswith("p-")] == [], "parked a second time"
 
 
 def test_one_process_watches_a_queue_and_the_next_steps_up_when_it_dies(new_session, zk_root, kazoo):
@@ -510,7 +510,7 @@ def test_a_senders_claim_on_a_copy_that_left_its_queue_goes_at_its_next_resend(n
     assert sender.nudge(sends, deadline(10)) == Nudge.SENT
     kazoo.delete(sender.node_path(name))  # the copy left its queue; its claim stayed
     assert not sender.resend(name, sends, deadline(10)), "nothing to answer for"
-    assert kazoo.get_children(queue_path) == []
+    assert children(kazoo, queue_path) == []
     assert len(sends.seen) == 1
 
 
