@@ -83,7 +83,18 @@ class _CeleryProcess:
         return "".join(f.read_text(errors="replace") for f in (self.dir / "stdout.log", self.log) if f.exists())
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        """The log's last ``lines`` lines, after its errors with their tracebacks: a failed
+        task's cause is often long before the end (a CI run's blips buried one)."""
+        text = self.log_text().splitlines()
+        errors: List[str] = []
+        inside = False
+        for line in text[:-lines]:
+            if line.startswith("[20"):  # a record's first line: an error's, or not
+                inside = "ERROR/" in line or "CRITICAL/" in line
+            if inside and len(errors) < 200:
+                errors.append(line)
+        head = ["(errors before the end:)", *errors, "(the end:)"] if errors else []
+        return "\n".join(head + text[-lines:])
 
     def close(self) -> None:
         self._process.kill()

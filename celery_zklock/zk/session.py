@@ -336,13 +336,16 @@ def _granted_by_servers(settings: Settings) -> Optional[float]:
 
 
 _drift: Optional[List[str]] = None
+_drift_lock = threading.Lock()  # a session's start and its connection's thread may ask at once: said once
 
 
 def kazoo_drifted() -> bool:
     """Whether this kazoo changed what the fast request path leans on (see transport.drift);
     checked once per process, and said once, as a WARNING naming the version."""
     global _drift
-    if _drift is None:
+    with _drift_lock:
+        if _drift is not None:
+            return bool(_drift)
         _drift = drift()
         if _drift:
             logger.warning("celery-zklock: kazoo %s changed private methods the fast request path uses (%s): "

@@ -253,6 +253,7 @@ def test_a_beat_leader_under_an_ensemble_fault(ensemble, zk_root, redis_server, 
         stopping = time.time()
         a.stop()  # B then takes over at once: what it sends after this moment is no fault's doing
         history = sends(redis_server.url, queue)
+        a_log = a.log_text()
     pids = [d["pid"] for d in history]
     if fault == "healed":
         history = [d for d in history if d["sent"] < stopping]
@@ -266,9 +267,13 @@ def test_a_beat_leader_under_an_ensemble_fault(ensemble, zk_root, redis_server, 
         # Dispatch is at most once: a record whose reply was lost as A's server went can commit
         # without A learning it, and B goes on from it. A then says which run it did not send;
         # that one run, and no other, may be missing.
-        unsent = {int(n) for n in re.findall(r"run (\d+) of every-second[^\n]*; not sent", a.log_text())}
+        unsent = {int(n) for n in re.findall(r"run (\d+) of every-second[^\n]*; not sent", a_log)}
         assert len(unsent) <= 1, f"A declared more than one run unsent: {sorted(unsent)}"
-        check_history([d["beat"] for d in history], 1.0, max_gap=90 if fault != "healed" else 1.5, skipped=unsent)
+        try:
+            check_history([d["beat"] for d in history], 1.0, max_gap=90 if fault != "healed" else 1.5,
+                          skipped=unsent)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nA's log, its end:\n{a_log[-8000:]}") from None
 
 
 class EnsembleRound(Round):
