@@ -4,8 +4,10 @@ straight from the Redis broker's queue."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import time
 
 import redis
@@ -16,6 +18,11 @@ from celery.signals import before_task_publish
 from celery_zklock import current_lock, zk_locked
 
 app = Celery("beat_app")
+
+#: A test may ask a beat where each of its threads is: into its log, before it stops it. A real-time
+#: signal: SIGUSR1 and SIGUSR2 are Celery's and celery-zklock's in a worker that embeds a beat.
+STACKS = signal.SIGRTMIN + 3
+faulthandler.register(STACKS, all_threads=True)
 app.conf.update(
     broker_url=os.environ.get("ZKT_BROKER", "memory://"),
     zklock_hosts=os.environ.get("ZKT_HOSTS", "127.0.0.1:1"),

@@ -26,7 +26,7 @@ from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.testing import Hold, violations
 from celery_zklock.zk import Session
 from harness import CeleryBeat, Op, TcpProxy, ZooKeeperEnsemble
-from tests.apps import dedupe_app
+from tests.apps import beat_app, dedupe_app
 from tests.integration.test_beat import check_history
 from tests.integration.test_fuzz_dedupe import MODES, Rig, Round
 from tests.util import wait_until
@@ -251,6 +251,8 @@ def test_a_beat_leader_under_an_ensemble_fault(ensemble, zk_root, redis_server, 
             wait_until(lambda: len([d for d in sends(redis_server.url, queue) if d["pid"] == b.pid]) >= 3,
                        timeout=90)
         stopping = time.time()
+        a.signal(beat_app.STACKS)  # where A's threads are, into its log (shown if the check fails)
+        time.sleep(0.2)
         a.stop()  # B then takes over at once: what it sends after this moment is no fault's doing
         history = sends(redis_server.url, queue)
         a_log = a.log_text()
