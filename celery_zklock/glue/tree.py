@@ -199,7 +199,8 @@ def server_info(session: Session, samples: int = 5) -> Dict[str, Any]:
         client.exists("/")
         rtts.append((time.perf_counter() - t0) * 1000)
     host, port = peer_address(client)
-    info: Dict[str, Any] = {"server": f"{host}:{port}", "session_id": f"0x{client.client_id[0]:x}",
+    client_id = client.client_id  # None if the connection dropped since the reads above
+    info: Dict[str, Any] = {"server": f"{host}:{port}", "session_id": f"0x{client_id[0]:x}" if client_id else None,
                             "rtt_ms": round(statistics.median(rtts), 3), "version": None, "mode": None}
     try:
         for line in client.command(b"srvr").splitlines():

@@ -864,7 +864,8 @@ class ParkedQueue:
         try:
             # Usually one read: the claim is gone (taken and done) or changed (received).
             data, stat = reply(client.get_async(self.node_path(CLAIM + head)), until)
-            if not resends(data, stat.ephemeralOwner, client.client_id[0] if client.client_id is not None else None):
+            ours = client.client_id  # read once: None while the connection is down
+            if not resends(data, stat.ephemeralOwner, ours[0] if ours is not None else None):
                 return False  # received (its data emptied, in its receiver's session) or taken (marked)
         except NoNodeError:
             return False

@@ -81,7 +81,10 @@ class Nodes:
         members = f"{self.root}/{MEMBERS}"
         self.ensure_path(members, timeout)
         tag = _scheme_tag(scheme)
-        member = f"{members}/{tag}-{client.client_id[0]:016x}"
+        session_id = client.client_id  # None while the connection is down (kazoo reads it live)
+        if session_id is None:
+            raise ConnectionLoss("the connection is down: no session id to name our member by")
+        member = f"{members}/{tag}-{session_id[0]:016x}"
         data = json.dumps({"key_names": scheme}).encode()
         for _ in range(5):
             raw, stat = reply(client.get_async(self.root), until)

@@ -251,7 +251,8 @@ class Session:
                 client = self._client
                 if client is None:
                     return
-                sid = client.client_id[0] if client.client_id else None
+                client_id = client.client_id  # read once: None again if the connection dropped since
+                sid = client_id[0] if client_id else None
                 if self.clock.connected(now, sid, self._connect_sent):
                     notify = Liveness.HELD
             lost = self.clock.generation != generation
