@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import pytest
 import redis
@@ -45,6 +45,16 @@ def queue_left(kazoo, zk_root: str, key: str) -> List[str]:
     return [name for name in left if not name.startswith("a-")]
 
 
+def unrelated_ran(redis_url: str, queue: str, count: int = 20) -> Dict[int, float]:
+    """Send ``count`` unrelated tasks and wait for each result: when each was published (monotonic)."""
+    published, others = {}, []
+    for n in range(count):
+        published[n] = time.monotonic()
+        others.append(send(worker_app.unrelated, queue, n))
+    assert [r.get(timeout=60) for r in others] == list(range(count))
+    return published
+
+
 def started(redis_url: str, task_id: str) -> bool:
     return any(e["event"] == "start" and e["task_id"] == task_id for e in events(redis_url))
 
@@ -58,12 +68,7 @@ def test_parked_copies_free_the_slots_and_run_once_each_in_publish_order(decided
     first = send(worker_app.parking, queue, "hot", 1.0, 0)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     keyed = [first] + [send(worker_app.parking, queue, "hot", 1.0, i) for i in range(1, 10)]
-    published = {}
-    others = []
-    for n in range(20):
-        published[n] = time.monotonic()
-        others.append(send(worker_app.unrelated, queue, n))
-    assert [r.get(timeout=60) for r in others] == list(range(20))
+    published = unrelated_ran(redis_server.url, queue)
     assert [r.get(timeout=60) for r in keyed] == list(range(10)), "every caller gets its own copy's result"
     # Each copy's postrun is noted after its result is stored: wait for the notes, not only the results.
     wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}
