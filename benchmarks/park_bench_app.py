@@ -199,20 +199,21 @@ if os.environ.get("BENCH_PROFILE"):  # bench_park --profile: cProfile of the wor
     from celery.signals import worker_ready, worker_shutdown
 
     _profiles: list = []
-    _thread_run = threading.Thread.run
-
-    def _profiled_run(self) -> None:
-        # Each thread the main process starts once ready (the consumer's, kazoo's, the queue
-        # watch's): cProfile sees only the thread that enabled it.
-        profile = cProfile.Profile()
-        _profiles.append((self.name, profile))
-        profile.enable()
-        _thread_run(self)
 
     @worker_ready.connect
     def _profile_the_loop(**kwargs) -> None:
+        named = threading.Thread.run  # BENCH_THREADS's wrapper, if it was set first
+
+        def _profiled_run(self) -> None:
+            # Each thread the main process starts once ready (the consumer's, kazoo's, the queue
+            # watch's): cProfile sees only the thread that enabled it.
+            profile = cProfile.Profile(time.thread_time)  # CPU, not the wall: threads wait on each other's GIL
+            _profiles.append((self.name, profile))
+            profile.enable()
+            named(self)
+
         threading.Thread.run = _profiled_run  # type: ignore[method-assign]
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.thread_time)
         _profiles.append(("loop", profile))
         profile.enable()
 
@@ -225,15 +226,55 @@ if os.environ.get("BENCH_PROFILE"):  # bench_park --profile: cProfile of the wor
 if os.environ.get("BENCH_THREADS"):  # bench_park --compare: each main-process thread's name, by its id
     from celery.signals import worker_ready as _ready
 
-    _named_run = threading.Thread.run
-
-    def _named(self) -> None:
-        with open(os.environ["BENCH_THREADS"], "a") as names:
-            names.write(f"{os.getpid()} {threading.get_native_id()} {self.name}\n")
-        _named_run(self)
-
     @_ready.connect
     def _name_threads(**kwargs) -> None:
         with open(os.environ["BENCH_THREADS"], "a") as names:
             names.write(f"{os.getpid()} {threading.get_native_id()} loop\n")
+        # Wraps whatever runs threads now (--profile's wrapper too, if it was set first).
+        run = threading.Thread.run
+
+        def _named(self) -> None:
+            with open(os.environ["BENCH_THREADS"], "a") as names:
+                names.write(f"{os.getpid()} {threading.get_native_id()} {self.name}\n")
+            run(self)
+
         threading.Thread.run = _named  # type: ignore[method-assign]
+
+
+if os.environ.get("BENCH_REQUESTS"):  # the ZooKeeper requests each worker process sends, by kind and tree
+    import collections
+
+    from celery.signals import worker_process_shutdown
+    from celery.signals import worker_shutdown as _shutdown
+    from kazoo.client import KazooClient
+
+    _requests: collections.Counter = collections.Counter()
+    _call = KazooClient._call
+
+    from celery_zklock.zk import transport as _transport
+
+    def _counted(self, request, async_object):  # type: ignore[no-untyped-def]
+        if not isinstance(self, _transport.DirectClient):  # else counted there
+            path = getattr(request, "path", "") or ""
+            tree = "parked" if "/parked/" in path else "locks" if "/locks/" in path else "-"
+            _requests[f"{type(request).__name__} {tree}"] += 1
+        return _call(self, request, async_object)
+
+    KazooClient._call = _counted  # type: ignore[method-assign]
+
+    _direct = _transport.DirectClient._call
+
+    def _direct_counted(self, request, async_object):  # type: ignore[no-untyped-def]
+        path = getattr(request, "path", "") or ""
+        tree = "parked" if "/parked/" in path else "locks" if "/locks/" in path else "-"
+        _requests[f"{type(request).__name__} {tree}"] += 1
+        return _direct(self, request, async_object)
+
+    _transport.DirectClient._call = _direct_counted  # type: ignore[method-assign]
+
+    def _dump_requests(role: str) -> None:
+        with open(os.environ["BENCH_REQUESTS"], "a") as out:
+            out.write(json.dumps({"pid": os.getpid(), "role": role, "counts": dict(_requests)}) + "\n")
+
+    worker_process_shutdown.connect(lambda **kwargs: _dump_requests("pool"), weak=False)
+    _shutdown.connect(lambda **kwargs: _dump_requests("main"), weak=False)
