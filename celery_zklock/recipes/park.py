@@ -328,6 +328,8 @@ class _NudgeTry:
     head: Optional[str] = None
     #: The claims it tried to make (see _Unanswered).
     claims: Set[str] = field(default_factory=set)
+    #: The caller synced this session's server just before: the first read needs no sync of its own.
+    synced: bool = False
 
 
 class ParkedQueue:
@@ -756,7 +758,8 @@ class ParkedQueue:
         return read
 
     def nudge(self, send: Send, until: Optional[float], watch: Optional[Callable[[Any], None]] = None,
-              looked: Optional[Looked] = None, sent: Optional[Callable[[str], None]] = None) -> Nudge:
+              looked: Optional[Looked] = None, sent: Optional[Callable[[str], None]] = None,
+              synced: bool = False) -> Nudge:
         """Send the head again if the key has room for it and nobody claims it.
 
         ``send`` runs under our claim; if it raises, the claim goes (so that the next nudge
@@ -764,11 +767,13 @@ class ParkedQueue:
         the key's contenders by the reads the answer comes from: a change after them fires it.
         ``looked`` is what :meth:`look` found before our release: the first try claims from it.
         ``sent(head)`` is called once the head went: its sender answers for it until it is
-        received (:meth:`resend`).
+        received (:meth:`resend`). ``synced``: the caller's last read of this queue, just before,
+        followed a sync (:meth:`follow`'s): our first read, later on the same session, sees at
+        least what that one saw, and a change after it fires ``watch``; so it needs no sync.
         """
         # A claim this call made, found again after a lost reply, is known by its token.
         token = SENT + uuid.uuid4().hex.encode()
-        attempt = _NudgeTry(looked)
+        attempt = _NudgeTry(looked, synced=synced)
         done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, attempt))
         for claim in attempt.claims:  # settled: a claim of ours is sent, or was never made
             _UNANSWERED.answered(claim, token)
@@ -784,11 +789,13 @@ class ParkedQueue:
             if looked is not None:
                 children, contenders = looked
             else:
-                synced = client.sync_async(self.path)
+                synced = None if attempt.synced else client.sync_async(self.path)
+                attempt.synced = False  # a retry, after what it read, syncs
                 listed = client.get_children_async(self.path, watch=watch)
                 locked = client.get_children_async(self.lock_path, watch=watch)
                 try:
-                    reply(synced, until)
+                    if synced is not None:
+                        reply(synced, until)
                     children = reply(listed, until)
                 except NoNodeError:
                     return Nudge.EMPTY
@@ -1322,7 +1329,7 @@ class QueueWatch:
             if not leads:
                 return Nudge.FOLLOWING
             # The nudge's own reads set the watches: a change they do not see fires them.
-            done = parked.nudge(send, until, watch=fired, sent=self.sent_from(parked, send))
+            done = parked.nudge(send, until, watch=fired, sent=self.sent_from(parked, send), synced=True)
             if done == Nudge.EMPTY and parked.leave(self.token, until):
                 self._todo.put(parked.path)  # a copy parked as we left: we join again and watch on
                 return Nudge.FOLLOWING

@@ -353,45 +353,29 @@ if not os.environ.get("ZKT_KEY_SECRET"):
     DEPLOYED = "tests.apps.worker_app.deployed"
     DEPLOYED_RENAMED = "tests.apps.worker_app.deployed_renamed"
 
-    if _DEPLOY == "unlocked":
-        @app.task(bind=True, shared=False, name=DEPLOYED)
-        def deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
-            """``deployed``, taking no lock: its start alone is noted."""
+    def _as_deployed(name: str, renamed: str, parking: Dict[str, Any]) -> Any:
+        """A task first deployed with ``parking``'s options, registered as ZKT_PARK_DEPLOY left it."""
+        def body(self: Any, key: str, seconds: float, seq: int, gated: bool = False) -> int:
             note("start", key=key, seq=seq)
-            time.sleep(seconds)
-            return seq
-    else:
-        @app.task(bind=True, shared=False, name=DEPLOYED_RENAMED if _DEPLOY == "renamed" else DEPLOYED)
-        @zk_locked(key="park:{key}", **({"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait"
-                                        else {"on_contention": "park"}))
-        def deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
-            """``parking``, as the deploy named by ZKT_PARK_DEPLOY left it."""
-            note("start", key=key, seq=seq)
-            (hold_on_socket if gated else hold)(seconds, key)
+            if _DEPLOY == "unlocked":
+                time.sleep(seconds)  # no lock to hold
+            else:
+                (hold_on_socket if gated else hold)(seconds, key)
             return seq
 
-    # ``deployed`` whose publishers park its copies (park_at_publish), as ZKT_PARK_DEPLOY left it:
-    # under "wait" and "unlocked" it no longer parks, at publish or anywhere.
+        if _DEPLOY == "unlocked":
+            return app.task(bind=True, shared=False, name=name)(body)
+        options = {"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait" else parking
+        return app.task(bind=True, shared=False, name=renamed if _DEPLOY == "renamed" else name)(
+            zk_locked(key="park:{key}", **options)(body))
+
+    deployed = _as_deployed(DEPLOYED, DEPLOYED_RENAMED, {"on_contention": "park"})
+    # ``deployed`` whose publishers park its copies (park_at_publish): under "wait" and "unlocked"
+    # it no longer parks, at publish or anywhere.
     DEPLOYED_AT_PUBLISH = "tests.apps.worker_app.deployed_at_publish"
     DEPLOYED_AT_PUBLISH_RENAMED = "tests.apps.worker_app.deployed_at_publish_renamed"
-
-    if _DEPLOY == "unlocked":
-        @app.task(bind=True, shared=False, name=DEPLOYED_AT_PUBLISH)
-        def deployed_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
-            """``deployed_at_publish``, taking no lock: its start alone is noted."""
-            note("start", key=key, seq=seq)
-            time.sleep(seconds)
-            return seq
-    else:
-        @app.task(bind=True, shared=False,
-                  name=DEPLOYED_AT_PUBLISH_RENAMED if _DEPLOY == "renamed" else DEPLOYED_AT_PUBLISH)
-        @zk_locked(key="park:{key}", **({"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait"
-                                        else {"on_contention": "park", "park_at_publish": True}))
-        def deployed_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
-            """``parking_at_publish``, as the deploy named by ZKT_PARK_DEPLOY left it."""
-            note("start", key=key, seq=seq)
-            (hold_on_socket if gated else hold)(seconds, key)
-            return seq
+    deployed_at_publish = _as_deployed(DEPLOYED_AT_PUBLISH, DEPLOYED_AT_PUBLISH_RENAMED,
+                                       {"on_contention": "park", "park_at_publish": True})
 
 
 @task_postrun.connect
