@@ -32,14 +32,16 @@ and the worker's CPU (its main process and pool processes, from ``/proc``, befor
 row). A table of issue 42's targets follows, each against floor rows of the same run.
 
     python -m benchmarks.bench_park [--keyed 200] [--unrelated 400] [--keys 4] [--ms 100] [--pin] [--fsync]
-                                    [--deadline 600] [--consumer] [--compare DIR [--rounds 2] [--profile PREFIX]]
+                                    [--deadline 600] [--in-pool] [--compare DIR [--rounds 2] [--profile PREFIX]]
 
-With ``--consumer`` the park rows are decided in the worker's main process
-(``zklock_park_in_consumer``). ``--compare DIR`` measures a change: only the relay, the
-consumer floor and park (in the consumer) rows, on a worker running this checkout's
-``celery_zklock`` and on one running the ``celery_zklock`` under ``DIR`` (another checkout,
-say ``git archive main celery_zklock | tar -x -C DIR``), one after the other, ``--rounds``
-times (ABBA order), each park row against its own worker's relay.
+The park rows are decided in the worker's main process (``zklock_park_in_consumer``, the
+default); with ``--in-pool``, in a pool process, as before that setting.
+
+``--compare DIR`` measures a change: only the relay, the consumer floor and park (in the
+consumer) rows, on a worker running this checkout's ``celery_zklock`` and on one running the
+``celery_zklock`` under ``DIR`` (another checkout, say ``git archive main celery_zklock | tar
+-x -C DIR``), one after the other, ``--rounds`` times (ABBA order), each park row against its
+own worker's relay.
 
 A run with the defaults takes about three minutes on two cores.
 """
@@ -381,8 +383,8 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="ZooKeeper on CPU 1, everything else on CPU 0")
     parser.add_argument("--fsync", action="store_true", help="let the server fsync each write (production-like)")
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds a row may take before the run fails")
-    parser.add_argument("--consumer", action="store_true",
-                        help="park decided in the worker's main process (zklock_park_in_consumer)")
+    parser.add_argument("--in-pool", action="store_true",
+                        help="park decided in a pool process (zklock_park_in_consumer off), not the main process")
     parser.add_argument("--compare", metavar="DIR", help="park in the consumer: this checkout against DIR's "
                         "celery_zklock (the relay, consumer floor and park rows only)")
     parser.add_argument("--rounds", type=int, default=2, help="with --compare: rounds, each on both")
@@ -402,7 +404,7 @@ def main() -> None:
         return
     with zk_server, RedisServer() as rs:
         env = {"BENCH_BROKER": rs.url, "BENCH_ZK": zk_server.hosts, "PYTHONPATH": str(ROOT),
-               "BENCH_PARK_IN_CONSUMER": "1" if args.consumer else ""}
+               "BENCH_PARK_IN_CONSUMER": "" if args.in_pool else "1"}
         tasks.app.conf.update(broker_url=rs.url, zklock_hosts=zk_server.hosts)
         r = redis.Redis.from_url(rs.url)
         worker = CeleryWorker("benchmarks.park_bench_app", name="bench", concurrency=args.concurrency, env=env)
@@ -420,7 +422,9 @@ def main() -> None:
     where = "on CPU 1, all else on CPU 0" if args.pin else "sharing both CPUs"
     print(f"prefork -c {args.concurrency}: {args.keyed} keyed tasks ({args.ms:g} ms) on {args.keys} hot keys "
           f"mixed with {args.unrelated} unrelated; Redis broker; ZooKeeper 3.8 {where}, "
-          f"forceSync={'yes' if args.fsync else 'no'}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+          f"forceSync={'yes' if args.fsync else 'no'}; park decided in "
+          f"{'a pool process' if args.in_pool else 'the main process'}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     base = results["none"]["p99"]
     print(f"\n{'policy':<26}{'unrelated start p50':>21}{'p99':>11}{'p99 vs none':>13}"
           f"{'keyed makespan':>16}{'vs bound':>10}{'hand-off p50':>14}{'p99':>11}{'ZK requests/keyed':>19}")

@@ -26,7 +26,7 @@ app.conf.update(
     task_ignore_result=True,
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
-    # bench_park --consumer: park decided in the worker's main process, before a slot.
+    # Park decided in the worker's main process, before a slot (bench_park --in-pool: in a pool process).
     zklock_park_in_consumer=os.environ.get("BENCH_PARK_IN_CONSUMER") == "1",
 )
 #: Each process's marks not sent yet (by pid: a pool process inherits its parent's dict, not its thread).
