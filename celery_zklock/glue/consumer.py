@@ -127,6 +127,13 @@ LEND_AT_MOST = 4 * BATCH
 #: Seconds between tries of a park (or of a record's delete) that ZooKeeper did not answer.
 RETRY_EVERY = 0.25
 
+#: Seconds after a watch fires before a key's view is read again while the view cannot change
+#: a decision: copies are parked in its queue, so any copy that comes parks behind them, and
+#: none is held or waits on the pool. One read then stands for several hand-offs (each fires
+#: a few events). A copy that comes after the queue emptied, before that read, parks and is
+#: sent on at once: a little later than passed to the pool, never out of its turn.
+QUIET = 0.25
+
 
 class _Key:
     """One key's view, and the copies of it this consumer passed to its pool."""
@@ -135,8 +142,9 @@ class _Key:
         self.key, self.queue_path, self.lock, self.rule, self.mode = key, queue_path, lock, rule, mode
         #: What the last read found (None: none answered since the key came into view).
         self.view: Optional[View] = None
-        #: A read is asked for and not yet done (so watches that fire meanwhile ask for none).
+        #: A read is asked for and not yet done (so watches that fire meanwhile ask for none), due then (monotonic).
         self.asked = False
+        self.due = 0.0
         #: The copies passed to the pool (their requests), and those not yet seen to hold, park or end, by id.
         self.passed: List[weakref.ref[Any]] = []
         self.unsettled: Dict[str, weakref.ref[Any]] = {}
@@ -398,7 +406,7 @@ class _ConsumerParking:
                 _, gone = self._keys.popitem(last=False)  # its watches fire once more, for nothing
                 if gone.viewer is not None and self._session is not None:
                     self._session.nodes.delete_later(f"{gone.queue_path}/{gone.viewer}")
-            entry.asked = True
+            entry.asked, entry.due = True, time.monotonic()
             self._todo.append(("read", entry))
             self._start()
             self._wake.notify()
@@ -413,14 +421,20 @@ class _ConsumerParking:
     def _read_again(self, entry: _Key, later: float = SETTLE) -> None:
         """A watch of ``entry``'s key fired (kazoo's thread), or a read failed: read it again once,
         ``later`` (a hand-off fires several events; a stale view costs time, not a run)."""
-        if entry.unsettled and later <= SETTLE:
-            later = 0.0  # copies wait for what this read shows (a read that failed waits all the same)
         with self._lock:
-            if entry.asked or self._keys.get(entry.key) is not entry:
-                return  # a read is coming, or the key left the view
-            entry.asked = True
+            if self._keys.get(entry.key) is not entry:
+                return  # the key left the view
+            if entry.unsettled and later <= SETTLE:
+                later = 0.0  # copies wait for what this read shows (a read that failed waits all the same)
+            elif later == SETTLE and entry.view is not None and entry.view.parked and not entry.held \
+                    and not entry.unsettled:
+                later = QUIET
+            due = time.monotonic() + later
+            if entry.asked and entry.due <= due:
+                return  # a read is coming, as soon
+            entry.asked, entry.due = True, due  # a read asked for later is skipped when its turn comes
             self._seq += 1
-            heapq.heappush(self._later, (time.monotonic() + later, self._seq, entry))
+            heapq.heappush(self._later, (due, self._seq, entry))
             self._wake.notify()
 
     # -- the thread's side ------------------------------------------------------------------
@@ -439,7 +453,10 @@ class _ConsumerParking:
             with self._lock:
                 while not self._stopped:
                     if self._later and self._later[0][0] <= time.monotonic():
-                        self._todo.append(("read", heapq.heappop(self._later)[2]))
+                        due, _, entry = heapq.heappop(self._later)
+                        if entry.asked and entry.due == due:  # else done already, or asked for sooner
+                            self._todo.append(("read", entry))
+                        continue
                     if self._todo:
                         break
                     self._wake.wait(max(0.0, self._later[0][0] - time.monotonic()) if self._later else None)
