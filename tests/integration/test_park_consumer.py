@@ -12,7 +12,6 @@ import pytest
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
-from celery_zklock.recipes.park import parked_prefix
 from celery_zklock.testing import violations
 from harness import Op, TcpProxy, free_port
 from harness.proxy import Fault
@@ -215,7 +214,7 @@ def test_a_blip_while_a_keys_copy_is_being_parked_keeps_the_order_of_the_copies_
     # The worker's links reset while the consumer parks copy 2; its park, tried again after
     # the reconnect, is held on its way to ZooKeeper while copy 3 comes. Before, the blip
     # dropped the key's view with copy 2's park in it: copy 3 found a fresh key, went to the
-    # pool and parked there, ahead of copy 2 (run order 0, 1, 3, 2).
+    # pool and parked there, ahead of copy 2 (run order 0, 1, 3, 2): the order is the check.
     with TcpProxy(zk_server.port) as proxy:
         workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts, ZKT_SESSION_TIMEOUT="8")
         first = send(worker_app.parking, queue, "blip", 30.0, 0, "", True)
@@ -232,17 +231,7 @@ def test_a_blip_while_a_keys_copy_is_being_parked_keeps_the_order_of_the_copies_
         again.wait_matched(10)
         r = redis.Redis.from_url(redis_server.url)
         keyed.append(send(worker_app.parking, queue, "blip", 0.01, 3))
-        wait_until(lambda: r.llen(queue) == 0, timeout=10)  # the worker has copy 3
-
-        def third_parked() -> bool:
-            return any(n.startswith(parked_prefix(keyed[3].id)) for n in queue_left(kazoo, zk_root, "blip"))
-
-        # Not waited for (it must not happen): long enough for a pool process's park, within the park's 2 s.
-        try:
-            wait_until(third_parked, timeout=1.0)
-        except AssertionError:
-            pass
-        assert not third_parked(), "copy 3 parked while copy 2's park was held"
+        wait_until(lambda: r.llen(queue) == 0, timeout=10)  # the worker has copy 3, behind copy 2
         again.release()
         r.rpush(f"nobody-pushes:{first.id}", "go")
         assert [k.get(timeout=60) for k in keyed] == [0, 1, 2, 3]
