@@ -42,7 +42,7 @@ from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .options import PARK_HASHED, LockSpec, policy_problem
-from .parking import Parking, abandon_received, leave_queue
+from .parking import Parking, abandon_received, leave_queue, parked_elsewhere
 from .preempt import published_header, warn_placeless
 
 __all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
@@ -149,8 +149,10 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         if session is not None and policy == "park" and abandon_received(task, session, settings, spec, exc):
             raise Ignore() from None  # still parked, and sent again: as Parking.abandoned()
         raise ZooKeeperUnavailable(f"{where}: {exc}; the task did not run") from None
-    if policy != "park":
-        # Parked under an older deploy: it leaves its queue before it contends (or drops itself as a second send).
+    if policy != "park" or parked_elsewhere(task, locks[0]):
+        # Parked under an older deploy (another policy, or another key): it leaves that queue
+        # before it contends (or drops itself as a second send). Else its own queue's receive
+        # would take it for a new copy, never take its old node, and run it once a send.
         leave_queue(task, session, settings, spec)
     waits = policy in ("wait", "preempt")
     if not waits:

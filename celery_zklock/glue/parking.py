@@ -588,12 +588,23 @@ def _queue_at(session: Session, app: Any, path: str, spec: Any) -> ParkedQueue:
     return ParkedQueue(session, path, layout_of(app).lock_of_parked(path), rule)
 
 
+def parked_elsewhere(task: Any, lock: Lock) -> bool:
+    """The copy was sent again from a parked queue that is not ``lock``'s key's: a deploy changed
+    its task's key (or its limit). Its own queue's receive would not know it, so it leaves that
+    queue first (:func:`leave_queue`), as a copy of a task that no longer parks does."""
+    header = parked_header(task.request)
+    if header is None:
+        return False
+    semaphore = lock.rule.name == "semaphore"
+    return posixpath.dirname(header) != layout_of(task.app).parked(lock.key or "", semaphore)
+
+
 def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> None:
-    """A copy sent again from its parked queue to a worker where its task no longer parks (a
-    deploy changed ``on_contention``): it takes its node now, so that no other send of it ever
-    runs, and then runs under its task's policy as a new copy would. Raises ``Ignore`` for a
-    second send of a copy already taken, and for one ZooKeeper did not let take its node (it
-    stays parked, its claim given back, and is sent again)."""
+    """A copy sent again from its parked queue to a worker where its task no longer parks there
+    (a deploy changed ``on_contention``, or the task's key): it takes its node now, so that no
+    other send of it ever runs, and then runs under its task's policy as a new copy would.
+    Raises ``Ignore`` for a second send of a copy already taken, and for one ZooKeeper did not
+    let take its node (it stays parked, its claim given back, and is sent again)."""
     header = parked_header(task.request)
     if header is None:
         return
@@ -614,8 +625,8 @@ def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> N
         logger.info("%s: a second send of a parked copy that has already been taken; dropped", where)
         raise Ignore()
     queue.done(name)
-    logger.info("%s: sent from its key's parked queue, but the task no longer parks (on_contention=%r): it left "
-                "the queue, and runs as a new copy would", where, spec.contention(task_defaults(task.app)))
+    logger.info("%s: sent from a parked queue the task no longer parks in (on_contention=%r now, or another key): "
+                "it left the queue, and runs as a new copy would", where, spec.contention(task_defaults(task.app)))
 
 
 def as_new_delivery(task: Any, options: Dict[str, Any]) -> Dict[str, Any]:

@@ -348,7 +348,8 @@ if not os.environ.get("ZKT_KEY_SECRET"):
 
     # A task as a deploy changes it (ZKT_PARK_DEPLOY): "park" (as first deployed), "renamed" (the
     # same body under another name; the old name is unknown), "wait" (the same name, no longer
-    # parking) or "unlocked" (the same name, taking no lock at all).
+    # parking), "unlocked" (the same name, taking no lock at all) or "rekeyed" (the same name,
+    # parking under another key).
     _DEPLOY = os.environ.get("ZKT_PARK_DEPLOY", "park")
     DEPLOYED = "tests.apps.worker_app.deployed"
     DEPLOYED_RENAMED = "tests.apps.worker_app.deployed_renamed"
@@ -367,7 +368,7 @@ if not os.environ.get("ZKT_KEY_SECRET"):
             return app.task(bind=True, shared=False, name=name)(body)
         options = {"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait" else parking
         return app.task(bind=True, shared=False, name=renamed if _DEPLOY == "renamed" else name)(
-            zk_locked(key="park:{key}", **options)(body))
+            zk_locked(key="rekeyed:{key}" if _DEPLOY == "rekeyed" else "park:{key}", **options)(body))
 
     deployed = _as_deployed(DEPLOYED, DEPLOYED_RENAMED, {"on_contention": "park"})
     # ``deployed`` whose publishers park its copies (park_at_publish): under "wait" and "unlocked"

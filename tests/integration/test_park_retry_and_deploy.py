@@ -81,12 +81,14 @@ def test_a_deploy_that_renames_a_parked_task_drops_its_old_copies_and_its_key_mo
     wait_until(lambda: queue_left(kazoo, zk_root, "ren") == [], timeout=10)
 
 
-@pytest.mark.parametrize("deploy", ["wait", "unlocked"])
+@pytest.mark.parametrize("deploy", ["wait", "unlocked", "rekeyed"])
 def test_a_deploy_that_stops_a_task_parking_runs_each_parked_copy_once(deploy, workers, queue, redis_server, kazoo,
                                                                        zk_root):
     # The same name, now on_contention="wait" (or with no lock at all): the head ran without
     # taking its node, so the queue stalled behind the claim of the live process that sent it,
     # and, once that process was gone, the head was sent again and its body ran a second time.
+    # The same name, still parking, under another key ("rekeyed:{key}"): the head took it for a
+    # new copy of its new key's, never took its old node, and ran once a resend (7 runs seen).
     old = workers("old", concurrency=2)
     first = send(worker_app.deployed, queue, "pw", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
