@@ -201,6 +201,9 @@ class _Job(NamedTuple):
     acking: Callable[[], Callable[[], bool]]
     again: Callable[[Decision], None]  #: decide it afresh (on the loop's thread), as it arrived
     tries: int = 0
+    #: A try of this park (with those behind it) was sent and not answered: it may have committed.
+    untold: bool = False
+    said: bool = False  #: the warning that it waits for ZooKeeper to tell was logged
     #: When ZooKeeper first did not answer this park (monotonic; None: it always did).
     since: Optional[float] = None
     #: The consumer's prefetch window (kombu's QoS) it widened by one while the copy parks: given back
@@ -586,7 +589,7 @@ class _ConsumerParking:
             # once the old one can commit nothing more), finds the nodes, or the records of their
             # messages, which commit with them, and never makes second ones. Until it knows, the
             # messages stay with us, unacknowledged, and the copies behind them wait.
-            self._again(first, where, explain(exc))
+            self._again(first, where, explain(exc), untold=True)
             return
         except (ConnectionLoss, SessionExpiredError, *timeouts()) as exc:
             self._again(first, where, explain(exc))  # nothing was written: tried again, in its place
@@ -655,17 +658,31 @@ class _ConsumerParking:
         self.on_loop(done)
         _watch(session, self.settings, self.app).add(queue, self._send)
 
-    def _again(self, job: _Job, where: str, why: str) -> None:
+    def _again(self, job: _Job, where: str, why: str, untold: bool = False) -> None:
         """Try the park of ``job`` (the first of its key's), and of those behind it, again soon,
-        in its place; past :attr:`patience`, hand it to the pool."""
+        in its place; past :attr:`patience`, hand it to the pool, unless a try may have parked it
+        (``untold``, now or before): then it is tried until ZooKeeper tells.
+
+        Handed to the pool, a copy that may be parked would be failed there while ZooKeeper
+        does not answer, its caller told it did not run, and then run from its queue (a fault
+        attack saw both, 5 runs of 5). Its message stays with us instead, unacknowledged (the
+        prefetch window widened for it, so other tasks flow): the next try, in this session or
+        in a new one, finds the park's node or its record, or parks it. If this worker stops
+        meanwhile, the broker delivers the message again, and that delivery's park finds them.
+        """
         now = time.monotonic()
         since = now if job.since is None else job.since
-        if now - since > self.patience:
+        untold = untold or job.untold
+        if now - since > self.patience and not untold:
             logger.warning("%s: ZooKeeper did not answer its park for %.0fs (%s); handed to the pool, which tells",
                            where, now - since, why)
             self._fallback(job)
             return
-        again = job._replace(tries=job.tries + 1, since=since)
+        past = untold and now - since > self.patience
+        if past and (not job.said or job.tries % 240 == 0):  # as patience runs out, then about once a minute
+            logger.warning("%s: ZooKeeper has not answered for %.0fs (%s), and a try of its park may have "
+                           "committed; it keeps its message and tries until ZooKeeper tells", where, now - since, why)
+        again = job._replace(tries=job.tries + 1, since=since, untold=untold, said=job.said or past)
         with self._lock:
             if job.entry.jobs and job.entry.jobs[0] is job:
                 job.entry.jobs[0] = again

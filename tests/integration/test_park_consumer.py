@@ -238,6 +238,39 @@ def test_a_blip_while_a_keys_copy_is_being_parked_keeps_the_order_of_the_copies_
     ran_in_order(redis_server.url, kazoo, zk_root, "blip", keyed)
 
 
+def test_a_park_whose_reply_was_lost_as_zookeeper_went_is_never_failed_and_then_run(workers, queue, redis_server,
+                                                                                    kazoo, zk_root, zk_server):
+    # The consumer's park of copy 2 commits, and its reply is lost as the worker's ZooKeeper
+    # stops answering for longer than the consumer's patience (session 4 s + 2 x 2 s). Before,
+    # the copy went to the pool then, which failed it (ZooKeeperUnavailable: its caller told it
+    # did not run), and it ran later from its queue all the same (a fault attack: 5 runs of 5).
+    # Now its message stays with the consumer until ZooKeeper tells whether it parked.
+    held_queue = f"{queue}-h"
+    workers("w0", concurrency=1, queue=held_queue)  # the holder, with a link of its own
+    first = send(worker_app.parking, held_queue, "untold", 60.0, 0, "", True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    with TcpProxy(zk_server.port) as proxy:
+        w1 = workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts)
+        keyed = [first, send(worker_app.parking, queue, "untold", 0.01, 1)]
+        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "untold") if n.startswith("p-")]) == 1,
+                   timeout=30)
+        held = proxy.hold_reply(Op.MULTI)
+        keyed.append(send(worker_app.parking, queue, "untold", 0.01, 2))
+        held.wait_matched(10)  # copy 2's park: committed, its reply held
+        proxy.mode = "refuse"
+        proxy.reset()
+        held.release()  # into a link that is gone: lost
+        wait_until(lambda: "may have committed" in w1.log_text() or "handed to the pool, which tells" in w1.log_text(),
+                   timeout=60)
+        assert "handed to the pool, which tells" not in w1.log_text(), "a park that may have committed left us"
+        proxy.mode = "pass"
+        redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+        assert [k.get(timeout=60) for k in keyed] == [0, 1, 2]
+    failed = [k.id for k in keyed if f"[{k.id}] raised unexpected" in w1.log_text()]
+    assert failed == [], "no copy was failed for ZooKeeper's absence"
+    ran_in_order(redis_server.url, kazoo, zk_root, "untold", keyed)
+
+
 def test_a_park_in_flight_as_the_main_process_loses_its_session_keeps_its_place(workers, queue, redis_server, kazoo,
                                                                                 zk_root, zk_server):
     # The main process is paused past its session with copy 2's park on its way to ZooKeeper
