@@ -122,6 +122,7 @@ def install() -> None:
         worker_ready.connect(_tell_about_readable_arguments, weak=False)
         worker_ready.connect(lambda **kwargs: metrics.announce(), weak=False)
         worker_process_init.connect(_open_session, weak=False)
+        worker_ready.connect(_open_session_in_process, weak=False)
         worker_process_shutdown.connect(_close_sessions, weak=False)
         worker_shutdown.connect(consumer.stop, weak=False)
         worker_shutdown.connect(_stop, weak=False)
@@ -314,6 +315,19 @@ def _open_session(**kwargs: Any) -> None:
     # holds one lock around it), bounded by zklock_connect_timeout, as it would anyway.
     threading.Thread(target=_connect, args=(app, settings_of(app)), name="celery-zklock-connect",
                      daemon=True).start()
+
+
+#: Pools whose tasks run in the worker's own process: Celery sends them no ``worker_process_init``.
+IN_PROCESS_POOLS = ("celery.concurrency.thread", "celery.concurrency.gevent", "celery.concurrency.eventlet")
+
+
+def _open_session_in_process(sender: Any = None, **kwargs: Any) -> None:
+    """``worker_ready``: under a threads, gevent or eventlet pool, the worker's process is
+    the one that runs tasks, and it opens its session (with the look at parked queues nobody
+    watches, and its patrol) as a pool process does at its start. Without it such a worker
+    never adopted a queue whose watchers all died (a fault attack: 5 copies waiting 90 s)."""
+    if type(getattr(sender, "pool", None)).__module__ in IN_PROCESS_POOLS:
+        _open_session()
 
 
 def _connect(app: Any, settings: Any) -> None:

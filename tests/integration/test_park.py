@@ -465,15 +465,17 @@ def consume(worker: str, queue: str) -> None:
     assert answer and "ok" in next(iter(answer[0].values())), answer
 
 
-@pytest.mark.parametrize("task", ["parking", "parking_at_publish"])
-def test_a_queue_whose_only_watcher_died_is_picked_up_by_a_worker_already_running(task, workers, queue,
+@pytest.mark.parametrize("task,pool", [("parking", "prefork"), ("parking_at_publish", "prefork"),
+                                       ("parking", "threads")], ids=["parking", "parking_at_publish", "threads"])
+def test_a_queue_whose_only_watcher_died_is_picked_up_by_a_worker_already_running(task, pool, workers, queue,
                                                                                    redis_server, kazoo, zk_root):
     # Issue 42, "Why" 4: the only worker watching a key (its holder and every parker) is
     # SIGKILLed while another worker already runs. That worker's look at start came before
     # the copies parked, and nothing else woke it: the copies waited for the key's next
-    # publish. It looks every zklock_park_resend_after for a queue with no live watcher.
+    # publish. It looks every zklock_park_resend_after for a queue with no live watcher; a
+    # threads worker too, which never looked at all before (a fault attack: 90 s, nothing ran).
     parking_task = getattr(worker_app, task)
-    a = workers("a", concurrency=2, queue=f"{queue}-a", ZKT_PARK_RESEND_AFTER="1")
+    a = workers("a", pool=pool, concurrency=2, queue=f"{queue}-a", ZKT_PARK_RESEND_AFTER="1")
     b = workers("b", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
     first = send(parking_task, queue, "orphan", 60.0, 0, True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
