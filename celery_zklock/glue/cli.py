@@ -159,8 +159,8 @@ def _unheld(row: Dict[str, Any]) -> str:
 
     >>> _unheld({"waiters": 0, "parked": [{"sent": True, "task_id": "abc"}, {"sent": False}]})
     'no holder: head in flight (parked copy abc, sent to be run; 1 more parked)'
-    >>> _unheld({"waiters": 0, "parked": [{"sent": False}], "watched": False})[:60]
-    'no holder: 1 parked, the head not sent yet (no live worker w'
+    >>> _unheld({"waiters": 0, "parked": [{"sent": False}], "watched": False})
+    'no holder: 1 parked, head not sent (no live worker watches it: one adopts it in zklock_park_resend_after)'
     """
     parked = row.get("parked", [])
     if parked and parked[0].get("sent"):
@@ -169,9 +169,10 @@ def _unheld(row: Dict[str, Any]) -> str:
     if row["waiters"]:
         return "no holder: its next waiter is taking it"
     if not row.get("watched", True):
-        return (f"no holder: {len(parked)} parked, the head not sent yet (no live worker watches the queue: a "
-                "running worker adopts it within zklock_park_resend_after)")
-    return f"no holder: {len(parked)} parked, the head not sent yet (a worker watching the queue sends it)"
+        # Short enough for its column (117): cut, it named half a setting.
+        return (f"no holder: {len(parked)} parked, head not sent (no live worker watches it: one adopts it in "
+                "zklock_park_resend_after)")
+    return f"no holder: {len(parked)} parked, head not sent (a worker watching the queue sends it)"
 
 
 def _beat_who(candidate: Dict[str, Any]) -> str:

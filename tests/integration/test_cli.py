@@ -249,11 +249,12 @@ def test_locks_and_status_show_parked_copies_as_parked_and_an_unheld_keys_parked
     assert re.search(r" 0 +2  \d+$", row("status"))
 
     holder.release()  # nobody sends the head (no worker here): it waits to be sent
-    assert "no holder: 2 parked, the head not sent yet (no live worker watches the queue" in row("locks")
+    assert "no holder: 2 parked, head not sent (no live worker watches it: one adopts it in " \
+           "zklock_park_resend_after)" in row("locks")
     assert locks_json(cli_env)["locks"][0]["watched"] is False
     watcher = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
     assert watcher.follow("t0", lambda event: None, deadline(10)) is True  # a live process leads the queue
-    assert "no holder: 2 parked, the head not sent yet (a worker watching the queue sends it)" in row("locks")
+    assert "no holder: 2 parked, head not sent (a worker watching the queue sends it)" in row("locks")
     watcher.session.close()  # its member goes with its session
     sent: list = []
     queue.nudge(lambda node, payload: sent.append(node), deadline(10))  # the head goes, claimed, not yet taken
