@@ -603,8 +603,9 @@ def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> N
     """A copy sent again from its parked queue to a worker where its task no longer parks there
     (a deploy changed ``on_contention``, or the task's key): it takes its node now, so that no
     other send of it ever runs, and then runs under its task's policy as a new copy would.
-    Raises ``Ignore`` for a second send of a copy already taken, and for one ZooKeeper did not
-    let take its node (it stays parked, its claim given back, and is sent again)."""
+    Raises ``Ignore`` for a second send of a copy already taken, for one ZooKeeper did not let
+    take its node (it stays parked, its claim given back, and is sent again), and for one
+    parked under another ``zklock_root``, whose node is not ours to take."""
     header = parked_header(task.request)
     if header is None:
         return
@@ -612,8 +613,13 @@ def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> N
     where = f"task {task.name}[{task.request.id}]"
     try:
         queue = _queue_at(session, task.app, path, spec)
-    except ValueError:  # a header that names no queue of ours: nothing of ours to leave
-        return
+    except ValueError:
+        # Parked under another zklock_root (two apps, or a change of the root, on one Celery
+        # queue): its node is not ours to take, and run here it would run again at each send.
+        logger.error("%s: sent from the parked queue %s, which is not under this worker's zklock_root %r: not run "
+                     "here (it stays parked there, and is sent again); workers that consume one Celery queue must "
+                     "share zklock_root", where, path, settings.root)
+        raise Ignore() from None
     try:
         taken = queue.take(name, deadline(settings.connect_timeout))
     except (KazooException, ZkLockError, *timeouts()) as exc:
@@ -812,6 +818,13 @@ def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "
     sender's, would hold the queue for as long as the sender lives."""
     header, app = _header(message, PARK_HEADER), getattr(sender, "app", None)
     if header is None or app is None:
+        return
+    try:
+        layout_of(app).lock_of_parked(posixpath.dirname(header))
+    except ValueError:  # parked under another zklock_root: not ours to remove (see leave_queue)
+        logger.error("task %s[%s]: a parked copy sent again, of a task this worker does not know, from %s, which is "
+                     "not under this worker's zklock_root %r; workers that consume one Celery queue must share "
+                     "zklock_root", name, id, posixpath.dirname(header), settings_of(app).root)
         return
     logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
                    "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)

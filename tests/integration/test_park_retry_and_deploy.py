@@ -105,3 +105,28 @@ def test_a_deploy_that_stops_a_task_parking_runs_each_parked_copy_once(deploy, w
     assert [ran[r.id] for r in [first, *copies]] == [1, 1, 1, 1], "each copy's body once"
     assert sum(ran.values()) == 4
     assert violations(holds(redis_server.url)) == []
+
+
+def test_a_copy_parked_under_another_zklock_root_runs_once_where_it_parked(workers, queue, redis_server, kazoo,
+                                                                          zk_root):
+    # Two roots' workers on one Celery queue (two apps, or a change of zklock_root): a worker of
+    # the other root that knows the task took the copy sent from this root's queue for a new
+    # copy, ran it, and never took its node: the queue sent it again and it ran once a send (a
+    # new user's trial: 7 runs of one copy). Now that worker does not run it, and says why.
+    old = workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER="3")
+    first = send(worker_app.deployed, queue, "xroot", 60.0, 0, True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    copy = send(worker_app.deployed, queue, "xroot", 0.1, 1)
+    wait_until(lambda: parked(kazoo, zk_root, "xroot") == 1, timeout=30)
+    _stop_consuming("old", queue)
+    other = workers("other", concurrency=2, ZKT_ROOT=zk_root + "-other")  # knows the task, another root
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    assert first.get(timeout=30) == 0
+    wait_until(lambda: f"[{copy.id}]" in other.log_text(), timeout=30)  # the head, sent to it
+    _stop_consuming("other", queue)
+    workers("old2", concurrency=2, ZKT_PARK_RESEND_AFTER="3")  # a worker of the copy's root
+    old.stop(timeout=20)
+    assert copy.get(timeout=30) == 1
+    wait_until(lambda: parked(kazoo, zk_root, "xroot") == 0, timeout=30)
+    assert starts(redis_server.url)[copy.id] == 1, "the parked copy ran once, where it parked"
+    assert "must share zklock_root" in other.log_text()
