@@ -364,6 +364,15 @@ def stray(name: str, task: Any) -> Optional[str]:
                 "options it does not know, and the task would not be locked as meant)")
     if getattr(task, "zklock", None) is not None and getattr(locking_of(task), "form", "") != "zklock":
         return f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
+    if locking_of(task) is not None:
+        # A setting's name given as a task option (task_reject_on_worker_lost=True): Celery
+        # ignores it, and a locked task would not be redelivered, or acked, as its author meant.
+        from celery import Task  # imported here: this module's import must not need Celery's app machinery
+
+        named = sorted(a for a in vars(type(task)) if a.startswith("task_") and hasattr(Task, a[len("task_"):]))
+        if named:
+            return (f"task {name}: unknown option {named[0]!r}, a setting's name; the task's option is "
+                    f"{named[0][len('task_'):]!r} (Celery ignores options it does not know)")
     return None
 
 

@@ -13,7 +13,7 @@ from celery import Celery
 import celery_zklock
 from celery_zklock import ConfigurationError, KeyBuildError, ZkLockedTask, zk_locked
 from celery_zklock.conf import TaskDefaults
-from celery_zklock.glue.options import locking_of
+from celery_zklock.glue.options import locking_of, problems
 from celery_zklock.keys import bind_arguments, build_keys, check_key_parts, default_key
 from harness import free_port
 
@@ -234,6 +234,25 @@ def test_a_stray_option_refuses_calls_from_the_moment_the_task_is_made(options, 
     with pytest.raises(ConfigurationError, match=message):
         early.apply((1,)).get()
     assert not app.finalized
+
+
+def test_a_settings_name_given_as_a_locked_tasks_option_is_named():
+    # A new user's trial: task_reject_on_worker_lost=True passed `check`, and Celery ignored it,
+    # so a parked copy whose process was killed was never delivered again.
+    app = Celery("setting-as-option", set_as_current=False)
+
+    @app.task(shared=False, acks_late=True, task_reject_on_worker_lost=True)
+    @zk_locked(key="k:{x}", on_contention="park")
+    def parked(x):
+        pass
+
+    @app.task(shared=False, task_reject_on_worker_lost=True)  # not ours to judge: it takes no lock
+    def plain(x):
+        pass
+
+    app.finalize()
+    assert problems(app) == [f"task {parked.name}: unknown option 'task_reject_on_worker_lost', a setting's name; "
+                             "the task's option is 'reject_on_worker_lost' (Celery ignores options it does not know)"]
 
 
 def test_decorator_above_app_task_is_refused():
