@@ -26,7 +26,7 @@ from celery_zklock.recipes import EXCLUSIVE
 from celery_zklock.recipes.park import ParkedQueue
 from celery_zklock.testing import violations
 from celery_zklock.zk import deadline
-from harness import TcpProxy
+from harness import Op, TcpProxy
 from tests.apps import worker_app
 from tests.integration.test_cli import cli
 from tests.util import children, events, holds, send, wait_until
@@ -509,7 +509,8 @@ def unacked_ids(redis_url: str) -> List[str]:
 
 
 @pytest.mark.parametrize("fault", ["receiver-killed", "message-lost"])
-def test_a_sent_head_that_nobody_will_run_is_sent_again(fault, workers, queue, redis_server, kazoo, zk_root):
+def test_a_sent_head_that_nobody_will_run_is_sent_again(fault, workers, queue, redis_server, kazoo, zk_root,
+                                                        zk_server, request):
     # Issue 42, "Why" 5: the head's claim belongs to its live sender, so nobody else sends it
     # again, and a new worker's look at start sees a live claim. receiver-killed: the worker
     # that prefetched it is SIGKILLed before it ran it (its message waits out Redis'
@@ -519,8 +520,11 @@ def test_a_sent_head_that_nobody_will_run_is_sent_again(fault, workers, queue, r
     a = workers("a", concurrency=2, queue=holders, ZKT_PARK_RESEND_AFTER="2")
     # receiver-killed: b's copies park from its pool, so that b's main process, which would watch
     # the queue, cannot claim the head first and die with its claim (then the head is sent
-    # afresh, not again by a live sender: fine, but not the case placed here).
-    b = workers("b", concurrency=1, ZKT_PARK_RESEND_AFTER="2",
+    # afresh, not again by a live sender: fine, but not the case placed here). b's pool process
+    # watches the queue too: its link goes through a proxy, which holds its claim below.
+    proxy = TcpProxy(zk_server.port).start()
+    request.addfinalizer(proxy.close)
+    b = workers("b", concurrency=1, ZKT_PARK_RESEND_AFTER="2", ZKT_HOSTS=proxy.hosts,
                 **({"ZKT_PARK_IN_CONSUMER": "0"} if fault == "receiver-killed" else {}))
     first = send(worker_app.parking, holders, "sent", 60.0, 0, "", True)  # a holds the key
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
@@ -531,6 +535,9 @@ def test_a_sent_head_that_nobody_will_run_is_sent_again(fault, workers, queue, r
         # b's only slot busy: the head sent on reaches b's prefetch and waits there.
         busy = send(worker_app.parking, queue, "busy", 60.0, 99, "", True)
         wait_until(lambda: started(redis_server.url, busy.id), timeout=30)
+        # b's watcher may try to claim the head as a lets go (a CI run under load saw it win):
+        # held, so that a's releasing process is the head's sender. It never goes on: b dies.
+        proxy.hold_request(Op.MULTI)
         r.rpush(f"nobody-pushes:{first.id}", "go")
         wait_until(lambda: rest[0].id in unacked_ids(redis_server.url), timeout=30)
         b.crash()
