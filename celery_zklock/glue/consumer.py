@@ -509,6 +509,10 @@ class _ConsumerParking:
     def _read(self, entry: _Key) -> None:
         with self._lock:
             entry.asked = False
+            if self._keys.get(entry.key) is not entry:
+                # A blip dropped it (or it aged out) after this read was asked for: read now, it
+                # could add a viewer that no entry stands for, left for our session's life.
+                return
         session = self.session()
         if session is None:
             # No view yet: copies go to the pool meanwhile (or wait, a moment, for what the pool's did).
@@ -542,6 +546,12 @@ class _ConsumerParking:
                 logger.debug("celery-zklock: no viewer for key %r (%s)", entry.key, explain(exc))
                 self._read_again(entry, later=1.0)  # its create may yet commit: that read removes it
             else:
+                with self._lock:
+                    dropped = self._keys.get(entry.key) is not entry
+                if dropped:  # by a blip while it was made: on_session_state did not see it to delete it
+                    self._queue(session, entry).drop_viewer(entry.viewer)
+                    entry.viewer = None
+                    return
                 self._read_again(entry, later=0.0)  # with our viewer there: a park may have come between
         elif entry.viewer is not None and not blocked and not parked:
             # Free and empty: no publisher parks here now, and the queue's node may be reaped.

@@ -160,3 +160,26 @@ def test_every_copy_runs_once_in_order_and_only_a_missing_or_stale_view_costs_a_
         assert world.ran == list(range(world.copies)), (seed, world.ran)
         assert [world.passed_on[c] for c in world.early if world.passed_on[c] == "true"] == [], (seed, world)
         assert list(world.passed_on.values()).count("none") <= 1, (seed, world.passed_on)
+
+
+def test_a_read_asked_for_a_key_a_blip_dropped_is_not_made():
+    # A read asked before a blip, due after it (a watch's, 250 ms later while copies are
+    # parked), found the key's entry dropped from the view and read all the same: seeing the
+    # key held, it made a viewer node that no entry stood for, so none dropped it (a CI run of
+    # the ensemble's leader-isolated round saw two left for the session's life). Now it reads
+    # nothing; the next copy of the key makes a fresh entry, whose read cleans up.
+    from celery import Celery
+
+    from celery_zklock.glue.consumer import _ConsumerParking, _Key
+    from celery_zklock.recipes import EXCLUSIVE
+
+    part = _ConsumerParking(Celery("dropped", set_as_current=False, config_source={"zklock_hosts": "127.0.0.1:1"}))
+    entry = _Key("k", "/r/parked/locks/k-k", "/r/locks/k-k", EXCLUSIVE, "exclusive", part)
+    entry.asked = True
+
+    def no_session() -> None:
+        raise AssertionError("read a key that left the view")
+
+    part.session = no_session  # type: ignore[method-assign]
+    part._read(entry)
+    assert entry.asked is False and entry.viewer is None
