@@ -349,6 +349,12 @@ def locked_tasks(app: Any) -> Dict[str, Locking]:
             if locking is not None}
 
 
+#: Celery's task options that a ``task_*`` setting of the same name sets for every task.
+SETTING_OPTIONS = frozenset({"acks_late", "acks_on_failure_or_timeout", "reject_on_worker_lost", "time_limit",
+                             "soft_time_limit", "track_started", "ignore_result", "store_errors_even_if_ignored",
+                             "serializer", "compression"})
+
+
 def stray(name: str, task: Any) -> Optional[str]:
     """The problem, if ``task``'s ``zklock`` option does not lock it (Celery ignores it), or it has an
     option named like it (``zk_lock=``, ``zklocks=``), which Celery ignores too; else None."""
@@ -367,9 +373,7 @@ def stray(name: str, task: Any) -> Optional[str]:
     if locking_of(task) is not None:
         # A setting's name given as a task option (task_reject_on_worker_lost=True): Celery
         # ignores it, and a locked task would not be redelivered, or acked, as its author meant.
-        from celery import Task  # imported here: this module's import must not need Celery's app machinery
-
-        named = sorted(a for a in vars(type(task)) if a.startswith("task_") and hasattr(Task, a[len("task_"):]))
+        named = sorted(a for a in vars(type(task)) if a.startswith("task_") and a[len("task_"):] in SETTING_OPTIONS)
         if named:
             return (f"task {name}: unknown option {named[0]!r}, a setting's name; the task's option is "
                     f"{named[0][len('task_'):]!r} (Celery ignores options it does not know)")
