@@ -13,7 +13,7 @@ from celery_zklock.testing import violations
 from harness import Op, TcpProxy
 from tests.apps import worker_app
 from tests.integration.test_park import queue_left, started
-from tests.integration.test_park_retry_and_deploy import _stop_consuming, parked, starts
+from tests.integration.test_park_retry_and_deploy import _stop_consuming, one_parked_behind_a_holder, parked, starts
 from tests.util import holds, send, wait_until
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,7 @@ def test_a_head_resent_while_no_worker_consumes_runs_once_after_its_lock_is_remo
     # resend sends the head again every resend_after, as nobody received it. The new worker ran
     # every one of those sends (7 runs of one copy seen): received() gave the node up in the
     # background and let the copy run, without asking whether another send had taken it.
-    old = workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
-    first = send(worker_app.deployed, queue, "dup", 60.0, 0, True)
-    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
-    copy = send(worker_app.deployed, queue, "dup", 0.1, 1)
-    wait_until(lambda: parked(kazoo, zk_root, "dup") == 1, timeout=30)
-    _stop_consuming("old", queue)
+    old, first, copy = one_parked_behind_a_holder(workers, queue, redis_server.url, kazoo, zk_root, "dup", "1")
     redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
     assert first.get(timeout=30) == 0
     # No consumer: the old worker sends the head again each second; three sends wait for the new one.

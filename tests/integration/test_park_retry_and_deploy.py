@@ -27,6 +27,19 @@ def starts(redis_url: str) -> collections.Counter:
     return collections.Counter(e["task_id"] for e in events(redis_url) if e["event"] == "start")
 
 
+def one_parked_behind_a_holder(workers, queue: str, redis_url: str, kazoo, zk_root: str, key: str,
+                               resend_after: str) -> tuple:
+    """A worker "old" whose copy 0 holds ``key`` (gated) and whose copy 1 is parked behind it, and
+    which takes no new message from ``queue`` any more: (old, copy 0, copy 1)."""
+    old = workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER=resend_after)
+    first = send(worker_app.deployed, queue, key, 60.0, 0, True)
+    wait_until(lambda: started(redis_url, first.id), timeout=30)
+    copy = send(worker_app.deployed, queue, key, 0.1, 1)
+    wait_until(lambda: parked(kazoo, zk_root, key) == 1, timeout=30)
+    _stop_consuming("old", queue)
+    return old, first, copy
+
+
 @pytest.mark.parametrize("task", [worker_app.parking_retried, worker_app.parking_autoretried],
                          ids=["self.retry", "autoretry_for"])
 def test_a_retry_of_a_copy_sent_from_its_parked_queue_runs(task, workers, queue, redis_server, kazoo, zk_root):
@@ -113,12 +126,7 @@ def test_a_copy_parked_under_another_zklock_root_runs_once_where_it_parked(worke
     # the other root that knows the task took the copy sent from this root's queue for a new
     # copy, ran it, and never took its node: the queue sent it again and it ran once a send (a
     # new user's trial: 7 runs of one copy). Now that worker does not run it, and says why.
-    old = workers("old", concurrency=2, ZKT_PARK_RESEND_AFTER="3")
-    first = send(worker_app.deployed, queue, "xroot", 60.0, 0, True)
-    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
-    copy = send(worker_app.deployed, queue, "xroot", 0.1, 1)
-    wait_until(lambda: parked(kazoo, zk_root, "xroot") == 1, timeout=30)
-    _stop_consuming("old", queue)
+    old, first, copy = one_parked_behind_a_holder(workers, queue, redis_server.url, kazoo, zk_root, "xroot", "3")
     other = workers("other", concurrency=2, ZKT_ROOT=zk_root + "-other")  # knows the task, another root
     redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
     assert first.get(timeout=30) == 0
