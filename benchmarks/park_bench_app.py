@@ -253,11 +253,14 @@ if os.environ.get("BENCH_REQUESTS"):  # the ZooKeeper requests each worker proce
 
     from celery_zklock.zk import transport as _transport
 
+    def _count(request) -> None:  # type: ignore[no-untyped-def]
+        path = getattr(request, "path", "") or ""
+        tree = "parked" if "/parked/" in path else "locks" if "/locks/" in path else "-"
+        _requests[f"{type(request).__name__} {tree}"] += 1
+
     def _counted(self, request, async_object):  # type: ignore[no-untyped-def]
         if not isinstance(self, _transport.DirectClient):  # else counted there
-            path = getattr(request, "path", "") or ""
-            tree = "parked" if "/parked/" in path else "locks" if "/locks/" in path else "-"
-            _requests[f"{type(request).__name__} {tree}"] += 1
+            _count(request)
         return _call(self, request, async_object)
 
     KazooClient._call = _counted  # type: ignore[method-assign]
@@ -265,9 +268,7 @@ if os.environ.get("BENCH_REQUESTS"):  # the ZooKeeper requests each worker proce
     _direct = _transport.DirectClient._call
 
     def _direct_counted(self, request, async_object):  # type: ignore[no-untyped-def]
-        path = getattr(request, "path", "") or ""
-        tree = "parked" if "/parked/" in path else "locks" if "/locks/" in path else "-"
-        _requests[f"{type(request).__name__} {tree}"] += 1
+        _count(request)
         return _direct(self, request, async_object)
 
     _transport.DirectClient._call = _direct_counted  # type: ignore[method-assign]

@@ -429,8 +429,7 @@ class _ConsumerParking:
                 return  # the key left the view
             if entry.unsettled and later <= SETTLE:
                 later = 0.0  # copies wait for what this read shows (a read that failed waits all the same)
-            elif later == SETTLE and entry.view is not None and entry.view.parked and not entry.held \
-                    and not entry.unsettled:
+            elif later == SETTLE and entry.view is not None and entry.view.parked and not entry.held:
                 later = QUIET
             due = time.monotonic() + later
             if entry.asked and entry.due <= due:
@@ -510,7 +509,7 @@ class _ConsumerParking:
         with self._lock:
             entry.asked = False
             if self._keys.get(entry.key) is not entry:
-                # A blip dropped it (or it aged out) after this read was asked for: read now, it
+                # A blip dropped it (or it aged out) after this read was asked for: a read now
                 # could add a viewer that no entry stands for, left for our session's life.
                 return
         session = self.session()

@@ -268,8 +268,7 @@ class Parking:
         self.where = f"task {task.name}[{self.request.id}]"
         self.label = lock.label
         self.lock = lock
-        semaphore = lock.rule.name == "semaphore"
-        self.queue = ParkedQueue(session, layout_of(task.app).parked(lock.key or "", semaphore), lock.path, lock.rule)
+        self.queue = ParkedQueue(session, _queue_path(task.app, lock), lock.path, lock.rule)
         header = parked_header(self.request)
         #: This copy held the key (and must hand it on as it lets go): run_locked's second net reads it.
         self.took = False
@@ -593,10 +592,12 @@ def parked_elsewhere(task: Any, lock: Lock) -> bool:
     its task's key (or its limit). Its own queue's receive would not know it, so it leaves that
     queue first (:func:`leave_queue`), as a copy of a task that no longer parks does."""
     header = parked_header(task.request)
-    if header is None:
-        return False
-    semaphore = lock.rule.name == "semaphore"
-    return posixpath.dirname(header) != layout_of(task.app).parked(lock.key or "", semaphore)
+    return header is not None and posixpath.dirname(header) != _queue_path(task.app, lock)
+
+
+def _queue_path(app: Any, lock: Lock) -> str:
+    """The parked queue of ``lock``'s key."""
+    return layout_of(app).parked(lock.key or "", lock.rule.name == "semaphore")
 
 
 def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> None:
