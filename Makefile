@@ -18,7 +18,16 @@ PYTEST_ARGS ?=
 # its own servers on free ports. `make test PYTEST_WORKERS=0` runs it in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-oldest lint docs demo bench chaos system venv clean
+.PHONY: check test test-oldest lint docs demo bench chaos system venv clean
+
+# The fast lane, about two minutes on two cores: the linters, the unit tests, and the lock recipe's,
+# the request path's, the interleavings' and the session's fault tests against real servers. What
+# it covers and what it leaves to `make test`: docs/contributing.md.
+CHECK_TESTS ?= tests/unit tests/integration/test_lock_recipe.py tests/integration/test_lock_contract.py \
+	tests/integration/test_request_path.py tests/integration/test_interleavings.py \
+	tests/integration/test_session_faults.py
+check: lint system $(DOCS_STAMP) $(BIN)/promtool
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) $(CHECK_TESTS)
 
 # The docs tools too: a unit test builds the site and lays it out in Chromium.
 test: system venv $(DOCS_STAMP) $(BIN)/promtool
