@@ -1,1 +1,1 @@
-"""The Celery side of celery-zklock: one job a room (see the module map in ``celery_zklock``)."""
+"""The Celery side of celery-zklock: one job a room (see the module map in docs/design.md)."""
