@@ -23,8 +23,9 @@ from celery_zklock.keys import encode_key
 from celery_zklock.testing import ZooKeeperServer
 from harness import CeleryBeat, RedisServer
 
-#: The repository's root, on the beats' PYTHONPATH: they run tests.apps.beat_app.
+#: The repository's root, on the beats' PYTHONPATH: they run benchmarks.beat_bench_app.
 ROOT = Path(__file__).resolve().parents[1]
+APP = "benchmarks.beat_bench_app"
 
 
 def leader(kazoo: KazooClient, path: str) -> Optional[int]:
@@ -46,8 +47,8 @@ def main() -> None:
         kazoo.start()
         env = {"ZKT_BROKER": rs.url, "ZKT_HOSTS": zk.hosts, "ZKT_ROOT": "/bench-beat", "PYTHONPATH": str(ROOT),
                "ZKT_SESSION_TIMEOUT": str(args.session_timeout)}
-        path = f"/bench-beat/beat/{encode_key('beat_app')}/election"
-        beats = [CeleryBeat("tests.apps.beat_app", name=f"b{i}", env=env).start() for i in range(2)]
+        path = f"/bench-beat/beat/{encode_key('beat_bench_app')}/election"
+        beats = [CeleryBeat(APP, name=f"b{i}", env=env).start() for i in range(2)]
         try:
             for run in range(args.runs * 2):
                 sig = signal.SIGTERM if run % 2 == 0 else signal.SIGKILL
@@ -62,7 +63,7 @@ def main() -> None:
                 results[signal.Signals(sig).name].append(time.monotonic() - t0)
                 victim.stop(timeout=10)
                 victim.close()
-                beats[beats.index(victim)] = CeleryBeat("tests.apps.beat_app", name=f"r{run}", env=env).start()
+                beats[beats.index(victim)] = CeleryBeat(APP, name=f"r{run}", env=env).start()
         finally:
             for b in beats:
                 b.stop(timeout=10)

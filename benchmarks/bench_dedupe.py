@@ -34,7 +34,7 @@ from harness.dedupe import dedupe_violations
 
 #: The repository's root, on the PYTHONPATH of the workers and publishers this starts.
 ROOT = Path(__file__).resolve().parents[1]
-#: The app the publishers (tests.apps.dedupe_publisher) send to.
+#: The app the publishers (harness.dedupe_publisher) send to.
 APP = "benchmarks.dedupe_bench_app"
 
 VARIANTS = ["plain", "zklock", "once", "singleton"]
@@ -60,8 +60,8 @@ def history(env: Dict[str, str], name: str, r: redis.Redis) -> List[str]:
     workers = [CeleryWorker(APP, name=f"{name}{i}", concurrency=4, env=env,
                             extra_args=["-Q", env["ZKT_QUEUE"]]).start() for i in (1, 2)]
     try:
-        pubs = [subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", name, "250", str(seed)], env=env)
-                for seed in range(8)]
+        pubs = [subprocess.Popen([sys.executable, "-m", "harness.dedupe_publisher", APP, name, "250", str(seed)],
+                                 env=env) for seed in range(8)]
         for p in pubs:
             p.wait(600)
         publishes = [json.loads(x) for x in r.lrange("dedupe:publishes", 0, -1)]
@@ -90,7 +90,7 @@ def main() -> None:
     zk_server = ZooKeeperPeer(extra_config={"forceSync": "yes"} if args.fsync else {}, cpus="1" if pinned else None)
     with zk_server as zk, RedisServer() as rs:
         env = {**os.environ, "ZKT_BROKER": rs.url, "ZKT_HOSTS": zk.hosts, "ZKT_ROOT": "/bench-dedupe",
-               "ZKT_QUEUE": "bench-dedupe", "ZKT_DEDUPE_APP": APP, "PYTHONPATH": str(ROOT)}
+               "ZKT_QUEUE": "bench-dedupe", "PYTHONPATH": str(ROOT)}
         os.environ.update({k: v for k, v in env.items() if k.startswith("ZKT_")})
         from benchmarks import dedupe_bench_app as bench_app  # reads the ZKT_ settings when imported
 

@@ -59,7 +59,8 @@ def workers(env) -> Iterator:
 
 
 def publish(env: Dict[str, str], task: str, count: int, seed: int, **overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", task, str(count), str(seed)],
+    return subprocess.Popen([sys.executable, "-m", "harness.dedupe_publisher", "tests.apps.dedupe_app", task,
+                             str(count), str(seed)],
                             env={**env, **overrides})
 
 

@@ -213,7 +213,8 @@ class Round:
                 dedupe_app.app.control.revoke(rng.choice(fresh))
         elif name == "publisher_killed" and self.mode_name != "retried" and self.mode not in CONTENTION:  # (key, ms)
             name = self.task.name.rsplit(".")[-1]
-            dying = subprocess.Popen([sys.executable, "-m", "tests.apps.dedupe_publisher", name, "1", "0"],
+            dying = subprocess.Popen([sys.executable, "-m", "harness.dedupe_publisher", "tests.apps.dedupe_app", name,
+                                      "1", "0"],
                                      env={**rig.env, "ZKT_DIE_AFTER_MARKER": "1", "ZKT_KEY": self.keys[0]})
             dying.wait(60)
             self.ghosts_until = time.monotonic() + TTL  # its marker's lifetime began before it died

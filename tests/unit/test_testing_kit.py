@@ -32,6 +32,31 @@ def test_the_package_never_imports_the_rig_the_tests_or_the_benchmarks():
     assert found == [], "the wheel ships celery_zklock alone: these would fail in a user's install"
 
 
+def test_nothing_outside_the_tests_imports_or_runs_them():
+    # The benchmarks, the rig and the example project have their own apps: a change to a test's
+    # app must not move a benchmark's numbers. A module named in a string (a worker's or a
+    # publisher's -A or -m) is run, so it counts; a docstring is prose, so it does not.
+    found = []
+    for room in ("benchmarks", "harness", "example_project"):
+        for path in sorted((PACKAGE.parent / room).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            prose = {id(node.body[0].value) for node in ast.walk(tree)
+                     if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body
+                     and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+                    names = [node.value]
+                else:
+                    continue
+                found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {name}" for name in names
+                          if name.split(".")[0] == "tests" and "." in name]
+    assert found == [], "only tests/ may import or run tests/"
+
+
 def test_loading_the_plugin_loads_no_test_kit():
     # What pytest does with the pytest11 entry point in every user's test run.
     code = "import sys, celery_zklock.pytest; print([m for m in sys.modules if m.startswith('celery_zklock.testing')])"

@@ -1,7 +1,8 @@
-"""A publisher process of the dedupe tests: ``python -m tests.apps.dedupe_publisher TASK N SEED``.
+"""A publisher process of the dedupe tests and benchmark: ``python -m harness.dedupe_publisher APP TASK N SEED``.
 
-TASK is a task of ``tests.apps.dedupe_app``, or of the module ``ZKT_DEDUPE_APP`` names (the
-comparison benchmark's app, with celery-once and celery-singleton tasks).
+TASK is a task of the module APP: the dedupe tests' app (``tests.apps.dedupe_app``) or the
+comparison benchmark's (``benchmarks.dedupe_bench_app``, with celery-once and celery-singleton
+tasks). Part of the rig, so that the benchmark needs nothing from ``tests/``.
 
 Sends N ``.delay()`` calls of TASK over 20 keys, each with a fresh task id, and records
 per call: the time it was made, when its marker was created (if one was), the id it
@@ -28,8 +29,6 @@ from celery_zklock import signals
 from celery_zklock.glue.api import settings_of
 from celery_zklock.zk import session_for
 
-dedupe_app = importlib.import_module(os.environ.get("ZKT_DEDUPE_APP", "tests.apps.dedupe_app"))
-
 marked: Dict[str, float] = {}
 
 
@@ -40,7 +39,8 @@ def _marked(sender: Any = None, task_id: str = "", **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(name: str, count: int, seed: int) -> None:
+def main(app: str, name: str, count: int, seed: int) -> None:
+    dedupe_app = importlib.import_module(app)
     task = getattr(dedupe_app, name)
     rng = random.Random(seed)
     history = redis.Redis.from_url(dedupe_app.app.conf.broker_url)
@@ -60,4 +60,4 @@ def main(name: str, count: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
