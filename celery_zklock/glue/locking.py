@@ -131,7 +131,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
     settings = settings_of(app)
     request = task.request
-    guard = BodyGuard() if spec.on_lock_lost == "interrupt" else None
+    guard = BodyGuard(fn) if spec.on_lock_lost == "interrupt" else None
     on_state = functools.partial(_on_state, task, request.id, guard)
     session: Optional[Session] = None
     # Under preempt, the copy's place in the order of publishes, in its node for newer and

@@ -6,6 +6,7 @@ task id) in Redis, so the tests can check the whole history afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -188,6 +189,26 @@ def flagged_body(key: str, seconds: float) -> str:
 @zk_locked(key="k:{key}", timeout=60)
 def long_body(self, key: str, seconds: float) -> str:
     note("started", key=key, token=current_lock().fencing_token)
+    try:
+        hold(seconds, key)
+    except LockLost:
+        note("lock_lost", key=key)
+        raise
+    return "done"
+
+
+@app.task(bind=True)
+@zk_locked(key="k:{key}", timeout=60)
+def swallowing_body(self, key: str, seconds: float) -> str:
+    """A body whose first interrupt lands in code that swallows every Exception, as a library's
+    ``contextlib.suppress(Exception)`` does (importlib.metadata's, under redis-py's first
+    connection, swallowed a Preempted in CI), and which then runs on for ``seconds``."""
+    note("started", key=key, token=current_lock().fencing_token)
+    with contextlib.suppress(Exception):
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            time.sleep(0.01)
+    note("swallowed", key=key)
     try:
         hold(seconds, key)
     except LockLost:
