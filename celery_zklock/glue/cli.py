@@ -422,7 +422,8 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
         click.echo(json.dumps({"root": settings.root, "queued": rows}, indent=2))
         return
     if not rows:
-        click.echo("  (no copy is queued under dedupe)")
+        # "queued" reads as a parked queue to a park user: say where those are.
+        click.echo("  (no copy is queued under dedupe; parked copies: celery zklock locks --waiters)")
         return
     click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}  STATE")
     for r in rows:

@@ -683,7 +683,8 @@ class _ConsumerParking:
         since = now if job.since is None else job.since
         untold = untold or job.untold
         if now - since > self.patience and not untold:
-            logger.warning("%s: ZooKeeper did not answer its park for %.0fs (%s); handed to the pool, which tells",
+            logger.warning("%s: ZooKeeper did not answer its park for %.0fs (%s); handed to a pool process, "
+                           "whose lock fails the task with ZooKeeperUnavailable if ZooKeeper is still down",
                            where, now - since, why)
             self._fallback(job)
             return

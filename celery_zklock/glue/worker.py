@@ -254,7 +254,9 @@ def _check_scheme(app: Any, settings: Any) -> List[str]:
     try:
         session = Session(settings).start()
     except ZooKeeperUnavailable as exc:
-        logger.warning("celery-zklock: %s; the key-name scheme is checked at the first lock instead", exc)
+        logger.warning("celery-zklock: %s; the worker starts anyway, and its locked tasks fail with "
+                       "ZooKeeperUnavailable until ZooKeeper answers (that this app names its keys as the "
+                       "root's other apps do is checked at the first lock instead)", exc)
         return []
     try:
         claim_scheme(session, layout_of(app), settings.connect_timeout)
