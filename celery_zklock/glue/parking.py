@@ -264,6 +264,7 @@ class Parking:
         self.task = task
         self.request = task.request
         self.settings = settings
+        self._untold_said = float("-inf")  # when _untold last said it waits
         self.limit = limit
         self.where = f"task {task.name}[{self.request.id}]"
         self.label = lock.label
@@ -359,7 +360,7 @@ class Parking:
             # acknowledging it), finds that park's record and is not parked twice (nor run).
             delivery = delivery_token(self.request.id, self.request.retries or 0)
             found = self.queue.park(self.request.id, self._payload, self.limit, until, behind=behind,
-                                    delivery=delivery)
+                                    delivery=delivery, patience=self._untold)
             if found and self.queue.recorded and not self.task.acks_late:
                 self.queue.acked(delivery)  # acknowledged as it came to this process: its record may go
             if found == "":
@@ -384,6 +385,25 @@ class Parking:
                            explain(exc))
             _watch(self.queue.session, self.settings, self.task.app).add(self.queue, self._send, nudge=True)
         raise Ignore()
+
+    def _untold(self, exc: Exception) -> Optional[float]:
+        """A park of this process's went out and ZooKeeper stopped answering: it may have parked
+        the copy. Failing the task now would tell its caller it failed, and then the park, if it
+        committed, would run it (a fault attack: 4 of 4). So the slot waits for ZooKeeper to
+        tell, as the consumer keeps such a copy's message (this process is alive, and owns the
+        wait; with ZooKeeper gone for good nothing could run the copy safely), saying so about
+        once a minute; then the same park is tried again. The next try's deadline."""
+        now = time.monotonic()
+        if now - self._untold_said >= 60:
+            self._untold_said = now
+            logger.warning("%s: ZooKeeper did not answer its park (%s), which may have parked the copy; it waits "
+                           "for ZooKeeper to tell, in its slot, and then runs in its turn or parks",
+                           self.where, explain(exc))
+        session = self.queue.session
+        wait = deadline(1.0)
+        while not session.client.connected and (remaining(wait) or 0) > 0:
+            time.sleep(0.05)
+        return deadline(self.settings.connect_timeout)
 
     def _parked_after_all(self, until: Optional[float]) -> bool:
         try:

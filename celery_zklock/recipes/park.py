@@ -69,11 +69,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
-from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError, SessionExpiredError
 
 from ..exceptions import explain
 from ..layout import node_object
-from ..zk import Liveness, Session, deadline, reply, through_blips
+from ..zk import Liveness, Session, deadline, reply, through_blips, timeouts
 from .park_rules import (
     CLAIM,
     MEMBER,
@@ -370,7 +370,8 @@ class ParkedQueue:
     # -- the parker ------------------------------------------------------------------------
     def park(self, task_id: str, payload: Union[bytes, Callable[[], bytes]], limit: int, until: Optional[float],
              behind: bool = False, guarded: bool = False, delivery: Optional[bytes] = None,
-             unacked: bool = False) -> Optional[str]:
+             unacked: bool = False, patience: Optional[Callable[[Exception], Optional[float]]] = None
+             ) -> Optional[str]:
         """Put copy ``task_id`` at the back of the queue: its node's name, or None when the
         queue holds ``limit`` copies already. A copy already parked (its message delivered
         again) keeps its place: its node's name is returned and no second node is made.
@@ -393,6 +394,12 @@ class ParkedQueue:
         since; it is the same message delivered again (its worker died between the park and
         the acknowledgement), or a lost reply's park run again. A ``ParkUntold`` then tells
         a park with ``unacked`` whose write got no answer: run again, it finds out.
+
+        ``patience`` is for a park that has nobody to run it again (a pool process's): when its
+        write went out and ZooKeeper stopped answering, ``patience(error)`` is called (it waits a
+        while, and returns the next try's deadline, or raises), and the same park, with the same
+        token, is tried again until ZooKeeper tells whether it parked. Without it, such a park
+        raises the connection's error, and may have parked.
         """
         attempt = _ParkTry(payload)
         if not behind:
@@ -400,16 +407,28 @@ class ParkedQueue:
         # Run again after a lost reply, it finds its node by its prefix and makes no second one;
         # or, where the copy was sent and taken meanwhile, finds this park's token in the ring.
         mark = delivery if unacked and delivery is not None else uuid.uuid4().hex[:TOKEN].encode()
-        try:
-            return through_blips(self.session, until, lambda: self._park_now(
-                task_id, attempt, limit, until, mark, behind, guarded, delivery, unacked))
-        except Exception as exc:
-            if (guarded or unacked) and attempt.unanswered is not None:
-                # A try went out and was never answered: it may have parked the copy. A publisher
-                # must not then publish it too (it could run twice), nor say it parked.
-                raise ParkUntold(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
-                                  "parked cannot be told") from exc
-            raise
+        while True:
+            try:
+                return through_blips(self.session, until, functools.partial(
+                    self._park_now, task_id, attempt, limit, until, mark, behind, guarded, delivery, unacked))
+            except (ConnectionLoss, SessionExpiredError, *timeouts()) as exc:
+                if patience is not None and not (guarded or unacked) and attempt.unanswered is not None:
+                    until = patience(exc)  # it may have parked, and only ZooKeeper can tell: try again
+                    continue
+                self._raise_if_untold(exc, attempt, guarded or unacked)
+                raise
+            except Exception as exc:
+                self._raise_if_untold(exc, attempt, guarded or unacked)
+                raise
+
+    def _raise_if_untold(self, exc: BaseException, attempt: _ParkTry, told: bool) -> None:
+        """Raise ``ParkUntold`` for a park that failed with ``exc`` after a try went out and was
+        never answered (it may have parked the copy), where its caller can run it again to find
+        out (``told``): a publisher must not then publish it too, which could run it twice, nor
+        say it parked."""
+        if told and attempt.unanswered is not None:
+            raise ParkUntold(f"parked queue {self.path}: {explain(exc)} after the park was sent; whether it "
+                             "parked cannot be told") from exc
 
     def _park_now(self, task_id: str, attempt: _ParkTry, limit: int, until: Optional[float], token: bytes,
                   behind: bool, guarded: bool, delivery: Optional[bytes] = None,

@@ -272,6 +272,38 @@ def test_a_park_whose_reply_was_lost_as_zookeeper_went_is_never_failed_and_then_
     assert failed == [], "no copy was failed for ZooKeeper's absence"
 
 
+def test_a_pool_park_whose_reply_was_lost_as_zookeeper_went_is_never_failed_and_then_run(workers, queue, redis_server,
+                                                                                         zk_server):
+    # The same fault, on a park decided in a pool process (the consumer passes a key's first copy
+    # there, and every copy with zklock_park_in_consumer off): its park committed, its reply was
+    # lost, and ZooKeeper stayed out of reach past the park's deadline. Before, the task failed
+    # with a bare ConnectionLoss (its caller told), and the committed park ran it later all the
+    # same (a fault attack: 4 of 4). Now the slot waits for ZooKeeper to tell, and the copy
+    # runs once, in its turn.
+    held_queue = f"{queue}-h"
+    workers("w0", concurrency=1, queue=held_queue)
+    first = send(worker_app.parking, held_queue, "untold-pool", 60.0, 0, "", True)
+    wait_until(lambda: started(redis_server.url, first.id), timeout=30)
+    with TcpProxy(zk_server.port) as proxy:
+        w1 = workers("w1", concurrency=1, ZKT_HOSTS=proxy.hosts, ZKT_PARK_IN_CONSUMER="0")
+        assert send(worker_app.parking, queue, "untold-warm", 0.01, 9).get(timeout=30) == 9  # its session is up
+        held = proxy.hold_reply(Op.MULTI)
+        keyed = [first, send(worker_app.parking, queue, "untold-pool", 0.01, 1)]
+        held.wait_matched(20)  # copy 1's park, from its pool process: committed, its reply held
+        proxy.mode = "refuse"
+        proxy.reset()
+        held.release()  # into a link that is gone: lost
+        told = f"[{keyed[1].id}] raised unexpected"
+        wait_until(lambda: "may have parked the copy" in w1.log_text() or told in w1.log_text(), timeout=30)
+        assert told not in w1.log_text(), "a park that may have committed was failed"
+        proxy.mode = "pass"
+        redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+        assert [k.get(timeout=60) for k in keyed] == [0, 1]
+    assert told not in w1.log_text()
+    assert [e["seq"] for e in events(redis_server.url) if e["event"] == "start" and e.get("key") == "untold-pool"] \
+        == [0, 1]
+
+
 def test_a_park_in_flight_as_the_main_process_loses_its_session_keeps_its_place(workers, queue, redis_server, kazoo,
                                                                                 zk_root, zk_server):
     # The main process is paused past its session with copy 2's park on its way to ZooKeeper
