@@ -20,7 +20,7 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: check test test-oldest lint docs demo bench chaos system venv clean
 
-# The fast lane, about two minutes on two cores: the linters, the unit tests, and the lock recipe's,
+# The fast lane, about a minute on two cores (two at most): the linters, the unit tests, and the lock recipe's,
 # the request path's, the interleavings' and the session's fault tests against real servers. What
 # it covers and what it leaves to `make test`: docs/contributing.md.
 CHECK_TESTS ?= tests/unit tests/integration/test_lock_recipe.py tests/integration/test_lock_contract.py \
@@ -43,7 +43,8 @@ OLDEST_TESTS ?= tests/unit tests/integration/test_beat.py tests/integration/test
 	tests/integration/test_request_path.py tests/integration/test_lock_recipe.py tests/integration/test_lock_contract.py
 test-oldest: system venv $(BIN)/promtool
 	@[ -n "$(PYTHON39)" ] || { echo "error: no Python 3.9 found (install it, e.g. with pyenv, or set PYTHON39=)"; exit 1; }
-	$(BIN)/tox -e py39-celeryoldest --skip-missing-interpreters false --discover $(PYTHON39) -- -p no:cacheprovider $(OLDEST_TESTS)
+	$(BIN)/tox -e py39-celeryoldest --skip-missing-interpreters false --discover $(PYTHON39) -- -p no:cacheprovider \
+		-n $(PYTEST_WORKERS) $(OLDEST_TESTS)
 
 # ruff (style, imports, bugbear, pyupgrade for py39) and mypy (targeting Python 3.9).
 lint: venv
