@@ -399,10 +399,7 @@ class Parking:
             logger.warning("%s: ZooKeeper did not answer its park (%s), which may have parked the copy; it waits "
                            "for ZooKeeper to tell, in its slot, and then runs in its turn or parks",
                            self.where, explain(exc))
-        session = self.queue.session
-        wait = deadline(1.0)
-        while not session.client.connected and (remaining(wait) or 0) > 0:
-            time.sleep(0.05)
+        self.queue.session.wait_alive(deadline(1.0))  # a try before the session is back would only fail
         return deadline(self.settings.connect_timeout)
 
     def _parked_after_all(self, until: Optional[float]) -> bool:

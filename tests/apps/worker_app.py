@@ -189,6 +189,11 @@ def flagged_body(key: str, seconds: float) -> str:
 @zk_locked(key="k:{key}", timeout=60)
 def long_body(self, key: str, seconds: float) -> str:
     note("started", key=key, token=current_lock().fencing_token)
+    return _held_to_the_end(seconds, key)
+
+
+def _held_to_the_end(seconds: float, key: str) -> str:
+    """Hold ``seconds``, noting a LockLost that ends the hold early."""
     try:
         hold(seconds, key)
     except LockLost:
@@ -209,12 +214,7 @@ def swallowing_body(self, key: str, seconds: float) -> str:
         while time.monotonic() < until:
             time.sleep(0.01)
     note("swallowed", key=key)
-    try:
-        hold(seconds, key)
-    except LockLost:
-        note("lock_lost", key=key)
-        raise
-    return "done"
+    return _held_to_the_end(seconds, key)
 
 
 @app.task
