@@ -15,7 +15,7 @@ from celery import Celery, current_task
 from celery.exceptions import Ignore
 from celery.signals import after_setup_logger, after_task_publish, before_task_publish, task_prerun, task_received
 
-from celery_zklock import zk_locked
+from celery_zklock import Park, Retry, Wait, zk_locked
 
 app = Celery("park_bench_app")
 app.conf.update(
@@ -114,25 +114,25 @@ def _delivered(sender=None, task_id: str = "", args: tuple = (), **kwargs) -> No
 
 
 @app.task
-@zk_locked(key="hot:{run}:{key}", on_contention="wait", timeout=None)
+@zk_locked(key="hot:{run}:{key}", on_contention=Wait(timeout=None))
 def keyed_wait(run: str, key: int, ms: float) -> None:
     _body(run, key, ms)
 
 
 @app.task(bind=True, max_retries=None)
-@zk_locked(key="hot:{run}:{key}", on_contention="retry", retry_countdown=0.05)
+@zk_locked(key="hot:{run}:{key}", on_contention=Retry(countdown=0.05))
 def keyed_retry(self, run: str, key: int, ms: float) -> None:
     _body(run, key, ms)
 
 
 @app.task
-@zk_locked(key="hot:{run}:{key}", on_contention="park", park_limit=10_000)
+@zk_locked(key="hot:{run}:{key}", on_contention=Park(limit=10_000))
 def keyed_park(run: str, key: int, ms: float) -> None:
     _body(run, key, ms)
 
 
 @app.task
-@zk_locked(key="hot:{run}:{key}", on_contention="park", park_limit=10_000, park_at_publish=True)
+@zk_locked(key="hot:{run}:{key}", on_contention=Park(limit=10_000, at_publish=True))
 def keyed_park_at_publish(run: str, key: int, ms: float) -> None:
     _body(run, key, ms)
 

@@ -32,6 +32,7 @@ from .exceptions import (
 )
 from .glue.api import lock, lock_path
 from .glue.locking import SKIPPED, current_lock, current_locks, skipped
+from .glue.policies import Latest, Park, Preempt, Queued, QueuedOrRunning, Raise, Retry, Skip, Wait
 from .glue.task import ZkLockedTask, zk_locked
 from .recipes import Lock, LockState
 
@@ -39,15 +40,24 @@ __all__ = [
     "AlreadyQueued",
     "ConfigurationError",
     "KeyBuildError",
+    "Latest",
     "Lock",
     "LockLost",
     "LockNotAcquired",
     "LockState",
     "NoCurrentLock",
+    "Park",
     "ParkInDoubt",
     "ParkedMessageTooLarge",
+    "Preempt",
     "Preempted",
+    "Queued",
+    "QueuedOrRunning",
+    "Raise",
+    "Retry",
     "SKIPPED",
+    "Skip",
+    "Wait",
     "ZkLockError",
     "ZkLockedTask",
     "ZooKeeperUnavailable",

@@ -132,11 +132,12 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
     "zklock_keyfile": ("path", "PEM private key of `zklock_certfile`: its path, which is shown; its contents "
                        "never are (PEM text given here instead of a path is refused without being echoed)."),
     "zklock_verify_certs": ("bool", "Verify the server's certificate against `zklock_ca` (and the system CAs)."),
-    "zklock_default_on_contention": ("str", "Policy of locked tasks that do not set `on_contention`: `wait`, "
-                                     "`skip`, `retry`, `raise`, `park` or `preempt`."),
-    "zklock_default_park_limit": ("int", "How many copies a key's parked queue holds when a task does not set "
-                                  "`park_limit`; a copy past it is refused as `skip` would, with a result that "
-                                  "says why."),
+    "zklock_default_on_contention": ("str", "Policy of locked tasks that do not set `on_contention`, by name "
+                                     "(the policy with its defaults): `wait`, `skip`, `retry`, `raise`, `park` or "
+                                     "`preempt`."),
+    "zklock_default_park_limit": ("int", "How many copies a key's parked queue holds when its `Park()` "
+                                  "policy does not set `limit`; a copy past it is refused as `skip` would, with a "
+                                  "result that says why."),
     "zklock_park_resend_after": ("seconds", "How long a parked queue may stand still before a live worker moves "
                                  "it. A head sent again and not yet received by any worker (its message lost by "
                                  "the broker, or prefetched by a worker that died) is sent again after this long by "
@@ -151,16 +152,17 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                                 "pool other than prefork), the copy goes to the pool, which parks it as before. Off: "
                                 "every copy parks from a pool slot (better for a worker that runs only keyed tasks, "
                                 "where the makespan matters more than a free slot)."),
-    "zklock_default_timeout": ("seconds or None", "How long `wait` waits when a task does not set `timeout`; "
-                               "`None` waits forever."),
+    "zklock_default_timeout": ("seconds or None", "How long `Wait()` and `Preempt()` wait when the policy does "
+                               "not set `timeout`; `None` waits forever."),
     "zklock_dedupe_publish_timeout": ("seconds", "How long a dedupe publish (`delay()` in a web request) waits for "
-                                      "ZooKeeper, a session and its marker, before `dedupe_on_unavailable` "
-                                      "applies; how long a `park_at_publish` publish waits for ZooKeeper "
-                                      "before it publishes the copy as usual; and how long a `preempt` publish "
-                                      "waits for its place in the order of publishes before it raises "
+                                      "ZooKeeper, a session and its marker, before the policy's "
+                                      "`on_unavailable` applies; how long a `Park(at_publish=True)` publish waits "
+                                      "for ZooKeeper before it publishes the copy as usual; and how long a `preempt` "
+                                      "publish waits for its place in the order of publishes before it raises "
                                       "`ZooKeeperUnavailable`, unsent. After a failed attempt, publishes "
                                       "apply it at once for a few seconds rather than try again."),
-    "zklock_dedupe_ttl": ("seconds", "Life of a dedupe marker whose message was lost (a call's `expires` "
+    "zklock_dedupe_ttl": ("seconds", "Life of a dedupe marker whose message was lost, when its policy does "
+                          "not set `ttl` (a call's `expires` "
                           "shortens it; `countdown` and `eta` add their delay)."),
     "zklock_beat_name": ("str", "Name of the beat election: beats with the same name elect one leader. "
                          "Unset: the app's main name (`celery` when it has none)."),

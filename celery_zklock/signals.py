@@ -44,7 +44,7 @@ task_marked = Signal(name="task_marked")
 #: ends unrun. Arguments: ``sender``, ``key``, ``task_id`` (this copy), ``replaced_by``.
 task_replaced = Signal(name="task_replaced")
 #: A dedupe task was published without dedupe. Arguments: ``sender``, ``key``, ``task_id``,
-#: ``reason``: ``unavailable`` (ZooKeeper did not answer, and ``dedupe_on_unavailable="publish"``)
+#: ``reason``: ``unavailable`` (ZooKeeper did not answer, and the policy's ``on_unavailable="publish"``)
 #: or ``canvas`` (a copy inside a chain, chord, group or link is never deduplicated).
 #: Sent in the publishing process.
 task_dedupe_bypassed = Signal(name="task_dedupe_bypassed")

@@ -126,7 +126,7 @@ _NO_ANSWER = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 
 
 _LOCK_OPTIONS = ("mode", "timeout", "limit", "session", "on_state", "blocking")
-_TASK_OPTIONS = ("key", "on_contention", "on_lock_lost", "retry_countdown", "dedupe")
+_TASK_OPTIONS = ("key", "on_contention", "on_lock_lost", "dedupe")
 _SET_BY_THE_LOCK = ("host", "pid")
 
 

@@ -32,7 +32,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple, cast
 
 from celery.worker.request import Request
 from celery.worker.state import reserved_requests
@@ -60,6 +60,7 @@ from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import request_context
 from .options import spec_of
 from .parking import PARK_HEADER, SENT_HEADER, _watch, leaves_unlocked, message_of, send
+from .policies import Park
 
 __all__ = ["Decision", "View", "decide", "install", "strategy", "unlocked"]
 
@@ -291,7 +292,7 @@ class _ConsumerParking:
             return False, None
         key, retries = planned
         entry = self._entry(key, spec)
-        limit = spec.parked_limit(self.defaults)
+        limit = cast(Park, spec.parks(self.defaults)).queue_limit  # this strategy is a park task's
 
         def go(decision: Decision) -> None:
             if decision == Decision.PASS:
@@ -404,7 +405,7 @@ class _ConsumerParking:
             entry = self._keys[key] = _Key(key, self.layout.parked(key, semaphore),
                                            lock_path(self.app, key, spec.limit), rule,
                                            rule.name if semaphore else spec.mode, self)
-            entry.publishers = bool(spec.park_at_publish)
+            entry.publishers = spec.parks_at_publish
             while len(self._keys) > VIEW_KEYS:
                 _, gone = self._keys.popitem(last=False)  # its watches fire once more, for nothing
                 if gone.viewer is not None and self._session is not None:
@@ -827,7 +828,7 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
 
     handler = default(task, app, consumer, **kwargs)
     spec = spec_of(task)
-    if spec is None or not spec.lock or spec.contention(task_defaults(app)) != "park" or not _prefork(consumer) \
+    if spec is None or spec.parks(task_defaults(app)) is None or not _prefork(consumer) \
             or spec.mode == "read":
         return handler  # read locks let readers in beside each other: nothing for our count to tell
     part = _part(app)
@@ -909,7 +910,7 @@ def install(sender: Any = None, **kwargs: Any) -> None:
     for name, locking in locked.items():
         task = app.tasks.get(name)
         spec = locking.spec
-        if task is not None and spec is not None and spec.lock and spec.contention(defaults) == "park" \
+        if task is not None and spec is not None and spec.parks(defaults) is not None \
                 and type(task).Strategy == "celery.worker.strategy:default" \
                 and task.__dict__.get("Strategy") is None:
             task.Strategy = "celery_zklock.glue.consumer:strategy"

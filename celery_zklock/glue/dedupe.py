@@ -41,6 +41,7 @@ from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import retried_request
 from .locking import SKIPPED
 from .options import LockSpec, contention_problem, locking_of
+from .policies import Latest, OneQueued, Queued, QueuedOrRunning
 
 __all__ = ["MARKER_HEADER", "Replaced", "ended", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
 
@@ -93,7 +94,9 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
         ttl += max(0.0, _seconds_until(options.get("eta"), app) or float(options.get("countdown") or 0))
     task_id = options.pop("task_id", None) or uuid()
     path = layout.queued(task.name, key)
-    latest = spec.dedupe == "latest"
+    policy = spec.dedupe
+    assert policy is not None  # _dedupe_spec returns only a dedupe task's spec
+    latest = isinstance(policy, Latest)
     if latest and _in_a_canvas(options):
         # A copy inside a canvas must run (its canvas waits on it) and must not make an
         # older copy, maybe in a canvas too, step aside: it takes no part.
@@ -134,16 +137,16 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                 # whole lifetime. It goes in the background (only if it names this very copy).
                 claiming = False
                 _releases.add(settings, path, task_id,
-                              None if spec.dedupe_on_unavailable == "publish"
+                              None if policy.on_unavailable == "publish"
                               else _never_sent(task, task_id, exc, ZooKeeperUnavailable), latest)
-            if spec.dedupe_on_unavailable == "publish":
+            if policy.on_unavailable == "publish":
                 # Said once it went: a preempt copy, which needs ZooKeeper for its place, is not sent.
                 sent = original(task, args, kwargs, task_id=task_id, **options)
                 logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
                 signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="unavailable")
                 return sent
             raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
-                                       f"({explain(exc)}); set dedupe_on_unavailable='publish' "
+                                       f"({explain(exc)}); set {type(policy).__name__}(on_unavailable='publish') "
                                        "to publish anyway, without dedupe") from None
         claiming = existing is None
         if existing is not None and _in_a_canvas(options):
@@ -151,17 +154,18 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             # a chord's body, a group's count, a link. Nothing is dropped silently: publish it.
             logger.warning("%s: published although a copy with key %r is %s (task id %s): a copy inside a "
                            "canvas (chain, chord, group, link) is never deduplicated, or its canvas would never "
-                           "complete", where, label, str(spec.dedupe).replace("_", " "),
+                           "complete", where, label, policy.name.replace("_", " "),
                            existing["task_id"])
             signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="canvas")
             return original(task, args, kwargs, task_id=task_id, **options)
         if existing is not None:
             signals.task_deduplicated.send(sender=task, key=label, task_id=existing["task_id"])
-            if spec.on_duplicate == "raise":
+            on_duplicate = policy.on_duplicate if isinstance(policy, OneQueued) else "return"
+            if on_duplicate == "raise":
                 raise AlreadyQueued(f"{where}: not published: a copy with key {label!r} is "
-                                    f"{str(spec.dedupe).replace('_', ' ')} (task id {existing['task_id']})",
+                                    f"{policy.name.replace('_', ' ')} (task id {existing['task_id']})",
                                     existing["task_id"])
-            return None if spec.on_duplicate == "none" else task.AsyncResult(existing["task_id"])
+            return None if on_duplicate == "none" else task.AsyncResult(existing["task_id"])
         _reap_now_and_then(session, layout.queued_tree, settings.connect_timeout)
         signals.task_marked.send(sender=task, key=label, task_id=task_id, path=path)
         options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
@@ -314,17 +318,17 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
     """
     marker = _marker_of(task.request) if spec.dedupe is not None else None
     released = [False]
-    if marker is not None and spec.dedupe == "latest":
+    if marker is not None and isinstance(spec.dedupe, Latest):
         _latest(task, spec, marker, mark=False)  # replaced already: no need to wait for its locks
 
     def release_once() -> Optional[Exception]:
-        if marker is None or spec.dedupe != "queued" or released[0]:
+        if marker is None or not isinstance(spec.dedupe, Queued) or released[0]:
             return None
         released[0] = True
         return _release_marker(task, marker)  # the next publish queues a new copy
 
     def started() -> None:
-        if marker is not None and spec.dedupe == "latest":
+        if marker is not None and isinstance(spec.dedupe, Latest):
             # The cut: marked started with the version read, so a publish that lands before
             # this runs instead, and one after it queues a copy that will run after this one.
             _latest(task, spec, marker, mark=True)
@@ -338,7 +342,7 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
             raise _not_run(task, f"its dedupe marker {marker} could not be removed", failed,
                            "answered with a copy already running")
 
-    if marker is not None and spec.dedupe == "queued_or_running":
+    if marker is not None and isinstance(spec.dedupe, QueuedOrRunning):
         failed = _start_running(task, marker)
         if failed is not None:
             # Without its running child, the marker would stand for the copy only for its
@@ -351,14 +355,14 @@ def marker_kept(task: Any, spec: LockSpec) -> Iterator[Callable[[], None]]:
         yield started
     except Retry as exc:
         finished = False
-        if marker is not None and (spec.dedupe == "queued_or_running" or not released[0]):
+        if marker is not None and (isinstance(spec.dedupe, QueuedOrRunning) or not released[0]):
             # Queued again: its marker lives a queued life again from now (a copy retrying
             # for a held lock past its first life would otherwise let a second copy queue).
             _requeue(task, spec, marker, exc)
         raise
     finally:
         if marker is not None and finished:
-            if spec.dedupe == "queued_or_running":
+            if isinstance(spec.dedupe, QueuedOrRunning):
                 _release_marker(task, marker)
             else:
                 release_once()  # ended without its body running: the key is free all the same
@@ -432,7 +436,7 @@ def ended(sender: Any = None, task_id: str = "", task: Any = None, state: Option
         spec = _dedupe_spec(task)
     except ConfigurationError:
         return
-    if spec is not None and spec.dedupe != "latest":  # a latest marker stays (see start_latest)
+    if spec is not None and not isinstance(spec.dedupe, Latest):  # a latest marker stays (see start_latest)
         _release_marker(task, marker, task_id or task.request.id, wait=False)  # only if it still names the copy
 
 
@@ -618,7 +622,7 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, args: Any
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         return  # a pool process's own failure: its copy gave its marker back as it ended
     spec = _dedupe_spec(sender)
-    if spec is None or spec.dedupe == "latest":  # a latest marker stays, for the next publish to replace
+    if spec is None or isinstance(spec.dedupe, Latest):  # a latest marker stays, for the next publish to replace
         return
     # Celery with task_acks_on_timeout requeues an acks_late message past its hard time limit
     # and tells the failure all the same: that copy comes back, and gives its marker back then.
@@ -637,6 +641,6 @@ def lost(sender: Any = None, task_id: str = "", exception: Any = None, args: Any
 def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     """A ``task_revoked`` receiver: a revoked (or expired) copy never runs, so its marker goes now."""
     spec = _dedupe_spec(sender) if request is not None else None
-    marker = _marker_of(request) if spec is not None and spec.dedupe != "latest" else None
+    marker = _marker_of(request) if spec is not None and not isinstance(spec.dedupe, Latest) else None
     if marker is not None:
         _release_marker(sender, marker, request.id, wait=False)  # the consumer calls this: never wait

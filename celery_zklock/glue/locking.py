@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from contextvars import ContextVar
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from celery.exceptions import Ignore, Reject
 from kazoo.exceptions import KazooException
@@ -43,6 +43,7 @@ from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .options import PARK_HASHED, LockSpec, policy_problem
 from .parking import Parking, abandon_received, leave_queue, parked_elsewhere
+from .policies import Contention, Park, Preempt
 from .preempt import published_header, warn_placeless
 
 __all__ = ["SKIPPED", "current_lock", "current_locks", "release_all", "run_locked", "skipped"]
@@ -125,7 +126,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     app = task.app
     where = f"task {task.name}"
     defaults = task_defaults(app)
-    policy, timeout = spec.contention(defaults), spec.wait_timeout(defaults)
+    policy = spec.contention(defaults)
+    parks, preempts = isinstance(policy, Park), isinstance(policy, Preempt)
     keys = spec.keys(task.name, fn, args, kwargs, bound, layout_of(app).secret is not None)
     # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
     ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
@@ -136,8 +138,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     session: Optional[Session] = None
     # Under preempt, the copy's place in the order of publishes, in its node for newer and
     # older copies to compare with (None: its publisher took none).
-    place = published_header(request) if policy == "preempt" else None
-    if policy == "preempt" and place is None:
+    place = published_header(request) if preempts else None
+    if preempts and place is None:
         warn_placeless(task, request)
     placed = {} if place is None else {PUBLISHED: place}
     try:
@@ -146,25 +148,23 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                       task=task.name, task_id=request.id, worker=request.hostname, **placed)
                  for _, key in ordered]
     except ZooKeeperUnavailable as exc:
-        if session is not None and policy == "park" and abandon_received(task, session, settings, spec, exc):
+        if session is not None and parks and abandon_received(task, session, settings, spec, exc):
             raise Ignore() from None  # still parked, and sent again: as Parking.abandoned()
         raise ZooKeeperUnavailable(f"{where}: {exc}; the task did not run") from None
-    if policy != "park" or parked_elsewhere(task, locks[0]):
+    if not parks or parked_elsewhere(task, locks[0]):
         # Parked under an older deploy (another policy, or another key): it leaves that queue
         # before it contends (or drops itself as a second send). Else its own queue's receive
         # would take it for a new copy, never take its old node, and run it once a send.
         leave_queue(task, session, settings, spec)
-    waits = policy in ("wait", "preempt")
-    if not waits:
-        # Policies that do not wait still answer within zklock_connect_timeout when
-        # ZooKeeper does not: not acquired, so the policy applies.
-        timeout = settings.connect_timeout
-    until = deadline(timeout)
+    waits = policy.waits
+    # Policies that do not wait still answer within zklock_connect_timeout when
+    # ZooKeeper does not: not acquired, so the policy applies.
+    until = deadline(policy.wait_for if waits else settings.connect_timeout)
     stack = _stack()
-    parking = _parking(task, spec, policy, locks, session, settings, defaults)
+    parking = _parking(task, spec, policy, locks, session, settings, defaults) if isinstance(policy, Park) else None
     if parking is not None:
         parkings.append(parking)
-    preempter = _preempting(task, spec, locks, settings, defaults, place) if policy == "preempt" else None
+    preempter = _preempting(task, spec, locks, settings, defaults, place) if preempts else None
     try:
         refused = parking.before(until) if parking is not None else None
         if refused:
@@ -176,9 +176,9 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                     parking.took = True
                 signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
                 if one.waited:
-                    signals.lock_contended.send(sender=task, lock=one, policy=policy,
-                                                outcome="preempted" if policy == "preempt" else "waited")
-                if policy == "preempt" and _asked_to_go(task, one, settings):
+                    signals.lock_contended.send(sender=task, lock=one, policy=policy.name,
+                                                outcome="preempted" if preempts else "waited")
+                if preempts and _asked_to_go(task, one, settings):
                     # A newer copy marked ours while it waited: it goes before its body starts.
                     release_all(task, held)
                     return _preempted(task, one)
@@ -205,9 +205,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 held.pop()
                 raise Reject(f"{where}: delivered again after its take, it could not wait for lock {one.label!r}; "
                              "requeued", requeue=True)
-            if parking is not None:
-                return _refused(task, one, parking.contended(until), until)
-            return _contended(task, spec, policy, timeout, one, held, until)
+            release_all(task, held)  # give back what we took before waiting on nothing
+            return policy.contended(_Contended(task, policy, one, until, parking))
         proven = deadline(settings.connect_timeout)
         for one in held:
             # Taken just after a reconnect, a lock is held before its session can vouch for it
@@ -265,18 +264,16 @@ def _still_held(locks: List[Lock]) -> None:
             raise (Preempted if one.preempted_by is not None else LockLost)(one.lost_message())
 
 
-def _parking(task: Any, spec: LockSpec, policy: str, locks: List[Lock], session: Session, settings: Settings,
-             defaults: TaskDefaults) -> Optional[Parking]:
-    """This call's part in its key's parked queue, under ``on_contention="park"``; else None."""
-    if policy != "park":
-        return None
+def _parking(task: Any, spec: LockSpec, policy: Park, locks: List[Lock], session: Session, settings: Settings,
+             defaults: TaskDefaults) -> Parking:
+    """This call's part in its key's parked queue, under :class:`Park`."""
     where = f"task {task.name}"
     problem = policy_problem(where, spec, defaults, len(locks))
     if problem:
         raise ConfigurationError(problem)
     if layout_of(task.app).secret is not None:
         raise ConfigurationError(PARK_HASHED.format(where=where))
-    return Parking(task, locks[0], session, settings, spec.parked_limit(defaults))
+    return Parking(task, locks[0], session, settings, policy.queue_limit)
 
 
 class _Preempter(ContenderObserver):
@@ -370,25 +367,40 @@ def release_all(task: Any, held: List[Lock]) -> None:
         raise interrupted
 
 
-def _contended(task: Any, spec: LockSpec, policy: str, timeout: Optional[float], lock: Lock,
-               held: List[Lock], until: Optional[float]) -> Any:
-    release_all(task, held)  # give back what we took before waiting on nothing
-    signals.lock_contended.send(sender=task, lock=lock, policy=policy, outcome=_OUTCOMES.get(policy, "raised"))
-    where = f"task {task.name}"
-    if policy == "skip":
-        holders, who = _holders(lock, until)
-        logger.info("%s[%s] skipped: lock %r (%s) is held by %s", where, task.request.id, lock.label, lock.mode,
-                    who or "another contender (it has just let go)")
-        return {SKIPPED: {"key": lock.label, "mode": lock.mode, "holders": holders}}
-    message = (f"{where}: lock {lock.label!r} ({lock.mode}) not acquired" +
-               (f" within {timeout:g}s" if policy in ("wait", "preempt") and timeout is not None else ""))
-    if policy == "retry":
-        raise task.retry(countdown=spec.retry_countdown, exc=LockNotAcquired(message))
-    raise LockNotAcquired(message)
+class _Contended:
+    """What a call whose key is held offers its policy (:class:`~.policies.Contended`): the skip
+    record, the error, the retry or the park, each said in the log and the ``lock_contended`` signal."""
 
+    def __init__(self, task: Any, policy: Contention, lock: Lock, until: Optional[float],
+                 parking: Optional[Parking]) -> None:
+        self.task, self.policy, self.lock, self.until, self.parking = task, policy, lock, until, parking
 
-#: What a contended call that did not hold did, by policy (``wait`` and ``preempt`` timed out: raised).
-_OUTCOMES = {"skip": "skipped", "retry": "retried"}
+    def _contended(self, outcome: str) -> None:
+        signals.lock_contended.send(sender=self.task, lock=self.lock, policy=self.policy.name, outcome=outcome)
+
+    def skip(self) -> Dict[str, Any]:
+        self._contended("skipped")
+        holders, who = _holders(self.lock, self.until)
+        logger.info("task %s[%s] skipped: lock %r (%s) is held by %s", self.task.name, self.task.request.id,
+                    self.lock.label, self.lock.mode, who or "another contender (it has just let go)")
+        return {SKIPPED: {"key": self.lock.label, "mode": self.lock.mode, "holders": holders}}
+
+    def not_acquired(self, within: Optional[float]) -> Exception:
+        self._contended("raised")
+        return LockNotAcquired(self._message(within))
+
+    def retry(self, countdown: float) -> Exception:
+        self._contended("retried")
+        return cast(Exception, self.task.retry(countdown=countdown, exc=LockNotAcquired(self._message(None))))
+
+    def park(self) -> Dict[str, Any]:
+        if self.parking is None:
+            raise ConfigurationError(f"task {self.task.name}: {self.policy!r} parks, and this call has no parked queue")
+        return _refused(self.task, self.lock, self.parking.contended(self.until), self.until)
+
+    def _message(self, within: Optional[float]) -> str:
+        return (f"task {self.task.name}: lock {self.lock.label!r} ({self.lock.mode}) not acquired"
+                + (f" within {within:g}s" if within is not None else ""))
 
 
 def _refused(task: Any, lock: Lock, reason: str, until: Optional[float]) -> Dict[str, Any]:

@@ -16,71 +16,47 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import enum
 import sys
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple, TypedDict, Union
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple, TypedDict, Union, cast
 
 from ..conf import (
-    CONTENTION_POLICIES,
-    DEDUPE_MODES,
     DEFAULTS,
-    DUPLICATE_POLICIES,
     LOCK_LOST_POLICIES,
-    UNAVAILABLE_POLICIES,
     ContentionPolicy,
     DedupeMode,
-    DuplicatePolicy,
     LockLostPolicy,
     LockMode,
     TaskDefaults,
-    UnavailablePolicy,
     choice,
     did_you_mean,
-    optional_seconds,
-    positive_int,
-    positive_seconds,
 )
 from ..exceptions import ConfigurationError
 from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
 from .api import metrics_of, rule_for, settings_of, task_defaults
+from .policies import DEFAULT, Contention, Dedupe, FromSettings, Park, contention_policy, dedupe_policy
 
-__all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "FromSettings", "KeyOption", "LockOptions", "LockSpec", "Locking",
-           "TaskLockOptions", "contention_problem", "locked_tasks", "locking_of", "policy_problem", "problems",
-           "spec_of", "stray", "strays"]
+__all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions",
+           "contention_problem", "locked_tasks", "locking_of", "policy_problem", "problems", "spec_of", "stray",
+           "strays"]
 
-
-class FromSettings(enum.Enum):
-    """The type of :data:`DEFAULT`."""
-
-    DEFAULT = "from settings"
-
-    def __repr__(self) -> str:
-        return "<from settings>"
-
-
-#: "Use the app's setting": zklock_default_on_contention, zklock_default_timeout or zklock_dedupe_ttl.
-DEFAULT = FromSettings.DEFAULT
 
 #: The ``key`` option: a template, a callable, a list of these, or None (the task name plus its arguments).
 KeyOption = Union[KeyPart, Sequence[KeyPart], None]
 
 
 class LockOptions(TypedDict, total=False):
-    """The options of ``@zk_locked(key, **options)``; one left out takes :class:`LockSpec`'s default."""
+    """The options of ``@zk_locked(key, **options)``; one left out takes :class:`LockSpec`'s default.
+
+    A policy's own options are its fields: ``on_contention=Wait(timeout=30)``,
+    ``dedupe=Queued(ttl=600)`` (see :mod:`celery_zklock.policies`).
+    """
 
     mode: LockMode
     limit: Optional[int]
-    on_contention: ContentionPolicy
-    timeout: Optional[float]
-    retry_countdown: float
-    park_limit: int
-    park_at_publish: bool
+    on_contention: Union[ContentionPolicy, Contention]
     on_lock_lost: LockLostPolicy
     lock: bool
-    dedupe: Optional[DedupeMode]
-    on_duplicate: DuplicatePolicy
-    dedupe_ttl: float
-    dedupe_on_unavailable: UnavailablePolicy
+    dedupe: Union[DedupeMode, Dedupe, None]
 
 
 class TaskLockOptions(LockOptions, total=False):
@@ -100,21 +76,13 @@ class LockSpec:
     parts: Tuple[KeyPart, ...] = ()  # the ``key`` option
     mode: LockMode = "exclusive"
     limit: Optional[int] = None
-    on_contention: Union[ContentionPolicy, Literal[FromSettings.DEFAULT]] = DEFAULT
-    timeout: Union[float, None, Literal[FromSettings.DEFAULT]] = DEFAULT
-    retry_countdown: float = 5.0
-    #: How many copies the key's parked queue holds (``on_contention="park"``).
-    park_limit: Union[int, Literal[FromSettings.DEFAULT]] = DEFAULT
-    #: A publisher that finds the key held parks the copy itself (``on_contention="park"``).
-    park_at_publish: bool = False
+    #: A policy (:data:`DEFAULT`: the app's ``zklock_default_on_contention``).
+    on_contention: Union[Contention, FromSettings] = DEFAULT
     on_lock_lost: LockLostPolicy = "interrupt"
     #: Take the execution lock (False: dedupe only).
     lock: bool = True
-    #: Enqueue-time dedupe: None, ``queued``, ``queued_or_running`` or ``latest``.
-    dedupe: Optional[DedupeMode] = None
-    on_duplicate: DuplicatePolicy = "return"
-    dedupe_ttl: Union[float, Literal[FromSettings.DEFAULT]] = DEFAULT
-    dedupe_on_unavailable: UnavailablePolicy = "fail"
+    #: Enqueue-time dedupe: None, or a policy (``Queued``, ``QueuedOrRunning``, ``Latest``).
+    dedupe: Optional[Dedupe] = None
 
     @classmethod
     def make(cls, fn: Callable[..., Any], where: str, options: Mapping[str, Any]) -> LockSpec:
@@ -123,7 +91,8 @@ class LockSpec:
         if unknown:
             known = f" (known: {list(OPTIONS)})"
             raise ConfigurationError("; ".join(
-                f"{where}: unknown lock option {name!r}" + (did_you_mean(str(name), OPTIONS) or known)
+                f"{where}: unknown lock option {name!r}" + (_MOVED.get(str(name)) or did_you_mean(str(name), OPTIONS)
+                                                             or known)
                 for name in unknown))
 
         def get(name: str) -> Any:
@@ -134,71 +103,61 @@ class LockSpec:
             rule_for(mode, limit)
         except ValueError as exc:
             raise ConfigurationError(f"{where}: {exc}") from None
-        policy = get("on_contention")
-        if policy is not DEFAULT:
-            choice(f"{where}: on_contention", policy, CONTENTION_POLICIES)
-        timeout = get("timeout")
-        if timeout is not DEFAULT:
-            optional_seconds(f"{where}: timeout", timeout)
-        countdown = optional_seconds(f"{where}: retry_countdown", get("retry_countdown"))
-        if countdown is None:
-            raise ConfigurationError(f"{where}: retry_countdown must be a number of seconds, not None")
-        if policy == "preempt" and (mode != "exclusive" or limit is not None):
-            raise ConfigurationError(f"{where}: on_contention='preempt' takes an exclusive lock (a newer copy "
-                                     f"interrupts the one holder), not mode={mode!r}"
-                                     + (f" with limit={limit!r}" if limit is not None else ""))
-        park_limit = get("park_limit")
-        if park_limit is not DEFAULT:
-            positive_int(f"{where}: park_limit", park_limit)
-            if policy not in ("park", DEFAULT):
-                raise ConfigurationError(f"{where}: park_limit applies only with on_contention='park'")
-        at_publish = get("park_at_publish")
-        if not isinstance(at_publish, bool):
-            raise ConfigurationError(f"{where}: park_at_publish must be True or False, not {at_publish!r}")
-        if at_publish and policy not in ("park", DEFAULT):
-            raise ConfigurationError(f"{where}: park_at_publish applies only with on_contention='park'")
-        # An option the policy never reads would be silently ignored: refused instead.
-        if timeout is not DEFAULT and policy not in WAITING + (DEFAULT,):
-            raise ConfigurationError(f"{where}: timeout applies only with on_contention='wait' or 'preempt' (how long "
-                                     f"a copy waits for its lock); on_contention={policy!r} answers within "
-                                     "zklock_connect_timeout")
-        if "retry_countdown" in options and policy not in ("retry", DEFAULT):
-            raise ConfigurationError(f"{where}: retry_countdown applies only with on_contention='retry'")
+        given = get("on_contention")
+        policy = DEFAULT if given is DEFAULT else contention_policy(f"{where}: on_contention", given)
+        dedupe = dedupe_policy(f"{where}: dedupe", get("dedupe"))
+        locking = get("lock")
+        if not isinstance(locking, bool):
+            raise ConfigurationError(f"{where}: lock must be True or False, not {locking!r}")
+        if not locking and dedupe is None:
+            raise ConfigurationError(f"{where}: lock=False without dedupe=... would do nothing; drop zk_locked instead")
+        if not locking:
+            lock_only = [name for name in _LOCK_ONLY if name in options and options[name] != _DEFAULTS[name]]
+            if lock_only:
+                raise ConfigurationError(f"{where}: {_names(lock_only)} only with the lock, which lock=False turns off")
         parts = check_key_parts(options.get("key"), fn, where)
-        problem = one_key(where, f"on_contention={policy!r}", policy, len(parts) or 1)  # no key option: one key
-        if problem:
-            raise ConfigurationError(problem)
-        return cls(where=where, parts=parts, mode=mode, limit=limit,
-                   on_contention=policy, timeout=timeout, retry_countdown=countdown, park_limit=park_limit,
-                   park_at_publish=at_publish,
+        if isinstance(policy, Contention) and locking:
+            refused = policy.refusal(mode, limit, len(parts) or 1, dedupe)  # no key option: one key
+            if refused:
+                raise ConfigurationError(f"{where}: on_contention={refused}")
+        return cls(where=where, parts=parts, mode=mode, limit=limit, on_contention=policy,
                    on_lock_lost=choice(f"{where}: on_lock_lost", get("on_lock_lost"), LOCK_LOST_POLICIES),
-                   **_dedupe_options(where, options, get))
+                   lock=locking, dedupe=dedupe)
 
-    def __post_init__(self) -> None:
-        if self.on_contention == "park" and self.dedupe is not None:
-            raise ConfigurationError(f"{self.where}: on_contention='park' and dedupe={self.dedupe!r} do not go "
-                                     "together yet: a parked copy's marker would go as it parks")
+    def contention(self, defaults: TaskDefaults) -> Contention:
+        """What this task does when its lock is held: its own policy, else the app's default, with
+        each of its fields left to a setting read from ``defaults``."""
+        return self.policy_as_set(defaults).resolved(defaults)
 
-    def contention(self, defaults: TaskDefaults) -> ContentionPolicy:
-        """What this task does when its lock is held: its own policy, else the app's default."""
-        return defaults.on_contention if self.on_contention is DEFAULT else self.on_contention
+    def policy_as_set(self, defaults: TaskDefaults) -> Contention:
+        """The policy as the task (or the default setting) gives it, its fields not yet resolved."""
+        if self.on_contention is DEFAULT:
+            return contention_policy("zklock_default_on_contention", defaults.on_contention)
+        return cast(Contention, self.on_contention)
 
     def contention_source(self, defaults: TaskDefaults) -> str:
-        """The policy as the user set it: ``on_contention='park'``, or the app's default setting."""
-        name = "zklock_default_on_contention" if self.on_contention is DEFAULT else "on_contention"
-        return f"{name}={self.contention(defaults)!r}"
+        """The policy as the user set it: ``on_contention=Park()``, or the app's default setting."""
+        if self.on_contention is DEFAULT:
+            return f"zklock_default_on_contention={defaults.on_contention!r}"
+        return f"on_contention={self.on_contention!r}"
 
-    def wait_timeout(self, defaults: TaskDefaults) -> Optional[float]:
-        """How long ``wait`` waits (None: forever)."""
-        return defaults.timeout if self.timeout is DEFAULT else self.timeout
+    def parks(self, defaults: TaskDefaults) -> Optional[Park]:
+        """The task's :class:`Park` policy, resolved, when it takes its lock and parks; else None."""
+        if not self.lock:
+            return None
+        policy = self.contention(defaults)
+        return policy if isinstance(policy, Park) else None
 
-    def parked_limit(self, defaults: TaskDefaults) -> int:
-        """How many copies the key's parked queue holds."""
-        return defaults.park_limit if self.park_limit is DEFAULT else int(self.park_limit)
+    @property
+    def parks_at_publish(self) -> bool:
+        """Whether the task's own policy is ``Park(at_publish=True)``: its publisher parks a copy itself."""
+        return isinstance(self.on_contention, Park) and self.on_contention.at_publish
 
     def marker_ttl(self, defaults: TaskDefaults) -> float:
         """The life of a dedupe marker whose message is lost."""
-        return defaults.dedupe_ttl if self.dedupe_ttl is DEFAULT else float(self.dedupe_ttl)
+        if self.dedupe is None:
+            raise ValueError(f"{self.where}: marker_ttl of a task without dedupe")
+        return self.dedupe.resolved(defaults).marker_ttl
 
     def keys(self, task_name: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
              bound: bool, private: bool = False) -> List[str]:
@@ -214,69 +173,25 @@ class LockSpec:
         return [default_key(task_name, arguments)]
 
 
-#: The policies that wait for the lock, for ``timeout`` at most.
-WAITING = ("wait", "preempt")
-#: The policies whose copy stands in one key's line: a parked queue, or the holder it interrupts.
-ONE_KEY = ("park", "preempt")
-
-
-def one_key(where: str, source: str, policy: str, keys: int) -> Optional[str]:
-    """Why a ``park`` or ``preempt`` call with other than one key is refused (None: it is not);
-    ``source`` names where the policy came from (the task's option, or the app's default)."""
-    if policy not in ONE_KEY or keys == 1:
-        return None
-    why = "parks a copy in one key's queue" if policy == "park" else "interrupts the one holder of one exclusive key"
-    return f"{where}: {source} {why}, and this call has {keys} keys; use one key, or another policy"
-
-
 def policy_problem(where: str, spec: LockSpec, defaults: TaskDefaults, keys: int) -> Optional[str]:
     """Why ``spec``'s contention policy, its own or the app's default, cannot serve a call with
     ``keys`` keys (None: it can). A task's own policy was checked as it was defined; the
     default is checked as the app is finalized, and again by each call."""
-    policy = spec.contention(defaults)
-    if spec.park_at_publish and policy != "park":  # a task's own policy refused it as it was defined
-        return f"{where}: park_at_publish applies only with on_contention='park', and this task's policy is " \
-               f"{spec.contention_source(defaults)}"
-    if policy not in ONE_KEY:
-        return None  # the rest, at every publish, pays this look only
-    source = spec.contention_source(defaults)
-    if policy == "preempt" and (spec.mode != "exclusive" or spec.limit is not None):
-        what = f"a {spec.mode} lock" if spec.limit is None else f"a semaphore (limit={spec.limit})"
-        return f"{where}: {source} interrupts the one holder of one exclusive key, and this task takes {what}; " \
-               "use another policy"
-    if policy == "park" and spec.dedupe is not None:
-        return f"{where}: {source} and dedupe={spec.dedupe!r} do not go together yet: a parked copy's marker " \
-               "would go as it parks"
-    return one_key(where, source, policy, keys)
+    refused = spec.policy_as_set(defaults).refusal(spec.mode, spec.limit, keys, spec.dedupe)
+    return f"{where}: {spec.contention_source(defaults)}: {refused}" if refused else None
 
 
-def _dedupe_options(where: str, options: Mapping[str, Any], get: Callable[[str], Any]) -> Dict[str, Any]:
-    dedupe = get("dedupe")
-    if dedupe is not None:
-        choice(f"{where}: dedupe", dedupe, DEDUPE_MODES)
-    locking = get("lock")
-    if not isinstance(locking, bool):
-        raise ConfigurationError(f"{where}: lock must be True or False, not {locking!r}")
-    if not locking and dedupe is None:
-        raise ConfigurationError(f"{where}: lock=False without dedupe=... would do nothing; drop zk_locked instead")
-    if not locking:
-        given = [name for name in _LOCK_ONLY if get(name) != _DEFAULTS[name]]
-        if given:
-            raise ConfigurationError(f"{where}: {_names(given)} only with the lock, which lock=False turns off")
-    ttl = get("dedupe_ttl")
-    if ttl is not DEFAULT:
-        positive_seconds(f"{where}: dedupe_ttl", ttl)
-    extra = {"on_duplicate": choice(f"{where}: on_duplicate", get("on_duplicate"), DUPLICATE_POLICIES),
-             "dedupe_on_unavailable": choice(f"{where}: dedupe_on_unavailable", get("dedupe_on_unavailable"),
-                                             UNAVAILABLE_POLICIES)}
-    if dedupe is None:
-        given = [name for name in _DEDUPE_ONLY if get(name) != _DEFAULTS[name]]
-        if given:
-            raise ConfigurationError(f"{where}: {_names(given)} only with dedupe=...; set dedupe too")
-    if dedupe == "latest" and get("on_duplicate") != _DEFAULTS["on_duplicate"]:
-        raise ConfigurationError(f"{where}: on_duplicate applies only with dedupe='queued' or 'queued_or_running': "
-                                 "under dedupe='latest' every publish is sent, and replaces the copy queued")
-    return {"lock": locking, "dedupe": dedupe, "dedupe_ttl": ttl, **extra}
+#: Where each option of the flat shape went: its policy's field.
+_MOVED = {
+    "timeout": "; a wait's limit is a field of its policy: on_contention=Wait(timeout=...) or Preempt(timeout=...)",
+    "retry_countdown": "; it is a field of its policy: on_contention=Retry(countdown=...)",
+    "park_limit": "; it is a field of its policy: on_contention=Park(limit=...)",
+    "park_at_publish": "; it is a field of its policy: on_contention=Park(at_publish=True)",
+    "dedupe_ttl": "; it is a field of its policy: dedupe=Queued(ttl=...) (or QueuedOrRunning, Latest)",
+    "on_duplicate": "; it is a field of its policy: dedupe=Queued(on_duplicate=...) (or QueuedOrRunning)",
+    "dedupe_on_unavailable": "; it is a field of its policy: dedupe=Queued(on_unavailable=...) (or QueuedOrRunning, "
+                             "Latest)",
+}
 
 
 def _names(given: List[str]) -> str:
@@ -288,11 +203,8 @@ def _names(given: List[str]) -> str:
 OPTIONS: Tuple[str, ...] = ("key", *(f.name for f in dataclasses.fields(LockSpec) if f.name not in ("where", "parts")))
 _DEFAULTS: Dict[str, Any] = {"key": None, **{f.name: f.default for f in dataclasses.fields(LockSpec)
                                              if f.name in OPTIONS}}
-#: The options that mean something only with ``dedupe``.
-_DEDUPE_ONLY = ("on_duplicate", "dedupe_ttl", "dedupe_on_unavailable")
 #: The options that mean something only with the lock.
-_LOCK_ONLY = ("mode", "limit", "on_contention", "timeout", "retry_countdown", "park_limit", "park_at_publish",
-              "on_lock_lost")
+_LOCK_ONLY = ("mode", "limit", "on_contention", "on_lock_lost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,7 +392,7 @@ def contention_problem(app: Any, where: str, spec: Optional[LockSpec], defaults:
     if spec is None or not spec.lock:
         return None
     problem = policy_problem(where, spec, defaults, len(spec.parts) or 1)
-    if problem is None and spec.contention(defaults) == "park" and app.conf.get("zklock_key_names") == "hashed":
+    if problem is None and spec.parks(defaults) is not None and app.conf.get("zklock_key_names") == "hashed":
         problem = PARK_HASHED.format(where=where)
     return problem
 

@@ -71,6 +71,7 @@ from ..zk.deadlines import remaining
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task, retried_request
 from .options import locked_tasks, policy_problem, spec_of
+from .policies import Park
 
 __all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "Stage", "abandon_received",
            "as_new_delivery", "comes_back", "describe", "encode", "ended", "leave_queue", "leaves_unlocked", "lost",
@@ -126,8 +127,7 @@ def started_when_held(sender: Any = None, **kwargs: Any) -> None:
     for name, locking in locked_tasks(app).items():
         task = app.tasks.get(name)
         spec = locking.spec
-        if task is not None and spec is not None and spec.lock and spec.contention(defaults) == "park" \
-                and task.track_started:
+        if task is not None and spec is not None and spec.parks(defaults) is not None and task.track_started:
             task.track_started = False
             _started_when_held.add(task)
 
@@ -366,7 +366,7 @@ class Parking:
             if found == "":
                 return None
             if found is None:
-                return f"the key's parked queue is full (park_limit={self.limit})"
+                return f"the key's parked queue is full (Park(limit={self.limit}))"
             parked = True
             self._watch()
             logger.info("%s parked: lock %r is held; the copy runs when its turn comes", self.where, self.label)
@@ -744,7 +744,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     the copy: the caller gets ``ParkInDoubt``, and the copy is not published as well.
     """
     spec = spec_of(task)
-    if spec is None or not spec.park_at_publish:
+    if spec is None or not spec.parks_at_publish:
         return original(task, args, kwargs, **options)  # every other task pays only the lookup above
     app = task.app
     defaults = task_defaults(app)
@@ -752,7 +752,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     headers = options.get("headers") or {}
     problem = policy_problem(f"task {task.name}", spec, defaults, 1)
     if problem:
-        raise ConfigurationError(problem)  # park_at_publish under a default policy that is not park
+        raise ConfigurationError(problem)  # Park(at_publish=True) with a key option of several keys
     if not set(options) <= _PLAIN or PARK_HEADER in headers or app.conf.task_always_eager \
             or (running is not None and options.get("task_id") == running.request.id):
         # A copy sent again, an eager call, a retry of the running copy: as usual.
@@ -790,8 +790,8 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
         claim_scheme(session, layout, wait)
         queue = ParkedQueue(session, layout.parked(key, spec.limit is not None), lock_path(app, key, spec.limit),
                             rule_for(spec.mode, spec.limit))
-        parked = queue.park(task_id, lambda: encode(task, task_id, signature), spec.parked_limit(defaults),
-                            deadline(wait), guarded=True)
+        limit = cast(Park, spec.contention(defaults)).queue_limit
+        parked = queue.park(task_id, lambda: encode(task, task_id, signature), limit, deadline(wait), guarded=True)
     except ParkUntold as exc:
         raise ParkInDoubt(
             f"task {task.name}[{task_id}]: {exc}. It was not published as well: if it parked, it runs in its "

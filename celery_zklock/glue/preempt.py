@@ -22,6 +22,7 @@ from ..zk import deadline, session_for, timeouts
 from .api import layout_of, settings_of, task_defaults
 from .celery_internals import retried_request
 from .options import spec_of
+from .policies import Preempt
 
 __all__ = ["PUBLISHED_HEADER", "preempts", "published_header", "stamped", "warn_placeless"]
 
@@ -73,7 +74,7 @@ def warn_placeless(task: Any, request: Any) -> None:
 def preempts(task: Any) -> bool:
     """Whether ``task`` preempts: its own ``on_contention``, or the app's default."""
     spec = spec_of(task)
-    return spec is not None and spec.contention(task_defaults(task.app)) == "preempt"
+    return spec is not None and isinstance(spec.contention(task_defaults(task.app)), Preempt)
 
 
 def stamped(task: Any, original: Callable[..., Any]) -> Callable[..., Any]:

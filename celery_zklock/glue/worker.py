@@ -87,6 +87,7 @@ from .celery_internals import (
     wrap_send_task,
 )
 from .options import LockSpec, listed, locked_tasks, problems, refusal, stray, strays, told, uses_zklock
+from .policies import Preempt
 
 __all__ = ["install", "task_defined", "uses_zklock"]
 
@@ -163,8 +164,8 @@ def task_defined(spec: Optional[LockSpec]) -> None:
     publishes); so does a task whose options are wrong (``spec`` None), which may
     have asked for either: published unchecked, it would go out without it.
     """
-    if not _installed and (spec is None or spec.dedupe is not None or spec.park_at_publish
-                           or spec.on_contention == "preempt" or finalized_apps()):
+    if not _installed and (spec is None or spec.dedupe is not None or spec.parks_at_publish
+                           or isinstance(spec.on_contention, Preempt) or finalized_apps()):
         install()
 
 

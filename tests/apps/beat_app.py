@@ -15,7 +15,7 @@ from celery import Celery
 from celery.schedules import crontab
 from celery.signals import before_task_publish
 
-from celery_zklock import current_lock, zk_locked
+from celery_zklock import Wait, current_lock, zk_locked
 
 app = Celery("beat_app")
 
@@ -49,7 +49,7 @@ def tick() -> None:
 
 
 @app.task
-@zk_locked(key="job:{n}", timeout=60)
+@zk_locked(key="job:{n}", on_contention=Wait(timeout=60))
 def locked(n: int, seconds: float) -> None:
     """A locked body for the workers that embed a beat (-B): its hold, and the ZooKeeper
     session that held it, go into the history."""

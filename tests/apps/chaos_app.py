@@ -16,7 +16,7 @@ from typing import Any
 import redis
 from celery import Celery, current_task
 
-from celery_zklock import LockLost, LockNotAcquired, ZooKeeperUnavailable, current_lock, zk_locked
+from celery_zklock import LockLost, LockNotAcquired, Wait, ZooKeeperUnavailable, current_lock, zk_locked
 
 QUEUE = os.environ.get("ZKT_QUEUE", "celery")
 app = Celery("chaos_app")
@@ -75,19 +75,19 @@ def body(key: str, seconds: float) -> None:
 
 
 @app.task(**RETRY)
-@zk_locked(key="c:{key}", timeout=120)
+@zk_locked(key="c:{key}", on_contention=Wait(timeout=120))
 def exclusive(key: str, seconds: float) -> None:
     body(key, seconds)
 
 
 @app.task(**RETRY)
-@zk_locked(key="c:{key}", mode="read", timeout=120)
+@zk_locked(key="c:{key}", mode="read", on_contention=Wait(timeout=120))
 def read(key: str, seconds: float) -> None:
     body(key, seconds)
 
 
 @app.task(**RETRY)
-@zk_locked(key="c:{key}", mode="write", timeout=120)
+@zk_locked(key="c:{key}", mode="write", on_contention=Wait(timeout=120))
 def write(key: str, seconds: float) -> None:
     body(key, seconds)
 

@@ -18,7 +18,7 @@ import redis
 from celery import Celery, current_task
 from celery.signals import task_failure, task_prerun, task_revoked
 
-from celery_zklock import current_lock, zk_locked
+from celery_zklock import Park, Retry, current_lock, zk_locked
 
 app = Celery("dedupe_app")
 app.conf.update(
@@ -115,7 +115,7 @@ def retried(self, key: str) -> None:
 
 
 @app.task(bind=True, max_retries=None)
-@zk_locked(key="k:{key}", dedupe="queued", on_contention="retry", retry_countdown=0.3)
+@zk_locked(key="k:{key}", dedupe="queued", on_contention=Retry(countdown=0.3))
 def contended(self, key: str, ms: float) -> None:
     body(key, ms)
 
@@ -141,7 +141,7 @@ def parked(key: str, ms: float) -> None:
 
 
 @app.task(shared=False)
-@zk_locked(key="k:{key}", on_contention="park", park_at_publish=True)
+@zk_locked(key="k:{key}", on_contention=Park(at_publish=True))
 def parked_at_publish(key: str, ms: float) -> None:
     body(key, ms, token=current_lock().fencing_token)
 

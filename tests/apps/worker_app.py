@@ -17,7 +17,19 @@ import redis
 from celery import Celery, current_task
 from celery.signals import after_task_publish, before_task_publish, task_postrun, task_prerun, worker_process_init
 
-from celery_zklock import LockLost, Preempted, ZkLockedTask, current_lock, current_locks, signals, zk_locked
+from celery_zklock import (
+    LockLost,
+    Park,
+    Preempt,
+    Preempted,
+    Retry,
+    Wait,
+    ZkLockedTask,
+    current_lock,
+    current_locks,
+    signals,
+    zk_locked,
+)
 from celery_zklock.recipes.park import ParkedQueue
 
 app = Celery("worker_app")
@@ -100,31 +112,31 @@ def hold_on_socket(seconds: float, key: str) -> None:
 
 
 @app.task(bind=True)
-@zk_locked(key="k:{key}", timeout=60)
+@zk_locked(key="k:{key}", on_contention=Wait(timeout=60))
 def exclusive(self, key: str, seconds: float) -> str:
     hold(seconds, key)
     return key
 
 
 @app.task
-@zk_locked(key="k:{key}", timeout=60)
+@zk_locked(key="k:{key}", on_contention=Wait(timeout=60))
 def exclusive_on_socket(key: str, seconds: float) -> str:
     hold_on_socket(seconds, key)
     return key
 
 
-@app.task(base=ZkLockedTask, zklock={"key": "rw:{key}", "mode": "read", "timeout": 60})
+@app.task(base=ZkLockedTask, zklock={"key": "rw:{key}", "mode": "read", "on_contention": Wait(timeout=60)})
 def read(key: str, seconds: float) -> None:
     hold(seconds, key)
 
 
-@app.task(base=ZkLockedTask, zklock={"key": "rw:{key}", "mode": "write", "timeout": 60})
+@app.task(base=ZkLockedTask, zklock={"key": "rw:{key}", "mode": "write", "on_contention": Wait(timeout=60)})
 def write(key: str, seconds: float) -> None:
     hold(seconds, key)
 
 
 @app.task(bind=True, acks_late=True)
-@zk_locked(key="k:{key}", timeout=60)
+@zk_locked(key="k:{key}", on_contention=Wait(timeout=60))
 def exclusive_until(self, key: str, gate: str) -> str:
     """An acks_late locked body that notes its start, then holds until the file ``gate``
     exists (at most 30 s): its message stays unacked, and the body touches no Redis, while
@@ -145,7 +157,7 @@ def skipping(key: str, seconds: float) -> str:
 
 
 @app.task(bind=True, max_retries=200)
-@zk_locked(key="k:{key}", on_contention="retry", retry_countdown=0.2)
+@zk_locked(key="k:{key}", on_contention=Retry(countdown=0.2))
 def retrying(self, key: str, seconds: float) -> str:
     hold(seconds, key)
     return "ran"
@@ -159,7 +171,7 @@ def raising(key: str, seconds: float) -> str:
 
 
 @app.task
-@zk_locked(key=["k:{src}", "k:{dst}"], timeout=60)
+@zk_locked(key=["k:{src}", "k:{dst}"], on_contention=Wait(timeout=60))
 def transfer(src: str, dst: str, seconds: float) -> None:
     """Two locks, taken in one global order whichever way round the keys come."""
     start = time.monotonic()
@@ -170,7 +182,7 @@ def transfer(src: str, dst: str, seconds: float) -> None:
 
 
 @app.task
-@zk_locked(key="k:{key}", timeout=60, on_lock_lost="flag")
+@zk_locked(key="k:{key}", on_contention=Wait(timeout=60), on_lock_lost="flag")
 def flagged_body(key: str, seconds: float) -> str:
     """Not interrupted when its lock is lost: it sees is_held go False, notes when, and runs on."""
     note("started", key=key, token=current_lock().fencing_token)
@@ -186,7 +198,7 @@ def flagged_body(key: str, seconds: float) -> str:
 
 
 @app.task(bind=True)
-@zk_locked(key="k:{key}", timeout=60)
+@zk_locked(key="k:{key}", on_contention=Wait(timeout=60))
 def long_body(self, key: str, seconds: float) -> str:
     note("started", key=key, token=current_lock().fencing_token)
     return _held_to_the_end(seconds, key)
@@ -203,7 +215,7 @@ def _held_to_the_end(seconds: float, key: str) -> str:
 
 
 @app.task(bind=True)
-@zk_locked(key="k:{key}", timeout=60)
+@zk_locked(key="k:{key}", on_contention=Wait(timeout=60))
 def swallowing_body(self, key: str, seconds: float) -> str:
     """A body whose first interrupt lands in code that swallows every Exception, as a library's
     ``contextlib.suppress(Exception)`` does (importlib.metadata's, under redis-py's first
@@ -218,7 +230,7 @@ def swallowing_body(self, key: str, seconds: float) -> str:
 
 
 @app.task
-@zk_locked(key="pool:{key}", limit=3, timeout=60)
+@zk_locked(key="pool:{key}", limit=3, on_contention=Wait(timeout=60))
 def pooled(key: str, seconds: float) -> None:
     note("started", key=key)
     hold(seconds, key)
@@ -283,7 +295,7 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         return seq
 
     @app.task(bind=True, shared=False)
-    @zk_locked(key="park:{key}", on_contention="park", park_at_publish=True)
+    @zk_locked(key="park:{key}", on_contention=Park(at_publish=True))
     def parking_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
         """``parking``, whose publishers park a copy themselves where a worker's process watches its key's queue."""
         note("start", key=key, seq=seq)
@@ -334,7 +346,7 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         return seq
 
     @app.task(shared=False)
-    @zk_locked(key="park:{key}", on_contention="park", park_limit=2)
+    @zk_locked(key="park:{key}", on_contention=Park(limit=2))
     def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
         hold(seconds, key)
         return seq
@@ -387,7 +399,7 @@ if not os.environ.get("ZKT_KEY_SECRET"):
 
         if _DEPLOY == "unlocked":
             return app.task(bind=True, shared=False, name=name)(body)
-        options = {"on_contention": "wait", "timeout": 60} if _DEPLOY == "wait" else parking
+        options = {"on_contention": Wait(timeout=60)} if _DEPLOY == "wait" else parking
         return app.task(bind=True, shared=False, name=renamed if _DEPLOY == "renamed" else name)(
             zk_locked(key="rekeyed:{key}" if _DEPLOY == "rekeyed" else "park:{key}", **options)(body))
 
@@ -397,7 +409,7 @@ if not os.environ.get("ZKT_KEY_SECRET"):
     DEPLOYED_AT_PUBLISH = "tests.apps.worker_app.deployed_at_publish"
     DEPLOYED_AT_PUBLISH_RENAMED = "tests.apps.worker_app.deployed_at_publish_renamed"
     deployed_at_publish = _as_deployed(DEPLOYED_AT_PUBLISH, DEPLOYED_AT_PUBLISH_RENAMED,
-                                       {"on_contention": "park", "park_at_publish": True})
+                                       {"on_contention": Park(at_publish=True)})
 
 
 @task_postrun.connect
@@ -523,7 +535,7 @@ def fenced_write(key: str, value: Any, token: int) -> bool:
 
 
 @app.task(bind=True)
-@zk_locked(key="pre:{key}", on_contention="preempt", timeout=60)
+@zk_locked(key="pre:{key}", on_contention=Preempt(timeout=60))
 def preempting(self, key: str, seconds: float, n: int) -> int:
     """Writes ``n`` to the store as it starts. Preempted, it waits until the newer holder has
     written, then tries one late write with its own token (the store must refuse it)."""
@@ -546,7 +558,7 @@ def preempting(self, key: str, seconds: float, n: int) -> int:
 
 
 @app.task(bind=True)
-@zk_locked(key="render:{key}", on_contention="preempt", timeout=60)
+@zk_locked(key="render:{key}", on_contention=Preempt(timeout=60))
 def render(self, key: str, n: int, seconds: float, gate: str = "") -> int:
     """Version ``n`` of a report: writes ``n`` to the store under its token as it starts, then
     works ``seconds`` (or, given a ``gate``, until that file exists, at most ``seconds``); a newer
@@ -573,7 +585,7 @@ def render_dispatch(self, key: str, n: int, seconds: float, queue: str) -> None:
 
 
 @app.task(bind=True, max_retries=1)
-@zk_locked(key="render:{key}", on_contention="preempt", timeout=60)
+@zk_locked(key="render:{key}", on_contention=Preempt(timeout=60))
 def render_retried(self, key: str) -> int:
     """Notes its place in the order of publishes, and retries once: the retry is the same publish."""
     note("start", key=key, place=current_lock().published, retries=self.request.retries)

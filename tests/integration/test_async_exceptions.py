@@ -19,7 +19,7 @@ from kazoo.exceptions import NoNodeError
 from kombu.serialization import loads
 
 import celery_zklock
-from celery_zklock import ZooKeeperUnavailable, current_locks, skipped, zk_locked
+from celery_zklock import Preempt, Wait, ZooKeeperUnavailable, current_locks, skipped, zk_locked
 from celery_zklock.glue.api import layout_of, settings_of
 from celery_zklock.glue.dedupe import MARKER_HEADER
 from celery_zklock.glue.parking import PARK_HEADER
@@ -102,7 +102,7 @@ def test_no_line_of_acquire_release_or_the_glue_leaks_a_node(celery_app, kazoo, 
     ran: List[int] = []
 
     @celery_app.task
-    @zk_locked(key=[f"k:{k}" + "-{n}" for k in keys], timeout=10)
+    @zk_locked(key=[f"k:{k}" + "-{n}" for k in keys], on_contention=Wait(timeout=10))
     def locked(n):
         ran.append(n)
 
@@ -246,7 +246,7 @@ def test_no_line_of_a_preempting_copy_leaks_a_node(celery_app, kazoo, zk_root, n
     celery_app.conf.zklock_root = zk_root
 
     @celery_app.task
-    @zk_locked(key="k:hot", on_contention="preempt", timeout=10)
+    @zk_locked(key="k:hot", on_contention=Preempt(timeout=10))
     def newer(n):
         return n
 

@@ -24,7 +24,7 @@ from celery import Celery
 from kazoo.exceptions import NoNodeError
 from kombu.exceptions import OperationalError
 
-from celery_zklock import ZooKeeperUnavailable, lock, skipped, zk_locked
+from celery_zklock import Queued, ZooKeeperUnavailable, lock, skipped, zk_locked
 from celery_zklock.glue.api import settings_of
 from celery_zklock.recipes.marker import claim, reap
 from celery_zklock.zk import session_for
@@ -689,7 +689,7 @@ def test_zookeeper_unavailable_at_publish(policy, env, caplog):
                     zklock_dedupe_publish_timeout=3)
 
     @app.task(shared=False)
-    @zk_locked(key="k:{key}", dedupe="queued", lock=False, dedupe_on_unavailable=policy)
+    @zk_locked(key="k:{key}", dedupe=Queued(on_unavailable=policy), lock=False)
     def refresh(key):
         pass
 
@@ -699,7 +699,7 @@ def test_zookeeper_unavailable_at_publish(policy, env, caplog):
         if policy == "fail":
             with pytest.raises(ZooKeeperUnavailable, match=r"task .*refresh: not published: ZooKeeper is "
                                                            r"unavailable for its dedupe marker "
-                                                           r".*dedupe_on_unavailable='publish'"):
+                                                           r".*Queued\(on_unavailable='publish'\)"):
                 refresh.delay("z")
         else:
             assert refresh.delay("z").id  # published, without dedupe, and said so
@@ -787,7 +787,7 @@ def test_under_hashed_names_a_duplicate_names_its_marker_as_the_operators_list_s
         app = dedupe_app.app
 
         @app.task(shared=False, name="tests.hashed_dup")
-        @zk_locked(key="k:{key}", dedupe="queued", lock=False, on_duplicate="raise")
+        @zk_locked(key="k:{key}", dedupe=Queued(on_duplicate="raise"), lock=False)
         def hashed_dup(key):
             pass
 

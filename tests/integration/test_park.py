@@ -180,7 +180,7 @@ def test_a_full_queue_refuses_a_copy_as_skip_would_and_says_why(workers, queue, 
     outcomes = [r.get(timeout=60) for r in [first, *rest]]
     assert outcomes[:3] == [0, 1, 2]
     refused = skipped(outcomes[3])
-    assert refused is not None and "park_limit=2" in refused["reason"], outcomes[3]
+    assert refused is not None and "Park(limit=2)" in refused["reason"], outcomes[3]
     # As skip names them: who holds the key (it was [] until the new-user trial asked).
     assert [h["task_id"] for h in refused["holders"]] == [first.id], refused
     assert violations(holds(redis_server.url)) == []

@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 from celery.signals import before_task_publish
 
-from celery_zklock import ZooKeeperUnavailable, skipped, zk_locked
+from celery_zklock import Queued, ZooKeeperUnavailable, skipped, zk_locked
 from celery_zklock.glue.preempt import PUBLISHED_HEADER
 from celery_zklock.recipes import EXCLUSIVE
 from harness import Op, TcpProxy, free_port
@@ -282,7 +282,7 @@ def test_a_preempt_copy_with_dedupe_on_unavailable_publish_is_not_said_published
         app.conf.update(zklock_hosts=f"127.0.0.1:{free_port()}", zklock_root=zk_root, zklock_dedupe_publish_timeout=1)
 
         @app.task(shared=False)
-        @zk_locked(key="r:{x}", on_contention="preempt", dedupe="queued", dedupe_on_unavailable="publish")
+        @zk_locked(key="r:{x}", on_contention="preempt", dedupe=Queued(on_unavailable="publish"))
         def render_deduped(x: int) -> None:
             pass
 

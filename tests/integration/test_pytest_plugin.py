@@ -9,12 +9,12 @@ from __future__ import annotations
 import threading
 import time
 
-from celery_zklock import current_lock, zk_locked
+from celery_zklock import Wait, current_lock, zk_locked
 
 
 def test_a_users_locked_task_never_overlaps(zklock_app, zklock_history):
     @zklock_app.task
-    @zk_locked(key="invoice:{invoice_id}", timeout=30)
+    @zk_locked(key="invoice:{invoice_id}", on_contention=Wait(timeout=30))
     def charge(invoice_id):
         with zklock_history.hold(current_lock(), who=threading.current_thread().name):
             time.sleep(0.002)

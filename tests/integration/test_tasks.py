@@ -12,7 +12,17 @@ import pytest
 from celery import Celery
 
 import celery_zklock
-from celery_zklock import LockLost, LockNotAcquired, ZkLockedTask, current_lock, current_locks, signals, zk_locked
+from celery_zklock import (
+    LockLost,
+    LockNotAcquired,
+    Retry,
+    Wait,
+    ZkLockedTask,
+    current_lock,
+    current_locks,
+    signals,
+    zk_locked,
+)
 from celery_zklock.testing import Hold, violations
 from harness import TcpProxy
 from tests.util import children, wait_until
@@ -93,7 +103,7 @@ def test_opposite_transfers_never_deadlock(celery_app):
     history: List[Hold] = []
 
     @celery_app.task
-    @zk_locked(key=["account:{src}", "account:{dst}"], timeout=30)
+    @zk_locked(key=["account:{src}", "account:{dst}"], on_contention=Wait(timeout=30))
     def transfer(src, dst):
         start = time.monotonic()
         time.sleep(0.005)
@@ -120,9 +130,9 @@ def test_opposite_transfers_never_deadlock(celery_app):
 
 
 def test_contention_policies(celery_app, received):
-    def task(policy, name="", **options):
-        @celery_app.task(bind=True, name=name or f"policy.{policy}", max_retries=2)
-        @zk_locked(key="crm:{customer}", on_contention=policy, **options)
+    def task(policy, name=""):
+        @celery_app.task(bind=True, name=name or f"policy.{getattr(policy, 'name', policy)}", max_retries=2)
+        @zk_locked(key="crm:{customer}", on_contention=policy)
         def sync(self, customer):
             return "ran"
         return sync
@@ -137,7 +147,7 @@ def test_contention_policies(celery_app, received):
         assert time.monotonic() - t0 < 1
         t0 = time.monotonic()
         with pytest.raises(LockNotAcquired, match="not acquired within 0.5s"):
-            task("wait", timeout=0.5).apply(args=(9,)).get()
+            task(Wait(timeout=0.5)).apply(args=(9,)).get()
         assert 0.5 <= time.monotonic() - t0 < 3
         skip = celery_zklock.skipped(task("skip").apply(args=(9,)).get())
         assert skip is not None and skip["key"] == "crm:9" and skip["mode"] == "exclusive"
@@ -145,7 +155,7 @@ def test_contention_policies(celery_app, received):
         assert held_by["pid"] == os.getpid() and held_by["task"] is None
         # retry: retried up to max_retries, then the LockNotAcquired is the task's error.
         with pytest.raises(LockNotAcquired):
-            task("retry", retry_countdown=0).apply(args=(9,)).get()
+            task(Retry(countdown=0)).apply(args=(9,)).get()
     finally:
         holder.release()
     said = [(kw["policy"], kw["outcome"]) for n, kw in received if n == "lock_contended"]
@@ -162,7 +172,7 @@ def test_contention_policies(celery_app, received):
         time.sleep(0.2)  # the waiter's wait, which its acquire must count
         holder.release()
 
-    waiting = task("wait", name="policy.wait-then-hold", timeout=10)
+    waiting = task(Wait(timeout=10), name="policy.wait-then-hold")
     celery_app.finalize()
     releaser = threading.Thread(target=let_go_once_queued)
     releaser.start()

@@ -115,13 +115,13 @@ from celery import Celery
 
 import celery_zklock
 
-from celery_zklock import current_lock, current_locks, zk_locked
+from celery_zklock import Park, Queued, Retry, Wait, current_lock, current_locks, zk_locked
 
 app = Celery("typed")
 
 
 @app.task
-@zk_locked(key="invoice:{invoice_id}", mode="read", on_contention="wait", timeout=None, dedupe="queued")
+@zk_locked(key="invoice:{invoice_id}", mode="read", on_contention=Wait(timeout=None), dedupe=Queued(ttl=60))
 def charge(invoice_id: int) -> None:
     current_lock().ensure()
     fence = current_lock().fencing_token
@@ -136,6 +136,18 @@ def misspelt_value(x: int) -> None: ...
 
 @zk_locked(on_contension="skip")
 def misspelt_option(x: int) -> None: ...
+
+
+@zk_locked(on_contention=Retry(timeout=5))
+def field_of_another_policy(x: int) -> None: ...
+
+
+@zk_locked(on_contention=Park(limit=10, at_publish=True), dedupe=Queued(on_duplicate="ignore"))
+def wrong_field_value(x: int) -> None: ...
+
+
+@zk_locked(timeout=30)
+def flat_option_of_before(x: int) -> None: ...
 '''
 
 
@@ -150,8 +162,9 @@ def test_mypy_takes_current_lock_as_a_lock_and_checks_option_names_and_values(tm
     errors: List[str] = []
     for found in re.finditer(r"^typed_tasks\.py:(\d+): error: (.*)$", result.stdout, re.M):
         errors.append(f"{lines[int(found[1]) - 1].strip()}  <- {found[2]}")
-    assert len(errors) == 2, "\n".join(errors) or result.stdout + result.stderr
+    assert len(errors) == 5, "\n".join(errors) or result.stdout + result.stderr
     assert 'on_contention="skp"' in errors[0] and 'on_contension="skip"' in errors[1]
+    assert "Retry(timeout=5)" in errors[2] and 'on_duplicate="ignore"' in errors[3] and "timeout=30" in errors[4]
 
 
 def test_the_locking_is_kept_in_one_place_for_both_forms():

@@ -11,7 +11,19 @@ import pytest
 from celery import Celery
 
 import celery_zklock
-from celery_zklock import ConfigurationError, KeyBuildError, ZkLockedTask, zk_locked
+from celery_zklock import (
+    ConfigurationError,
+    KeyBuildError,
+    Latest,
+    Park,
+    Preempt,
+    Queued,
+    QueuedOrRunning,
+    Retry,
+    Wait,
+    ZkLockedTask,
+    zk_locked,
+)
 from celery_zklock.conf import TaskDefaults
 from celery_zklock.glue.options import locking_of, problems
 from celery_zklock.keys import bind_arguments, build_keys, check_key_parts, default_key
@@ -89,44 +101,44 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
 
 @pytest.mark.parametrize("options, message", [
     ({"mode": "shared"}, "mode must be one of"),
-    ({"on_contention": "block"}, "on_contention must be one of"),
-    ({"timeout": -1}, "timeout must be None or a non-negative"),
+    ({"on_contention": "block"}, r"on_contention must be a policy \(Wait\(...\), .*\) or one of wait, skip"),
+    ({"on_contention": Park}, r"on_contention=Park is the policy's class; write Park\(\)"),
+    ({"on_contention": Wait(timeout=-1)}, r"on_contention=Wait\(timeout=-1\): timeout must be None or a non-negative"),
     ({"on_lock_lost": "ignore"}, "on_lock_lost must be one of"),
     ({"limit": 0}, "limit must be a positive int"),
     ({"limit": 2, "mode": "read"}, "cannot be combined"),
-    ({"retry_countdown": -5}, "retry_countdown"),
-    ({"dedupe": "queue"}, "dedupe must be one of queued, queued_or_running, latest"),
-    ({"dedupe": "latest", "on_duplicate": "raise"}, "on_duplicate applies only with dedupe='queued' or "),
+    ({"on_contention": Retry(countdown=-5)}, r"on_contention=Retry\(countdown=-5\): countdown must be a non-negative"),
+    ({"dedupe": "queue"}, r"dedupe must be None, a policy \(Queued\(...\), .*\) or one of queued, queued_or_running"),
     ({"lock": False}, "lock=False without dedupe=... would do nothing"),
     ({"lock": "no", "dedupe": "queued"}, "lock must be True or False"),
-    ({"on_duplicate": "raise"}, "on_duplicate applies only with dedupe"),
-    ({"on_duplicate": "raise", "dedupe_ttl": 5}, "on_duplicate, dedupe_ttl apply only with dedupe"),
-    ({"dedupe": "queued", "lock": False, "timeout": 5}, "timeout applies only with the lock, which lock=False"),
+    ({"dedupe": "queued", "lock": False, "on_contention": Wait(timeout=5)},
+     "on_contention applies only with the lock, which lock=False"),
     ({"dedupe": "queued", "lock": False, "on_contention": "skip", "mode": "read"},
      "mode, on_contention apply only with the lock"),
-    ({"dedupe": "queued", "dedupe_ttl": -1}, "dedupe_ttl must be a positive number of seconds, not -1"),
-    ({"dedupe": "queued", "dedupe_ttl": None}, "dedupe_ttl must be a positive number of seconds, not None"),
-    ({"dedupe": "queued", "on_duplicate": "ignore"}, "on_duplicate must be one of return, raise, none"),
-    ({"dedupe": "queued", "dedupe_ttl": 0}, "dedupe_ttl must be a positive number"),
-    ({"dedupe": "queued", "dedupe_on_unavailable": "skip"}, "dedupe_on_unavailable must be one of fail, publish"),
-    ({"on_contention": "preempt", "mode": "read"}, "on_contention='preempt' takes an exclusive lock .*not mode='read'"),
-    ({"on_contention": "preempt", "limit": 2}, "on_contention='preempt' takes an exclusive lock .*with limit=2"),
-    ({"on_contention": "park", "park_limit": 0}, "park_limit must be a positive int, not 0"),
-    ({"on_contention": "park", "park_limit": True}, "park_limit must be a positive int, not True"),
-    ({"on_contention": "wait", "park_limit": 5}, "park_limit applies only with on_contention='park'"),
-    ({"on_contention": "park", "dedupe": "queued"}, "on_contention='park' and dedupe='queued' do not go together"),
-    ({"dedupe": "queued", "lock": False, "park_limit": 5}, "park_limit applies only with the lock"),
-    ({"on_contention": "wait", "park_at_publish": True}, "park_at_publish applies only with on_contention='park'"),
-    ({"on_contention": "park", "park_at_publish": "yes"}, "park_at_publish must be True or False, not 'yes'"),
-    ({"dedupe": "queued", "lock": False, "park_at_publish": True}, "park_at_publish applies only with the lock"),
+    ({"dedupe": Queued(ttl=-1)}, r"dedupe=Queued\(ttl=-1\): ttl must be a positive number of seconds, not -1"),
+    ({"dedupe": Latest(ttl=None)}, r"dedupe=Latest\(ttl=None\): ttl must be a positive number of seconds"),
+    ({"dedupe": Queued(on_duplicate="ignore")}, "on_duplicate must be one of return, raise, none"),
+    ({"dedupe": QueuedOrRunning(on_unavailable="skip")}, "on_unavailable must be one of fail, publish"),
+    ({"on_contention": "preempt", "mode": "read"},
+     r"on_contention=Preempt\(\) interrupts the one holder of one exclusive key, and this task takes a read lock"),
+    ({"on_contention": Preempt(timeout=3), "limit": 2},
+     r"on_contention=Preempt\(timeout=3\) .*a semaphore \(limit=2\)"),
+    ({"on_contention": Park(limit=0)}, r"on_contention=Park\(limit=0\): limit must be a positive int, not 0"),
+    ({"on_contention": Park(limit=True)}, "limit must be a positive int, not True"),
+    ({"on_contention": "park", "dedupe": "queued"}, r"on_contention=Park\(\) and dedupe=Queued\(\) do not go together"),
+    ({"on_contention": Park(at_publish="yes")}, "at_publish must be True or False, not 'yes'"),
     # The new-user trial: these were refused only by each call on the worker, or not at all.
     ({"key": ["a:{x}", "b:{x}"], "on_contention": "park"},
-     "on_contention='park' parks a copy in one key's queue, and this call has 2 keys; use one key"),
+     r"on_contention=Park\(\) parks a copy in one key's queue, and this call has 2 keys; use one key"),
     ({"key": ["a:{x}", "b:{x}"], "on_contention": "preempt"},
-     "on_contention='preempt' interrupts the one holder of one exclusive key, and this call has 2 keys"),
-    ({"on_contention": "skip", "timeout": 5}, "timeout applies only with on_contention='wait' or 'preempt'"),
-    ({"on_contention": "park", "timeout": None}, "timeout applies only with on_contention='wait' or 'preempt'"),
-    ({"on_contention": "wait", "retry_countdown": 1}, "retry_countdown applies only with on_contention='retry'"),
+     r"on_contention=Preempt\(\) interrupts the one holder of one exclusive key, and this call has 2 keys"),
+    # The flat options of before, each pointed to the policy field it became.
+    ({"timeout": 5}, r"unknown lock option 'timeout'; a wait's limit is a field of its policy: "
+                     r"on_contention=Wait\(timeout=...\)"),
+    ({"on_contention": "park", "park_limit": 5},
+     r"unknown lock option 'park_limit'; .*on_contention=Park\(limit=...\)"),
+    ({"dedupe": "queued", "on_duplicate": "raise"},
+     r"unknown lock option 'on_duplicate'; .*dedupe=Queued\(on_duplicate=...\)"),
 ])
 def test_bad_decorator_options_name_task_and_option(options, message):
     def fn(x):
@@ -178,7 +190,7 @@ def test_a_dedupe_task_with_a_wrong_option_is_never_published_without_its_dedupe
         pass
 
     for publish in (lambda: resync.delay(1), lambda: app.send_task(resync.name, (1,))):
-        with pytest.raises(ConfigurationError, match="dedupe must be one of"):
+        with pytest.raises(ConfigurationError, match="dedupe must be None, a policy"):
             publish()
 
 
@@ -413,8 +425,9 @@ for publish in (lambda: refresh.delay(7), lambda: app.send_task(refresh.name, (7
         print("refused:", exc)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.stdout.splitlines() == ["refused: task __main__.refresh: dedupe must be one of queued, "
-                                       "queued_or_running, latest, not 'queue'"] * 2, out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["refused: task __main__.refresh: dedupe must be None, a policy (Queued(...), "
+                                       "QueuedOrRunning(...), Latest(...)) or one of queued, queued_or_running, "
+                                       "latest, not 'queue'"] * 2, out.stdout + out.stderr
 
 
 def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
@@ -442,16 +455,12 @@ def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
 
 @pytest.mark.parametrize("settings, options, message", [
     ({"zklock_default_on_contention": "park"}, {"key": ["a:{x}", "b:{x}"]},
-     "zklock_default_on_contention='park' parks a copy in one key's queue, and this call has 2 keys"),
+     "zklock_default_on_contention='park': Park() parks a copy in one key's queue, and this call has 2 keys"),
     ({"zklock_default_on_contention": "preempt"}, {"key": "a:{x}", "mode": "read"},
-     "zklock_default_on_contention='preempt' interrupts the one holder of one exclusive key, and this task "
+     "zklock_default_on_contention='preempt': Preempt() interrupts the one holder of one exclusive key, and this task "
      "takes a read lock"),
     ({"zklock_default_on_contention": "park"}, {"key": "a:{x}", "dedupe": "queued"},
-     "zklock_default_on_contention='park' and dedupe='queued' do not go together yet"),
-    # The new-user trial: a task that left its policy to a default other than park published unparked.
-    ({}, {"key": "a:{x}", "park_at_publish": True},
-     "park_at_publish applies only with on_contention='park', and this task's policy is "
-     "zklock_default_on_contention='wait'"),
+     "zklock_default_on_contention='park': Park() and dedupe=Queued() do not go together yet"),
 ])
 def test_a_default_policy_a_task_cannot_take_is_a_problem_naming_the_setting(settings, options, message):
     # The new-user trial: such a task passed `zklock check` and every call failed on the worker,

@@ -22,13 +22,13 @@ USER_CODE = '''
 from typing import Any, List
 
 import celery_zklock
-from celery_zklock import current_lock, current_locks, zk_locked
+from celery_zklock import Wait, current_lock, current_locks, zk_locked
 
 
 def write(row: str, fence: int) -> None: ...
 
 
-@zk_locked(key="invoice:{invoice_id}", on_contention="wait", timeout=30)
+@zk_locked(key="invoice:{invoice_id}", on_contention=Wait(timeout=30))
 def charge(invoice_id: int, amount: int) -> None:
     current_lock().ensure()
     write(f"{invoice_id}:{amount}", fence=current_lock().fencing_token)
