@@ -41,7 +41,7 @@ from kazoo.protocol.serialization import (
 from kazoo.security import OPEN_ACL_UNSAFE
 
 import celery_zklock
-from celery_zklock.api import settings_of
+from celery_zklock.glue.api import settings_of
 from celery_zklock.recipes import Lock
 from celery_zklock.zk import Session, close_sessions
 from harness import ZooKeeperPeer

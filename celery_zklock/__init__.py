@@ -7,11 +7,11 @@ Example::
     with celery_zklock.lock(app, "invoice:42", timeout=10) as held:
         charge(invoice, fence=held.fencing_token)
 
-Imports point one way: the faces -> ``glue/`` -> ``recipes/`` -> ``zk/`` -> kazoo,
-and every room may use conf, keys, layout and exceptions. Only ``glue/`` imports Celery (and
-signals.py, for Celery's own Signal class); importing celery_zklock hooks nothing into Celery
-until an app that uses it is finalized, beyond refusing a task made with a stray zklock option
-(the rule: glue/worker.py).
+Imports point one way: ``ops/`` -> ``glue/`` -> ``recipes/`` -> ``zk/`` -> kazoo,
+and every room may use conf, keys, layout and exceptions. Only ``glue/`` imports Celery
+(and ``ops/cli``, which reads an app's schedule, and signals.py, for Celery's own Signal
+class); importing celery_zklock hooks nothing into Celery until an app that uses it is
+finalized, beyond refusing a task made with a stray zklock option (the rule: glue/worker.py).
 
 The module map, one line a module, is the design page's "The house" (docs/design.md);
 tests/unit/test_module_map.py keeps it whole.

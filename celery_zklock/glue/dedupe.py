@@ -33,10 +33,10 @@ from kombu.utils.uuid import uuid
 from .. import signals
 from ..conf import Settings
 from ..exceptions import AlreadyQueued, ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
-from ..recipes.marker import claim, reap, release, requeue, start_latest, start_running, supersede
+from ..recipes.dedupe import claim, reap, release, requeue, start_latest, start_running, supersede
 from ..zk import Liveness, Session, session_for, timeouts
 from ..zk.session import on_session_started
-from . import parking, preempt
+from . import park_publish, preempt
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import retried_request
 from .locking import SKIPPED
@@ -73,11 +73,11 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     """``Task.apply_async`` for every task: a dedupe task publishes only if no copy with its key
     is queued (or running); a preempt copy takes its place in the order of publishes as it is
     sent (:func:`.preempt.stamped`); any other task is published as it is."""
-    options = parking.as_new_delivery(task, options)  # a retry of a copy sent from its parked queue
+    options = park_publish.as_new_delivery(task, options)  # a retry of a copy sent from its parked queue
     spec = _dedupe_spec(task)
     original = preempt.stamped(task, original)  # a preempt copy takes its place as it is sent
     if spec is None:
-        return parking.publish(task, original, args, kwargs, options)  # a park at publish, or as it is
+        return park_publish.publish(task, original, args, kwargs, options)  # a park at publish, or as it is
     if retried_request(task, options) is not None:
         return original(task, args, kwargs, **options)  # a retry: the same copy, it keeps its marker
     app = task.app

@@ -36,13 +36,13 @@ from ..layout import node_object
 from ..recipes import Lock, LockState
 from ..recipes.engine import ContenderObserver
 from ..recipes.lock import describe
-from ..recipes.order import PUBLISHED
+from ..recipes.preempt import PUBLISHED
 from ..zk import Session, deadline, remaining, session_for, timeouts
 from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .options import PARK_HASHED, LockSpec, policy_problem
-from .parking import Parking, abandon_received, leave_queue, parked_elsewhere
+from .park import Parking, abandon_received, leave_queue, parked_elsewhere
 from .policies import Contention, Park, Preempt
 from .preempt import published_header, warn_placeless
 

@@ -1,5 +1,5 @@
 """``on_contention="preempt"``, the publisher's side: each copy takes its place in the order of
-publishes (:mod:`..recipes.order`) as it is published, and carries it in a message header;
+publishes (:mod:`..recipes.preempt`) as it is published, and carries it in a message header;
 the worker writes it into the copy's lock node, and a copy only ever preempts an older one.
 
 Example::
@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Optional, Set
 from kazoo.exceptions import KazooException
 
 from ..exceptions import ZooKeeperUnavailable, explain
-from ..recipes.order import take_place
+from ..recipes.preempt import take_place
 from ..zk import deadline, session_for, timeouts
 from .api import layout_of, settings_of, task_defaults
 from .celery_internals import retried_request

@@ -35,7 +35,7 @@ it looks at each task Celery makes from a function as it is made. Then:
    ``worker_init`` (refuse a worker whose locked tasks or settings are wrong; serve its
    metrics, before the pool forks; keep its name for a beat it embeds; a parking task's
    STARTED state waits for its copy to hold the key, and its first deliveries are decided
-   by the consumer, before a slot: :mod:`.consumer`),
+   by the consumer, before a slot: :mod:`.park_consumer`),
    ``worker_ready`` (say which ZooKeeper it uses, where its metrics are, and which
    keys ZooKeeper shows in clear), ``beat_embedded_init`` (a ``-B`` beat follows its
    worker: see :func:`~celery_zklock.glue.beat.embedded`), ``worker_process_init``
@@ -75,7 +75,7 @@ from celery.signals import (
 from ..conf import SECRET_SETTINGS
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
-from . import beat, consumer, dedupe, metrics, parking
+from . import beat, dedupe, metrics, park_consumer, park_worker
 from .api import claim_scheme, layout_of, metrics_of, settings_of
 from .celery_internals import (
     connect_on_app_finalize,
@@ -107,16 +107,16 @@ def install() -> None:
         wrap_send_task(dedupe.send_by_name)
         hide_in_reports(SECRET_SETTINGS)  # `celery inspect report` asks a worker for its configuration
         task_revoked.connect(dedupe.revoked, weak=False)
-        task_revoked.connect(parking.revoked, weak=False)
-        task_received.connect(parking.received, weak=False)
-        task_unknown.connect(parking.unknown, weak=False)
-        task_failure.connect(parking.lost, weak=False)
+        task_revoked.connect(park_worker.revoked, weak=False)
+        task_received.connect(park_worker.received, weak=False)
+        task_unknown.connect(park_worker.unknown, weak=False)
+        task_failure.connect(park_worker.lost, weak=False)
         task_failure.connect(dedupe.lost, weak=False)
         task_postrun.connect(dedupe.ended, weak=False)
-        task_postrun.connect(parking.ended, weak=False)
+        task_postrun.connect(park_worker.ended, weak=False)
         worker_init.connect(_validate, weak=False, dispatch_uid="celery_zklock.validate")
-        worker_init.connect(parking.started_when_held, weak=False)
-        worker_init.connect(consumer.install, weak=False)  # park tasks' first deliveries: decided before a slot
+        worker_init.connect(park_worker.started_when_held, weak=False)
+        worker_init.connect(park_consumer.install, weak=False)  # park tasks' first deliveries: decided before a slot
         worker_ready.connect(_tell_where, weak=False)
         beat_embedded_init.connect(beat.embedded, weak=False)
         worker_init.connect(beat.worker_named, weak=False)
@@ -125,7 +125,7 @@ def install() -> None:
         worker_process_init.connect(_open_session, weak=False)
         worker_ready.connect(_open_session_in_process, weak=False)
         worker_process_shutdown.connect(_close_sessions, weak=False)
-        worker_shutdown.connect(consumer.stop, weak=False)
+        worker_shutdown.connect(park_consumer.stop, weak=False)
         worker_shutdown.connect(_stop, weak=False)
         if hasattr(os, "register_at_fork"):
             # (In the child, logging has made the locks afresh: nothing to release there.)
@@ -340,7 +340,7 @@ def _connect(app: Any, settings: Any) -> None:
         logger.error("celery-zklock: %s; locked tasks will fail until ZooKeeper is reachable", exc)
         return
     # Parked copies nobody alive watches any more (a whole worker died), now and periodically.
-    parking.sweep(app, session)
+    park_worker.sweep(app, session)
 
 
 def _close_sessions(**kwargs: Any) -> None:

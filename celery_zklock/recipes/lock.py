@@ -49,7 +49,7 @@ from ..zk import Liveness, Session, deadline, reply
 from ..zk.transport import run_inline
 from . import queue
 from .engine import ContenderObserver, Engine, Held
-from .order import PUBLISHED, may_preempt, published
+from .preempt import PUBLISHED, may_preempt, published
 from .rules import EXCLUSIVE, READ, RULES, WRITE, Decision, Rule, contender, semaphore, sequence, split_queue
 
 __all__ = ["EVICTED_BY", "EXCLUSIVE", "HOLD_STATE", "PREEMPTED_BY", "READ", "RULES", "WRITE", "Decision", "Lock",
@@ -427,8 +427,8 @@ class Lock:
         """Ask every contender ahead of ours to go, unless one of them is newer than ``by``.
 
         ``by`` describes our copy, with its place in the order of publishes (under
-        :data:`~.order.PUBLISHED`; see :func:`~.order.may_preempt`). When a contender ahead is newer, nobody is marked,
-        and the newest such one is returned: our copy is the stale one, and should give up.
+        :data:`~.preempt.PUBLISHED`; see :func:`~.preempt.may_preempt`). When a contender ahead is
+        newer, nobody is marked, and the newest such one is returned: our copy is the stale one, and should give up.
         Otherwise each holder loses the lock at once and gives its node back, and a waiter does
         so as it comes to hold. Marks each one once, version-checked (a contender that changed
         its data meanwhile is read again next time). Call while waiting (an observer's

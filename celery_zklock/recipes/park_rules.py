@@ -10,7 +10,7 @@ one that will not run here (:func:`give_up_turn`), and what a delivery whose nod
 (:func:`redelivery`); and a watch's timing, from a ``now`` it is given: when it nudges a failing
 queue again and drops an empty one (:func:`watch_turn`, :func:`backs_off`), and when a sent head
 is sent again and the patrol looks (:func:`timed_turn`, :func:`resent_at`, :func:`next_wait`). No
-server, no threads, no clock: :class:`.park.ParkedQueue` and :class:`.park.QueueWatch` read and
+server, no threads, no clock: :class:`.park.ParkedQueue` and :class:`.park_watch.QueueWatch` read and
 write ZooKeeper (and the clock) and ask these; the life of a parked copy they decide is drawn in
 the design page ("The life of a parked copy").
 

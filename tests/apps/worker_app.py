@@ -270,7 +270,7 @@ def session_facts() -> Dict[str, Any]:
     the green library's own pool (gevent resolves host names in a thread pool)."""
     import sys
 
-    from celery_zklock.api import settings_of
+    from celery_zklock.glue.api import settings_of
     from celery_zklock.zk import session_for
 
     handler = session_for(settings_of(app)).client.handler
@@ -493,7 +493,7 @@ def _ack_or_fail(self: Any, multiple: bool = False) -> None:
 if os.environ.get("ZKT_CONSUMER_FAULTS"):  # only where a test asks: each park reads a flag from Redis
     from kombu.message import Message
 
-    from celery_zklock.glue import consumer as _consumer
+    from celery_zklock.glue import park_consumer as _consumer
 
     _consumer._ConsumerParking.durable = _durable_then_die  # type: ignore[method-assign]
     _ack = Message.ack
@@ -501,7 +501,7 @@ if os.environ.get("ZKT_CONSUMER_FAULTS"):  # only where a test asks: each park r
 
 
 if os.environ.get("ZKT_CONSUMER_BLIND"):  # the main process's views come late, and copies wait this long for them
-    from celery_zklock.glue import consumer as _blind
+    from celery_zklock.glue import park_consumer as _blind
 
     _blind.HOLD_AT_MOST = float(os.environ["ZKT_CONSUMER_BLIND"])
     _read_view = _blind._ConsumerParking._read

@@ -22,7 +22,7 @@ import celery_zklock
 from celery_zklock import Preempt, Wait, ZooKeeperUnavailable, current_locks, skipped, zk_locked
 from celery_zklock.glue.api import layout_of, settings_of
 from celery_zklock.glue.dedupe import MARKER_HEADER
-from celery_zklock.glue.parking import PARK_HEADER
+from celery_zklock.glue.park import PARK_HEADER
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.recipes.park import CLAIM
 from celery_zklock.zk import session_for

@@ -26,7 +26,7 @@ from kombu.exceptions import OperationalError
 
 from celery_zklock import Queued, ZooKeeperUnavailable, lock, skipped, zk_locked
 from celery_zklock.glue.api import settings_of
-from celery_zklock.recipes.marker import claim, reap
+from celery_zklock.recipes.dedupe import claim, reap
 from celery_zklock.zk import session_for
 from harness import CeleryWorker, Op, TcpProxy, free_port
 from harness.dedupe import dedupe_violations, latest_violations

@@ -14,8 +14,8 @@ from typing import Dict, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from celery_zklock.glue.exporter import FAMILIES, Exporter, read_tree
 from celery_zklock.layout import Layout
+from celery_zklock.ops.exporter import FAMILIES, Exporter, read_tree
 from harness import TcpProxy, free_port
 from tests.integration.test_cli import busy, cli, cli_env  # noqa: F401 - fixtures
 from tests.util import wait_until

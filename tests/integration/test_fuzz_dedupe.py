@@ -54,7 +54,7 @@ from kazoo.client import KazooClient
 
 from celery_zklock import ZooKeeperUnavailable, signals
 from celery_zklock.glue.api import settings_of
-from celery_zklock.recipes.marker import read_marker
+from celery_zklock.recipes.dedupe import read_marker
 from celery_zklock.zk import session_for
 from harness import CeleryWorker, Op, TcpProxy
 from harness.dedupe import contention_violations, dedupe_violations, latest_violations

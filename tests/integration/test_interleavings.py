@@ -433,7 +433,7 @@ def test_the_leaders_promised_tick_covers_the_sleep_beat_really_takes(beat_app, 
     # that promised to tick again by 10 s from the first tick is asleep, not stuck, at 12 s.
     from celery.beat import Scheduler
 
-    from celery_zklock.glue.cli import _stalled
+    from celery_zklock.ops.cli import _stalled
 
     sleeps = iter([3.0, 20.0])
     monkeypatch.setattr(Scheduler, "tick", lambda self, *args, **kwargs: next(sleeps))
@@ -483,7 +483,7 @@ def test_a_marker_release_racing_a_retrys_requeue_still_deletes_the_marker(zk_se
     # the pool process queued the marker again for that retry. The release's delete lost
     # the version race and gave up as if a newer copy had taken the marker over: the
     # marker named a copy no message would ever run, for its whole life.
-    from celery_zklock.recipes.marker import claim, release, requeue
+    from celery_zklock.recipes.dedupe import claim, release, requeue
     path = f"{zk_root}/marker-race"
     worker = new_session(hosts=zk_server.hosts)
     worker.client.ensure_path(zk_root)

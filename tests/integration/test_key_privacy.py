@@ -20,8 +20,8 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 
 import celery_zklock
-from celery_zklock.api import claim_scheme
 from celery_zklock.exceptions import ConfigurationError
+from celery_zklock.glue.api import claim_scheme
 from celery_zklock.layout import Layout
 from celery_zklock.testing import violations
 from celery_zklock.testing.server import SLF4J_SIMPLE_JAR, find_zookeeper_jar

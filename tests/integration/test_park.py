@@ -21,7 +21,7 @@ from celery.result import AsyncResult
 from kombu.serialization import loads
 
 from celery_zklock import ParkedMessageTooLarge, skipped
-from celery_zklock.glue import parking
+from celery_zklock.glue import park
 from celery_zklock.recipes import EXCLUSIVE
 from celery_zklock.recipes.park import ParkedQueue
 from celery_zklock.testing import violations
@@ -194,14 +194,14 @@ def test_a_parked_copy_sent_three_times_runs_once(workers, queue, redis_server, 
     session = new_session(hosts=zk_server.hosts)
     task_id = str(uuid.uuid4())
     signature = worker_app.parking.s("dup", 0.3, 7).set(task_id=task_id, queue=queue)
-    payload = parking.encode(worker_app.parking, task_id, signature)
+    payload = park.encode(worker_app.parking, task_id, signature)
     parked = ParkedQueue(session, parked_queue(zk_root, "dup"), f"{zk_root}/locks/k-park:dup", EXCLUSIVE)
     name = parked.park(task_id, payload, 10, deadline(5))
-    parking.send(worker_app.app, parked.node_path(name), payload)
+    park.send(worker_app.app, parked.node_path(name), payload)
     assert AsyncResult(task_id, app=worker_app.app).get(timeout=30) == 7
     # Two more sends, as late as a watcher's that raced the take: the key is free by now.
     for _ in range(2):
-        parking.send(worker_app.app, parked.node_path(name), payload)
+        park.send(worker_app.app, parked.node_path(name), payload)
     wait_until(lambda: len([e for e in events(redis_server.url) if e["event"] == "delivered"]) == 3, timeout=30)
     assert [e["task_id"] for e in events(redis_server.url) if e["event"] == "body"] == [task_id]
     assert AsyncResult(task_id, app=worker_app.app).get(timeout=1) == 7, "a dropped send stored a result"
@@ -374,7 +374,7 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
         request = {"id": task_id, "hostname": "test@here",
                    "delivery_info": {"routing_key": f"nobody-reads-{zk_root[3:]}", "exchange": ""}}
         if header:
-            request[parking.PARK_HEADER] = header
+            request[park.PARK_HEADER] = header
         tracer(task_id, (1,), {}, request)
 
     # An id of its own: the suite's Redis keeps results, and Celery never overwrites a SUCCESS.
@@ -386,7 +386,7 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
     holder.release()  # this process watches the queue: it sends the copy (to a queue no worker reads)
     wait_until(lambda: f"c-{node}" in children(kazoo, parked_path), timeout=10)
 
-    taking = parking.Parking.holding
+    taking = park.Parking.holding
 
     def holding_then_lost(self, until):
         taken = taking(self, until)
@@ -394,7 +394,7 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
         wait_until(lambda: self.lock.state == LockState.LOST, timeout=10)
         return taken
 
-    monkeypatch.setattr(parking.Parking, "holding", holding_then_lost)
+    monkeypatch.setattr(park.Parking, "holding", holding_then_lost)
     run(task_id, f"{parked_path}/{node}")
     assert ran == [], "the body ran after its lock was lost"
     result = copy.AsyncResult(task_id)

@@ -1,9 +1,9 @@
-"""The periodic look for parked queues nobody watches (``parking.orphans``) on a root of many
+"""The periodic look for parked queues nobody watches (``park_worker.orphans``) on a root of many
 queues: it reads them all, however many, and adopts an unwatched one wherever it is listed."""
 
 from __future__ import annotations
 
-from celery_zklock.glue import parking
+from celery_zklock.glue import park, park_worker
 from celery_zklock.glue.api import layout_of, settings_of
 from celery_zklock.zk import session_for
 
@@ -33,7 +33,7 @@ def test_a_look_over_thousands_of_watched_queues_ends_and_finds_the_unwatched_on
                 tx.create(f"{path}/w-someone-0000000001", b"")  # a live watcher elsewhere
         assert not any(isinstance(r, Exception) for r in tx.commit())
     session = session_for(settings_of(app))
-    parking.orphans(app, session)  # raised KazooTimeoutError
-    watched = parking._watch(session, settings_of(app), app).watched()
+    park_worker.orphans(app, session)  # raised KazooTimeoutError
+    watched = park._watch(session, settings_of(app), app).watched()
     assert layout.parked(f"k{total - 1}") in watched, "the unwatched queue is adopted"
     assert len(watched) == 1, "only it"

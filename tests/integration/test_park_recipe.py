@@ -17,11 +17,11 @@ from celery_zklock.recipes.park import (
     ParkedQueue,
     Parking,
     ParkUntold,
-    QueueWatch,
     delivery_token,
     head_of,
     parked_sequence,
 )
+from celery_zklock.recipes.park_watch import QueueWatch
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
 from harness.proxy import Fault

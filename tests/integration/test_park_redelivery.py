@@ -19,7 +19,7 @@ import pytest
 import redis
 from billiard.exceptions import WorkerLostError
 
-from celery_zklock.glue import parking
+from celery_zklock.glue import park
 from celery_zklock.testing import Hold, violations
 from tests.apps import worker_app
 from tests.util import children, events, holds, send, wait_until
@@ -158,7 +158,7 @@ def test_a_second_send_of_a_killed_copy_drops_itself_and_only_its_redelivery_run
     assert any(n.startswith("t-") for n in queue_left(kazoo, zk_root, "second")), "its take left a record"
     os.kill(starts(redis_server.url, victim.id)[0]["pid"], signal.SIGKILL)
     killed = time.monotonic()
-    parking.send(worker_app.app, node, payload)
+    park.send(worker_app.app, node, payload)
     assert victim.get(timeout=30) == 1
 
     def delivered() -> List[Dict[str, Any]]:

@@ -8,7 +8,7 @@ import json
 import posixpath
 import types
 
-from celery_zklock.glue import parking
+from celery_zklock.glue import park, park_worker
 from celery_zklock.glue.api import layout_of
 from celery_zklock.recipes import EXCLUSIVE
 from celery_zklock.recipes.park import ParkedQueue
@@ -31,12 +31,12 @@ def test_a_second_send_of_an_unknown_task_keeps_the_takers_record(app, new_sessi
     tx.set_data(claim, b"taken:x")
     assert not any(isinstance(r, Exception) for r in tx.commit())
     # Another send of the copy (n2: a resend, or a watcher's) reaches a worker that does not know the task.
-    message = types.SimpleNamespace(headers={parking.PARK_HEADER: posixpath.join(path, name),
-                                             parking.SENT_HEADER: "n2"})
-    parking.unknown(sender=types.SimpleNamespace(app=app), message=message, name="renamed.task", id="copy-1")
+    message = types.SimpleNamespace(headers={park.PARK_HEADER: posixpath.join(path, name),
+                                             park.SENT_HEADER: "n2"})
+    park_worker.unknown(sender=types.SimpleNamespace(app=app), message=message, name="renamed.task", id="copy-1")
     wait_until(lambda: not kazoo.exists(claim), timeout=10)  # its give-up ran
     assert kazoo.exists(record), "the taker's record went with another send's give-up"
     # Its own redelivery, unknown too, takes it along.
-    message.headers[parking.SENT_HEADER] = "n1"
-    parking.unknown(sender=types.SimpleNamespace(app=app), message=message, name="renamed.task", id="copy-1")
+    message.headers[park.SENT_HEADER] = "n1"
+    park_worker.unknown(sender=types.SimpleNamespace(app=app), message=message, name="renamed.task", id="copy-1")
     wait_until(lambda: not kazoo.exists(record), timeout=10)

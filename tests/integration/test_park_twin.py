@@ -12,7 +12,7 @@ import uuid
 from celery.app.trace import build_tracer
 
 from celery_zklock import zk_locked
-from celery_zklock.glue import parking
+from celery_zklock.glue import park, park_worker
 from celery_zklock.glue.api import layout_of
 from celery_zklock.recipes import EXCLUSIVE, Lock
 from celery_zklock.recipes.park import ParkedQueue
@@ -41,7 +41,7 @@ def test_a_delivery_that_meets_its_own_copy_holding_the_key_says_so(celery_app, 
         request = {"id": task_id, "hostname": "test@here",
                    "delivery_info": {"routing_key": f"nobody-reads-{zk_root[3:]}", "exchange": ""}}
         if header:
-            request[parking.PARK_HEADER] = header
+            request[park.PARK_HEADER] = header
         tracer(task_id, (1,), {}, request)
 
     task_id = f"copy-{uuid.uuid4()}"  # the suite's Redis keeps results: an id of its own
@@ -110,16 +110,16 @@ def test_each_receipt_of_one_task_id_gives_up_its_own_send_as_its_process_dies(a
     record = posixpath.join(path, "t-" + name)
     assert kazoo.exists(record)
     for nonce in ("n1", "n2"):
-        parking.received(request=types.SimpleNamespace(id=task_id, task=copy, request_dict={
-            parking.PARK_HEADER: header, parking.SENT_HEADER: nonce}))
+        park_worker.received(request=types.SimpleNamespace(id=task_id, task=copy, request_dict={
+            park.PARK_HEADER: header, park.SENT_HEADER: nonce}))
     # n1's process dies: Celery pushes its request for task_failure's receivers.
-    copy.request_stack.push(Context({"id": task_id, parking.PARK_HEADER: header, parking.SENT_HEADER: "n1"}))
+    copy.request_stack.push(Context({"id": task_id, park.PARK_HEADER: header, park.SENT_HEADER: "n1"}))
     try:
-        parking.lost(sender=copy, task_id=task_id, exception=WorkerLostError("killed"))
+        park_worker.lost(sender=copy, task_id=task_id, exception=WorkerLostError("killed"))
     finally:
         copy.request_stack.pop()
     wait_until(lambda: not kazoo.exists(record), timeout=10)
-    assert [sent for _, sent in parking._received[task_id]] == ["n2"], "n2's receipt is still its own"
+    assert [sent for _, sent in park_worker._received[task_id]] == ["n2"], "n2's receipt is still its own"
     # n2's death later (no request pushed: a hard time limit, an older Celery) takes its receipt too.
-    parking.lost(sender=copy, task_id=task_id, exception=WorkerLostError("killed"))
-    assert task_id not in parking._received
+    park_worker.lost(sender=copy, task_id=task_id, exception=WorkerLostError("killed"))
+    assert task_id not in park_worker._received

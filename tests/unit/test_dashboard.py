@@ -2,7 +2,7 @@
 they should.
 
 The families that exist are the workers' and beats' (:class:`celery_zklock.glue.metrics.Families`, as
-prometheus_client exposes them) and the exporter's (:data:`celery_zklock.glue.exporter.FAMILIES`). A query
+prometheus_client exposes them) and the exporter's (:data:`celery_zklock.ops.exporter.FAMILIES`). A query
 that names anything else, or a label its family lacks, shows an empty panel or an alert that never fires,
 and nothing else would say so. promtool (taken out of Debian's ``prometheus`` package by ``make test``)
 parses the rules and the dashboard's queries, and runs the rules' own unit tests,
@@ -25,8 +25,8 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Set, Tuple
 
 import pytest
 
-from celery_zklock.glue.exporter import FAMILIES
 from celery_zklock.glue.metrics import Families
+from celery_zklock.ops.exporter import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "celery-zklock-alerts.yml"

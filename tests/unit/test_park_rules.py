@@ -264,7 +264,7 @@ class World:
     # -- faults ------------------------------------------------------------------------------
     def kill(self, d: Delivery, whole_worker: bool) -> None:
         """SIGKILL its process: its session ends later (expire). The worker's main process
-        (parking.lost) gives the claim back, or removes the copy where Celery acks the failure."""
+        (park_worker.lost) gives the claim back, or removes the copy where Celery acks the failure."""
         d.dead = True
         if self.running.get(d.node) == d.name:
             del self.running[d.node]

@@ -1,4 +1,4 @@
-"""A parked queues' watch (:class:`celery_zklock.recipes.park.QueueWatch`) ends with its session.
+"""A parked queues' watch (:class:`celery_zklock.recipes.park_watch.QueueWatch`) ends with its session.
 
 Its thread sends heads again and patrols every ``zklock_park_resend_after``; a closed session
 (a pool process's ``worker_process_shutdown``, a test's ``close_sessions``) has no client, and
@@ -16,7 +16,7 @@ from typing import Any, List
 import pytest
 
 from celery_zklock.conf import Settings
-from celery_zklock.recipes.park import QueueWatch
+from celery_zklock.recipes.park_watch import QueueWatch
 from celery_zklock.zk import Session
 
 

@@ -34,18 +34,3 @@ def test_a_conftest_may_name_the_plugin_whether_or_not_it_is_autoloaded(tmp_path
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
-
-
-def test_the_test_kits_old_names_fail_clearly_or_keep_working(monkeypatch):
-    import celery_zklock.testing as kit
-
-    monkeypatch.setattr(kit, "_warned", False)
-    with pytest.warns(DeprecationWarning, match="ServerError") as warned:
-        from celery_zklock.testing import HarnessError
-    assert HarnessError is kit.ServerError and len(warned) == 1  # once, though a from-import asks twice
-    with pytest.raises(ImportError, match="wait_for was the project's own test rig"):
-        kit.wait_for  # noqa: B018
-    with pytest.raises(ImportError, match="wait_for was the project's own test rig"):
-        from celery_zklock.testing import wait_for  # noqa: F401
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        kit.nothing  # noqa: B018

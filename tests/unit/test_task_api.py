@@ -19,8 +19,7 @@ from celery_zklock import ConfigurationError, NoCurrentLock, current_lock, curre
 from celery_zklock.conf import LOCK_MODES
 from celery_zklock.glue import locking
 from celery_zklock.glue.api import MODES
-from celery_zklock.glue.options import OPTIONS, LockSpec, TaskLockOptions, locking_of
-from celery_zklock.task import problems
+from celery_zklock.glue.options import OPTIONS, LockSpec, TaskLockOptions, locking_of, problems
 
 ROOT = Path(__file__).resolve().parents[2]
 

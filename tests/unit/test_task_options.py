@@ -156,7 +156,7 @@ def test_bad_decorator_options_name_task_and_option(options, message):
     ("read", "zklock must be a dict of lock options"),
 ])
 def test_base_class_options_are_one_line_problems_and_every_call_raises(options, message, caplog):
-    from celery_zklock.task import problems
+    from celery_zklock.glue.options import problems
 
     app = Celery("opts", broker="memory://", set_as_current=False)
 
@@ -195,8 +195,8 @@ def test_a_dedupe_task_with_a_wrong_option_is_never_published_without_its_dedupe
 
 
 def test_zklock_option_without_the_base_class_is_reported(caplog):
+    from celery_zklock.glue.options import problems
     from celery_zklock.glue.worker import _validate
-    from celery_zklock.task import problems
 
     app = Celery("stray", set_as_current=False)
     # Shared locked tasks of earlier tests join this app, and the worker's check then reads the
@@ -382,7 +382,7 @@ def test_a_worker_refuses_a_stray_or_misspelt_option_on_a_task_defined_after_fin
 
 
 def test_zk_locked_without_parentheses_is_refused_naming_the_task():
-    from celery_zklock.task import problems
+    from celery_zklock.glue.options import problems
 
     app = Celery("bare", set_as_current=False)
     app.conf.zklock_hosts = "127.0.0.1:1"
@@ -432,7 +432,7 @@ for publish in (lambda: refresh.delay(7), lambda: app.send_task(refresh.name, (7
 
 def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
     # A parked copy's node holds its message, arguments and all: hashed names promise none gets there.
-    from celery_zklock.task import problems
+    from celery_zklock.glue.options import problems
 
     app = Celery("park", broker="memory://", set_as_current=False)
     app.conf.update(zklock_key_names="hashed", zklock_key_secret="0123456789abcdef0123",
@@ -465,7 +465,7 @@ def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
 def test_a_default_policy_a_task_cannot_take_is_a_problem_naming_the_setting(settings, options, message):
     # The new-user trial: such a task passed `zklock check` and every call failed on the worker,
     # naming the setting when the task set the policy itself, and not when the setting did.
-    from celery_zklock.task import problems
+    from celery_zklock.glue.options import problems
 
     app = Celery("defaults", broker="memory://", set_as_current=False)
     app.conf.update(settings)

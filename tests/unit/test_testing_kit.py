@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_zklock.api import MODES, rule_for
+from celery_zklock.glue.api import MODES, rule_for
 from celery_zklock.testing import Hold, violations
 from celery_zklock.testing.history import rule_of
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from kazoo.exceptions import NoNodeError
 
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, hashed_name, node_object
-from ..recipes.marker import STARTED, read_marker
+from ..recipes.dedupe import STARTED, read_marker
 from ..recipes.park import MEMBER, InFlight
 from ..recipes.park import waiting as parked_copies
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue

@@ -29,6 +29,9 @@ from kazoo.exceptions import BadVersionError, NoAuthError, NoNodeError
 
 from ..conf import SECRET_SETTINGS, Settings, beat_name, describe, did_you_mean
 from ..exceptions import ConfigurationError, ZkLockError
+from ..glue.api import layout_of, metrics_of, settings_of, task_defaults
+from ..glue.celery_internals import hide_in_reports
+from ..glue.options import problems, reports_itself
 from ..layout import Layout, node_object
 from ..recipes.lock import EVICTED_BY
 from ..zk import Session, check_acl
@@ -36,9 +39,6 @@ from ..zk.nodes import unreadable
 from ..zk.probe import addresses, four_letter_word, server_limits
 from . import evict as eviction
 from . import exporter
-from .api import layout_of, metrics_of, settings_of, task_defaults
-from .celery_internals import hide_in_reports
-from .options import problems, reports_itself
 from .tree import elections, locks, queued, server_info
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
@@ -231,7 +231,7 @@ def _leader_scheduler(app: Any) -> Optional[str]:
     from celery.beat import Scheduler
     from celery.utils.imports import load_extension_class_names, symbol_by_name
 
-    from .beat import _Leadership
+    from ..glue.beat import _Leadership
 
     name = app.conf.beat_scheduler
     if not isinstance(name, str):

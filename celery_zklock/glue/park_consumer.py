@@ -13,11 +13,11 @@ module's own (started with the first message, a daemon) reads the keys' views an
 synchronous kazoo calls; it hands each outcome back to the loop through a socket the loop
 watches (kombu's transports are not thread-safe: a message is acknowledged, or handed to the
 pool, only on the loop's thread). Copies the consumer parked are watched by this process's
-:class:`~celery_zklock.recipes.park.QueueWatch`, whose sends go out on the loop's thread too.
+:class:`~celery_zklock.recipes.park_watch.QueueWatch`, whose sends go out on the loop's thread too.
 
 Example::
 
-    task.Strategy = "celery_zklock.glue.consumer:strategy"   # what worker_init does for each park task
+    task.Strategy = "celery_zklock.glue.park_consumer:strategy"   # what worker_init does for each park task
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from ..zk import Liveness, Session, deadline, reply, session_for, timeouts
 from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import request_context
 from .options import spec_of
-from .parking import PARK_HEADER, SENT_HEADER, _watch, leaves_unlocked, message_of, send
+from .park import PARK_HEADER, SENT_HEADER, _watch, message_of, send
+from .park_worker import leaves_unlocked
 from .policies import Park
 
 __all__ = ["Decision", "View", "decide", "install", "strategy", "unlocked"]
@@ -872,7 +873,7 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
 def unlocked(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
     """The Celery ``Strategy`` of a task that takes no lock: Celery's own, but a message sent
     from a parked queue before a deploy removed the task's lock is taken out of its queue
-    first, and dropped where another send of its copy took it (:func:`.parking.leaves_unlocked`)."""
+    first, and dropped where another send of its copy took it (:func:`.park_worker.leaves_unlocked`)."""
     from celery.worker.strategy import default
 
     handler = default(task, app, consumer, **kwargs)
@@ -904,7 +905,7 @@ def install(sender: Any = None, **kwargs: Any) -> None:
     for name, task in app.tasks.items():
         if name not in locked and not name.startswith("celery.") \
                 and type(task).Strategy == "celery.worker.strategy:default" and task.__dict__.get("Strategy") is None:
-            task.Strategy = "celery_zklock.glue.consumer:unlocked"
+            task.Strategy = "celery_zklock.glue.park_consumer:unlocked"
     if not defaults.park_in_consumer:
         return
     for name, locking in locked.items():
@@ -913,7 +914,7 @@ def install(sender: Any = None, **kwargs: Any) -> None:
         if task is not None and spec is not None and spec.parks(defaults) is not None \
                 and type(task).Strategy == "celery.worker.strategy:default" \
                 and task.__dict__.get("Strategy") is None:
-            task.Strategy = "celery_zklock.glue.consumer:strategy"
+            task.Strategy = "celery_zklock.glue.park_consumer:strategy"
 
 
 def stop(**kwargs: Any) -> None:

@@ -1,4 +1,4 @@
-"""The consumer's park-or-pass decision (:func:`celery_zklock.glue.consumer.decide`), checked
+"""The consumer's park-or-pass decision (:func:`celery_zklock.glue.park_consumer.decide`), checked
 against a model of everything around it: copies of one key arriving in publish order, a pool
 whose slots pick passed copies up late, the consumer's parks answered late by its thread,
 views read late (stale), a holder from another worker, hand-offs. Random schedules, 1,000 a
@@ -13,7 +13,7 @@ from typing import Deque, List, Optional, Set
 
 import pytest
 
-from celery_zklock.glue.consumer import Decision, View, decide
+from celery_zklock.glue.park_consumer import Decision, View, decide
 
 FOREIGN = -1  # the other worker's copy, holding the key as the burst comes
 
@@ -170,7 +170,7 @@ def test_a_read_asked_for_a_key_a_blip_dropped_is_not_made():
     # nothing; the next copy of the key makes a fresh entry, whose read cleans up.
     from celery import Celery
 
-    from celery_zklock.glue.consumer import _ConsumerParking, _Key
+    from celery_zklock.glue.park_consumer import _ConsumerParking, _Key
     from celery_zklock.recipes import EXCLUSIVE
 
     part = _ConsumerParking(Celery("dropped", set_as_current=False, config_source={"zklock_hosts": "127.0.0.1:1"}))

@@ -29,54 +29,28 @@ import posixpath
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, cast
 
-from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import states
 from celery.exceptions import Ignore
 from celery.utils import uuid
-from kazoo.exceptions import ConnectionLoss, KazooException, NoNodeError, SessionExpiredError
+from kazoo.exceptions import ConnectionLoss, KazooException, SessionExpiredError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .. import signals
 from ..conf import Settings
-from ..exceptions import (
-    ConfigurationError,
-    ParkedMessageTooLarge,
-    ParkInDoubt,
-    ZkLockError,
-    ZooKeeperUnavailable,
-    explain,
-)
-from ..layout import LOCK_TREES, PARKED, decode_key, node_object
+from ..exceptions import ConfigurationError, ParkedMessageTooLarge, ZkLockError, ZooKeeperUnavailable, explain
+from ..layout import decode_key, node_object
 from ..recipes import Lock
-from ..recipes.park import (
-    MAX_PAYLOAD,
-    TAKEN,
-    Looked,
-    Nudge,
-    ParkedQueue,
-    ParkUntold,
-    QueueWatch,
-    Redelivery,
-    delivery_token,
-    head_and_count,
-    redelivery,
-    unwatched,
-)
-from ..recipes.park_rules import Contended, GiveUp, contention, give_up_turn
-from ..zk import Session, deadline, reply, session_for, timeouts
+from ..recipes.park import MAX_PAYLOAD, Looked, Nudge, ParkedQueue, Redelivery, delivery_token, redelivery
+from ..recipes.park_rules import Contended, contention
+from ..recipes.park_watch import QueueWatch
+from ..zk import Session, deadline, timeouts
 from ..zk.deadlines import remaining
-from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
-from .celery_internals import current_task, retried_request
-from .options import locked_tasks, policy_problem, spec_of
-from .policies import Park
+from .api import layout_of, rule_for, task_defaults
 
-__all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "Stage", "abandon_received",
-           "as_new_delivery", "comes_back", "describe", "encode", "ended", "leave_queue", "leaves_unlocked", "lost",
-           "orphans", "parked_header", "publish", "receipt_of", "received", "revoked", "send", "started_when_held",
-           "sweep", "unknown"]
+__all__ = ["PARK_HEADER", "SENT_HEADER", "ParkedMessageTooLarge", "Parking", "Stage", "abandon_received", "describe",
+           "encode", "leave_queue", "parked_header", "send"]
 
 logger = logging.getLogger("celery_zklock")
 
@@ -108,30 +82,6 @@ def _sent_nonce(request: Any) -> Optional[str]:
 _started_when_held: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def started_when_held(sender: Any = None, **kwargs: Any) -> None:
-    """A ``worker_init`` receiver: a parking task with ``track_started`` (``task_track_started``)
-    stores STARTED once a copy holds its key and its body starts, not as the copy arrives.
-
-    Celery stores it before the body is called; a copy that then parks leaves with
-    ``Ignore``, which stores nothing, so it read as running all the while it waited. Now it
-    reads PENDING while parked, as a copy still in the broker does. Before any tracer is
-    built (in each pool process, or as the consumer starts), which may read the flag once.
-    """
-    app = getattr(sender, "app", None)
-    if app is None:
-        return
-    try:
-        defaults = task_defaults(app)
-    except ConfigurationError:
-        return  # the worker refuses to start, saying why (worker._validate)
-    for name, locking in locked_tasks(app).items():
-        task = app.tasks.get(name)
-        spec = locking.spec
-        if task is not None and spec is not None and spec.parks(defaults) is not None and task.track_started:
-            task.track_started = False
-            _started_when_held.add(task)
-
-
 def _ignores_result(task: Any, request: Any) -> bool:
     """Whether this call stores no result: its own ``ignore_result`` option, else its task's."""
     own = getattr(request, "ignore_result", None)
@@ -141,30 +91,6 @@ def _ignores_result(task: Any, request: Any) -> bool:
 #: Task id -> (queue, node name, version, timeout) of each taken record this process made or took over,
 #: until the copy's result is stored (see ended).
 _taken: Dict[str, Tuple[ParkedQueue, str, int, float]] = {}
-
-
-def ended(sender: Any = None, task_id: str = "", state: Optional[str] = None, retval: Any = None,
-          **kwargs: Any) -> None:
-    """A ``task_postrun`` receiver (the pool process): the copy's result is stored, so no
-    redelivery of it may run again, and its taken record goes. Not before: killed between its
-    release and its result's store, the copy is delivered again and must find its record.
-
-    Nor when its message comes back: Celery sends this with no state when ``SystemExit`` or
-    ``KeyboardInterrupt`` cut the copy short (a pool process told to stop, or the SIGTERM
-    before a hard time limit's SIGKILL), and leaves its message unacknowledged; or the body
-    raised ``Reject(requeue=True)``.
-    """
-    found = _taken.pop(task_id, None)
-    if found is None:
-        return
-    if state is None or (state == states.REJECTED and getattr(retval, "requeue", False)):
-        return
-    queue, name, version, timeout = found
-    try:
-        queue.forget(name, version, deadline(timeout))
-    except Exception as exc:  # noqa: BLE001 - harmless left behind: only this very send may run from it
-        logger.warning("parked copy %s/%s: its taken record %s%s could not be deleted (%s); it is harmless, and "
-                       "may be deleted by hand", queue.path, name, TAKEN, name, explain(exc))
 
 
 #: One watch over parked queues per session, so per process (see QueueWatch).
@@ -653,24 +579,6 @@ def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> N
                 "it left the queue, and runs as a new copy would", where, spec.contention(task_defaults(task.app)))
 
 
-def as_new_delivery(task: Any, options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` of a publish of ``task``, without the parked-copy headers a retry of the running
-    copy inherits (``self.retry``, ``autoretry_for``: Celery builds it from the request).
-
-    The copy took its node as it began, so a retry carrying the header would find the node
-    gone and drop itself as a second send: its caller would wait in RETRY for ever (and one
-    carrying the send's nonce could pass for a redelivery of it). It is a new delivery, which
-    contends (or parks) again. Our own sends of a parked copy are not
-    retries, even from the copy's own thread (a received copy that declines sends the head,
-    itself), and keep it.
-    """
-    headers = options.get("headers")
-    if not headers or PARK_HEADER not in headers or getattr(_sending, "now", False) \
-            or retried_request(task, options) is None:
-        return options
-    return {**options, "headers": {k: v for k, v in headers.items() if k not in (PARK_HEADER, SENT_HEADER)}}
-
-
 def abandon_received(task: Any, session: Session, settings: Settings, spec: Any, exc: BaseException) -> bool:
     """A copy sent again failed before it could receive its node (its key-name scheme could not
     be read, say, as a session expired): True if it was one, and its claim is given back in the
@@ -721,377 +629,8 @@ def send(app: Any, node: str, payload: bytes) -> None:
 _sending = threading.local()
 
 
-#: Publish options of this process alone: used here, never stored with a parked copy.
-_LOCAL = ("add_to_parent", "producer")
-#: The publish options a copy parked as it is published may carry: each travels in its message
-#: and means the same when the copy is sent again. Any other (a countdown, an eta or expiry,
-#: which would count from the later send; a canvas; a retry policy) sends it as usual: a worker parks it.
-_PLAIN = frozenset({"task_id", "queue", "routing_key", "exchange", "priority", "headers", "time_limit",
-                    "soft_time_limit", "shadow", "ignore_result", "serializer", "compression", "reply_to",
-                    "root_id", "parent_id", *_LOCAL})
-
-
-def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any]) -> Any:
-    """``Task.apply_async`` of a task with ``on_contention="park"`` and ``park_at_publish``: a copy
-    whose key is held, or whose key's queue has copies parked, is parked by its publisher, and
-    no worker ever receives it; any other copy is published as usual. Every other task is
-    published as it is.
-
-    The publisher parks only where someone will send the copy on: a process of a worker must
-    already watch the key's queue (:meth:`ParkedQueue.park` with ``guarded``). Else, and
-    whenever ZooKeeper does not answer before anything is written, the copy is published as
-    usual, and the worker it reaches parks it. A park sent and never answered may have parked
-    the copy: the caller gets ``ParkInDoubt``, and the copy is not published as well.
-    """
-    spec = spec_of(task)
-    if spec is None or not spec.parks_at_publish:
-        return original(task, args, kwargs, **options)  # every other task pays only the lookup above
-    app = task.app
-    defaults = task_defaults(app)
-    running = current_task()
-    headers = options.get("headers") or {}
-    problem = policy_problem(f"task {task.name}", spec, defaults, 1)
-    if problem:
-        raise ConfigurationError(problem)  # Park(at_publish=True) with a key option of several keys
-    if not set(options) <= _PLAIN or PARK_HEADER in headers or app.conf.task_always_eager \
-            or (running is not None and options.get("task_id") == running.request.id):
-        # A copy sent again, an eager call, a retry of the running copy: as usual.
-        return original(task, args, kwargs, **options)
-    args, kwargs = tuple(args or ()), dict(kwargs or {})
-    task_id = options.get("task_id") or uuid()
-    options = {**options, "task_id": task_id}
-    layout = layout_of(app)
-    try:
-        keys = spec.keys(task.name, task.run, args, kwargs, False, layout.secret is not None)
-    except (TypeError, ZkLockError):
-        keys = []  # arguments the key cannot be built from: Celery's publish, or the worker, says why
-    if len(keys) != 1 or layout.secret is not None:
-        return original(task, args, kwargs, **options)  # the worker refuses it, with the reason
-    settings = settings_of(app)
-    key = keys[0]
-    wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
-    stored = {k: v for k, v in options.items() if k not in _LOCAL}
-    # What Celery's publish adds itself, as the copy would have carried it: the caller's reply
-    # queue (an rpc:// result goes there) and, from inside a task, its parent and root. Sent
-    # again without them, the copy took the releasing process's.
-    stored.setdefault("reply_to", app.thread_oid)
-    parent = app.current_worker_task
-    if parent is not None:
-        stored.setdefault("root_id", parent.request.root_id or parent.request.id)
-        stored.setdefault("parent_id", parent.request.id)
-        if app.conf.task_inherit_parent_priority:
-            stored.setdefault("priority", parent.request.delivery_info.get("priority"))
-    signature = task.signature(args, kwargs, **stored)
-    parked: Optional[str] = None
-    try:
-        session = session_for(settings, wait)
-        if not session.client.connected:
-            raise ZooKeeperUnavailable("the session is reconnecting")
-        claim_scheme(session, layout, wait)
-        queue = ParkedQueue(session, layout.parked(key, spec.limit is not None), lock_path(app, key, spec.limit),
-                            rule_for(spec.mode, spec.limit))
-        limit = cast(Park, spec.contention(defaults)).queue_limit
-        parked = queue.park(task_id, lambda: encode(task, task_id, signature), limit, deadline(wait), guarded=True)
-    except ParkUntold as exc:
-        raise ParkInDoubt(
-            f"task {task.name}[{task_id}]: {exc}. It was not published as well: if it parked, it runs in its "
-            "turn (`celery zklock locks --waiters` lists it); if not, it never runs. Publishing it again may run "
-            "it twice", task_id) from None
-    except ValueError as exc:  # its message is too large for a node: the worker refuses it, naming the size
-        logger.debug("task %s[%s]: not parked as it was published (%s)", task.name, task_id, explain(exc))
-    except (ZkLockError, KazooException, *timeouts()) as exc:
-        # Nothing was written: the copy goes to a worker, which parks it (or refuses it: its
-        # queue full) as it would without park_at_publish.
-        logger.warning("task %s[%s]: not parked as it was published (%s); published as usual", task.name, task_id,
-                       explain(exc))
-    if not parked:
-        return original(task, args, kwargs, **options)
-    logger.info("task %s[%s] parked as it was published: lock %r is held; the copy runs when its turn comes",
-                task.name, task_id, key)
-    result = task.AsyncResult(task_id)
-    if options.get("add_to_parent", True) and parent is not None:
-        parent.add_trail(result)  # as Celery's own publish does from inside a task
-    return result
-
-
-def revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
-    """A ``task_revoked`` receiver: a parked copy sent again and revoked never runs, so it
-    leaves its queue now (in the background: Celery's consumer calls this) and the next goes.
-
-    A copy revoked while it waits in the queue leaves it as its turn comes: Celery drops it
-    then, as it drops any revoked message, and this runs.
-    """
-    header = parked_header(request) if request is not None else None
-    spec = spec_of(sender) if sender is not None else None
-    if header is None or spec is None:
-        return
-    _give_up(sender.app, sender.name, spec, request.id, header, GiveUp.REMOVE)
-
-
-def unknown(sender: Any = None, message: Any = None, name: str = "", id: str = "", **kwargs: Any) -> None:
-    """A ``task_unknown`` receiver (the consumer): a parked copy sent again to a worker that does
-    not know its task (a deploy renamed or removed it) never runs there. Celery rejects its
-    message and stores ``NotRegistered`` as its result, so its caller is told; it leaves its
-    queue now, as a revoked copy does, so that the next copy goes. Else the claim on it, its
-    sender's, would hold the queue for as long as the sender lives."""
-    header, app = _header(message, PARK_HEADER), getattr(sender, "app", None)
-    if header is None or app is None:
-        return
-    try:
-        layout_of(app).lock_of_parked(posixpath.dirname(header))
-    except ValueError:  # parked under another zklock_root: not ours to remove (see leave_queue)
-        logger.error("task %s[%s]: a parked copy sent again, of a task this worker does not know, from %s, which is "
-                     "not under this worker's zklock_root %r; workers that consume one Celery queue must share "
-                     "zklock_root", name, id, posixpath.dirname(header), settings_of(app).root)
-        return
-    logger.warning("task %s[%s]: a parked copy sent again, of a task this worker does not know; it leaves its "
-                   "key's parked queue (its caller gets NotRegistered), and the next copy goes", name, id)
-    # With its send's nonce: a second send must not forget the take of the send that took the copy.
-    _give_up(app, name, None, id, header, GiveUp.REMOVE, sent=_header(message, SENT_HEADER))
-
-
-#: Task id -> the (parked node, the send's nonce) of each receipt of a copy sent again that this
-#: worker received, oldest first. A list: two sends of one copy (a resend, a watcher's) may both
-#: reach this worker, and each receipt's death must give up its own send (its own taken record).
-#: Bounded: a copy that ran needs its entries no more.
-_received: OrderedDict[str, List[Tuple[str, Optional[str]]]] = OrderedDict()
-_RECEIVED_MAX = 10_000
-
-
-#: Ids of copies whose task takes no lock any more that the consumer took out of their queues
-#: (:func:`leaves_unlocked`), for :func:`received` to let be. Bounded as ``_received`` is.
-_left: OrderedDict[str, None] = OrderedDict()
-
-
-def leaves_unlocked(app: Any, task_name: str, message: Any) -> bool:
-    """The consumer receives a copy of a task that takes no lock any more (a deploy removed
-    it) whose message was sent from its key's parked queue: True when it runs.
-
-    Nothing of ours runs in such a task, so its take is done here, before Celery's own
-    strategy sees the message, as :func:`leave_queue` does in the pool for a task that no
-    longer parks: its node goes, and of all sends of the copy (one is sent again whenever its
-    sender's claim goes or nobody receives it) only the one that took it runs. False for a
-    second send, and for one ZooKeeper did not let take its node: that send is acknowledged
-    and dropped, and, in the second case, its claim is given back, so the copy stays parked
-    and is sent again. A redelivery of the send that took it is dropped too (not promised to run).
-
-    It waits for ZooKeeper on the consumer's thread, at most ``zklock_connect_timeout``: only
-    messages sent from a parked queue before a deploy come here."""
-    header = parked_header(message)
-    if header is None:
-        return True
-    task_id = str((getattr(message, "headers", None) or {}).get("id", ""))
-    settings = settings_of(app)
-    where = f"task {task_name}[{task_id}]"
-    path, name = posixpath.dirname(header), posixpath.basename(header)
-    try:
-        queue = _queue_at(session_for(settings), app, path, None)
-    except ValueError:  # a header that names no queue of ours: nothing of ours to leave
-        return True
-    try:
-        taken = queue.take(name, deadline(settings.connect_timeout))
-    except (KazooException, ZkLockError, *timeouts()) as exc:
-        logger.warning("%s: %s before the copy could leave its parked queue; it stays parked, and is sent again",
-                       where, explain(exc))
-        _give_up(app, task_name, None, task_id, header, GiveUp.DECLINE)
-        return False
-    if not taken:
-        logger.info("%s: a second send of a parked copy that has already been taken; dropped", where)
-        return False
-    queue.done(name)
-    _left[task_id] = None
-    while len(_left) > _RECEIVED_MAX:
-        _left.popitem(last=False)
-    logger.warning("%s: a parked copy sent again, of a task that takes no lock any more; it left its key's parked "
-                   "queue, and runs", where)
-    return True
-
-
-def received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
-    """A ``task_received`` receiver (the consumer): remember the parked node of a copy sent again.
-
-    A copy whose task takes no lock any more (a deploy removed it) runs here as any task
-    does, and nothing of ours would ever take its node: where the consumer did not take it
-    (:func:`leaves_unlocked`; a task with a ``Strategy`` of its own), it leaves its queue now."""
-    header = parked_header(request) if request is not None else None
-    if header is None:
-        return
-    task = getattr(request, "task", None)
-    if task is not None and spec_of(task) is None:
-        if _left.pop(request.id, False) is None:
-            return  # taken by the consumer already
-        logger.warning("task %s[%s]: a parked copy sent again, of a task that takes no lock any more; it leaves its "
-                       "key's parked queue, and runs", task.name, request.id)
-        _give_up(task.app, task.name, None, request.id, header, GiveUp.REMOVE, sent=_sent_nonce(request))
-        return
-    _received.setdefault(request.id, []).append((header, _sent_nonce(request)))
-    _received.move_to_end(request.id)
-    while len(_received) > _RECEIVED_MAX:
-        _received.popitem(last=False)
-
-
-def _receipt(task: Any, task_id: str) -> Tuple[Optional[str], Optional[str]]:
-    """The receipt of ``task_id`` whose pool process died (see lost), taken out of ``_received``:
-    the one whose send's nonce the dying request carries (Celery pushes it as the task's request
-    for ``task_failure``), else, where it does not (its hard time limit, an older Celery), the
-    latest (an older one has most likely ended). (None, None) when none was recorded."""
-    receipts = _received.get(task_id)
-    if not receipts:
-        return None, None
-    dying = getattr(task, "request", None)
-    nonce = _sent_nonce(dying) if dying is not None and getattr(dying, "id", None) == task_id else None
-    found = receipts.pop(receipt_of([sent for _, sent in receipts], nonce))
-    if not receipts:
-        del _received[task_id]
-    return found
-
-
-def receipt_of(nonces: List[Optional[str]], nonce: Optional[str]) -> int:
-    """Which of a task id's receipts (the nonces of their sends, oldest first) a dying request
-    is: the one whose send's nonce it carries, else the latest (an older one has most likely ended).
-
-    >>> receipt_of(["n1", "n2", "n3"], "n2"), receipt_of(["n1", "n2"], None), receipt_of(["n1", None], "n9")
-    (1, 1, 1)
-    """
-    return next((i for i, sent in enumerate(nonces) if nonce is not None and sent == nonce), len(nonces) - 1)
-
-
-def comes_back(time_limit: bool, acks_late: bool, reject_on_worker_lost: bool, acks_on_timeout: bool) -> bool:
-    """Whether the message of a copy whose pool process died under it (or, with ``time_limit``,
-    hit its hard time limit) comes back to a worker, rather than Celery storing its failure and
-    acknowledging it: its claim is then given back, not its copy removed (see :func:`lost`).
-
-    >>> comes_back(False, True, True, True), comes_back(False, True, False, True), comes_back(False, False, True, True)
-    (True, False, False)
-    >>> comes_back(True, True, True, True), comes_back(True, True, False, False)
-    (False, True)
-    """
-    return acks_late and (not acks_on_timeout if time_limit else reject_on_worker_lost)
-
-
-def lost(sender: Any = None, task_id: str = "", exception: Any = None, **kwargs: Any) -> None:
-    """A ``task_failure`` receiver for the deaths only a worker's main process reports: the pool
-    process died under a received copy (``WorkerLostError``, or its hard time limit).
-
-    Before its take, the copy is still parked under its claim. Celery has just stored its
-    failure, and the copy is over, as any task whose process dies is: it leaves the queue
-    and the next one goes. (Should its message come back, with ``acks_late`` and
-    ``task_reject_on_worker_lost``, or a hard time limit not acked, only the claim goes,
-    and the copy takes its place when it is delivered again.) After its take, its node and
-    claim are gone already, and only its taken record goes, where no redelivery comes.
-    Each receipt of one task id (two sends of the copy may reach one worker) gives up its own
-    send (:func:`_receipt`).
-    """
-    header, sent = _receipt(sender, task_id)
-    spec = spec_of(sender)
-    if header is None or not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or spec is None:
-        return
-    # Celery 5.4+ reads acks_on_timeout, which falls back to acks_on_failure_or_timeout (default True).
-    acked = next((v for v in (getattr(sender, "acks_on_timeout", None),
-                              getattr(sender, "acks_on_failure_or_timeout", None)) if v is not None), True)
-    back = comes_back(isinstance(exception, TimeLimitExceeded), bool(sender.acks_late),
-                      bool(getattr(sender, "reject_on_worker_lost", False)), bool(acked))
-    _give_up(sender.app, sender.name, spec, task_id, header, give_up_turn(back), sent=sent)
-
-
-def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, turn: GiveUp,
-             sent: Optional[str] = None) -> None:
-    # Off the consumer's thread, and the worker's main process publishes nothing: a publish from
-    # another thread there would share the consumer's broker transport. It only changes the
-    # queue; the pool processes watching it (the releaser that sent the copy is one) see the
-    # change and send the next copy. ``spec`` is None for a task this worker does not know, or
-    # that takes no lock: a removal reads no rule.
-    threading.Thread(target=_give_up_now, args=(app, task_name, spec, task_id, header, turn, sent),
-                     name="celery-zklock-parked", daemon=True).start()
-
-
 #: How often, and how far apart at most, the main process tries to give a copy up.
 _GIVE_UP_TRIES, _GIVE_UP_BACKOFF = 12, 10.0
-
-
-def _give_up_now(app: Any, task_name: str, spec: Any, task_id: str, header: str, turn: GiveUp,
-                 sent: Optional[str]) -> None:
-    settings = settings_of(app)
-    path, name = posixpath.dirname(header), posixpath.basename(header)
-    what = turn.done
-    backoff, failure = 0.5, "no try"
-    for _ in range(_GIVE_UP_TRIES):
-        try:
-            parked = _queue_at(session_for(settings), app, path, spec)
-            until = deadline(settings.connect_timeout)
-            if turn == GiveUp.REMOVE:
-                parked.remove(name, until, sent)
-            else:
-                parked.decline(name, until)
-            return
-        except ValueError as exc:  # a header that names no queue of ours
-            logger.warning("task %s[%s]: its parked copy %s cannot be %s (%s)", task_name, task_id, header, what,
-                           explain(exc))
-            return
-        except Exception as exc:  # noqa: BLE001 - tried again, a little later each time
-            failure = explain(exc)
-        time.sleep(backoff)
-        backoff = min(2 * backoff, _GIVE_UP_BACKOFF)
-    logger.error("task %s[%s]: its parked copy %s could not be %s in %d tries (%s); the key's queue waits "
-                 "behind it until its claim's session ends", task_name, task_id, header, what, _GIVE_UP_TRIES,
-                 failure)
-
-
-def sweep(app: Any, session: Session) -> None:
-    """A pool process starts: watch every parked queue of ``app``'s root that has copies, and
-    nudge each. Whoever watched a queue may be gone (every process of the only worker killed);
-    its copies would wait for ever. Each queue's rule comes from its head's task (a task
-    this app does not know: another app's queue).
-
-    From then on, every ``zklock_park_resend_after`` seconds, it watches any queue that no live
-    process watches: the only worker watching a key may be killed while this one runs, and
-    no start, and no publish, may come to wake its copies (:func:`orphans`)."""
-    watch = _watch(session, settings_of(app), app)
-    try:
-        _adopt(app, session, watch, orphans=False)
-    except Exception as exc:  # noqa: BLE001 - the queues' own releasers and watchers still send them
-        logger.warning("celery-zklock: could not look for parked copies at start (%s)", explain(exc))
-    watch.patrol(functools.partial(orphans, app, session))
-
-
-def orphans(app: Any, session: Session) -> None:
-    """Watch every parked queue of ``app``'s root with copies and no watcher: each watcher keeps
-    an ephemeral member node in its queue, so a queue without one was left by every process that
-    watched it (all died; their members went with their sessions)."""
-    _adopt(app, session, _watch(session, settings_of(app), app), orphans=True)
-
-
-def _adopt(app: Any, session: Session, watch: QueueWatch, orphans: bool) -> None:
-    layout = layout_of(app)
-    timeout = settings_of(app).connect_timeout
-    until = deadline(timeout)
-    watched = set(watch.watched()) if orphans else set()
-    queues = [f"{layout.root}/{PARKED}/{tree}/{name}" for tree in LOCK_TREES
-              for name in _children(session, f"{layout.root}/{PARKED}/{tree}", until)]
-    if orphans:
-        # A periodic look reads every queue of the root: pipelined, in batches, each in its own
-        # time (one shared deadline timed out on ~10,000 queues, each turn, before the last).
-        queues = unwatched(session, [path for path in queues if path not in watched], timeout)
-    for path in queues:
-        found = head_and_count(session, path, deadline(timeout) if orphans else until, unwatched=orphans)
-        if found is None:
-            continue
-        head, count = found
-        meta = node_object(head.partition(b"\n")[0])
-        task = app.tasks.get(meta.get("task"))
-        if task is None and (meta.get("app") is None or meta.get("app") != app.main):
-            continue  # another app's queue, under a shared root: its own workers watch it
-        if orphans:
-            # The one line that says a stalled queue moves again: named as every other line names
-            # a key (under hashed names, its node's name; never the key nor the secret).
-            logger.warning("celery-zklock: %s, %d %s parked, had no live watcher (the processes that watched it "
-                           "died); this worker adopted it and sends its copies on (queue %s)", _key_of(path), count,
-                           "copy" if count == 1 else "copies", path)
-        # A head whose task takes no lock any more, or that this app no longer has (a deploy
-        # removed or renamed it), is sent all the same: it leaves its queue as it is received
-        # (see received and unknown), its caller told, and the next goes.
-        spec = spec_of(task) if task is not None else None
-        watch.add(_queue_at(session, app, path, spec), functools.partial(send, app))
 
 
 def _key_of(path: str) -> str:
@@ -1104,10 +643,3 @@ def _key_of(path: str) -> str:
     name = posixpath.basename(path)
     key = decode_key(name)
     return f"lock key {key!r}" if key is not None else f"lock key named {name}"
-
-
-def _children(session: Session, path: str, until: Optional[float]) -> List[str]:
-    try:
-        return list(reply(session.client.get_children_async(path), until))
-    except NoNodeError:
-        return []

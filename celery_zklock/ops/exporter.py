@@ -49,7 +49,7 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 
 from ..exceptions import ZkLockError
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
-from ..recipes.marker import STARTED, read_marker
+from ..recipes.dedupe import STARTED, read_marker
 from ..recipes.park import CLAIM, MEMBER, parked_sequence
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session
