@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Dict, Optional, Tuple, Type, TypeVar, cast
@@ -35,6 +34,7 @@ from ..exceptions import ConfigurationError, ZkLockError
 from ..layout import Layout, node_object
 from ..recipes.election import Election, Leadership
 from ..zk import Session, session_for
+from ..zk.background import RUNNER
 from . import metrics
 from .api import layout_of, metrics_of, settings_of
 from .options import problems, refusal, uses_zklock
@@ -201,8 +201,7 @@ def embedded(sender: Any = None, **kwargs: Any) -> None:
                            "started with -B dispatches every entry; start it with --scheduler zklock (on celery "
                            "worker, -S is --statedb)", type(scheduler).__name__)
         return
-    threading.Thread(target=_follow_worker, args=(os.getppid(), sender, scheduler), name="celery-zklock-beat-parent",
-                     daemon=True).start()
+    RUNNER.spawn("celery-zklock-beat-parent", _follow_worker, os.getppid(), sender, scheduler)
 
 
 #: How often an embedded beat looks whether its worker is still there (a syscall: cheap).

@@ -35,6 +35,7 @@ from ..conf import Settings
 from ..exceptions import AlreadyQueued, ConfigurationError, ZkLockError, ZooKeeperUnavailable, explain
 from ..recipes.dedupe import claim, reap, release, requeue, start_latest, start_running, supersede
 from ..zk import Liveness, Session, session_for, timeouts
+from ..zk.background import RUNNER
 from ..zk.session import on_session_started
 from . import park_publish, preempt
 from .api import claim_scheme, layout_of, settings_of, task_defaults
@@ -239,7 +240,7 @@ def _reap_now_and_then(session: Session, tree: str, timeout: float) -> None:
         finally:
             _reaping.release()
 
-    threading.Thread(target=sweep, name="celery-zklock-reaper", daemon=True).start()
+    RUNNER.spawn("celery-zklock-reaper", sweep)
 
 
 def _claim(session: Session, tree: str, path: str, data: Dict[str, Any], timeout: float) -> Optional[Dict[str, Any]]:
@@ -514,7 +515,7 @@ class _Releases:
         self._restores: Set[Tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._listening = False
         self._at_exit = False
 
     def add(self, settings: Settings, path: str, task_id: str, tell: Optional[Callable[[], None]] = None,
@@ -528,11 +529,10 @@ class _Releases:
                 self._tells[(path, task_id)] = tell
             if restore:
                 self._restores.add((path, task_id))
-            if self._thread is None or not self._thread.is_alive():  # none yet, or not in this forked child
-                if self._thread is None:  # once: the hook outlives a fork
-                    on_session_started(lambda session: session.add_listener(self))
-                self._thread = threading.Thread(target=self._run, name="celery-zklock-releases", daemon=True)
-                self._thread.start()
+            if not self._listening:  # once: the hook outlives a fork
+                self._listening = True
+                on_session_started(lambda session: session.add_listener(self))
+            RUNNER.lane("celery-zklock-releases", self, self._run)  # again in a forked child
             if not self._at_exit:
                 self._at_exit = True
                 atexit.register(self._flush)  # after the sessions' own close: it runs before it
@@ -574,9 +574,7 @@ class _Releases:
             if until is None:
                 tell()
             else:  # at exit: a result backend that is down must not hold it past `until`
-                telling = threading.Thread(target=tell, name="celery-zklock-tell", daemon=True)
-                telling.start()
-                telling.join(max(0.0, until - time.monotonic()))
+                RUNNER.spawn("celery-zklock-tell", tell).join(max(0.0, until - time.monotonic()))
         with self._lock:
             return not self._pending
 

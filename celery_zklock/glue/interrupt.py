@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Type
 
 from ..exceptions import LockLost
 from ..zk import green
+from ..zk.background import RUNNER
 
 __all__ = ["AGAIN_AFTER", "INTERRUPT_SIGNAL", "BodyGuard", "LockLostInterrupt", "handling"]
 
@@ -177,7 +178,7 @@ class BodyGuard:
                 green.call_soon(self._throw)
             elif self.in_main_thread:
                 _signal_main(self.thread_id)
-                threading.Thread(target=self._again, name="celery-zklock-interrupt", daemon=True).start()
+                RUNNER.spawn("celery-zklock-interrupt", self._again)
             else:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), ctypes.py_object(exception))
             return True

@@ -56,6 +56,7 @@ from ..recipes.park import (
 from ..recipes.park import PARKED as _PARKED_PREFIX
 from ..recipes.rules import Rule, sequence
 from ..zk import Liveness, Session, deadline, reply, session_for, timeouts
+from ..zk.background import RUNNER
 from .api import layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import request_context
 from .options import spec_of
@@ -229,7 +230,6 @@ class _ConsumerParking:
         self._later: List[Tuple[float, int, _Key]] = []
         self._seq = 0
         self._wake = threading.Condition(self._lock)
-        self._thread: Optional[threading.Thread] = None
         self._stopped = False
         #: Callables for the loop's thread, and the socket pair that wakes it for them.
         self._ready: Deque[Callable[[], None]] = deque()
@@ -443,9 +443,7 @@ class _ConsumerParking:
 
     # -- the thread's side ------------------------------------------------------------------
     def _start(self) -> None:  # under self._lock
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="celery-zklock-consumer", daemon=True)
-            self._thread.start()
+        RUNNER.lane("celery-zklock-consumer", self, self._run)  # again in a forked child
 
     def stop(self) -> None:
         with self._lock:
@@ -698,9 +696,7 @@ class _ConsumerParking:
         with self._lock:
             if job.entry.jobs and job.entry.jobs[0] is job:
                 job.entry.jobs[0] = again
-        timer = threading.Timer(RETRY_EVERY, self._submit, (("park", job.entry),))
-        timer.daemon = True
-        timer.start()
+        RUNNER.later(RETRY_EVERY, self._submit, ("park", job.entry))
 
     def _give_back(self, jobs: List[_Job]) -> None:
         """Narrow the prefetch window again by what ``jobs`` widened it (the loop's thread)."""
@@ -745,9 +741,7 @@ class _ConsumerParking:
             logger.warning("celery-zklock: could not delete %s (%s): empty records, which only keep the key's "
                            "queue node; they may be deleted by hand", paths, why)
             return
-        timer = threading.Timer(RETRY_EVERY, self._submit, (("acked", (entry, tokens, tries + 1)),))
-        timer.daemon = True
-        timer.start()
+        RUNNER.later(RETRY_EVERY, self._submit, ("acked", (entry, tokens, tries + 1)))
 
     def durable(self, job: _Job) -> None:
         """The copy's park is durable and its message not yet acknowledged (a test's fault hook)."""

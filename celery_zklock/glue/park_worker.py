@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import posixpath
-import threading
 import time
 from collections import OrderedDict
 from typing import Any, List, Optional, Tuple
@@ -26,6 +25,7 @@ from ..recipes.park import TAKEN, head_and_count, unwatched
 from ..recipes.park_rules import GiveUp, give_up_turn
 from ..recipes.park_watch import QueueWatch
 from ..zk import Session, deadline, reply, session_for, timeouts
+from ..zk.background import RUNNER
 from .api import layout_of, settings_of, task_defaults
 from .options import locked_tasks, spec_of
 from .park import (
@@ -285,8 +285,7 @@ def _give_up(app: Any, task_name: str, spec: Any, task_id: str, header: str, tur
     # queue; the pool processes watching it (the releaser that sent the copy is one) see the
     # change and send the next copy. ``spec`` is None for a task this worker does not know, or
     # that takes no lock: a removal reads no rule.
-    threading.Thread(target=_give_up_now, args=(app, task_name, spec, task_id, header, turn, sent),
-                     name="celery-zklock-parked", daemon=True).start()
+    RUNNER.spawn("celery-zklock-parked", _give_up_now, app, task_name, spec, task_id, header, turn, sent)
 
 
 def _give_up_now(app: Any, task_name: str, spec: Any, task_id: str, header: str, turn: GiveUp,

@@ -75,6 +75,7 @@ from celery.signals import (
 from ..conf import SECRET_SETTINGS
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
+from ..zk.background import RUNNER
 from . import beat, dedupe, metrics, park_consumer, park_worker
 from .api import claim_scheme, layout_of, metrics_of, settings_of
 from .celery_internals import (
@@ -316,8 +317,7 @@ def _open_session(**kwargs: Any) -> None:
     # one that waited here for an unreachable ZooKeeper would never run anything, unlocked
     # tasks included. A locked task that comes first waits for this start (session_for
     # holds one lock around it), bounded by zklock_connect_timeout, as it would anyway.
-    threading.Thread(target=_connect, args=(app, settings_of(app)), name="celery-zklock-connect",
-                     daemon=True).start()
+    RUNNER.spawn("celery-zklock-connect", _connect, app, settings_of(app))
 
 
 #: Pools whose tasks run in the worker's own process: Celery sends them no ``worker_process_init``.

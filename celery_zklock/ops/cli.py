@@ -35,6 +35,7 @@ from ..glue.options import problems, reports_itself
 from ..layout import Layout, node_object
 from ..recipes.lock import EVICTED_BY
 from ..zk import Session, check_acl
+from ..zk.background import RUNNER
 from ..zk.nodes import unreadable
 from ..zk.probe import addresses, four_letter_word, server_limits
 from . import evict as eviction
@@ -631,7 +632,7 @@ def exporter_command(ctx: click.Context, port: int, address: Optional[str], inte
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     # Served from now on; up 0 until ZooKeeper is reached.
-    threading.Thread(target=exporter.connect_until, args=(session, stopping), daemon=True).start()
+    RUNNER.spawn("celery-zklock-exporter", exporter.connect_until, session, stopping)
     try:
         stopping.wait()
     except KeyboardInterrupt:

@@ -43,6 +43,7 @@ from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 from ..exceptions import LockNotAcquired
 from ..layout import node_object
 from ..zk import Session
+from ..zk.background import RUNNER
 from .engine import ContenderObserver
 from .lock import Lock, LockState
 from .rules import EXCLUSIVE, contender, sequence
@@ -149,8 +150,7 @@ class Election:
         if self.state != ElectionState.LATENT:
             raise RuntimeError(f"election {self.path} already {self.state}")
         self._set(ElectionState.STANDBY)
-        self._thread = threading.Thread(target=self._run, name="celery-zklock-election", daemon=True)
-        self._thread.start()
+        self._thread = RUNNER.lane("celery-zklock-election", self, self._run)
         return self
 
     def wait_leader(self, timeout: Optional[float] = None) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..exceptions import explain
 from ..zk import Liveness, Session, deadline
+from ..zk.background import RUNNER
 from .park import SETTLE, ParkedQueue, Resent, Send
 from .park_rules import Nudge, Watch, backs_off, next_wait, resent_at, timed_turn, watch_turn
 
@@ -58,6 +59,8 @@ class QueueWatch:
     def __init__(self, session: Session, timeout: float, resend_after: float = 30.0,
                  resent: Optional[Resent] = None) -> None:
         self.session = session
+        #: This watch's lane (None until its first queue), for a test to see it end.
+        self._thread: Optional[threading.Thread] = None
         self.timeout = timeout
         self.resend_after = resend_after
         #: Says a head was sent again (the glue names its task and queue); else a line naming its node.
@@ -80,7 +83,6 @@ class QueueWatch:
         self.token = uuid.uuid4().hex[:16]
         self._lock = threading.Lock()
         self._todo: queue.Queue[Optional[str]] = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
         session.add_listener(self)
 
     def add(self, parked: ParkedQueue, send: Send, nudge: bool = False) -> None:
@@ -103,9 +105,7 @@ class QueueWatch:
             if path in self._settling:
                 return
             self._settling.add(path)
-        timer = threading.Timer(SETTLE, self._settled, (path,))
-        timer.daemon = True
-        timer.start()
+        RUNNER.later(SETTLE, self._settled, path)
 
     def _settled(self, path: str) -> None:
         with self._lock:
@@ -206,9 +206,8 @@ class QueueWatch:
 
     def _start(self) -> None:
         # Not for a closed session, whose client is gone: the thread would only fail each turn.
-        if (self._thread is None or not self._thread.is_alive()) and not self.session.closed:
-            self._thread = threading.Thread(target=self._run, name="celery-zklock-parked", daemon=True)
-            self._thread.start()
+        if not self.session.closed:
+            self._thread = RUNNER.lane("celery-zklock-parked", self, self._run)  # again in a forked child
 
     def watched(self) -> List[str]:
         with self._lock:
@@ -250,9 +249,7 @@ class QueueWatch:
                 turn = watch_turn(done, added, self._added.get(path, 0), backoff)
                 if turn.action == Watch.BACK_OFF:
                     self._backoff[path] = (time.monotonic() + turn.backoff, turn.backoff)
-                    timer = threading.Timer(turn.backoff, self._todo.put, (path,))
-                    timer.daemon = True
-                    timer.start()
+                    RUNNER.later(turn.backoff, self._todo.put, path)
                     continue
                 self._backoff.pop(path, None)
                 if turn.action == Watch.DROP:
@@ -271,9 +268,7 @@ class QueueWatch:
                                name, explain(exc))
                 with self._lock:
                     self._removals.append((parked, name))
-                timer = threading.Timer(1.0, self._todo.put, (parked.path,))
-                timer.daemon = True
-                timer.start()
+                RUNNER.later(1.0, self._todo.put, parked.path)
 
     def _follow(self, parked: ParkedQueue, send: Send, fired: Callable[[Any], None]) -> Optional[Nudge]:
         try:

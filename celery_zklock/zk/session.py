@@ -40,6 +40,7 @@ from kazoo.security import ACL, CREATOR_ALL_ACL, READ_ACL_UNSAFE
 from ..conf import Settings
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable
 from . import green
+from .background import RUNNER
 from .clock import Liveness, LivenessClock
 from .deadlines import remaining
 from .nodes import Nodes
@@ -146,9 +147,7 @@ class Session:
             granted = _granted_by_servers(s)
             if granted is not None and granted != s.session_timeout:
                 self._on_connect_reply(self._connect_sent, granted)
-        self._watchdog = threading.Thread(target=_watchdog_loop, args=(weakref.ref(self),), daemon=True,
-                                          name="celery-zklock-session")
-        self._watchdog.start()
+        self._watchdog = RUNNER.lane("celery-zklock-session", self, _watchdog_loop, weakref.ref(self))
         return self
 
     def client_class(self, handler: Any) -> type:
@@ -501,8 +500,7 @@ def session_for(settings: Settings, wait: Optional[float] = None) -> Session:
     if mine:
         if wait is None:
             return _start(key, settings, attempt)
-        threading.Thread(target=_start_quietly, args=(key, settings, attempt), name="celery-zklock-start",
-                         daemon=True).start()
+        RUNNER.spawn("celery-zklock-start", _start_quietly, key, settings, attempt)
     # A caller that may wait only so long does not wait again on a start that already kept
     # one such caller waiting in vain: it fails at once (the start goes on meanwhile).
     overdue = wait is not None and attempt.overdue
