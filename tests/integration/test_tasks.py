@@ -172,7 +172,7 @@ def test_contention_policies(celery_app, received):
         time.sleep(0.2)  # the waiter's wait, which its acquire must count
         holder.release()
 
-    waiting = task("wait", name="policy.wait-then-hold", timeout=10)
+    waiting = task(Wait(timeout=10), name="policy.wait-then-hold")
     celery_app.finalize()
     releaser = threading.Thread(target=let_go_once_queued)
     releaser.start()
