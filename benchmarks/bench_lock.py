@@ -14,18 +14,26 @@ The CPU column is this process's CPU time (all its threads: kazoo's
 connection thread too) per cycle. With ``--pin`` the server runs on CPU 1 and
 this process on CPU 0, so the server's work never lands in it.
 
-    python -m benchmarks.bench_lock [--rounds 10] [--block 200] [--fsync] [--pin]
+    python -m benchmarks.bench_lock [--rounds 10] [--block 200] [--fsync] [--pin] [--compare DIR]
+
+``--compare DIR`` adds two rows: ``lock()`` in a child process running this checkout's
+``celery_zklock``, and in one running the ``celery_zklock`` under ``DIR`` (another checkout,
+say ``git archive <commit> celery_zklock | tar -x -C DIR``), each asked for its block in turn
+with the rest, so that both children pay the same process and the same drift.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 import uuid
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 from celery import Celery
 from kazoo.client import KazooClient
@@ -102,12 +110,63 @@ class RawProtocol:
         self.delete = Delete(path, -1)
 
 
+class Child:
+    """``lock()`` cycles in a child process whose ``celery_zklock`` comes from ``path``: it runs a
+    block of cycles each time it is asked, and answers with their times and its CPU per cycle."""
+
+    def __init__(self, path: str, hosts: str) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # Run from ``path``: ``python -m`` puts its working directory first on sys.path, ahead of
+        # PYTHONPATH and of the editable install, so that is where celery_zklock comes from.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, root])}
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_lock", "--serve", hosts],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=path)
+        self.where = self._ask(0)["where"]
+
+    def _ask(self, cycles: int) -> Dict[str, object]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{cycles}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())  # type: ignore[no-any-return]
+
+    def block(self, cycles: int) -> Tuple[List[float], float]:
+        answer = self._ask(cycles)
+        return answer["times"], answer["cpu"]  # type: ignore[return-value]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def serve(hosts: str) -> None:
+    """The child's side of :class:`Child`: a block of ``lock()`` cycles per line read."""
+    app = Celery("bench", set_as_current=False)
+    app.conf.zklock_hosts = hosts
+    for line in sys.stdin:
+        cycles, times = int(line), []
+        c0 = time.process_time()
+        for _ in range(cycles):
+            t0 = time.perf_counter()
+            lock = celery_zklock.lock(app, "bench-child")
+            lock.acquire()
+            lock.release()
+            times.append(time.perf_counter() - t0)
+        cpu = (time.process_time() - c0) / cycles if cycles else 0.0
+        print(json.dumps({"times": times, "cpu": cpu, "where": os.path.dirname(celery_zklock.__file__)}), flush=True)
+    close_sessions()
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--serve"]:
+        return serve(sys.argv[2])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block", type=int, default=200)
     parser.add_argument("--fsync", action="store_true", help="let the server fsync each write (production-like)")
     parser.add_argument("--pin", action="store_true", help="ZooKeeper on CPU 1, this process on CPU 0")
+    parser.add_argument("--compare", metavar="DIR", help="add lock() rows from child processes: this checkout's "
+                                                          "celery_zklock and DIR's")
     args = parser.parse_args()
 
     extra = {"forceSync": "yes"} if args.fsync else {}
@@ -173,11 +232,20 @@ def main() -> None:
             "kazoo Lock, reused": kazoo_reused,
             "raw protocol, one thread": raw_floor,
         }
-        samples: Dict[str, List[float]] = {name: [] for name in cases}
-        cpu: Dict[str, List[float]] = {name: [] for name in cases}
+        children: Dict[str, Child] = {}
+        if args.compare:
+            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            children = {"lock(), this checkout (child)": Child(here, zk.hosts),
+                        f"lock(), {args.compare} (child)": Child(os.path.abspath(args.compare), zk.hosts)}
+            for name, child in children.items():
+                print(f"{name}: celery_zklock from {child.where}")
+        samples: Dict[str, List[float]] = {name: [] for name in [*cases, *children]}
+        cpu: Dict[str, List[float]] = {name: [] for name in samples}
         for fn in cases.values():  # warm up: connections, paths, JIT of the server
             for _ in range(100):
                 fn()
+        for child in children.values():
+            child.block(100)
         for _ in range(args.rounds):
             for name, fn in cases.items():
                 c0 = time.process_time()
@@ -186,6 +254,12 @@ def main() -> None:
                     fn()
                     samples[name].append(time.perf_counter() - t0)
                 cpu[name].append((time.process_time() - c0) / args.block)
+            for name, child in children.items():
+                times, spent = child.block(args.block)
+                samples[name] += times
+                cpu[name].append(spent)
+        for child in children.values():
+            child.close()
         kazoo.stop()
         queued.close()
         close_sessions()
