@@ -99,8 +99,6 @@ class Contention:
     waits: ClassVar[bool] = False
     #: Why the policy needs exactly one key ("" when it does not).
     one_key: ClassVar[str] = ""
-    #: What the ``lock_contended`` signal reports when the call did not hold.
-    outcome: ClassVar[str] = "raised"
 
     @property
     def wait_for(self) -> Optional[float]:
@@ -171,7 +169,6 @@ class Skip(Contention):
     """Do not run: end with a skip record naming the holders (``skipped(result)`` reads it)."""
 
     name: ClassVar[ContentionPolicy] = "skip"
-    outcome: ClassVar[str] = "skipped"
 
     def contended(self, call: Contended) -> Any:
         return call.skip()
@@ -195,7 +192,6 @@ class Retry(Contention):
     countdown: float = 5.0
 
     name: ClassVar[ContentionPolicy] = "retry"
-    outcome: ClassVar[str] = "retried"
 
     def problem(self) -> Optional[str]:
         if self.countdown is None or _problem(optional_seconds, "countdown", self.countdown):
@@ -224,7 +220,6 @@ class Park(Contention):
 
     name: ClassVar[ContentionPolicy] = "park"
     one_key: ClassVar[str] = "parks a copy in one key's queue"
-    outcome: ClassVar[str] = "parked"
 
     def problem(self) -> Optional[str]:
         if not isinstance(self.at_publish, bool):

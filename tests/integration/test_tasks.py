@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
-from typing import Any, List
+from typing import Any, ClassVar, List
 
 import pytest
 from celery import Celery
@@ -23,6 +24,7 @@ from celery_zklock import (
     signals,
     zk_locked,
 )
+from celery_zklock.glue.policies import Contention
 from celery_zklock.testing import Hold, violations
 from harness import TcpProxy
 from tests.util import children, wait_until
@@ -184,6 +186,33 @@ def test_contention_policies(celery_app, received):
     assert [(kw["policy"], kw["outcome"]) for n, kw in received if n == "lock_contended"] == [("wait", "waited")]
     [acquired] = [kw for n, kw in received if n == "lock_acquired" and kw["lock"].path == path]
     assert acquired["waited_seconds"] >= 0.2
+
+
+def test_a_policy_of_ones_own_is_one_class(celery_app, received):
+    # Issue 43: "a new policy is one class". This one answers a held key with a value of its own
+    # choosing, through the same runner and signal as the built-in ones; nothing else changes.
+    @dataclasses.dataclass(frozen=True, repr=False)
+    class Busy(Contention):
+        name: ClassVar[Any] = "busy"
+        answer: str = "busy, try later"
+
+        def contended(self, call: Any) -> Any:
+            call.skip()  # logs and signals the skip, as Skip() does
+            return self.answer
+
+    @celery_app.task(name="policy.own")
+    @zk_locked(key="crm:{customer}", on_contention=Busy(answer="later"))
+    def sync(customer: int) -> str:
+        return "ran"
+
+    holder = celery_zklock.lock(celery_app, "crm:11")
+    assert holder.acquire()
+    try:
+        assert sync.apply(args=(11,)).get() == "later"
+    finally:
+        holder.release()
+    assert [(kw["policy"], kw["outcome"]) for n, kw in received if n == "lock_contended"] == [("busy", "skipped")]
+    assert sync.apply(args=(11,)).get() == "ran"
 
 
 def test_flag_mode_marks_the_lost_lock_and_lets_the_body_finish(zk_server, zk_root, received):
