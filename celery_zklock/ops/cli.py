@@ -39,7 +39,7 @@ from ..zk.background import RUNNER
 from ..zk.nodes import unreadable
 from ..zk.probe import addresses, four_letter_word, server_limits
 from . import evict as eviction
-from . import exporter
+from . import exporter, render
 from .tree import elections, locks, queued, server_info
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
@@ -76,131 +76,6 @@ def _reading(ctx: click.Context, read: Callable[[Session, Settings, Any], T]) ->
         return settings, app, read(session, settings, app)
     finally:
         session.close()
-
-
-def _age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.1f}s"
-    return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
-
-
-def _cell(value: Any, width: int) -> str:
-    """A table cell of ``width`` characters; a longer value is cut with an ellipsis, so a cut
-    never passes for the whole value (``--json`` gives every value whole)."""
-    text = str(value)
-    return f"{text if len(text) <= width else text[:width - 1] + '…':<{width}}"
-
-
-def _names_task(row: Dict[str, Any], task: str) -> bool:
-    """Whether a copy of ``task`` holds, waits for or is parked at the key of ``row`` (``locks``).
-
-    >>> _names_task({"holders": [{"task": "a"}], "waiting": [], "parked": [{"task": "b"}]}, "b")
-    True
-    """
-    return any(who.get("task") == task for part in ("holders", "waiting", "parked") for who in row.get(part) or ())
-
-
-def _lock_lines(rows: List[Dict[str, Any]], waiters: bool = False, task: Optional[str] = None) -> List[str]:
-    """The table of ``locks`` (and ``status``): a row per holder, and per waiter and parked copy
-    with ``waiters``. WAITERS counts the contenders that wait in a worker's slot, PARKED the
-    copies parked in ZooKeeper, which hold no slot. With ``task``, only that task's waiters and
-    parked copies get a row, each at its place in its queue (the holders are always listed: what
-    the copies wait for)."""
-    if not rows:
-        return ["  (no lock is held or waited for)"]
-    lines = [f"  {'KEY':<28} {'MODE':<9} {'HELD':>5} {'HOLDER':<22} {'WORKER':<20} {'TASK':<28} "
-             f"{'TASK ID':<36} {'FOR':>7} {'WAITERS':>7} {'PARKED':>6}  TOKEN"]
-
-    def line(key: str, who: Dict[str, Any], held: str, age: str, waiting: str, parked: str) -> str:
-        # str() everywhere: node data may hold anything.
-        holder = who.get("where") or (f"{who.get('host')}/{who.get('pid')}" if who.get("host") is not None
-                                      or who.get("pid") else "-")
-        return (f"  {_cell(key, 28)} {str(who.get('mode', '-')):<9} {held:>5} {_cell(holder, 22)} "
-                f"{_cell(who.get('worker') or '-', 20)} {_cell(who.get('task') or '-', 28)} "
-                f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7} {parked:>6}  {who.get('token', '-')}")
-
-    for row in rows:
-        count = len(row["holders"])
-        held = f"{count}/{row['limit']}" if row.get("limit") else str(count)
-        parked = row.get("parked", [])
-        for h in row["holders"]:
-            lines.append(line(row["key"], h, held, _age(h["held_for"]), str(row["waiters"]), str(len(parked))))
-        if not row["holders"]:
-            # Nobody holds it: say why the key is listed, where a holder's columns would be.
-            lines.append(f"  {_cell(row['key'], 28)} {'-':<9} {held:>5} {_cell(_unheld(row), 117)} "
-                         f"{row['waiters']:>7} {len(parked):>6}  -")
-        if waiters:
-            for place, w in enumerate(row.get("waiting", []), 1):
-                if task is None or w.get("task") == task:
-                    lines.append(line(f"  waiting #{place}", w, "", _age(w["waiting_for"]), "", ""))
-            for place, p in enumerate(parked, 1):
-                if task is not None and p["task"] != task:
-                    continue
-                # A copy in flight says, where a holder's host would be, how long it has been on its way.
-                lines.append(line(f"  parked #{place}" + (" (in flight)" if p["sent"] else ""),
-                                  {"mode": "parked", "task": p["task"], "task_id": p["task_id"],
-                                   "where": _in_flight(p) if p["sent"] else None}, "",
-                                  _age(p["parked_for"]), "", ""))
-    return lines
-
-
-def _in_flight(copy: Dict[str, Any]) -> str:
-    """How long a parked copy sent again has been on its way, and where it is.
-
-    >>> _in_flight({"in_flight_for": 42.0, "received": False}), _in_flight({"in_flight_for": 0.2, "received": True})
-    ('sent 42.0s ago', 'received 0.2s ago')
-    """
-    where = "received" if copy.get("received") else "sent"
-    return f"{where} {_age(copy['in_flight_for'])} ago" if copy.get("in_flight_for") is not None else where
-
-
-def _unheld(row: Dict[str, Any]) -> str:
-    """Why a key that nobody holds is listed: a parked head in flight, parked copies, or a waiter
-    between two holders.
-
-    >>> _unheld({"waiters": 0, "parked": [{"sent": True, "task_id": "abc"}, {"sent": False}]})
-    'no holder: head in flight (parked copy abc, sent to be run; 1 more parked)'
-    >>> _unheld({"waiters": 0, "parked": [{"sent": False}], "watched": False})
-    'no holder: 1 parked, head not sent (no live worker watches it: one adopts it in zklock_park_resend_after)'
-    """
-    parked = row.get("parked", [])
-    if parked and parked[0].get("sent"):
-        more = f"; {len(parked) - 1} more parked" if len(parked) > 1 else ""
-        return f"no holder: head in flight (parked copy {parked[0].get('task_id')}, sent to be run{more})"
-    if row["waiters"]:
-        return "no holder: its next waiter is taking it"
-    if not row.get("watched", True):
-        # Short enough for its column (117): cut, it named half a setting.
-        return (f"no holder: {len(parked)} parked, head not sent (no live worker watches it: one adopts it in "
-                "zklock_park_resend_after)")
-    return f"no holder: {len(parked)} parked, head not sent (a worker watching the queue sends it)"
-
-
-def _beat_who(candidate: Dict[str, Any]) -> str:
-    """A beat candidate as an operator knows it: a ``celery beat`` by host/pid, a beat that a
-    worker embeds (``-B``) by that worker's name first (its pid is a child's nobody started).
-
-    >>> _beat_who({"host": "vm", "pid": 7}), _beat_who({"host": "vm", "pid": 8, "worker": "w1@vm"})
-    ('vm/7', 'worker w1@vm (its beat: vm/8)')
-    """
-    process = f"{candidate.get('host')}/{candidate.get('pid')}"
-    worker = candidate.get("worker")
-    return f"worker {worker} (its beat: {process})" if worker else process
-
-
-def _stalled(leader: Dict[str, Any], now: float) -> str:
-    """What is wrong with a leader that holds the election but does not dispatch ("" if nothing).
-
-    A leading beat promises in its node to tick again by ``tick_by`` and keeps
-    renewing the promise; one past it is stuck (a blocked scheduler, a stale lock of its own).
-    """
-    if "leader_since" not in leader:
-        return "elected, but has not started dispatching"
-    tick_by = leader.get("tick_by")
-    if isinstance(tick_by, (int, float)) and now > tick_by + 2:
-        return (f"STUCK: it holds the election but has not ticked for {now - tick_by:.0f}s past "
-                f"the time it promised; nothing is being dispatched")
-    return ""
 
 
 class _Commands(click.Group):
@@ -259,7 +134,7 @@ def _status(session: Session, settings: Settings, app: Any, beat: bool = False) 
     for e in elections(session, settings.root):
         if not (e["leader"] or e["path"] == ours):
             continue
-        stalled = _stalled(e["leader"], now) if e["leader"] else ""
+        stalled = render.stalled(e["leader"], now) if e["leader"] else ""
         if e["leader"] is None:
             problems.append(f"beat election {e['name']}: no leader")
         elif stalled.startswith("STUCK"):
@@ -313,14 +188,14 @@ def status(ctx: click.Context, as_json: bool, beat: bool) -> None:
             mark = " (this app)" if e["this_app"] else ""
             leader = e["leader"]
             click.echo(f"  {e['name']}{mark}: " + (
-                f"leader {_beat_who(leader)} since {leader.get('leader_since', '?')} "
+                f"leader {render.beat_who(leader)} since {leader.get('leader_since', '?')} "
                 f"(token {leader['token']})" + (f" -- {e['stalled']}" if e["stalled"] else "")
                 if leader else "no leader"))
             for s in e["standbys"]:
-                click.echo(f"    standby {_beat_who(s)} waiting since {s.get('since', '?')}")
+                click.echo(f"    standby {render.beat_who(s)} waiting since {s.get('since', '?')}")
         counts = report["counts"]
         click.echo(f"Locks: {counts['held']} held, {counts['waiting']} waiting, {counts['parked']} parked")
-        for line in _lock_lines(report["locks"]):
+        for line in render.lock_lines(report["locks"]):
             click.echo(line)
     ctx.exit(STATUS_ATTENTION if report["problems"] else STATUS_OK)
 
@@ -368,7 +243,8 @@ def schedule_command(ctx: click.Context, as_json: bool) -> None:
         return
     click.echo(f"  {'ENTRY':<24} {'TASK':<32} {'SCHEDULE':<28} {'RUNS':>5} {'LAST RUN':<25} NEXT RUN")
     for r in rows:
-        click.echo(f"  {_cell(r['entry'], 24)} {_cell(r['task'], 32)} {_cell(r['schedule'], 28)} "
+        click.echo(f"  {render.cell(r['entry'], 24)} {render.cell(r['task'], 32)} "
+                   f"{render.cell(r['schedule'], 28)} "
                    f"{'-' if r['runs'] is None else r['runs']:>5} {r['last_run'] or 'never (here)':<25} "
                    f"{r['next_run'] or 'as the leader starts'}")
 
@@ -391,7 +267,7 @@ def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool
         rows = locks(session, settings.root, pattern, layout_of(app).secret)
         if task_name is None:
             return rows
-        rows = [row for row in rows if _names_task(row, task_name)]
+        rows = [row for row in rows if render.names_task(row, task_name)]
         known = [name for name in app.tasks if not name.startswith("celery.")]
         if not rows and known and task_name not in app.tasks:
             # A task the app no longer has (a deploy renamed it) may still have copies: refused only with
@@ -409,7 +285,7 @@ def locks_command(ctx: click.Context, pattern: Optional[str], show_waiters: bool
                    + (" and" if pattern is not None and task_name is not None else "")
                    + (f" is held, waited for or parked at by task {task_name}" if task_name is not None else ""))
     else:
-        for line in _lock_lines(rows, show_waiters, task_name):
+        for line in render.lock_lines(rows, show_waiters, task_name):
             click.echo(line)
 
 
@@ -428,9 +304,11 @@ def queued_command(ctx: click.Context, as_json: bool) -> None:
         return
     click.echo(f"  {'KEY':<32} {'TASK':<28} {'TASK ID':<36} {'AGE':>7} {'EXPIRES IN':>10}  STATE")
     for r in rows:
-        expires = "-" if r["running"] or r["expires_in"] is None or r["expires_in"] <= 0 else _age(r["expires_in"])
-        click.echo(f"  {_cell(r['key'], 32)} {_cell(r['task'] or '-', 28)} {str(r['task_id'] or '-'):<36} "
-                   f"{_age(r['age']) if r['age'] is not None else '?':>7} {expires:>10}  {_STATES[r['state']]}")
+        left = r["expires_in"]
+        expires = "-" if r["running"] or left is None or left <= 0 else render.age(left)
+        click.echo(f"  {render.cell(r['key'], 32)} {render.cell(r['task'] or '-', 28)} "
+                   f"{str(r['task_id'] or '-'):<36} {render.age(r['age']) if r['age'] is not None else '?':>7} "
+                   f"{expires:>10}  {_STATES[r['state']]}")
 
 
 #: ``queued``'s STATE column: what each marker stands for (see tree.marker_state).
@@ -485,20 +363,6 @@ def clear_queued(ctx: click.Context, task_name: str, key: Optional[str]) -> None
 
 
 # -- evict: the one command that takes a lock away (its steps: .evict) --------------------
-def _holder_lines(holder: Dict[str, Any]) -> List[str]:
-    """Who holds it, for the operator to confirm (str() everywhere: node data may hold anything)."""
-    return [f"holder of {holder['label']!r} ({holder['mode']}):",
-            f"  worker    {holder.get('worker') or '-'}",
-            f"  process   {holder.get('host')}/{holder.get('pid')}",
-            f"  task      {holder.get('task') or '- (a lock taken outside a task)'}",
-            f"  task id   {holder.get('task_id') or '-'}",
-            f"  held for  {_age(holder['held_for'])}",
-            f"  token     {holder['token']} (fencing token)",
-            f"  node      {holder['path']}",
-            f"  waiting   {holder['waiters']} behind it"]
-
-
-
 @zklock.command()
 @click.argument("key", required=False)
 @click.option("--node", default=None, metavar="PATH",
@@ -537,7 +401,7 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
     try:
         layout = layout_of(app)
         holder = eviction.to_evict(session, layout, key, node)
-        for line in _holder_lines(holder):
+        for line in render.holder_lines(holder):
             click.echo(line)
         task_id = holder["task_id"] if revoke and isinstance(holder["task_id"], str) and holder["task_id"] else None
         if revoke and task_id is None:

@@ -433,7 +433,7 @@ def test_the_leaders_promised_tick_covers_the_sleep_beat_really_takes(beat_app, 
     # that promised to tick again by 10 s from the first tick is asleep, not stuck, at 12 s.
     from celery.beat import Scheduler
 
-    from celery_zklock.ops.cli import _stalled
+    from celery_zklock.ops.render import stalled as _stalled
 
     sleeps = iter([3.0, 20.0])
     monkeypatch.setattr(Scheduler, "tick", lambda self, *args, **kwargs: next(sleeps))
