@@ -282,14 +282,28 @@ def stray(name: str, task: Any) -> Optional[str]:
                 "options it does not know, and the task would not be locked as meant)")
     if getattr(task, "zklock", None) is not None and getattr(locking_of(task), "form", "") != "zklock":
         return f"task {name}: the zklock option needs base=ZkLockedTask (or use @zk_locked)"
-    if locking_of(task) is not None:
+    locking = locking_of(task)
+    if locking is not None:
         # A setting's name given as a task option (task_reject_on_worker_lost=True): Celery
         # ignores it, and a locked task would not be redelivered, or acked, as its author meant.
         named = sorted(a for a in vars(type(task)) if a.startswith("task_") and a[len("task_"):] in SETTING_OPTIONS)
         if named:
             return (f"task {name}: unknown option {named[0]!r}, a setting's name; the task's option is "
                     f"{named[0][len('task_'):]!r} (Celery ignores options it does not know)")
+        # A lock option given to @app.task (on_contention=Skip() above @zk_locked): Celery keeps it
+        # as a task attribute nobody reads, and the task would take the default policy instead.
+        misplaced = sorted(a for a in vars(type(task)) if a in _LOCK_OPTION_NAMES)
+        if misplaced:
+            where = "zklock={...}" if locking.form == "zklock" else "@zk_locked(...)"
+            return (f"task {name}: {misplaced[0]!r} is an option of the lock, not of the task: put it in {where} "
+                    "(Celery ignores options it does not know)")
     return None
+
+
+#: Lock options, and the flat ones they replaced, that a task class has as its own attribute only
+#: when they were given to ``@app.task`` by mistake. Not ``key``, ``mode``, ``limit``, ``lock`` or
+#: ``timeout``: a class-based task may well have an attribute of its own by one of those names.
+_LOCK_OPTION_NAMES = frozenset({"on_contention", "on_lock_lost", "dedupe", *_MOVED}) - {"timeout"}
 
 
 def strays(app: Any) -> Dict[str, str]:

@@ -46,6 +46,7 @@ from ..conf import (
     TaskDefaults,
     UnavailablePolicy,
     choice,
+    did_you_mean,
     optional_seconds,
     positive_int,
     positive_seconds,
@@ -291,10 +292,10 @@ def contention_policy(name: str, value: Any) -> Contention:
     Park()
     >>> contention_policy("on_contention", Retry(countdown=2))
     Retry(countdown=2)
-    >>> contention_policy("on_contention", "nap")
+    >>> contention_policy("on_contention", "prak")
     Traceback (most recent call last):
     celery_zklock.exceptions.ConfigurationError: on_contention must be a policy (Wait(...), Skip(), Raise(), \
-Retry(...), Park(...), Preempt(...)) or one of wait, skip, retry, raise, park, preempt, not 'nap'
+Retry(...), Park(...), Preempt(...)) or one of wait, skip, retry, raise, park, preempt, not 'prak'; did you mean 'park'?
     """
     if isinstance(value, Contention) and type(value) is not Contention:
         problem = value.problem()
@@ -306,7 +307,8 @@ Retry(...), Park(...), Preempt(...)) or one of wait, skip, retry, raise, park, p
     if isinstance(value, str) and value in CONTENTION:
         return CONTENTION[value]()
     raise ConfigurationError(f"{name} must be a policy (Wait(...), Skip(), Raise(), Retry(...), Park(...), "
-                             f"Preempt(...)) or one of {', '.join(CONTENTION_POLICIES)}, not {value!r}")
+                             f"Preempt(...)) or one of {', '.join(CONTENTION_POLICIES)}, not {value!r}"
+                             + (did_you_mean(value.lower(), CONTENTION) if isinstance(value, str) else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +413,8 @@ def dedupe_policy(name: str, value: Any) -> Optional[Dedupe]:
     if isinstance(value, str) and value in DEDUPE:
         return DEDUPE[value]()
     raise ConfigurationError(f"{name} must be None, a policy (Queued(...), QueuedOrRunning(...), Latest(...)) "
-                             f"or one of {', '.join(DEDUPE_MODES)}, not {value!r}")
+                             f"or one of {', '.join(DEDUPE_MODES)}, not {value!r}"
+                             + (did_you_mean(value.lower(), DEDUPE) if isinstance(value, str) else ""))
 
 
 def _problem(check: Any, field: str, value: Any, *more: Any) -> Optional[str]:

@@ -20,6 +20,7 @@ from celery_zklock import (
     Queued,
     QueuedOrRunning,
     Retry,
+    Skip,
     Wait,
     ZkLockedTask,
     zk_locked,
@@ -267,6 +268,33 @@ def test_a_settings_name_given_as_a_locked_tasks_option_is_named():
                              "the task's option is 'reject_on_worker_lost' (Celery ignores options it does not know)"]
 
 
+def test_a_lock_option_given_to_the_task_instead_of_the_lock_is_named():
+    # Issue 43's new-user trial: @app.task(on_contention=Skip()) above @zk_locked(...) passed
+    # `check`, and Celery kept it as a task attribute nobody reads: the copy waited instead.
+    app = Celery("lock-option-on-task", set_as_current=False)
+
+    @app.task(shared=False, on_contention=Skip())
+    @zk_locked(key="a:{x}")
+    def decorated(x):
+        pass
+
+    @app.task(shared=False, base=ZkLockedTask, zklock={"key": "b:{x}"}, dedupe="queued")
+    def based(x):
+        pass
+
+    @app.task(shared=False, on_contention="skip")  # not ours to judge: it takes no lock
+    def plain(x):
+        pass
+
+    app.finalize()
+    assert problems(app) == [
+        f"task {based.name}: 'dedupe' is an option of the lock, not of the task: put it in zklock={{...}} "
+        "(Celery ignores options it does not know)",
+        f"task {decorated.name}: 'on_contention' is an option of the lock, not of the task: put it in "
+        "@zk_locked(...) (Celery ignores options it does not know)",
+    ]
+
+
 def test_decorator_above_app_task_is_refused():
     app = Celery("order", set_as_current=False)
     with pytest.raises(ConfigurationError, match="below @app.task"):
@@ -427,7 +455,7 @@ for publish in (lambda: refresh.delay(7), lambda: app.send_task(refresh.name, (7
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines() == ["refused: task __main__.refresh: dedupe must be None, a policy (Queued(...), "
                                        "QueuedOrRunning(...), Latest(...)) or one of queued, queued_or_running, "
-                                       "latest, not 'queue'"] * 2, out.stdout + out.stderr
+                                       "latest, not 'queue'; did you mean 'queued'?"] * 2, out.stdout + out.stderr
 
 
 def test_park_under_hashed_key_names_is_a_problem_naming_the_task():
