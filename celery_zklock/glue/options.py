@@ -17,7 +17,22 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple, TypedDict, Union, cast
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    TypedDict,
+    TypeVar,
+    Union,
+    cast,
+)
 
 from ..conf import (
     DEFAULTS,
@@ -39,6 +54,8 @@ __all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "KeyOption", "LockOptions", "Loc
            "contention_problem", "locked_tasks", "locking_of", "policy_problem", "problems", "spec_of", "stray",
            "strays"]
 
+
+T = TypeVar("T")
 
 #: The ``key`` option: a template, a callable, a list of these, or None (the task name plus its arguments).
 KeyOption = Union[KeyPart, Sequence[KeyPart], None]
@@ -98,31 +115,45 @@ class LockSpec:
         def get(name: str) -> Any:
             return options.get(name, _DEFAULTS[name])
 
+        # Every independent problem at once, in one line: a user who fixes one should not meet
+        # the next only on the next start (the new-user trial of the policy values).
+        found: List[str] = []
+
+        def checked(check: Callable[[], T], fallback: T) -> T:
+            try:
+                return check()
+            except (ConfigurationError, ValueError) as exc:
+                text = str(exc)
+                found.append(text if text.startswith(where) else f"{where}: {text}")
+                return fallback
+
         mode, limit = get("mode"), get("limit")
-        try:
-            rule_for(mode, limit)
-        except ValueError as exc:
-            raise ConfigurationError(f"{where}: {exc}") from None
+        valid_lock = checked(lambda: rule_for(mode, limit) is not None, False)
         given = get("on_contention")
-        policy = DEFAULT if given is DEFAULT else contention_policy(f"{where}: on_contention", given)
-        dedupe = dedupe_policy(f"{where}: dedupe", get("dedupe"))
+        policy = DEFAULT if given is DEFAULT else checked(
+            lambda: contention_policy(f"{where}: on_contention", given), None)
+        dedupe = checked(lambda: dedupe_policy(f"{where}: dedupe", get("dedupe")), None)
+        on_lock_lost: LockLostPolicy = checked(
+            lambda: choice(f"{where}: on_lock_lost", get("on_lock_lost"), LOCK_LOST_POLICIES), "interrupt")
         locking = get("lock")
         if not isinstance(locking, bool):
-            raise ConfigurationError(f"{where}: lock must be True or False, not {locking!r}")
-        if not locking and dedupe is None:
-            raise ConfigurationError(f"{where}: lock=False without dedupe=... would do nothing; drop zk_locked instead")
-        if not locking:
+            found.append(f"{where}: lock must be True or False, not {locking!r}")
+        elif not locking and options.get("dedupe") is None:
+            found.append(f"{where}: lock=False without dedupe=... would do nothing; drop zk_locked instead")
+        elif not locking:
             lock_only = [name for name in _LOCK_ONLY if name in options and options[name] != _DEFAULTS[name]]
             if lock_only:
-                raise ConfigurationError(f"{where}: {_names(lock_only)} only with the lock, which lock=False turns off")
-        parts = check_key_parts(options.get("key"), fn, where)
-        if isinstance(policy, Contention) and locking:
+                found.append(f"{where}: {_names(lock_only)} only with the lock, which lock=False turns off")
+        no_parts: Tuple[KeyPart, ...] = ()
+        parts = checked(lambda: check_key_parts(options.get("key"), fn, where), no_parts)
+        if isinstance(policy, Contention) and locking is True and valid_lock and not found:
             refused = policy.refusal(mode, limit, len(parts) or 1, dedupe)  # no key option: one key
             if refused:
-                raise ConfigurationError(f"{where}: on_contention={refused}")
-        return cls(where=where, parts=parts, mode=mode, limit=limit, on_contention=policy,
-                   on_lock_lost=choice(f"{where}: on_lock_lost", get("on_lock_lost"), LOCK_LOST_POLICIES),
-                   lock=locking, dedupe=dedupe)
+                found.append(f"{where}: on_contention={refused}")
+        if found:
+            raise ConfigurationError("; ".join(found))
+        return cls(where=where, parts=parts, mode=mode, limit=limit, on_contention=cast(Contention, policy),
+                   on_lock_lost=on_lock_lost, lock=locking, dedupe=dedupe)
 
     def contention(self, defaults: TaskDefaults) -> Contention:
         """What this task does when its lock is held: its own policy, else the app's default, with

@@ -268,6 +268,19 @@ def test_a_settings_name_given_as_a_locked_tasks_option_is_named():
                              "the task's option is 'reject_on_worker_lost' (Celery ignores options it does not know)"]
 
 
+def test_every_wrong_option_of_a_task_is_named_at_once():
+    # Issue 43's new-user trial: only the first problem was said, so each fix met the next.
+    def fn(x):
+        pass
+
+    locked = zk_locked(key="k:{y}", on_contention="prak", dedupe="Queued", on_lock_lost="ignore", mode="shared")(fn)
+    problem = locking_of(locked).problem
+    for part in ("mode must be one of", "did you mean 'park'?", "did you mean 'queued'?",
+                 "on_lock_lost must be one of", "key template 'k:{y}' names 'y'"):
+        assert part in problem, problem
+    assert problem.count("task ") == 5 and "; task " in problem  # one line, each part naming the task
+
+
 def test_a_lock_option_given_to_the_task_instead_of_the_lock_is_named():
     # Issue 43's new-user trial: @app.task(on_contention=Skip()) above @zk_locked(...) passed
     # `check`, and Celery kept it as a task attribute nobody reads: the copy waited instead.
