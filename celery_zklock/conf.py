@@ -541,8 +541,7 @@ class TaskDefaults:
             return conf.get(name, DEFAULTS[name])
 
         return cls(**_all_or_raise({
-            "on_contention": lambda: choice("zklock_default_on_contention", get("zklock_default_on_contention"),
-                                            CONTENTION_POLICIES),
+            "on_contention": lambda: _default_policy(get("zklock_default_on_contention")),
             "timeout": lambda: optional_seconds("zklock_default_timeout", get("zklock_default_timeout")),
             "dedupe_ttl": lambda: positive_seconds("zklock_dedupe_ttl", get("zklock_dedupe_ttl")),
             "dedupe_publish_timeout": lambda: positive_seconds("zklock_dedupe_publish_timeout",
@@ -551,6 +550,21 @@ class TaskDefaults:
             "park_resend_after": lambda: _resend_after(get("zklock_park_resend_after")),
             "park_in_consumer": lambda: _flag("zklock_park_in_consumer", get("zklock_park_in_consumer")),
         }))
+
+
+def _default_policy(value: Any) -> ContentionPolicy:
+    """``zklock_default_on_contention``: a policy's name. A policy value (``Park(limit=5)``) is
+    refused, saying where its fields' defaults are set: a setting holds names, not objects.
+
+    >>> _default_policy("park")
+    'park'
+    """
+    if value is not None and not isinstance(value, str) and hasattr(value, "name"):
+        raise ConfigurationError(
+            f"zklock_default_on_contention takes a policy's name ({getattr(value, 'name', '?')!r}), not "
+            f"{type(value).__name__}(...): the defaults of its fields are settings of their own "
+            "(zklock_default_timeout, zklock_default_park_limit)")
+    return choice("zklock_default_on_contention", value, CONTENTION_POLICIES)
 
 
 #: The least ``zklock_park_resend_after`` may be. Each turn sends every unreceived head again

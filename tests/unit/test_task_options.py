@@ -523,6 +523,13 @@ def test_a_default_policy_a_task_cannot_take_is_a_problem_naming_the_setting(set
         two.delay(1)
 
 
+def test_a_policy_value_as_the_default_setting_is_refused_naming_where_its_fields_go():
+    # The new-user trial: a policy value in the setting was refused as "must be one of ...".
+    with pytest.raises(ConfigurationError, match=r"zklock_default_on_contention takes a policy's name \('park'\), "
+                                                 r"not Park\(...\): .*zklock_default_park_limit"):
+        TaskDefaults.from_conf({"zklock_default_on_contention": Park(limit=5)})
+
+
 def test_a_bad_default_park_limit_is_refused_naming_the_setting():
     with pytest.raises(ConfigurationError, match="zklock_default_park_limit must be a positive int, not 'ten'"):
         TaskDefaults.from_conf({"zklock_default_park_limit": "ten"})
