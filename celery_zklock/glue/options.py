@@ -143,7 +143,8 @@ class LockSpec:
         elif not locking:
             lock_only = [name for name in _LOCK_ONLY if name in options and options[name] != _DEFAULTS[name]]
             if lock_only:
-                found.append(f"{where}: {_names(lock_only)} only with the lock, which lock=False turns off")
+                found.append(f"{where}: {_names(lock_only)} only with the lock, which lock=False turns off; "
+                             f"drop {'them' if len(lock_only) > 1 else 'it'}, or lock=False")
         no_parts: Tuple[KeyPart, ...] = ()
         parts = checked(lambda: check_key_parts(options.get("key"), fn, where), no_parts)
         if isinstance(policy, Contention) and locking is True and valid_lock and not found:

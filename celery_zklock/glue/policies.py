@@ -213,7 +213,7 @@ class Park(Contention):
     >>> Park(limit=0).problem()
     'limit must be a positive int, not 0'
     >>> Park().refusal("exclusive", None, 1, Queued())
-    "Park() and dedupe=Queued() do not go together yet: a parked copy's marker would go as it parks"
+    "Park() and dedupe=Queued() do not go together yet: a parked copy's marker would go as it parks; drop one"
     """
 
     limit: Union[int, FromSettings] = DEFAULT
@@ -229,7 +229,8 @@ class Park(Contention):
 
     def refusal(self, mode: str, limit: Optional[int], keys: int, dedupe: Optional[Dedupe]) -> Optional[str]:
         if dedupe is not None:
-            return f"{self!r} and dedupe={dedupe!r} do not go together yet: a parked copy's marker would go as it parks"
+            return (f"{self!r} and dedupe={dedupe!r} do not go together yet: a parked copy's marker would go as it "
+                    "parks; drop one")
         return super().refusal(mode, limit, keys, dedupe)
 
     def resolved(self, defaults: TaskDefaults) -> Contention:
