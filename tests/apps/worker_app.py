@@ -563,9 +563,14 @@ def render(self, key: str, n: int, seconds: float, gate: str = "") -> int:
     """Version ``n`` of a report: writes ``n`` to the store under its token as it starts, then
     works ``seconds`` (or, given a ``gate``, until that file exists, at most ``seconds``); a newer
     version preempts it (``Preempted`` ends the body here)."""
+    # The body's start, read before its first write: a note's own time is read after its
+    # arguments, and a Preempted that lands in the write (redis-py's first connection, where
+    # importlib.metadata swallows it until the interrupt is sent again, a second later) put an
+    # older version's start after a newer one's (CI, 1 run in about 30).
+    began = time.monotonic()
     token = current_lock().fencing_token
     note("start", key=key, token=token, n=n, place=current_lock().published,
-         accepted=fenced_write(f"render:{key}", n, token))
+         accepted=fenced_write(f"render:{key}", n, token), time=began)
     try:
         until = time.monotonic() + seconds
         while time.monotonic() < until and not (gate and os.path.exists(gate)):
