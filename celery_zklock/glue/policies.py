@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, ClassVar, Dict, Mapping, Optional, Protocol, Type, Union
+from typing import Any, ClassVar, Dict, Mapping, Optional, Protocol, Type, Union, cast
 
 from ..conf import (
-    CONTENTION_POLICIES,
-    DEDUPE_MODES,
     DUPLICATE_POLICIES,
     UNAVAILABLE_POLICIES,
     ContentionPolicy,
@@ -298,18 +296,10 @@ def contention_policy(name: str, value: Any) -> Contention:
     celery_zklock.exceptions.ConfigurationError: on_contention must be a policy (Wait(...), Skip(), Raise(), \
 Retry(...), Park(...), Preempt(...)) or one of wait, skip, retry, raise, park, preempt, not 'prak'; did you mean 'park'?
     """
-    if isinstance(value, Contention) and type(value) is not Contention:
-        problem = value.problem()
-        if problem:
-            raise ConfigurationError(f"{name}={value!r}: {problem}")
-        return value
-    if isinstance(value, type) and issubclass(value, Contention):
-        raise ConfigurationError(f"{name}={value.__name__} is the policy's class; write {value.__name__}()")
-    if isinstance(value, str) and value in CONTENTION:
-        return CONTENTION[value]()
-    raise ConfigurationError(f"{name} must be a policy (Wait(...), Skip(), Raise(), Retry(...), Park(...), "
-                             f"Preempt(...)) or one of {', '.join(CONTENTION_POLICIES)}, not {value!r}"
-                             + (did_you_mean(value.lower(), CONTENTION) if isinstance(value, str) else ""))
+    # Any subclass but the base: a policy of one's own is one class.
+    ours = isinstance(value, Contention) and type(value) is not Contention
+    return cast(Contention, _as_policy(name, value, Contention, ours, CONTENTION,
+                                       "a policy (Wait(...), Skip(), Raise(), Retry(...), Park(...), Preempt(...))"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,18 +394,25 @@ def dedupe_policy(name: str, value: Any) -> Optional[Dedupe]:
     """
     if value is None:
         return None
-    if isinstance(value, Dedupe) and type(value) in DEDUPE.values():
+    ours = isinstance(value, Dedupe) and type(value) in DEDUPE.values()
+    return cast(Dedupe, _as_policy(name, value, Dedupe, ours, DEDUPE,
+                                   "None, a policy (Queued(...), QueuedOrRunning(...), Latest(...))"))
+
+
+def _as_policy(name: str, value: Any, base: type, ours: bool, by_name: Mapping[str, type], shown: str) -> Any:
+    """``value`` as a policy of ``base``'s kind: itself if ``ours`` (its own fields checked), or the
+    policy ``by_name`` names; else ConfigurationError naming ``name``, its class, or the names."""
+    if ours:
         problem = value.problem()
         if problem:
             raise ConfigurationError(f"{name}={value!r}: {problem}")
         return value
-    if isinstance(value, type) and issubclass(value, Dedupe):
+    if isinstance(value, type) and issubclass(value, base):
         raise ConfigurationError(f"{name}={value.__name__} is the policy's class; write {value.__name__}()")
-    if isinstance(value, str) and value in DEDUPE:
-        return DEDUPE[value]()
-    raise ConfigurationError(f"{name} must be None, a policy (Queued(...), QueuedOrRunning(...), Latest(...)) "
-                             f"or one of {', '.join(DEDUPE_MODES)}, not {value!r}"
-                             + (did_you_mean(value.lower(), DEDUPE) if isinstance(value, str) else ""))
+    if isinstance(value, str) and value in by_name:
+        return by_name[value]()
+    raise ConfigurationError(f"{name} must be {shown} or one of {', '.join(by_name)}, not {value!r}"
+                             + (did_you_mean(value.lower(), by_name) if isinstance(value, str) else ""))
 
 
 def _problem(check: Any, field: str, value: Any, *more: Any) -> Optional[str]:
