@@ -290,10 +290,22 @@ class _LeaderOnly(_Leadership):
         3.8 s after its last run). Written first, the next leader reads it. A write that
         fails is logged by the scheduler, and the run is sent all the same: at most one
         run sent twice, never one dropped for a database blip.
+
+        The send is checked against the leadership the tick began under, as
+        ``LeaderScheduler``'s is: a leader paused past its session timeout between its tick's
+        check and here (in the write, say) resumed and sent the run beside the new leader
+        (the beat fuzzer, in CI). Not sent, the run is lost, and says so: at most once.
         """
         if getattr(self, "_dirty", None):
             self.sync()
-        self._send(entry, producer)
+        election = self.election
+        if election is None:
+            return
+        with election.dispatching() as lead:
+            if lead is None or lead.token != self._leading_token:
+                logger.warning("beat: leadership lost or in doubt before sending %s; not sent", entry.name)
+                return
+            self._send(entry, producer)
 
 
 class LeaderScheduler(_Leadership):

@@ -136,3 +136,38 @@ def test_a_django_leader_that_rebuilds_its_heap_twice_around_a_run_does_not_send
     assert len(sends) >= 3, sends  # the first run, the one the writes met, and one after
     gaps = [round(b - a, 3) for a, b in zip(sends, sends[1:])]
     assert min(gaps) > 0.5, f"a run sent twice: gaps {gaps}"
+
+
+def test_a_django_leader_paused_past_its_session_as_it_writes_a_run_does_not_send_it(
+        redis_server, zk_server, zk_root, tmp_path):
+    # The leader checks that it leads as its tick begins, then writes the run to the database,
+    # then sends it. Paused between the two past its session timeout, it resumed and sent the
+    # run while the standby, leading by then, sent the same runs (the beat fuzzer, in CI: two
+    # sends 0.31 s apart). The app stops the leader itself as it writes a run.
+    app, scheduler = SCHEDULERS["django-celery-beat"]
+    queue, stopped = f"tp-{uuid.uuid4().hex[:8]}", tmp_path / "stopped"
+    env: Dict[str, str] = {**os.environ, "ZKT_BROKER": redis_server.url, "ZKT_HOSTS": zk_server.hosts,
+                           "ZKT_ROOT": zk_root, "ZKT_QUEUE": queue, "ZKT_SESSION_TIMEOUT": str(TIMEOUT),
+                           "ZKT_DJANGO_DB": str(tmp_path / "db.sqlite3"), "ZKT_STOP_IN_SYNC": str(stopped),
+                           "PYTHONPATH": os.getcwd()}
+    subprocess.run([sys.executable, "-c", "import tests.apps.django_project.celery; from django.core.management "
+                    "import call_command; call_command('migrate', verbosity=0)"], env=env, check=True, timeout=120)
+    beats = [CeleryBeat(app, name=f"django-{i}", scheduler=scheduler, env=env) for i in range(2)]
+    try:
+        for beat in beats:
+            beat.start(wait=False)
+        wait_until(lambda: stopped.exists() and stopped.read_text() != "", timeout=60)
+        leader = next(b for b in beats if b.pid == int(stopped.read_text()))
+        standby = next(b for b in beats if b is not leader)
+        wait_until(lambda: any(d["pid"] == standby.pid for d in sent(redis_server.url, queue)), timeout=TIMEOUT + 30)
+        taken_over = min(d["sent"] for d in sent(redis_server.url, queue) if d["pid"] == standby.pid)
+        leader.signal(signal.SIGCONT)
+        wait_until(lambda: "not leading any more" in leader.log_text(), timeout=30)
+        late = [round(d["sent"] - taken_over, 2) for d in sent(redis_server.url, queue)
+                if d["pid"] == leader.pid and d["sent"] > taken_over]
+        assert late == [], f"the resumed leader sent {len(late)} run(s) after the standby began, at {late} s"
+        assert "not sent" in leader.log_text()
+    finally:
+        for beat in beats:
+            beat.signal(signal.SIGCONT)
+            beat.close()
