@@ -502,12 +502,13 @@ if os.environ.get("ZKT_CONSUMER_FAULTS"):  # only where a test asks: each park r
 
 if os.environ.get("ZKT_CONSUMER_BLIND"):  # the main process's views come late, and copies wait this long for them
     from celery_zklock.glue import park_consumer as _blind
+    from celery_zklock.glue import park_consumer_parks as _held
 
-    _blind.HOLD_AT_MOST = float(os.environ["ZKT_CONSUMER_BLIND"])
+    _held.HOLD_AT_MOST = float(os.environ["ZKT_CONSUMER_BLIND"])  # where the held copies' expiry reads it
     _read_view = _blind._ConsumerParking._read
 
     def _read_late(self: Any, entry: Any) -> None:
-        time.sleep(2 * _blind.HOLD_AT_MOST)
+        time.sleep(2 * _held.HOLD_AT_MOST)
         _read_view(self, entry)
 
     _blind._ConsumerParking._read = _read_late  # type: ignore[method-assign]

@@ -170,11 +170,12 @@ def test_a_read_asked_for_a_key_a_blip_dropped_is_not_made():
     # nothing; the next copy of the key makes a fresh entry, whose read cleans up.
     from celery import Celery
 
-    from celery_zklock.glue.park_consumer import _ConsumerParking, _Key
+    from celery_zklock.glue.park_consumer import _ConsumerParking
+    from celery_zklock.glue.park_consumer_state import KeyState
     from celery_zklock.recipes import EXCLUSIVE
 
     part = _ConsumerParking(Celery("dropped", set_as_current=False, config_source={"zklock_hosts": "127.0.0.1:1"}))
-    entry = _Key("k", "/r/parked/locks/k-k", "/r/locks/k-k", EXCLUSIVE, "exclusive", part)
+    entry = KeyState("k", "/r/parked/locks/k-k", "/r/locks/k-k", EXCLUSIVE, "exclusive", part)
     entry.asked = True
 
     def no_session() -> None:
