@@ -390,9 +390,9 @@ def test_a_process_never_answers_a_publish_with_a_copy_it_never_sent(env, monkey
     # through yet (it fails, as it would with ZooKeeper slow); the process knows the copy.
     from kazoo.exceptions import ConnectionLoss
 
-    from celery_zklock.glue import dedupe
+    from celery_zklock.glue import dedupe_markers
 
-    real_release, real_send = dedupe.release, dedupe_app.app.amqp.send_task_message
+    real_release, real_send = dedupe_markers.release, dedupe_app.app.amqp.send_task_message
 
     def not_yet_in_the_background(*args, **kwargs):
         if threading.current_thread().name == "celery-zklock-releases":
@@ -407,7 +407,7 @@ def test_a_process_never_answers_a_publish_with_a_copy_it_never_sent(env, monkey
             raise OperationalError("the broker is down")
         return real_send(*args, **kwargs)
 
-    monkeypatch.setattr(dedupe, "release", not_yet_in_the_background)
+    monkeypatch.setattr(dedupe_markers, "release", not_yet_in_the_background)  # the releases' thread's
     monkeypatch.setattr(dedupe_app.app.amqp, "send_task_message", fails_once)
     with pytest.raises(OperationalError):
         dedupe_app.debounced.apply_async(("own", 1), retry=False, task_id="never-sent-own")
