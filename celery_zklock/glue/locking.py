@@ -42,7 +42,8 @@ from .api import layout_of, lock, lock_path, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .options import PARK_HASHED, LockSpec, policy_problem
-from .park import Parking, abandon_received, leave_queue, parked_elsewhere
+from .park import Parking
+from .park_message import abandon_received, leave_queue, parked_elsewhere
 from .policies import Contention, Park, Preempt
 from .preempt import published_header, warn_placeless
 

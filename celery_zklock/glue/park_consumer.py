@@ -34,9 +34,9 @@ from ..exceptions import explain
 from ..recipes.park import delivery_token
 from .api import lock_path, rule_for, task_defaults
 from .options import spec_of
-from .park import PARK_HEADER, SENT_HEADER
 from .park_consumer_parks import ConsumerParks
 from .park_consumer_state import LEND_AT_MOST, VIEW_KEYS, Decision, Job, KeyState, View, decide
+from .park_message import PARK_HEADER, SENT_HEADER
 from .park_worker import leaves_unlocked
 from .policies import Park
 

@@ -24,9 +24,9 @@ from ..recipes.park import (
 from ..zk import Session, deadline, timeouts
 from ..zk.background import RUNNER
 from .celery_internals import request_context
-from .park import _watch, message_of
 from .park_consumer_reads import ConsumerReads
 from .park_consumer_state import HOLD_AT_MOST, RETRY_EVERY, Decision, Job, KeyState
+from .park_message import _watch, message_of
 
 logger = logging.getLogger("celery_zklock")
 

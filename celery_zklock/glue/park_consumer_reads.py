@@ -28,8 +28,8 @@ from ..recipes.rules import sequence
 from ..zk import Liveness, Session, deadline, reply, session_for
 from ..zk.background import RUNNER
 from .api import layout_of, settings_of, task_defaults
-from .park import _watch, send
 from .park_consumer_state import QUIET, RETRY_EVERY, KeyState, View
+from .park_message import _watch, send
 
 logger = logging.getLogger("celery_zklock")
 

@@ -18,7 +18,7 @@ from ..zk import deadline, session_for, timeouts
 from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
 from .celery_internals import current_task, retried_request
 from .options import policy_problem, spec_of
-from .park import PARK_HEADER, SENT_HEADER, _sending, encode
+from .park_message import PARK_HEADER, SENT_HEADER, _sending, encode
 from .policies import Park
 
 __all__ = ["as_new_delivery", "publish"]

@@ -28,17 +28,14 @@ from ..zk import Session, deadline, reply, session_for, timeouts
 from ..zk.background import RUNNER
 from .api import layout_of, settings_of, task_defaults
 from .options import locked_tasks, spec_of
-from .park import (
-    _GIVE_UP_BACKOFF,
-    _GIVE_UP_TRIES,
+from .park import _GIVE_UP_BACKOFF, _GIVE_UP_TRIES, _started_when_held, _taken
+from .park_message import (
     PARK_HEADER,
     SENT_HEADER,
     _header,
     _key_of,
     _queue_at,
     _sent_nonce,
-    _started_when_held,
-    _taken,
     _watch,
     parked_header,
     send,
