@@ -15,7 +15,7 @@ from ..exceptions import ConfigurationError, explain
 from ..recipes.dedupe import release
 from ..zk import Liveness, session_for
 from ..zk.background import RUNNER
-from ..zk.session import on_session_started
+from ..zk.registry import on_session_started
 from .api import layout_of, task_defaults
 from .options import LockSpec, contention_problem, locking_of
 

@@ -43,7 +43,7 @@ from .. import signals
 from ..conf import MetricsSettings
 from ..exceptions import ConfigurationError
 from ..zk import Liveness, Session
-from ..zk.session import on_session_started
+from ..zk.registry import on_session_started
 
 __all__ = ["Families", "announce", "beat_leading", "beat_sent", "families", "gone", "owner", "process_ended", "reap",
            "serve", "stop"]

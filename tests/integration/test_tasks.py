@@ -256,7 +256,7 @@ def test_bad_key_at_call_time_fails_before_the_body(celery_app):
 
 
 def test_unlocked_tasks_open_no_session(celery_app, zk_root):
-    from celery_zklock.zk import session as client
+    from celery_zklock.zk import registry as client
 
     celery_app.conf.zklock_root = zk_root  # settings of its own: no session shared with other tests
 

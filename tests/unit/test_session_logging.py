@@ -4,7 +4,7 @@
 def test_kazoo_reconnect_noise_is_one_line_per_state_change_and_a_summary_per_minute(caplog, monkeypatch):
     import logging
 
-    from celery_zklock.zk import session
+    from celery_zklock.zk import kazoo_logs as session
 
     now = [1000.0]
     monkeypatch.setattr(session.time, "monotonic", lambda: now[0])
@@ -32,7 +32,7 @@ def test_kazoo_reconnect_noise_is_one_line_per_state_change_and_a_summary_per_mi
 def test_starts_given_up_during_an_outage_add_no_lines_and_a_first_reach_is_not_again(caplog, monkeypatch):
     import logging
 
-    from celery_zklock.zk import session
+    from celery_zklock.zk import kazoo_logs as session
 
     quiet = session._QuietReconnects()
 
@@ -60,7 +60,7 @@ def test_starts_given_up_during_an_outage_add_no_lines_and_a_first_reach_is_not_
 def test_a_session_a_server_said_expired_is_reachable_again(caplog):
     import logging
 
-    from celery_zklock.zk import session
+    from celery_zklock.zk import kazoo_logs as session
 
     quiet = session._QuietReconnects()
 
