@@ -29,6 +29,8 @@ from celery_zklock.zk import session_for
 from tests.util import children, wait_until
 
 PACKAGE = str(Path(celery_zklock.__file__).parent)
+#: ParkedQueue's modules (its reads and writes of ZooKeeper), each line of which the park sweep interrupts.
+QUEUE_FILES = tuple(f"recipes/{name}.py" for name in ("park", "park_queue", "park_entry", "park_handoff"))
 
 
 class Injected(BaseException):
@@ -390,7 +392,7 @@ def test_no_line_of_a_parking_or_a_received_copy_leaks_a_node_or_stalls_its_queu
         drain()
         # The glue's and the queue's lines: the lock's and the session's are the first test's.
         points = [p for p in sorted(set(recording.seen), key=recording.seen.index)
-                  if "/glue/" in p[0] or p[0].endswith("park.py")]
+                  if "/glue/" in p[0] or p[0].endswith(QUEUE_FILES)]
         assert any("park" in p[0] for p in points) and len(points) > 50, f"the {phase} window was not traced"
         for n, point in enumerate(points, start=2):
             leaks.append(judged(phase, n, point, act))
@@ -462,7 +464,7 @@ def test_no_line_of_a_latest_publish_or_run_leaves_the_key_to_a_stale_copy_or_to
     with Injector() as recording:
         copy(1)
     points = [p for p in sorted(set(recording.seen), key=recording.seen.index) if "/glue/" in p[0]
-              or p[0].endswith("marker.py")]
+              or p[0].endswith("recipes/dedupe.py")]
     assert len(points) > 20, "the window was not traced"
     problems, fired = [], 0
     for i, point in enumerate(points, start=2):
