@@ -1,5 +1,7 @@
-"""The old home of :mod:`celery_zklock.glue.beat`, for ``-S celery_zklock.beat:LeaderScheduler``."""
+"""The ``-S`` path the beat guide documents: ``celery_zklock.beat:LeaderScheduler``
+(:mod:`.glue.beat_leader`) and :func:`leader_only` (:mod:`.glue.beat`)."""
 
-from .glue.beat import LeaderScheduler, leader_only
+from .glue.beat import leader_only
+from .glue.beat_leader import LeaderScheduler
 
 __all__ = ["LeaderScheduler", "leader_only"]

@@ -1,0 +1,244 @@
+"""What the exporter reads: one pass over the tree, within a budget of reads and a timeout,
+into a :class:`Snapshot` the gauges are set from (:mod:`.exporter`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from kazoo.exceptions import NoAuthError, NoNodeError
+
+from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
+from ..recipes.dedupe import STARTED, read_marker
+from ..recipes.park import CLAIM, MEMBER, parked_sequence
+from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
+from ..zk import Session
+from ..zk.deadlines import reply
+
+#: How long one read of the tree may take: under Prometheus's default scrape timeout (10 s),
+#: so a slow ZooKeeper shows as ``exporter_up 0``, not as a scrape that timed out.
+READ_TIMEOUT = 5.0
+
+
+class _Budget:
+    """Sends requests in pipelined rounds, at most ``limit`` of them in all, each round waited
+    for by ``until``. A request past the limit is not sent: its answer is None, as a node's
+    that vanished while we looked (a released lock) is, and its part of the tree is marked cut,
+    so that its families are left out rather than served wrong (a beat whose election was not
+    read is not a beat without a leader)."""
+
+    def __init__(self, session: Session, limit: int, until: float) -> None:
+        self.client = session.client
+        self.left = limit
+        self.sent = 0
+        self.cut: Set[str] = set()
+        self.until = until
+
+    def round(self, part: str, calls: Sequence[Tuple[str, str]]) -> List[Any]:
+        """``calls`` are (``children`` | ``get`` | ``exists``, path), for ``part`` of the tree;
+        answers in the same order."""
+        sending = calls[:max(0, self.left)]
+        if len(sending) < len(calls):
+            self.cut.add(part)
+        self.left -= len(sending)
+        self.sent += len(sending)
+        start = {"children": self.client.get_children_async, "get": self.client.get_async,
+                 "exists": self.client.exists_async}
+        pending = [start[kind](path) for kind, path in sending]
+        answers: List[Any] = []
+        for result in pending:
+            try:
+                answers.append(reply(result, self.until))
+            except NoNodeError:
+                answers.append(None)
+            except NoAuthError:
+                if part == "listings":
+                    raise  # the tree itself: nothing can be read, say so (up 0)
+                answers.append(None)  # one node someone else locked with an ACL: not ours to count
+        return answers + [None] * (len(calls) - len(sending))
+
+
+@dataclass
+class _Key:
+    """One key with contenders: how many hold and wait in each mode, and since when."""
+
+    label: str
+    holders: Counter
+    waiters: Counter
+    hold: Optional[Tuple[str, float]] = None  # the oldest holder's mode and node creation (epoch s)
+    wait: Optional[Tuple[str, float]] = None  # the oldest waiter's
+
+
+@dataclass
+class Snapshot:
+    """What one read of the tree found (``ok`` False: it failed, and says why in ``error``)."""
+
+    at: float  # wall time, for ages against ZooKeeper's creation times
+    ok: bool = True
+    error: str = ""
+    reads: int = 0
+    #: The parts of the tree not read whole (past --max-reads): their families are left out.
+    cut: Set[str] = field(default_factory=set)
+    seconds: float = 0.0
+    keys: List[_Key] = field(default_factory=list)
+    parked: int = 0
+    parked_since: Optional[float] = None
+    #: Queues with copies and no watcher's member node.
+    unwatched: int = 0
+    #: The oldest claim's creation (epoch s) among queue heads in flight (sent again, not taken).
+    in_flight_since: Optional[float] = None
+    #: (queue, head) of each head neither in flight nor behind a holder: it waits to be sent.
+    idle: Set[Tuple[str, str]] = field(default_factory=set)
+    #: Each stalled head, (queue, head), in flight (its claim's creation, epoch s) or idle (None).
+    stalled: Dict[Tuple[str, str], Optional[float]] = field(default_factory=dict)
+    #: Since when (epoch s) each of ``stalled`` has stood still, as far as the exporter knows (Exporter.snapshot).
+    stalled_since: Dict[Tuple[str, str], float] = field(default_factory=dict)
+    markers: Counter = field(default_factory=Counter)
+    beats: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+
+def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
+    """Read what the exporter serves, in at most ``max_reads`` requests (see the module's doc)."""
+    now, started = time.time(), time.monotonic()
+    budget = _Budget(session, max_reads, started + READ_TIMEOUT)
+    snap = Snapshot(at=now)
+    lock_trees = [f"{layout.root}/{t}" for t in LOCK_TREES]
+    parked_trees = [f"{layout.root}/{PARKED}/{t}" for t in LOCK_TREES]
+    listed = budget.round("listings", [("children", p) for p in
+                                       (*lock_trees, *parked_trees, layout.queued_tree, layout.beats)])
+    locks = [(tree, name) for tree, names in zip(lock_trees, listed[:2]) for name in names or ()]
+    parked = [f"{tree}/{name}" for tree, names in zip(parked_trees, listed[2:4]) for name in names or ()]
+    markers = listed[4] or []
+    beats = listed[5] or []
+
+    # The beat elections first: the smallest part, and the one an alert on "no leader" needs.
+    paths = [f"{layout.beats}/{b}" for b in beats]
+    found = budget.round("beats", [(kind, f"{p}/{sub}") for p in paths for kind, sub in
+                          (("children", "election"), ("children", "entries"))])
+    plans = []  # (beat, candidates, the leader's node or None, its entries' nodes)
+    for i, (beat, path) in enumerate(zip(beats, paths)):
+        candidates = sorted((c for c in found[2 * i] or () if contender(c)), key=sequence)
+        plans.append((_label(beat), len(candidates),
+                      f"{path}/election/{candidates[0]}" if candidates else None,
+                      [f"{path}/entries/{e}" for e in found[2 * i + 1] or ()]))
+    got = iter(budget.round("beats", [("get", p) for _, _, leader, runs in plans
+                                      for p in ([leader] if leader else []) + runs]))
+    for beat, count, leader, runs in plans:
+        info: Dict[str, Any] = {"candidates": count, "leader": leader is not None}
+        tick_by = _number(node_object(_data(next(got))).get("tick_by")) if leader else None
+        if tick_by is not None:
+            info["overdue"] = max(0.0, now - tick_by)
+        last = [t for t in (_number(node_object(_data(next(got))).get("last_run_at")) for _ in runs) if t is not None]
+        if last:
+            info["since_dispatch"] = max(0.0, now - max(last))
+        snap.beats[beat] = info
+
+    # Each key's contenders; a semaphore's limit is its key node's data.
+    semaphores = lock_trees[1]
+    calls = [(kind, f"{tree}/{name}") for tree, name in locks
+             for kind in (("children", "get") if tree == semaphores else ("children",))]
+    answers = iter(budget.round("locks", calls))
+    heads: List[Tuple[_Key, str, Optional[str], Optional[str]]] = []  # key, path, oldest holder, waiter
+    with_holder: Set[str] = set()  # the keys with a holder, by path
+    for tree, name in locks:
+        children = next(answers)
+        limit = next(answers) if tree == semaphores else None
+        if not children:
+            continue
+        leases = node_object(limit[0]).get("limit") if limit else None
+        rule = semaphore(leases) if type(leases) is int and leases > 0 else None
+
+        def rule_of(node_name: str, rule: Optional[Rule] = rule) -> Rule:
+            return rule if rule is not None and RULES[node_name].name == "semaphore" else RULES[node_name]
+
+        holding, waiting = split_queue(children, rule_of)
+        if not holding and not waiting:
+            continue  # junk only
+        key = _Key(_label(name), Counter(map(_mode, holding)), Counter(map(_mode, waiting)))
+        snap.keys.append(key)
+        if holding:
+            with_holder.add(f"{tree}/{name}")
+        # Sequence order is creation order: the first of each is its oldest.
+        heads.append((key, f"{tree}/{name}", holding[0] if holding else None, waiting[0] if waiting else None))
+    ages = iter(budget.round("ages", [("exists", f"{path}/{n}") for _, path, h, w in heads for n in (h, w) if n]))
+    for key, _, hold, wait in heads:
+        held = next(ages) if hold else None
+        waited = next(ages) if wait else None
+        key.hold = (_mode(hold), held.ctime / 1000) if hold and held else None
+        key.wait = (_mode(wait), waited.ctime / 1000) if wait and waited else None
+
+    # Parked copies: how many, the oldest head's age, and the queues that stand still.
+    listed = budget.round("parked", [("children", p) for p in parked])
+    queues = [(p, names or [], sorted((c for c in names or () if parked_sequence(c) >= 0), key=parked_sequence))
+              for p, names in zip(parked, listed)]
+    queues = [(p, names, q) for p, names, q in queues if q]
+    snap.parked = sum(len(q) for _, _, q in queues)
+    snap.unwatched = sum(1 for _, names, _ in queues if not any(n.startswith(MEMBER) for n in names))
+    flying = [f"{p}/{CLAIM}{q[0]}" for p, names, q in queues if CLAIM + q[0] in names]
+    stats = budget.round("parked", [("exists", f"{p}/{q[0]}") for p, _, q in queues] +
+                         [("exists", claim) for claim in flying])
+    since = [s.ctime / 1000 for s in stats[:len(queues)] if s]
+    snap.parked_since = min(since) if since else None
+    claims = dict(zip(flying, stats[len(queues):]))
+    claimed = [s.ctime / 1000 for s in claims.values() if s]
+    snap.in_flight_since = min(claimed) if claimed else None
+    snap.idle = {(p, q[0]) for p, names, q in queues
+                 if CLAIM + q[0] not in names and layout.lock_of_parked(p) not in with_holder}
+    snap.stalled = {**{head: None for head in snap.idle},
+                    **{(p, q[0]): stat.ctime / 1000 for p, _, q in queues
+                       for stat in [claims.get(f"{p}/{CLAIM}{q[0]}")] if stat}}
+
+    # Dedupe markers: each one's state needs its own read, so they come last.
+    for answer in budget.round("markers", [("get", f"{layout.queued_tree}/{m}") for m in markers]):
+        if answer is not None:
+            snap.markers[_marker_state(answer[0], answer[1], now)] += 1
+    snap.reads, snap.cut = budget.sent, budget.cut
+    snap.seconds = time.monotonic() - started
+    return snap
+
+
+def _mode(node: str) -> str:
+    """A contender node's mode, from its name: write (exclusive locks too), read or semaphore."""
+    return RULES[contender(node)[0]].name  # type: ignore[index]
+
+
+def _label(name: str) -> str:
+    """The key (or beat) a node's name encodes, for a label; the name itself when it encodes
+    none, or one that is no text (a lone surrogate, which no scrape could carry)."""
+    try:
+        key = decode_key(name)
+        if key is None:
+            return name
+        key.encode("utf-8")  # raises for a lone surrogate
+        return key
+    except UnicodeError:  # junk someone else wrote under the root
+        return name
+
+
+def _data(answer: Any) -> Optional[bytes]:
+    return answer[0] if answer is not None else None
+
+
+def _number(value: Any) -> Optional[float]:
+    """``value`` if it is a finite number (node data may hold anything, 1e400 or -Infinity too), else None."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _marker_state(raw: bytes, stat: Any, now: float) -> str:
+    """queued, running (its worker's session holds it), started (dedupe="latest") or expired."""
+    if stat.numChildren:
+        return "running"
+    marker = read_marker(raw) or {}
+    if marker.get(STARTED) is True or marker.get("expires") == 0:
+        return "started"
+    expires = marker.get("expires")
+    return "queued" if isinstance(expires, (int, float)) and expires > now else "expired"
