@@ -17,7 +17,8 @@ from kazoo.exceptions import ConnectionLoss, KazooException, NodeExistsError, No
 from ..exceptions import ConfigurationError
 from ..layout import node_object
 from ..recipes.election import Leadership
-from ..zk import Session
+from ..zk import Session, deadline
+from ..zk.deadlines import wait_connected
 from .beat import _Leadership
 
 logger = logging.getLogger("celery_zklock.beat")
@@ -163,13 +164,10 @@ class LeaderScheduler(_Leadership):
     def _committed(self, path: str, name: str, run: Dict[str, Any], session: Session) -> Optional[bool]:
         """After a lost reply: whether the entry holds exactly this run, under this leadership
         (None: the connection did not come back within the session timeout)."""
-        deadline = time.monotonic() + session.timeout
-        while not session.client.connected:
-            if time.monotonic() > deadline:
-                logger.warning("beat: could not learn whether run %d of %s was recorded; not sent",
-                               run["total_run_count"], name)
-                return None
-            time.sleep(0.05)
+        if not wait_connected(session, deadline(session.timeout)):
+            logger.warning("beat: could not learn whether run %d of %s was recorded; not sent",
+                           run["total_run_count"], name)
+            return None
         try:
             stored = node_object(session.client.get(path)[0])
         except NoNodeError:

@@ -46,8 +46,16 @@ def through_blips(session: Any, until: Optional[float], step: Callable[[], T]) -
         try:
             return step()
         except ConnectionLoss:
-            while not session.client.connected:
-                left = remaining(until)
-                if left is not None and left <= 0:
-                    raise
-                time.sleep(0.05 if left is None else min(0.05, left))
+            if not wait_connected(session, until):
+                raise
+
+
+def wait_connected(session: Any, until: Optional[float]) -> bool:
+    """Wait until ``session``'s client is connected (True), or ``until`` passes (False): the wait
+    between a connection loss and the step run again (:func:`through_blips`)."""
+    while not session.client.connected:
+        left = remaining(until)
+        if left is not None and left <= 0:
+            return False
+        time.sleep(0.05 if left is None else min(0.05, left))
+    return True
