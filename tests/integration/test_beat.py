@@ -11,7 +11,6 @@ import os
 import signal
 import time
 import uuid
-from datetime import datetime
 from typing import Collection, Dict, Iterator, List, Optional
 
 import pytest
@@ -161,18 +160,22 @@ def test_cut_leader_stops_sending_before_its_session_could_expire(beats, kazoo, 
 
 
 def test_crontab_entry_runs_once_at_its_minute_after_a_takeover(beats, kazoo, zk_root, queue, redis_server):
-    # Take over about 3 s before a minute boundary; the entry must run once at that minute.
-    wait_until(lambda: 30 <= datetime.now().second <= 45, timeout=61)
-    first = beats("b1", ZKT_CRONTAB="1")
-    beats("b2", ZKT_CRONTAB="1")
-    wait_until(lambda: datetime.now().second >= 57, timeout=30)
+    # Take over about 3 s before a minute boundary; the entry must run once at that minute. The
+    # beats' clock (app.now: what crontab reads) is set off the wall's so that they start at its
+    # second 40, and the boundary comes 20 s later rather than at the wall's next minute.
+    offset = 40 - time.time() % 60
+    first = beats("b1", ZKT_CRONTAB="1", ZKT_CLOCK_OFFSET=repr(offset))
+    standby = beats("b2", ZKT_CRONTAB="1", ZKT_CLOCK_OFFSET=repr(offset))
+    wait_until(lambda: "standby; the leader is" in standby.log_text(), timeout=20)
+    boundary = (int(time.time() + offset) // 60 + 1) * 60 - offset  # the beats' next minute, in wall time
+    assert boundary - time.time() > 3, "the beats took over 17 s to start: no boundary left to take over before"
+    wait_until(lambda: time.time() >= boundary - 3, timeout=20)
     first.signal(signal.SIGTERM)
     takeover(kazoo, zk_root, first.pid, timeout=5)
-    boundary = (int(time.time()) // 60 + 1) * 60
     wait_until(lambda: time.time() > boundary + 4, timeout=20)
     crons = [d for d in dispatches(redis_server.url, queue) if d["entry"] == "every-minute"]
     at_boundary = [d for d in crons if boundary - 1 <= d["sent"] <= boundary + 3]
-    assert len(at_boundary) == 1 and at_boundary[0]["pid"] != first.pid, crons
+    assert len(at_boundary) == 1 and at_boundary[0]["pid"] == standby.pid, crons
     assert len(crons) == 1, crons
 
 
