@@ -18,13 +18,15 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import signal
 import socket
 import time
 from datetime import datetime, timezone
-from typing import Any, Dict, Optional, Tuple, Type, TypeVar, cast
+from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar, cast
 
 from celery.beat import ScheduleEntry, Scheduler
 from kazoo.exceptions import KazooException
@@ -69,6 +71,9 @@ class _Leadership(Scheduler):
     _info: Dict[str, Any] = {}
     #: Wall time by which this leader has promised, in its node, to tick again.
     _tick_by: float = 0.0
+    #: A tick is running; a stop signal that came meanwhile, to act on as it ends.
+    _ticking: bool = False
+    _stop: Optional[Callable[[], None]] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -107,6 +112,29 @@ class _Leadership(Scheduler):
             self._info["worker"] = _worker[1]  # embedded (-B): `status` names the worker, not our pid
         self.election = Election(session, self.layout.election(self.beat_name), json.dumps(self._info).encode())
         self.election.start()
+        self._hold_stops()
+
+    def _hold_stops(self) -> None:
+        """Wrap the handlers of the signals that stop a beat (Celery's own, which syncs and
+        raises SystemExit at whatever line is running; or the default, in a beat embedded in
+        a worker) so that one that comes during a tick acts as the tick ends. A second one
+        acts at once. Only the main thread may set handlers: elsewhere nothing is held."""
+        for signum in STOP_SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous in (signal.SIG_IGN, None):
+                continue
+
+            def held(num: int, frame: Any, previous: Any = previous) -> None:
+                if self._ticking and self._stop is None:
+                    logger.info("beat: stopping as this tick ends (it may be sending a run it recorded)")
+                    self._stop = functools.partial(_stop_now, previous, num, frame)
+                    return
+                _stop_now(previous, num, frame)
+
+            try:
+                signal.signal(signum, held)
+            except ValueError:  # not the main thread
+                return
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         election = self.election
@@ -129,7 +157,17 @@ class _Leadership(Scheduler):
                 logger.warning("beat: could not take over the schedule (%s); trying again", exc)
                 return 0.5
             self._leading_token = token
-        interval = super().tick(*args, **kwargs)
+        # A stop (SIGTERM, SIGINT) that comes as the tick sends waits for the tick's end: else
+        # it raised SystemExit between a run's record and its send, and a rolling restart lost
+        # that run (CI's oldest lane: run 5 of 11, recorded and never sent).
+        self._ticking = True
+        try:
+            interval = super().tick(*args, **kwargs)
+        finally:
+            self._ticking = False
+            stop, self._stop = self._stop, None
+            if stop is not None:
+                stop()
         now = time.time()
         # Promise the next tick well ahead, so a healthy leader writes every few seconds
         # and `celery zklock status` can tell a leader whose dispatch is stuck; and never
@@ -173,6 +211,19 @@ class _Leadership(Scheduler):
             if self.election is not None:
                 self.election.close()  # deletes our node: a standby takes over at once
             metrics.stop()
+
+
+#: The signals that stop a beat: each held while a tick runs (see _Leadership._hold_stops).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _stop_now(previous: Any, signum: int, frame: Any) -> None:
+    """Do what the signal's handler before ours did: call it, or (the default) die of it."""
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 #: (pid, nodename) of the worker of this process, from ``worker_init``: a beat it embeds (a

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from datetime import timedelta
+from typing import Any
 
 import redis
 from celery import Celery
@@ -48,6 +49,22 @@ if os.environ.get("ZKT_CLOCK_OFFSET"):
     # the wall's: a test places a minute boundary where it wants it, not where the wall has it.
     _now, _offset = app.now, timedelta(seconds=float(os.environ["ZKT_CLOCK_OFFSET"]))
     app.now = lambda: _now() + _offset  # type: ignore[method-assign]
+
+if os.environ.get("ZKT_TERM_AFTER_RECORD"):
+    # A rolling restart's SIGTERM placed between a run's record and its send: the beat sends
+    # the signal to itself as its Nth record commits (Celery's handler runs at the next line).
+    from celery_zklock.glue.beat_leader import LeaderScheduler
+
+    _record, _records = LeaderScheduler._record, []
+
+    def _record_then_stop(self: Any, *args: Any, **kwargs: Any) -> bool:
+        done = _record(self, *args, **kwargs)
+        _records.append(done)
+        if len(_records) == int(os.environ["ZKT_TERM_AFTER_RECORD"]):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return done
+
+    LeaderScheduler._record = _record_then_stop  # type: ignore[method-assign]
 
 
 @app.task
