@@ -17,7 +17,7 @@ from ..recipes.dedupe import release, requeue, start_latest, start_running
 from ..zk import session_for
 from .api import layout_of, settings_of, task_defaults
 from .dedupe_markers import _dedupe_spec, _marker_key, _marker_of, _releases, _seconds_until
-from .locking import SKIPPED
+from .locking_outcomes import SKIPPED
 from .options import LockSpec
 from .policies import Latest, Queued, QueuedOrRunning
 
