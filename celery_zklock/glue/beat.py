@@ -117,8 +117,10 @@ class _Leadership(Scheduler):
     def _hold_stops(self) -> None:
         """Wrap the handlers of the signals that stop a beat (Celery's own, which syncs and
         raises SystemExit at whatever line is running; or the default, in a beat embedded in
-        a worker) so that one that comes during a tick acts as the tick ends. A second one
-        acts at once. Only the main thread may set handlers: elsewhere nothing is held."""
+        a worker) so that one that comes during a tick acts as the tick ends, or after
+        :data:`STOP_GRACE` seconds if the tick has not ended (a blocked send, a stuck
+        scheduler: a stop must stop). A second one acts at once. Only the main thread may set
+        handlers: elsewhere nothing is held."""
         for signum in STOP_SIGNALS:
             previous = signal.getsignal(signum)
             if previous in (signal.SIG_IGN, None):
@@ -126,8 +128,10 @@ class _Leadership(Scheduler):
 
             def held(num: int, frame: Any, previous: Any = previous) -> None:
                 if self._ticking and self._stop is None:
-                    logger.info("beat: stopping as this tick ends (it may be sending a run it recorded)")
-                    self._stop = functools.partial(_stop_now, previous, num, frame)
+                    logger.info("beat: stopping as this tick ends, within %gs (it may be sending a run it "
+                                "recorded)", STOP_GRACE)
+                    stop = self._stop = functools.partial(_stop_now, previous, num, frame)
+                    RUNNER.later(STOP_GRACE, self._stop_if_held, stop, num)
                     return
                 _stop_now(previous, num, frame)
 
@@ -135,6 +139,12 @@ class _Leadership(Scheduler):
                 signal.signal(signum, held)
             except ValueError:  # not the main thread
                 return
+
+    def _stop_if_held(self, stop: Callable[[], None], signum: int) -> None:
+        """The grace ran out with ``stop`` still held (the tick has not ended): signal again,
+        which the main thread then acts on at once (as a second signal)."""
+        if self._stop is stop:
+            os.kill(os.getpid(), signum)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         election = self.election
@@ -215,6 +225,8 @@ class _Leadership(Scheduler):
 
 #: The signals that stop a beat: each held while a tick runs (see _Leadership._hold_stops).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: The longest a stop is held for a tick: its sends are milliseconds, or a broker's retries.
+STOP_GRACE = 5.0
 
 
 def _stop_now(previous: Any, signum: int, frame: Any) -> None:
