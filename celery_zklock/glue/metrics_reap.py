@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import re
 import shutil
 import socket
 from typing import Any, Dict, List, Optional
-
-logger = logging.getLogger("celery_zklock")
-
 
 #: The name of each directory a worker or beat makes (in the temporary directory), and so of those it reaps.
 PREFIX = "celery-zklock-metrics-"
