@@ -106,10 +106,9 @@ class Nodes:
             tx = client.transaction()
             tx.set_data(self.root, data, version=stat.version)  # any claim in between makes this fail
             tx.create(member, ephemeral=True)
-            try:
-                results = reply(tx.commit_async(), until)
-            except ConnectionLoss:
-                continue  # it may have committed: read again (our member then exists)
+            # A lost reply raises ConnectionLoss: the caller runs the claim again (through_blips),
+            # and a commit it may have made is then ours already (below).
+            results = reply(tx.commit_async(), until)
             if not any(isinstance(r, Exception) for r in results):
                 break
             if isinstance(results[1], NodeExistsError) and recorded == scheme:
