@@ -223,7 +223,11 @@ class ZooKeeperEnsemble:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> ZooKeeperEnsemble:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # one that never came up leaves no process or directory behind
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -287,7 +291,11 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # one that never came up leaves no process or directory behind
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()
