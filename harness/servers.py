@@ -286,6 +286,11 @@ class RedisServer:
         if self._process is not None:
             self._process.stop(sig)
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the server (SIGSTOP: its clients' requests block until SIGCONT)."""
+        if self._process is not None:
+            self._process.send(sig)
+
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -144,6 +144,8 @@ class _Leadership(Scheduler):
         """The grace ran out with ``stop`` still held (the tick has not ended): signal again,
         which the main thread then acts on at once (as a second signal)."""
         if self._stop is stop:
+            logger.warning("beat: the tick did not end within %gs of the stop signal (a send that blocks?); "
+                           "stopping now: a run it was sending may not be sent", STOP_GRACE)
             os.kill(os.getpid(), signum)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:

@@ -90,6 +90,7 @@ class Election:
         self._changed = threading.Condition()
         self._lost = threading.Event()
         self._dispatch = threading.Lock()  # see dispatching()
+        self._dispatcher: Optional[int] = None  # the thread inside dispatching(), if any
         self._thread: Optional[threading.Thread] = None
 
     # -- public -----------------------------------------------------------------
@@ -144,7 +145,11 @@ class Election:
         at once, not a session timeout later: a send checked before that must be done first.
         """
         with self._dispatch:
-            yield self.leadership()
+            self._dispatcher = threading.get_ident()
+            try:
+                yield self.leadership()
+            finally:
+                self._dispatcher = None
 
     def start(self) -> Election:
         if self.state != ElectionState.LATENT:
@@ -197,7 +202,10 @@ class Election:
                     self.session.client.delete_async(f"{self.path}/{node}").get(timeout=2)
                 except Exception:
                     pass  # already gone, or the session's end removes it
-        if self._thread is not None and self._thread is not threading.current_thread():
+        # Not from inside our own dispatching block (a stop signal's handler, on the thread that
+        # sends): the election thread waits for that block, which ends only once this returns.
+        if self._thread is not None and self._thread is not threading.current_thread() \
+                and self._dispatcher != threading.get_ident():
             self._thread.join(5)
 
     # -- the state machine ---------------------------------------------------------

@@ -18,7 +18,7 @@ import redis
 from kazoo.client import KazooClient
 
 from celery_zklock.keys import encode_key
-from harness import CeleryBeat, TcpProxy, free_port
+from harness import CeleryBeat, RedisServer, TcpProxy, free_port
 from tests.util import wait_until
 
 pytestmark = pytest.mark.slow
@@ -135,6 +135,29 @@ def test_a_sigterm_between_a_runs_record_and_its_send_loses_no_run(beats, kazoo,
     history = dispatches(redis_server.url, queue)
     assert [d["run"] for d in history if d["pid"] == first.pid] == [1, 2, 3], history
     check_history(history, 1.0, max_gap=TIMEOUT + 1.5)
+
+
+def test_a_stop_held_by_a_send_that_blocks_acts_within_its_grace(beats, kazoo, zk_root, queue):
+    # The stop held for a tick acts after STOP_GRACE if the tick never ends: here a send blocks
+    # on a broker that stopped answering. It took 10 s, not 5: the signal's handler closed the
+    # election from inside the send's dispatching block, and the close waited 5 s for the
+    # election's thread, which waited for that block (a new user's trial).
+    with RedisServer() as broker:
+        first = beats("b1", ZKT_BROKER=broker.url)
+        wait_until(lambda: len(dispatches(broker.url, queue)) >= 2, timeout=20)
+        broker.signal(signal.SIGSTOP)  # the next send blocks
+        try:
+            time.sleep(1.5)  # a run falls due and its send blocks: the schedule under test
+            first.signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            wait_until(lambda: not first.running, timeout=30)
+            took = time.monotonic() - stopped
+        finally:
+            broker.signal(signal.SIGCONT)
+        assert "stopping as this tick ends" in first.log_text()
+        assert "the tick did not end within 5s of the stop signal" in first.log_text()
+        assert took < 8.0, f"the held stop took {took:.1f}s to act (its grace is 5 s)"
+        assert leader_pid(kazoo, zk_root) is None  # its election node went as it stopped
 
 
 def test_paused_leader_sends_nothing_after_the_new_leader_starts(beats, kazoo, zk_root, queue, redis_server):
