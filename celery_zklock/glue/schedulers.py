@@ -29,7 +29,8 @@ _WRAPS: Dict[str, Tuple[str, str, str]] = {
 
 def __getattr__(name: str) -> Any:
     if name not in _WRAPS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        # Named by the public path (celery_zklock.schedulers), the one a user wrote.
+        raise AttributeError(f"module 'celery_zklock.schedulers' has no attribute {name!r}")
     module, cls, dist = _WRAPS[name]
     try:
         wrapped = leader_only(getattr(importlib.import_module(module), cls))
