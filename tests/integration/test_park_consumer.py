@@ -256,6 +256,11 @@ def test_a_park_whose_reply_was_lost_as_zookeeper_went_is_never_failed_and_then_
         keyed = [first, send(worker_app.parking, queue, "untold", 0.01, 1)]
         wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "untold") if n.startswith("p-")]) == 1,
                    timeout=30)
+        # Copy 1 parked in a pool process (the consumer had no view of the key yet), which
+        # watches its queue. The consumer's view is current once its read joins the watchers
+        # too: else, under load, copy 2 went to the pool as well, and this was that test.
+        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "untold") if n.startswith("w-")]) >= 2,
+                   timeout=30)
         held = proxy.hold_reply(Op.MULTI)
         keyed.append(send(worker_app.parking, queue, "untold", 0.01, 2))
         held.wait_matched(10)  # copy 2's park: committed, its reply held
