@@ -9,6 +9,8 @@
     <zklock_root>/queued/<encoded task name and key>                  enqueue-time dedupe markers
     <zklock_root>/publish-order                                       each write's zxid orders a preempt publish
     <zklock_root>/parked/locks|semaphores/<encoded key>/p-<hash>-<seq>  parked copies (on_contention="park")
+    <zklock_root>/rates/<encoded key>@<window>s/<uuid>__sem__<seq>    start slots (rate=; persistent), and
+    <zklock_root>/rates/<encoded key>@<window>s/o-<uuid>              each slot's owner, alive (ephemeral)
     <zklock_root>/beat/<encoded beat name>/election/<uuid>__lock__<seq>
     <zklock_root>/beat/<encoded beat name>/entries/<encoded entry name>
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple, Union
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["LOCK_TREES", "MAX_NAME", "MEMBERS", "PARKED", "Layout", "check_key", "decode_key", "encode_key",
+__all__ = ["LOCK_TREES", "MAX_NAME", "MEMBERS", "PARKED", "RATES", "Layout", "check_key", "decode_key", "encode_key",
            "hashed_name", "node_object"]
 
 #: The two trees lock keys live in: semaphores apart, so a semaphore and a lock on one key never meet.
@@ -49,6 +51,8 @@ MEMBERS = "members"
 
 #: Longest encoded name kept whole; longer ones keep a readable prefix plus a hash.
 MAX_NAME = 200
+#: The tree of start slots of keys with a rate (``rate=``).
+RATES = "rates"
 _PREFIX_LEN = 120
 # Characters kept as they are. Everything else, '%' itself included, is
 # percent-encoded from UTF-8, which is what makes the encoding injective.
@@ -174,6 +178,19 @@ class Layout:
     def lock(self, key: str, semaphore: bool = False) -> str:
         """The node a key's contenders queue under."""
         return f"{self.lock_tree(semaphore)}/{self.name(key)}"
+
+    @property
+    def rate_tree(self) -> str:
+        return f"{self.root}/{RATES}"
+
+    def rate(self, key: str, window: float) -> str:
+        """The node a key's start slots for one window of its rate queue under (``rate=``): one
+        per window length, so a key limited per second and per day keeps two queues.
+
+            >>> Layout("/r").rate("partner:x", 1.0), Layout("/r").rate("partner:x", 0.25)
+            ('/r/rates/k-partner:x@1s', '/r/rates/k-partner:x@0.25s')
+        """
+        return f"{self.rate_tree}/{self.name(key)}@{window:g}s"
 
     def parked(self, key: str, semaphore: bool = False) -> str:
         """The queue a key's parked copies wait in: ``parked/`` plus its lock's tree and name.

@@ -27,6 +27,7 @@ from ..conf import LockMode, MetricsSettings, Settings, TaskDefaults, did_you_me
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable, explain
 from ..layout import LOCK_TREES, Layout, check_key
 from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
+from ..recipes.rate import Rate, RateSlot, RateValue, parse_rate
 from ..zk import Session, deadline, remaining, session_for, through_blips, timeouts
 from ..zk.nodes import unreadable
 
@@ -125,7 +126,7 @@ def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
 _NO_ANSWER = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 
 
-_LOCK_OPTIONS = ("mode", "timeout", "limit", "session", "on_state", "blocking")
+_LOCK_OPTIONS = ("mode", "timeout", "limit", "rate", "session", "on_state", "blocking")
 _TASK_OPTIONS = ("key", "on_contention", "on_lock_lost", "dedupe")
 _SET_BY_THE_LOCK = ("host", "pid")
 
@@ -143,6 +144,7 @@ def lock(
     timeout: Optional[float] = None,
     *,
     limit: Optional[int] = None,
+    rate: Optional[RateValue] = None,
     session: Optional[Session] = None,
     on_state: Optional[Callable[[Lock, str], None]] = None,
     **holder: Any,
@@ -152,6 +154,9 @@ def lock(
     ``timeout`` (seconds, None = forever) applies to the ``with`` form, which
     raises :class:`~celery_zklock.LockNotAcquired` when it runs out.
     ``limit=N`` gives a counting semaphore instead (N holders at most).
+    ``rate="10/s"`` (or ``(count, seconds)``) gives a start slot instead (a
+    :class:`~celery_zklock.recipes.rate.RateSlot`): at most that many ``with`` blocks
+    (or :meth:`~celery_zklock.recipes.rate.RateSlot.begin` calls) start in any such window.
     ``on_state(lock, state)`` hears when a held lock becomes in doubt, held again, or lost.
     Extra keyword arguments go into the holder's node data.
     """
@@ -167,6 +172,8 @@ def lock(
         if hint:
             raise ConfigurationError(f"lock(): unknown option {name!r}{hint} (other keyword arguments go into "
                                      "the holder's node data, but not one named like an option)")
+    if rate is not None:
+        return _rate_slot(app, key, mode, limit, rate, timeout, session, on_state, holder)
     rule = rule_for(mode, limit)
     check_timeout(timeout)
     layout = layout_of(app)
@@ -181,3 +188,42 @@ def lock(
     return Lock(session, path, rule,
                 data=holder_data(mode=name, **extra, **holder), timeout=timeout, key=key, mode=name,
                 on_state=on_state, label=layout.label(key))
+
+
+def rate_path(app: Any, key: str, rate: Rate) -> str:
+    """The znode under which ``key``'s start slots for ``rate``'s window live."""
+    check_key(key)
+    return layout_of(app).rate(key, rate.window)
+
+
+def rate_slot(app: Any, key: str, rate: Rate, timeout: Optional[float] = None, session: Optional[Session] = None,
+              on_state: Optional[Callable[[Lock, str], None]] = None, **holder: Any) -> RateSlot:
+    """A start slot of ``key`` for one window of its rate (see :func:`lock`'s ``rate=``)."""
+    layout = layout_of(app)
+    path = rate_path(app, key, rate)
+    extra: Dict[str, Any] = {"rate": [rate.count, rate.window]}
+    if layout.secret is None:
+        extra["key"] = key
+    settings = settings_of(app)
+    session = session or session_for(settings)
+    claim_scheme(session, layout, settings.connect_timeout)
+    return RateSlot(session, path, rate, data=holder_data(mode="rate", **extra, **holder), timeout=timeout,
+                    key=key, label=layout.label(key), on_state=on_state)
+
+
+def _rate_slot(app: Any, key: str, mode: LockMode, limit: Optional[int], rate: RateValue, timeout: Optional[float],
+               session: Optional[Session], on_state: Optional[Callable[[Lock, str], None]],
+               holder: Dict[str, Any]) -> RateSlot:
+    if limit is not None or mode != "exclusive":
+        given = f"limit={limit!r}" if limit is not None else f"mode={mode!r}"
+        raise ConfigurationError(f"lock(): rate= gives a start slot, not a lock; it cannot be combined with {given}. "
+                                 "Take both: one lock() with the rate, and one with the limit or mode")
+    try:
+        windows = parse_rate(rate)
+    except ValueError as exc:
+        raise ConfigurationError(f"lock(): {exc}") from None
+    if len(windows) > 1:
+        raise ConfigurationError(f"lock(): rate={rate!r} has {len(windows)} windows; lock() takes one: take one "
+                                 "lock() per window, longest first")
+    check_timeout(timeout)
+    return rate_slot(app, key, windows[0], timeout, session, on_state, **holder)

@@ -34,8 +34,9 @@ from ..exceptions import (
 from ..recipes import Lock, LockState
 from ..recipes.engine import ContenderObserver
 from ..recipes.preempt import PUBLISHED
+from ..recipes.rate import RateSlot
 from ..zk import Session, deadline, remaining, session_for, timeouts
-from .api import layout_of, lock, lock_path, settings_of, task_defaults
+from .api import layout_of, lock, lock_path, rate_path, rate_slot, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .locking_outcomes import SKIPPED, _Contended, _preempted, _refused, _superseded, skipped
@@ -129,7 +130,9 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     parks, preempts = isinstance(policy, Park), isinstance(policy, Preempt)
     keys = spec.keys(task.name, fn, args, kwargs, bound, layout_of(app).secret is not None)
     # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
-    ordered = sorted({lock_path(app, key, spec.limit): key for key in keys}.items())
+    # A key's start slots (rate=) are in the same order: one per window, each its own path.
+    ordered = sorted({**({} if spec.rate_only else {lock_path(app, key, spec.limit): (key, None) for key in keys}),
+                      **{rate_path(app, key, one): (key, one) for key in keys for one in spec.rate}}.items())
     settings = settings_of(app)
     request = task.request
     guard = BodyGuard(fn) if spec.on_lock_lost == "interrupt" else None
@@ -140,12 +143,14 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     place = published_header(request) if preempts else None
     if preempts and place is None:
         warn_placeless(task, request)
-    placed = {} if place is None else {PUBLISHED: place}
+    placed: Dict[str, Any] = {} if place is None else {PUBLISHED: place}
     try:
         session = session_for(settings)
         locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
-                      task=task.name, task_id=request.id, worker=request.hostname, **placed)
-                 for _, key in ordered]
+                      task=task.name, task_id=request.id, worker=request.hostname, **placed) if rate is None
+                 else rate_slot(app, key, rate, session=session, on_state=on_state, task=task.name,
+                                task_id=request.id, worker=request.hostname)
+                 for _, (key, rate) in ordered]
     except ZooKeeperUnavailable as exc:
         if session is not None and parks and abandon_received(task, session, settings, spec, exc):
             raise Ignore() from None  # still parked, and sent again: as Parking.abandoned()
@@ -224,12 +229,14 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
             stack.append(acquired)
             if guard is None:
                 _still_held(acquired)
+                _begin(acquired)
                 began = True
                 return body()
             with guard:
                 # Inside the guard: a loss it was too early to hear of (during a received copy's
                 # take, a round trip) is seen here; one after is raised in the body.
                 _still_held(acquired)
+                _begin(acquired)
                 began = True
                 return body()
         except Preempted:
@@ -261,6 +268,14 @@ def _still_held(locks: List[Lock]) -> None:
     for one in locks:
         if one.state == LockState.LOST:
             raise (Preempted if one.preempted_by is not None else LockLost)(one.lost_message())
+
+
+def _begin(locks: List[Lock]) -> None:
+    """The body starts now: each start slot (rate=) is kept for its window from this moment.
+    Just before the body, after every lock is held: a start counts from when it runs."""
+    for one in locks:
+        if isinstance(one, RateSlot):
+            one.begin()
 
 
 def _parking(task: Any, spec: LockSpec, policy: Park, locks: List[Lock], session: Session, settings: Settings,

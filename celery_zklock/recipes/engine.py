@@ -173,7 +173,7 @@ class Engine:
             self._event.clear()
             self._waiting = True
             try:
-                if not self._watch(decision, until) and not self._event.wait(remaining(until)):
+                if not self._watch(decision, until, children) and not self._event.wait(remaining(until)):
                     return None
             finally:
                 self._waiting = False
@@ -183,8 +183,9 @@ class Engine:
             self._adopt_lowest(children, until)
         return None
 
-    def _watch(self, decision: Decision, until: Optional[float]) -> bool:
-        """Set exists-watches; False means wait for one to fire, True means look again now."""
+    def _watch(self, decision: Decision, until: Optional[float], children: List[str]) -> bool:
+        """Set exists-watches; False means wait for one to fire, True means look again now.
+        ``children`` is the read ``decision`` came from (a rate's slots look at it again)."""
         for name in decision.watch:
             stat = reply(self.session.client.exists_async(f"{self.path}/{name}", watch=self._on_watch), until)
             if stat is None:

@@ -146,8 +146,10 @@ class HoldWatch:
 
     @run_inline
     def _on_own_node(self, node: str, event: Any) -> None:
-        if event.type == EventType.DELETED and node == self._deleting:
-            return  # our own release: the event every cycle brings
+        if node == self._deleting:
+            # Our own release: the event every cycle brings. Or a rate's start slot, kept after
+            # its release for its window: whatever happens to it later is no news to us.
+            return
         self._later(self._after_own_node_event, node, event)
 
     @run_inline

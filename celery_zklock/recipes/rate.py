@@ -1,0 +1,337 @@
+"""Start rates per key (``rate=``): at most N starts in any window of W seconds, on every
+worker, with no clock compared between machines.
+
+A start takes a slot of the key's semaphore of N, one queue per window length, and keeps
+it for at least W from the moment the body starts, measured on the holder's own
+monotonic clock; only then does it delete the slot. A holder learns it holds before its
+body starts, and holders stay holders until their slot goes, so at the (N+1)-th start in
+any W, all N+1 slots would still be there and hold: the rule admits N. Exact in every
+sliding window, with no burst at a window's edge.
+
+A slot must outlive its holder's session when W is longer than the session timeout, and a
+clean stop must not free it early, so a slot is a PERSISTENT_SEQUENTIAL node,
+``<uuid>__sem__<seq>``, made in one transaction with an EPHEMERAL sibling ``o-<uuid>``, its
+owner's mark. A slot whose mark is gone is an **orphan**: its owner's session ended (the
+process died, or stopped before its window ran out). Who frees it, and when
+(:func:`orphan_turn`, pure):
+
+- an orphan that never held (a waiter) is deleted at once: only a holder starts, and a
+  holder stays one, so it started nothing;
+- an orphan that held is deleted by a contender it blocks, once that contender has seen
+  it orphaned for W (times :data:`DRIFT`) on its own clock. Its owner started, if at all,
+  while its session could vouch for it (a lock is held only then), so before the session
+  ended, and so before anyone saw the mark gone: W after that sighting is W after the start.
+
+A contender whose own mark went (its session ended) never starts with its slot: the
+session's generation changed, so the lock is lost, and the engine starts over with a new
+slot. The owner of a slot deletes it itself at start + W; should it die first, the slot
+waits for the next contender. No slot blocks a key for good: every orphan is freed by the
+first contender it blocks, at most W after that contender sees it.
+
+Example::
+
+    >>> parse_rate("10/s"), parse_rate((3, 6.0))
+    ((Rate(count=10, window=1.0),), (Rate(count=3, window=6.0),))
+    >>> parse_rate(["10/s", "10000/d"])
+    (Rate(count=10, window=1.0), Rate(count=10000, window=86400.0))
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+from kazoo.exceptions import NoAuthError, NoNodeError, RolledBackError
+
+from ..exceptions import ConfigurationError
+from ..layout import node_object
+from ..zk import Session, remaining, reply
+from ..zk.background import RUNNER
+from ..zk.nodes import refused
+from .engine import ContenderObserver, Engine
+from .lock import Lock
+from .rules import Decision, Rule, semaphore, split_queue
+
+__all__ = ["DRIFT", "OWNER", "OrphanTurn", "Rate", "RateSlot", "RateValue", "orphan_turn", "owner", "parse_rate"]
+
+#: How much faster than real time a machine's monotonic clock may run (NTP slews a clock by at
+#: most 500 ppm): every wait of W here is W times (1 + DRIFT), so no observer with a true clock
+#: sees N + 1 starts in W.
+DRIFT = 1e-3
+#: The mark of a slot's owner: ``o-`` and the slot's uuid.
+OWNER = "o-"
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE_RE = re.compile(r"^\s*(\d+)\s*/\s*([smhd])\s*$")
+
+
+@dataclass(frozen=True)
+class Rate:
+    """At most ``count`` starts in any window of ``window`` seconds."""
+
+    count: int
+    window: float
+
+    @property
+    def hold(self) -> float:
+        """How long a slot is kept from its start (or an orphan from its sighting)."""
+        return self.window * (1 + DRIFT)
+
+    def key_data(self) -> bytes:
+        """What the key's window node holds, so all its contenders agree on the count."""
+        return json.dumps({"rate": [self.count, self.window]}).encode()
+
+    def check_key_data(self, path: str, data: bytes) -> None:
+        """Raise ConfigurationError if the key's node says another count for this window.
+
+        >>> Rate(10, 1.0).check_key_data("/r/rates/k-a@1s", b'{"rate": [5, 1.0]}')
+        Traceback (most recent call last):
+        ...
+        celery_zklock.exceptions.ConfigurationError: rate key /r/rates/k-a@1s has 5 starts per 1s, ...
+        """
+        stored = node_object(data).get("rate")
+        if isinstance(stored, list) and len(stored) == 2 and stored[0] != self.count:
+            raise ConfigurationError(
+                f"rate key {path} has {stored[0]} starts per {self.window:g}s, this contender asks for "
+                f"{self.count}; a key's contenders must agree. To change it, let the key drain: once its "
+                f"last slot goes, the server removes its node and the next contender sets the rate")
+
+
+#: What ``rate=`` accepts: ``"10/s"`` (Celery's ``rate_limit`` units s, m, h, and d for days),
+#: ``(count, seconds)``, or a list of these for several windows at once.
+RateValue = Union[str, Tuple[int, float], Sequence[Union[str, Tuple[int, float]]]]
+
+
+def parse_rate(value: Any) -> Tuple[Rate, ...]:
+    """The windows ``value`` asks for, one :class:`Rate` each; ValueError naming what is wrong.
+
+    >>> parse_rate("100/m")
+    (Rate(count=100, window=60.0),)
+    >>> parse_rate("10/x")
+    Traceback (most recent call last):
+    ...
+    ValueError: rate '10/x' is not N/s, N/m, N/h or N/d, nor a (count, seconds) pair
+    >>> parse_rate((0, 1))
+    Traceback (most recent call last):
+    ...
+    ValueError: rate (0, 1): the count must be a positive int, not 0
+    >>> parse_rate(["1/s", (2, 1.0)])
+    Traceback (most recent call last):
+    ...
+    ValueError: rate ['1/s', (2, 1.0)]: two windows of 1s
+    """
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("rate []: give at least one window")
+        rates = tuple(_one(one, value) for one in value)
+        windows = [r.window for r in rates]
+        for window in windows:
+            if windows.count(window) > 1:
+                raise ValueError(f"rate {value!r}: two windows of {window:g}s")
+        return tuple(sorted(rates, key=lambda r: r.window))
+    return (_one(value, value),)
+
+
+def _one(value: Any, whole: Any) -> Rate:
+    if isinstance(value, str):
+        m = _RATE_RE.match(value)
+        if m is None:
+            raise ValueError(f"rate {value!r} is not N/s, N/m, N/h or N/d, nor a (count, seconds) pair")
+        count, window = int(m.group(1)), _UNITS[m.group(2)]
+    elif isinstance(value, tuple) and len(value) == 2:
+        count, window = value
+    else:
+        raise ValueError(f"rate {whole!r}: {value!r} is not N/s, N/m, N/h or N/d, nor a (count, seconds) pair")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"rate {whole!r}: the count must be a positive int, not {count!r}")
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window < float("inf"):
+        raise ValueError(f"rate {whole!r}: the window must be a positive number of seconds, not {window!r}")
+    return Rate(count, float(window))
+
+
+class OrphanTurn(NamedTuple):
+    """What a blocked contender does about orphaned slots (see :func:`orphan_turn`)."""
+
+    #: Slots to delete now: orphans that never held, and orphans seen for their hold.
+    free: Tuple[str, ...]
+    #: When the next orphan that held may go (monotonic), or None.
+    next_due: Optional[float]
+
+
+def owner(slot: str) -> str:
+    """The name of a slot's owner mark.
+
+    >>> owner("0f3a9c__sem__0000000007")
+    'o-0f3a9c'
+    """
+    return OWNER + slot.split("__", 1)[0]
+
+
+def orphan_turn(children: Iterable[str], rule: Rule, seen: Dict[str, float], now: float, hold: float
+                ) -> OrphanTurn:
+    """Which orphaned slots a contender may free now, from one read of the key's ``children``.
+    ``seen`` maps each orphan that held to when this contender first saw it orphaned (kept
+    by the caller, updated here); ``hold`` is the rate's :attr:`Rate.hold`.
+
+    >>> rule, seen = semaphore(1), {}
+    >>> kids = ["a__sem__0000000001", "b__sem__0000000002", "o-b", "c__sem__0000000003"]
+    >>> orphan_turn(kids, rule, seen, now=100.0, hold=5.0)   # a held; c waits: c goes now
+    OrphanTurn(free=('c__sem__0000000003',), next_due=105.0)
+    >>> orphan_turn(kids, rule, seen, now=105.0, hold=5.0).free
+    ('a__sem__0000000001', 'c__sem__0000000003')
+    """
+    children = list(children)
+    alive = {c for c in children if c.startswith(OWNER)}
+    holders, waiters = split_queue(children, lambda kind: rule)
+    free = [w for w in waiters if owner(w) not in alive]
+    due: Optional[float] = None
+    for slot in holders:
+        if owner(slot) in alive:
+            continue
+        since = seen.setdefault(slot, now)
+        if now >= since + hold:
+            free.append(slot)
+        else:
+            due = since + hold if due is None else min(due, since + hold)
+    for gone in set(seen) - set(holders):
+        del seen[gone]
+    return OrphanTurn(tuple(sorted(free)), due)
+
+
+class _RateEngine(Engine):
+    """The engine, with persistent slots, their owner marks, and orphans freed."""
+
+    def __init__(self, session: Session, path: str, rate: Rate, data: bytes,
+                 observer: Optional[ContenderObserver]) -> None:
+        super().__init__(session, path, semaphore(rate.count), data, observer)
+        self.rate = rate
+        self._seen: Dict[str, float] = {}
+        self._timer: Any = None
+
+    @property
+    def mark(self) -> str:
+        return OWNER + self._prefix.split("__", 1)[0]
+
+    def _create_node(self, until: Optional[float]) -> List[str]:
+        client = self.session.client
+        nodes = self.session.nodes
+        container = nodes.ensure_container(self.path, remaining(until), self.rate.key_data())
+        stored = client.get_async(self.path) if container is not None else None
+        self._created = True
+        tx = client.transaction()
+        tx.create(f"{self.path}/{self.mark}", b"", ephemeral=True)
+        tx.create(f"{self.path}/{self._prefix}", self.data, sequence=True)
+        made = tx.commit_async()
+        listed = client.get_children_async(self.path)
+        results = reply(made, until)
+        failed = [r for r in results if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
+        if failed:
+            if container is not None and isinstance(container.exception, NoAuthError):
+                raise refused(self.path) from None  # our container create was refused: it never will be
+            raise failed[0]  # NoNode: the key's node was reaped since; the engine makes it again
+        node = self.node = posixpath.basename(results[1])
+        self.token = int(node[-10:])  # a slot fences nothing: its sequence number stands in
+        self.observer.created(node)
+        data = reply(stored, until)[0] if stored is not None else None
+        self.rate.check_key_data(self.path, nodes.container_data(self.path) if data is None else data)
+        nodes.container_used(self.path, data)
+        return reply(listed, until)
+
+    def _watch(self, decision: Decision, until: Optional[float], children: List[str]) -> bool:
+        turn = orphan_turn(children, self.rule, self._seen, time.monotonic(), self.rate.hold)
+        if turn.free:
+            for slot in turn.free:
+                try:
+                    reply(self.session.client.delete_async(f"{self.path}/{slot}"), until)
+                except NoNodeError:
+                    pass
+            return True
+        if turn.next_due is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = RUNNER.later(turn.next_due - time.monotonic(), self.wake)
+        if super()._watch(decision, until, children):
+            return True
+        # A watched holder's owner may die while we wait: its mark's delete wakes us to see it.
+        for name in decision.watch:
+            if reply(self.session.client.exists_async(f"{self.path}/{owner(name)}", watch=self._on_watch),
+                     until) is None:
+                return True
+        return False
+
+    def leave(self) -> None:
+        mark = self.mark if self._prefix else None
+        super().leave()
+        if mark is not None:
+            self.session.nodes.delete_later(f"{self.path}/{mark}")
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class RateSlot(Lock):
+    """One start's slot on a key's rate window (:class:`Rate`): held as a semaphore's lease is,
+    and kept for :attr:`Rate.hold` from :meth:`begin` after :meth:`release`.
+
+    Example::
+
+        slot = RateSlot(session, "/celery-zklock/rates/k-partner@1s", Rate(10, 1.0))
+        if slot.acquire(timeout=30):
+            slot.begin()
+            try:
+                call_partner()
+            finally:
+                slot.release()     # the slot itself stays until 1 s after begin()
+    """
+
+    def __init__(self, session: Session, path: str, rate: Rate, *, data: bytes = b"",
+                 timeout: Optional[float] = None, key: Optional[str] = None, label: Optional[str] = None,
+                 on_state: Optional[Any] = None, observer: Optional[ContenderObserver] = None) -> None:
+        super().__init__(session, path, semaphore(rate.count), data=data, timeout=timeout, on_state=on_state,
+                         key=key, mode="rate", label=label, observer=observer)
+        self.rate = rate
+        self._engine = self._slot_engine = _RateEngine(session, path, rate, data, observer)
+        #: Monotonic time the holder's body started (None: not yet, or released since).
+        self.began: Optional[float] = None
+
+    def begin(self) -> None:
+        """The holder starts now: its slot is kept for the rate's window from this moment."""
+        self.began = time.monotonic()
+
+    def __enter__(self) -> RateSlot:
+        super().__enter__()
+        self.begin()
+        return self
+
+    def _leave(self) -> None:
+        began, self.began = self.began, None
+        engine = self._slot_engine
+        if began is None or engine.node is None:
+            super()._leave()  # no start under it: nothing to keep
+            return
+        slot, mark = f"{self.path}/{engine.node}", f"{self.path}/{engine.mark}"
+        with self._mutex:
+            self._deleting = engine.node
+        engine.node = None
+        engine._created = False
+        # Deleted by the owner at start + hold. Should this process stop first, its mark goes
+        # with its session and the slot waits for a contender to free it as an orphan.
+        RUNNER.later(began + self.rate.hold - time.monotonic(), _free, self.session, slot, mark)
+
+    def slots(self, timeout: Optional[float] = None) -> Tuple[List[str], List[str]]:
+        """The key's slots now, (holding, waiting), each in queue order."""
+        children = reply(self.session.client.get_children_async(self.path), None if timeout is None
+                         else time.monotonic() + timeout)
+        return split_queue(children, lambda kind: self.rule)
+
+
+def _free(session: Session, slot: str, mark: str) -> None:
+    """A slot's window has passed: its slot and mark go (sent, not waited for: the timer thread
+    must not block; a delete lost with the session leaves an orphan, freed by a contender)."""
+    session.nodes.delete_later(slot)
+    session.nodes.delete_later(mark)
+

@@ -1,0 +1,158 @@
+"""Start rates (``rate=``) against a real ZooKeeper: at most N starts in any window of W, with
+slots that outlive their holder's session, and orphans freed no sooner than W."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import List
+
+import pytest
+
+import celery_zklock
+from celery_zklock import ConfigurationError
+from celery_zklock.recipes.rate import Rate, RateSlot, owner
+from tests.util import children, wait_until
+
+
+def over_limit(starts: List[float], rate: Rate) -> List[List[float]]:
+    """Every run of count + 1 starts that fits in one window (none when the rate held)."""
+    starts = sorted(starts)
+    n = rate.count
+    return [starts[i:i + n + 1] for i in range(len(starts) - n) if starts[i + n] - starts[i] < rate.window]
+
+
+def test_over_limit_finds_a_burst_at_a_windows_edge():
+    # The check itself: a fixed window's edge burst (3 at 0.9 s, 3 at 1.1 s) is 6 in 0.2 s.
+    assert over_limit([0.9, 0.9, 0.9, 1.1, 1.1, 1.1], Rate(3, 1.0))
+    assert not over_limit([0.0, 0.1, 0.2, 1.0, 1.1, 1.2], Rate(3, 1.0))
+
+
+def test_contenders_on_six_sessions_start_at_most_n_in_any_window(new_session, zk_root):
+    rate = Rate(3, 0.5)
+    path = f"{zk_root}/rates/k-partner@0.5s"
+    starts: List[float] = []
+    stop = time.monotonic() + 3.0
+    errors: List[BaseException] = []
+
+    def contend() -> None:
+        session = new_session()
+        try:
+            while time.monotonic() < stop:
+                slot = RateSlot(session, path, rate)
+                assert slot.acquire(timeout=10)
+                slot.begin()
+                starts.append(time.monotonic())
+                slot.release()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contend) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert over_limit(starts, rate) == []
+    # And the key kept moving: about count per window over the run, not a trickle.
+    assert len(starts) >= 3 * rate.count, sorted(starts)
+
+
+def test_a_slot_is_kept_for_its_window_after_release_and_its_holders_clean_stop(new_session, zk_root, kazoo):
+    # A window longer than the session timeout (4 s): the slot must outlive the session.
+    rate = Rate(1, 6.0)
+    path = f"{zk_root}/rates/k-slow@6s"
+    holder = RateSlot(new_session(), path, rate)
+    with holder:
+        began = time.monotonic()
+    holder.session.close()  # a clean stop: its mark goes at once, its slot stays
+    slots = [c for c in children(kazoo, path) if "__sem__" in c]
+    assert len(slots) == 1 and owner(slots[0]) not in children(kazoo, path)
+    late = RateSlot(new_session(), path, rate)
+    assert late.acquire(timeout=30)
+    late.begin()
+    waited = time.monotonic() - began
+    assert rate.window <= waited < rate.window + 3, waited
+    late.release()
+
+
+def test_a_holder_killed_inside_its_window_keeps_its_slot_for_the_window(zk_server, zk_root, new_session, kazoo):
+    # A window longer than the holder's session timeout (2 s): its mark goes before the window ends.
+    rate = Rate(1, 3.0)
+    path = f"{zk_root}/rates/k-killed@3s"
+    script = (
+        "import sys, time\n"
+        "from celery_zklock.zk import Session\n"
+        "from celery_zklock.conf import Settings\n"
+        "from celery_zklock.recipes.rate import Rate, RateSlot\n"
+        f"s = Session(Settings(hosts={zk_server.hosts!r}, session_timeout=2)).start()\n"
+        f"slot = RateSlot(s, {path!r}, Rate(1, 3.0))\n"
+        "slot.acquire(timeout=10); slot.begin()\n"
+        "print(time.monotonic(), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        began = float(proc.stdout.readline())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        late = RateSlot(new_session(), path, rate)
+        assert late.acquire(timeout=30)
+        late.begin()
+        waited = time.monotonic() - began
+        # Its mark goes with its session (2 s), and the contender then waits the window out.
+        assert rate.window <= waited < 2 + rate.window + 3, waited
+        late.release()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_waiters_slot_whose_session_ended_is_freed_at_once(new_session, zk_root, kazoo):
+    rate = Rate(1, 1.0)
+    path = f"{zk_root}/rates/k-waiter@1s"
+    holder = RateSlot(new_session(), path, rate)
+    assert holder.acquire()
+    holder.begin()
+    began = time.monotonic()
+    gone = new_session()
+    waiter = RateSlot(gone, path, rate)
+
+    def wait() -> None:
+        with contextlib.suppress(RuntimeError):  # its session is closed under it, as a death would
+            waiter.acquire(timeout=30)
+
+    threading.Thread(target=wait, daemon=True).start()
+    wait_until(lambda: len([c for c in children(kazoo, path) if "__sem__" in c]) == 2)
+    gone.close()  # the waiter's mark goes; its slot, persistent, stays behind the holder's
+    holder.release()
+    third = RateSlot(new_session(), path, rate)
+    assert third.acquire(timeout=30)
+    third.begin()
+    # Behind the holder's window only, not behind a dead waiter's too.
+    assert rate.window <= time.monotonic() - began < rate.window + 1.5
+    third.release()
+
+
+def test_a_contender_asking_another_count_for_the_same_window_is_refused(app, new_session, zk_root):
+    with celery_zklock.lock(app, "partner:x", rate="5/s"):
+        with pytest.raises(ConfigurationError, match=r"has 5 starts per 1s, this contender asks for 6"):
+            celery_zklock.lock(app, "partner:x", rate="6/s").acquire(timeout=5)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"rate": "10/x"}, "rate '10/x' is not N/s"),
+    ({"rate": (0, 1.0)}, "the count must be a positive int"),
+    ({"rate": (1, -1.0)}, "the window must be a positive number"),
+    ({"rate": "1/s", "limit": 2}, "cannot be combined with limit=2"),
+    ({"rate": ["1/s", "10/m"]}, "lock() takes one"),
+])
+def test_lock_refuses_a_bad_rate_naming_it(app, options, message):
+    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        celery_zklock.lock(app, "partner:x", **options)
