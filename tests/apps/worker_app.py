@@ -236,6 +236,32 @@ def pooled(key: str, seconds: float) -> None:
     hold(seconds, key)
 
 
+@app.task
+@zk_locked(key="rate:{key}", rate=(3, 1.0), on_contention=Wait(timeout=120))
+def rated(key: str, seconds: float) -> str:
+    """Three starts a second per key, on every worker; no lock on the key (its bodies overlap)."""
+    note("start", key=key, lock_key=current_lock().key, mode=current_lock().mode)
+    hold_plain(seconds)
+    return key
+
+
+@app.task
+@zk_locked(key="rate2:{key}", limit=1, rate=[(2, 0.5), (4, 2.0)], on_contention=Wait(timeout=120))
+def rated_and_limited(key: str, seconds: float) -> str:
+    """Two windows and a lock: one body at a time, two starts in any 0.5 s, four in any 2 s."""
+    start = time.monotonic()
+    note("start", key=key, modes=sorted(one.mode for one in current_locks()))
+    hold_plain(seconds)
+    note("end", key=key, start=start)
+    return key
+
+
+def hold_plain(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
 @app.task(base=ZkLockedTask)  # the default key: the task name and every argument
 def by_default_key(email: str, card: str, seconds: float) -> None:
     hold(seconds, "default")

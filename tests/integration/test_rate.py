@@ -17,7 +17,8 @@ import pytest
 import celery_zklock
 from celery_zklock import ConfigurationError
 from celery_zklock.recipes.rate import Rate, RateSlot, owner
-from tests.util import children, wait_until
+from tests.apps import worker_app
+from tests.util import children, events, send, wait_until
 
 
 def over_limit(starts: List[float], rate: Rate) -> List[List[float]]:
@@ -156,3 +157,37 @@ def test_a_contender_asking_another_count_for_the_same_window_is_refused(app, ne
 def test_lock_refuses_a_bad_rate_naming_it(app, options, message):
     with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         celery_zklock.lock(app, "partner:x", **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_tasks_on_three_workers_start_at_most_n_per_key_in_any_window(pool, workers, queue, redis_server):
+    # A burst of 18 copies on each of two keys, on three workers of two processes (or threads)
+    # each: 3 starts a second per key on all of them together, and every copy runs.
+    for name in ("w1", "w2", "w3"):
+        workers(name, pool)
+    results = [send(worker_app.rated, queue, f"p{i % 2}", 0.05) for i in range(36)]
+    assert sorted(r.get(timeout=120) for r in results) == sorted(f"p{i % 2}" for i in range(36))
+    starts = [e for e in events(redis_server.url) if e["event"] == "start"]
+    assert sorted(e["task_id"] for e in starts) == sorted(r.id for r in results), "a copy ran twice or not at all"
+    assert {e["mode"] for e in starts} == {"rate"} and len({e["worker"] for e in starts}) >= 2
+    for key in ("p0", "p1"):
+        times = [e["time"] for e in starts if e["key"] == key]
+        assert over_limit(times, Rate(3, 1.0)) == [], key
+        # The limit, not less: 18 starts take about 5 windows, not a slot's whole wait each.
+        assert max(times) - min(times) < 5 * 1.0 + 2.5, sorted(times)
+
+
+@pytest.mark.slow
+def test_a_task_with_two_windows_and_a_lock_keeps_all_three(workers, queue, redis_server):
+    workers("w1", concurrency=3)
+    workers("w2", concurrency=3)
+    results = [send(worker_app.rated_and_limited, queue, "x", 0.02) for _ in range(12)]
+    assert [r.get(timeout=120) for r in results] == ["x"] * 12
+    history = events(redis_server.url)
+    starts = [e["time"] for e in history if e["event"] == "start"]
+    assert {tuple(e["modes"]) for e in history if e["event"] == "start"} == {("rate", "rate", "semaphore")}
+    assert len(starts) == 12
+    assert over_limit(starts, Rate(2, 0.5)) == [] and over_limit(starts, Rate(4, 2.0)) == []
+    bodies = sorted((e["start"], e["time"]) for e in history if e["event"] == "end")
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(bodies, bodies[1:])), "two bodies overlapped"
