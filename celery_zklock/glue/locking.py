@@ -148,8 +148,9 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         session = session_for(settings)
         locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
                       task=task.name, task_id=request.id, worker=request.hostname, **placed) if rate is None
-                 else rate_slot(app, key, rate, session=session, on_state=on_state, task=task.name,
-                                task_id=request.id, worker=request.hostname)
+                 # A slot bounds starts, not the body: its loss once begun interrupts nothing.
+                 else rate_slot(app, key, rate, session=session, task=task.name, task_id=request.id,
+                                worker=request.hostname)
                  for _, (key, rate) in ordered]
     except ZooKeeperUnavailable as exc:
         if session is not None and parks and abandon_received(task, session, settings, spec, exc):
@@ -273,9 +274,10 @@ def _still_held(locks: List[Lock]) -> None:
 def _begin(locks: List[Lock]) -> None:
     """The body starts now: each start slot (rate=) is kept for its window from this moment.
     Just before the body, after every lock is held: a start counts from when it runs."""
+    now = time.monotonic()  # one start, however many windows count it
     for one in locks:
         if isinstance(one, RateSlot):
-            one.begin()
+            one.begin(now)
 
 
 def _parking(task: Any, spec: LockSpec, policy: Park, locks: List[Lock], session: Session, settings: Settings,

@@ -168,12 +168,15 @@ class Engine:
                 return Held(node, token, generation)
             self.blocked = True
             self.observer.blocked(decision.watch)
+            if self._cleared(children, until):
+                children = reply(session.client.get_children_async(self.path), until)
+                continue
             if not blocking or self._cancelled:
                 return None
             self._event.clear()
             self._waiting = True
             try:
-                if not self._watch(decision, until, children) and not self._event.wait(remaining(until)):
+                if not self._watch(decision, until) and not self._event.wait(remaining(until)):
                     return None
             finally:
                 self._waiting = False
@@ -183,9 +186,14 @@ class Engine:
             self._adopt_lowest(children, until)
         return None
 
-    def _watch(self, decision: Decision, until: Optional[float], children: List[str]) -> bool:
-        """Set exists-watches; False means wait for one to fire, True means look again now.
-        ``children`` is the read ``decision`` came from (a rate's slots look at it again)."""
+    def _cleared(self, children: List[str], until: Optional[float]) -> bool:
+        """Blocked, by the read ``children``: True when this removed a node that blocked us
+        (look again now). A lock's nodes go with their sessions: never here. A rate's slots
+        outlive them, and are freed here (:mod:`.rate`), also by a contender that does not wait."""
+        return False
+
+    def _watch(self, decision: Decision, until: Optional[float]) -> bool:
+        """Set exists-watches; False means wait for one to fire, True means look again now."""
         for name in decision.watch:
             stat = reply(self.session.client.exists_async(f"{self.path}/{name}", watch=self._on_watch), until)
             if stat is None:

@@ -41,7 +41,10 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import threading
 import time
+import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -52,7 +55,7 @@ from ..layout import node_object
 from ..zk import Session, remaining, reply
 from ..zk.background import RUNNER
 from ..zk.nodes import refused
-from .engine import ContenderObserver, Engine
+from .engine import ContenderObserver, Engine, _sweep_prefix
 from .lock import Lock
 from .rules import Decision, Rule, semaphore, split_queue
 
@@ -198,8 +201,29 @@ def orphan_turn(children: Iterable[str], rule: Rule, seen: Dict[str, float], now
         else:
             due = since + hold if due is None else min(due, since + hold)
     for gone in set(seen) - set(holders):
-        del seen[gone]
+        seen.pop(gone, None)  # several contenders of one process share ``seen``
     return OrphanTurn(tuple(sorted(free)), due)
+
+
+class _Sightings:
+    """When this process first saw each orphaned slot that held, by key path: kept across
+    contenders, so that one that does not wait (skip, retry) or waits less than W still frees
+    it once W has passed since this process first saw it. Forgotten once the slot is gone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: OrderedDict[str, Dict[str, float]] = OrderedDict()
+
+    def of(self, path: str) -> Dict[str, float]:
+        with self._lock:
+            seen = self._keys.setdefault(path, {})
+            self._keys.move_to_end(path)
+            while len(self._keys) > 1024:
+                self._keys.popitem(last=False)  # forgetting only restarts a wait: later, never sooner
+            return seen
+
+
+_SIGHTINGS = _Sightings()
 
 
 class _RateEngine(Engine):
@@ -209,8 +233,9 @@ class _RateEngine(Engine):
                  observer: Optional[ContenderObserver]) -> None:
         super().__init__(session, path, semaphore(rate.count), data, observer)
         self.rate = rate
-        self._seen: Dict[str, float] = {}
         self._timer: Any = None
+        #: The session generation our slot was made in (a slot outlives its session).
+        self._made_in = -1
 
     @property
     def mark(self) -> str:
@@ -222,6 +247,7 @@ class _RateEngine(Engine):
         container = nodes.ensure_container(self.path, remaining(until), self.rate.key_data())
         stored = client.get_async(self.path) if container is not None else None
         self._created = True
+        self._made_in = self.session.generation
         tx = client.transaction()
         tx.create(f"{self.path}/{self.mark}", b"", ephemeral=True)
         tx.create(f"{self.path}/{self._prefix}", self.data, sequence=True)
@@ -241,20 +267,31 @@ class _RateEngine(Engine):
         nodes.container_used(self.path, data)
         return reply(listed, until)
 
-    def _watch(self, decision: Decision, until: Optional[float], children: List[str]) -> bool:
-        turn = orphan_turn(children, self.rule, self._seen, time.monotonic(), self.rate.hold)
-        if turn.free:
-            for slot in turn.free:
-                try:
-                    reply(self.session.client.delete_async(f"{self.path}/{slot}"), until)
-                except NoNodeError:
-                    pass
-            return True
+    def _enter(self, until: Optional[float]) -> Optional[List[str]]:
+        if self._created and self._made_in != self.session.generation:
+            # A slot we made in an ended session is an orphan now: it never started (a slot
+            # starts only after the engine returns), so it goes at once, and we queue afresh
+            # under a new uuid: adopting it would start on a slot others count as dead.
+            _sweep_prefix(self.session, self.path, self._prefix)
+            self.node, self._created = None, False
+            self._prefix = uuid.uuid4().hex + self.rule.node_name
+        return super()._enter(until)
+
+    def _cleared(self, children: List[str], until: Optional[float]) -> bool:
+        turn = orphan_turn(children, self.rule, _SIGHTINGS.of(self.path), time.monotonic(), self.rate.hold)
+        for slot in turn.free:
+            try:
+                reply(self.session.client.delete_async(f"{self.path}/{slot}"), until)
+            except NoNodeError:
+                pass
         if turn.next_due is not None:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer = RUNNER.later(turn.next_due - time.monotonic(), self.wake)
-        if super()._watch(decision, until, children):
+        return bool(turn.free)
+
+    def _watch(self, decision: Decision, until: Optional[float]) -> bool:
+        if super()._watch(decision, until):
             return True
         # A watched holder's owner may die while we wait: its mark's delete wakes us to see it.
         for name in decision.watch:
@@ -298,9 +335,10 @@ class RateSlot(Lock):
         #: Monotonic time the holder's body started (None: not yet, or released since).
         self.began: Optional[float] = None
 
-    def begin(self) -> None:
-        """The holder starts now: its slot is kept for the rate's window from this moment."""
-        self.began = time.monotonic()
+    def begin(self, now: Optional[float] = None) -> None:
+        """The holder starts now (or at ``now``, a ``time.monotonic()`` reading already taken): its
+        slot is kept for the rate's window from this moment."""
+        self.began = time.monotonic() if now is None else now
 
     def __enter__(self) -> RateSlot:
         super().__enter__()

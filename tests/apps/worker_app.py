@@ -240,7 +240,18 @@ def pooled(key: str, seconds: float) -> None:
 @zk_locked(key="rate:{key}", rate=(3, 1.0), on_contention=Wait(timeout=120))
 def rated(key: str, seconds: float) -> str:
     """Three starts a second per key, on every worker; no lock on the key (its bodies overlap)."""
-    note("start", key=key, lock_key=current_lock().key, mode=current_lock().mode)
+    # The start the rate counts (its slot's begin(), just before the body is called), not a time
+    # read here: a body the OS schedules out for a moment reads a later one.
+    note("start", key=key, lock_key=current_lock().key, mode=current_lock().mode, began=current_lock().began)
+    hold_plain(seconds)
+    return key
+
+
+@app.task
+@zk_locked(key="rate-slow:{key}", rate=(1, 6.0), on_contention=Wait(timeout=120))
+def rated_slowly(key: str, seconds: float) -> str:
+    """One start per 6 s: a window longer than the workers' session timeout (4 s)."""
+    note("start", key=key, began=current_lock().began)
     hold_plain(seconds)
     return key
 
@@ -250,7 +261,9 @@ def rated(key: str, seconds: float) -> str:
 def rated_and_limited(key: str, seconds: float) -> str:
     """Two windows and a lock: one body at a time, two starts in any 0.5 s, four in any 2 s."""
     start = time.monotonic()
-    note("start", key=key, modes=sorted(one.mode for one in current_locks()))
+    began = {one.began for one in current_locks() if one.mode == "rate"}
+    note("start", key=key, modes=sorted(one.mode for one in current_locks()), began=began.pop() if len(began) == 1
+         else None)
     hold_plain(seconds)
     note("end", key=key, start=start)
     return key

@@ -17,6 +17,7 @@ import pytest
 import celery_zklock
 from celery_zklock import ConfigurationError
 from celery_zklock.recipes.rate import Rate, RateSlot, owner
+from harness import Op, TcpProxy
 from tests.apps import worker_app
 from tests.util import children, events, send, wait_until
 
@@ -48,7 +49,7 @@ def test_contenders_on_six_sessions_start_at_most_n_in_any_window(new_session, z
                 slot = RateSlot(session, path, rate)
                 assert slot.acquire(timeout=10)
                 slot.begin()
-                starts.append(time.monotonic())
+                starts.append(slot.began)  # what the rate counts: a time read later may be late
                 slot.release()
         except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
             errors.append(exc)
@@ -172,7 +173,7 @@ def test_tasks_on_three_workers_start_at_most_n_per_key_in_any_window(pool, work
     assert sorted(e["task_id"] for e in starts) == sorted(r.id for r in results), "a copy ran twice or not at all"
     assert {e["mode"] for e in starts} == {"rate"} and len({e["worker"] for e in starts}) >= 2
     for key in ("p0", "p1"):
-        times = [e["time"] for e in starts if e["key"] == key]
+        times = [e["began"] for e in starts if e["key"] == key]
         assert over_limit(times, Rate(3, 1.0)) == [], key
         # The limit, not less: 18 starts take about 5 windows, not a slot's whole wait each.
         assert max(times) - min(times) < 5 * 1.0 + 2.5, sorted(times)
@@ -185,9 +186,91 @@ def test_a_task_with_two_windows_and_a_lock_keeps_all_three(workers, queue, redi
     results = [send(worker_app.rated_and_limited, queue, "x", 0.02) for _ in range(12)]
     assert [r.get(timeout=120) for r in results] == ["x"] * 12
     history = events(redis_server.url)
-    starts = [e["time"] for e in history if e["event"] == "start"]
+    starts = [e["began"] for e in history if e["event"] == "start"]
     assert {tuple(e["modes"]) for e in history if e["event"] == "start"} == {("rate", "rate", "semaphore")}
     assert len(starts) == 12
     assert over_limit(starts, Rate(2, 0.5)) == [] and over_limit(starts, Rate(4, 2.0)) == []
     bodies = sorted((e["start"], e["time"]) for e in history if e["event"] == "end")
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(bodies, bodies[1:])), "two bodies overlapped"
+
+
+@pytest.fixture
+def proxy(zk_server):
+    with TcpProxy(zk_server.port) as proxy:
+        yield proxy
+
+
+def test_a_waiter_whose_session_expired_never_starts_on_its_old_slot(new_session, proxy, zk_root, kazoo):
+    # The waiter's link goes dark past its session (4 s): its mark goes, its slot stays (persistent),
+    # an orphan that never held. Healed, in a new session, it must queue afresh: adopting the old
+    # slot, whose owner others count as dead, would let a contender free it early.
+    rate = Rate(1, 2.0)
+    path = f"{zk_root}/rates/k-expired@2s"
+    holder = RateSlot(new_session(), path, rate)
+    assert holder.acquire()
+    holder.begin()
+    first = holder.began
+    session = new_session(hosts=proxy.hosts)
+    waiter = RateSlot(session, path, rate)
+    got: List[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=60)))
+    thread.start()
+    wait_until(lambda: len([c for c in children(kazoo, path) if "__sem__" in c]) == 2)
+    old = next(c for c in children(kazoo, path) if "__sem__" in c and c != holder.node)
+    generation = session.generation
+    proxy.mode = "blackhole"
+    wait_until(lambda: owner(old) not in children(kazoo, path), timeout=30)  # its session expired
+    holder.release()
+    proxy.mode = "pass"
+    thread.join(60)
+    assert got == [True] and session.generation != generation
+    assert waiter.node != old and old not in children(kazoo, path)
+    waiter.begin()
+    assert waiter.began - first >= rate.window
+    waiter.release()
+
+
+def test_a_slot_whose_create_reply_was_lost_is_found_and_counted_once(new_session, proxy, zk_root, kazoo):
+    rate = Rate(2, 1.0)
+    path = f"{zk_root}/rates/k-lost@1s"
+    slot = RateSlot(new_session(hosts=proxy.hosts), path, rate)
+    proxy.cut_after(Op.MULTI)  # the slot and its mark are made; the reply is lost with the link
+    assert slot.acquire(timeout=30)
+    slots = [c for c in children(kazoo, path) if "__sem__" in c]
+    assert slots == [slot.node] and owner(slot.node) in children(kazoo, path)
+    slot.release()
+    wait_until(lambda: children(kazoo, path) == [], timeout=10)  # never begun: it goes at once
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_warm_inside_its_window_keeps_its_slot_to_the_end(workers, queue, redis_server):
+    # One start per 6 s, longer than the workers' session (4 s): w1 runs a copy and stops warm
+    # at once (its session, and the slot's mark, go with it); w2's copy waits out the window.
+    w1 = workers("w1")
+    send(worker_app.rated_slowly, queue, "warm", 0.0).get(timeout=60)
+    w1.stop()
+    workers("w2")
+    send(worker_app.rated_slowly, queue, "warm", 0.0).get(timeout=60)
+    began = sorted(e["began"] for e in events(redis_server.url) if e["event"] == "start")
+    assert len(began) == 2 and began[1] - began[0] >= 6.0, began
+
+
+def test_contenders_that_do_not_wait_still_free_an_orphan_after_its_window(new_session, zk_root):
+    # skip, retry and raise never wait: each call looks once. The process keeps when it first saw
+    # the orphan, so a later call frees it once the window has passed since (not never).
+    rate = Rate(1, 2.0)
+    path = f"{zk_root}/rates/k-skip@2s"
+    gone = new_session()
+    with RateSlot(gone, path, rate):
+        pass
+    gone.close()  # its mark goes: the slot is an orphan that held
+    session = new_session()
+    first = time.monotonic()
+    while True:
+        slot = RateSlot(session, path, rate)
+        if slot.acquire(blocking=False):
+            break
+        assert time.monotonic() - first < rate.window + 2, "the orphan was never freed"
+        time.sleep(0.2)
+    assert time.monotonic() - first >= rate.window
+    slot.release()
