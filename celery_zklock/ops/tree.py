@@ -19,10 +19,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kazoo.exceptions import NoNodeError
 
-from ..layout import LOCK_TREES, PARKED, Layout, decode_key, hashed_name, node_object
+from ..layout import LOCK_TREES, PARKED, RATES, Layout, decode_key, hashed_name, node_object
 from ..recipes.dedupe import STARTED, read_marker
 from ..recipes.park import MEMBER, InFlight
 from ..recipes.park import waiting as parked_copies
+from ..recipes.rate import owner
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session
 from ..zk.transport import peer_address
@@ -55,8 +56,10 @@ def _rule(kind: str, infos: List[Dict[str, Any]]) -> Rule:
     rule = RULES[kind]
     if rule.name != "semaphore":
         return rule
-    # A semaphore's limit lives in its holders' data.
+    # A semaphore's limit lives in its holders' data (a rate's count, in its slots': "rate": [N, W]).
     limits = [i["limit"] for i in infos if type(i.get("limit")) is int and i["limit"] > 0]
+    limits += [i["rate"][0] for i in infos if isinstance(i.get("rate"), list) and i["rate"]
+               and type(i["rate"][0]) is int and i["rate"][0] > 0]
     return semaphore(limits[0] if limits else 1)
 
 
@@ -103,6 +106,41 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
                          # Parked copies (on_contention="park"), head first: they hold no worker slot.
                          "parked": parked, "watched": watched,
                          "limit": rule.leases if holders and holders[0]["mode"] == "semaphore" else None})
+    rows += _rates(session, root, pattern, wanted, now)
+    return rows
+
+
+def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional[str], now: float
+           ) -> List[Dict[str, Any]]:
+    """The keys with start slots (``rate=``), one row per window: its slots that hold, in queue
+    order, each with its age (from its creation) and its owner; an owner whose session ended
+    (its mark gone: the slot waits to be freed, W after a contender sees it) is said so."""
+    rows = []
+    base = f"{root}/{RATES}"
+    for name in sorted(children(session, base)):
+        key_name, _, window = name.rpartition("@")
+        if wanted is not None and key_name != wanted:
+            continue
+        path = f"{base}/{name}"
+        nodes, infos, holding, waiting = queue_of(session, path)
+        if not nodes:
+            continue
+        alive = set(children(session, path))
+        key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
+        if key is None:
+            key = pattern if wanted is not None and pattern is not None else decode_key(key_name) or key_name
+        if wanted is None and pattern is not None and not fnmatch.fnmatchcase(key, pattern):
+            continue
+        holders = []
+        for n in holding:
+            row = _contender(n, infos[n], nodes[n][1], now, "held_for")
+            if owner(n) not in alive:
+                row["where"] = f"{row['host']}/{row['pid']}, gone"
+            holders.append(row)
+        rows.append({"key": f"{key} per {window}", "path": path, "holders": holders, "waiters": len(waiting),
+                     "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
+                     "parked": [], "watched": False,
+                     "limit": _rule(semaphore(1).node_name, list(infos.values())).leases})
     return rows
 
 

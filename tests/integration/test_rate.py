@@ -274,3 +274,21 @@ def test_contenders_that_do_not_wait_still_free_an_orphan_after_its_window(new_s
         time.sleep(0.2)
     assert time.monotonic() - first >= rate.window
     slot.release()
+
+
+@pytest.mark.slow
+def test_locks_shows_a_keys_slots_with_their_age_and_an_owner_gone(env, new_session, zk_root):
+    rate = Rate(3, 60.0)
+    path = f"{zk_root}/rates/k-rate:cli@60s"
+    with RateSlot(new_session(), path, rate, data=b'{"mode": "rate", "key": "rate:cli", "rate": [3, 60.0]}'):
+        pass  # kept for its window, by a live owner
+    gone = new_session()
+    with RateSlot(gone, path, rate, data=b'{"mode": "rate", "key": "rate:cli", "rate": [3, 60.0]}'):
+        pass
+    gone.close()  # its owner's mark goes
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.worker_app", "zklock", "locks", "--key",
+                          "rate:*"], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "rate:cli per 60s" in line]
+    assert len(rows) == 2 and all(" rate " in r and " 2/3 " in r for r in rows), out.stdout
+    assert sum(", gone" in r for r in rows) == 1, out.stdout
