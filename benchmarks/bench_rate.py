@@ -117,8 +117,7 @@ def main() -> None:
     print(f"{'row':<40} {'over-limit windows':>18} {'most in a window':>16} {'throughput vs limit':>19} "
           f"{'hand-off p50':>12} {'p99':>9} {'CPU/start':>10} {'ZK req/start':>12}")
     for label, row in rows.items():
-        ours = label == "rate= (ours)"
-        p50, p99 = (f"{row['late50']:.1f}ms", f"{row['late99']:.1f}ms") if ours else ("-", "-")
+        p50, p99 = (f"{row['late50']:.1f}ms", f"{row['late99']:.1f}ms") if label == "rate= (ours)" else ("-", "-")
         print(f"{label:<40} {row['over']:>18} {row['most']:>16} {row['throughput']:>18.2f}x "
               f"{p50:>12} {p99:>9} {row['cpu']:>8.2f}ms {row['requests']:>12.1f}")
     ours = rows["rate= (ours)"]
