@@ -11,6 +11,7 @@
     <zklock_root>/parked/locks|semaphores/<encoded key>/p-<hash>-<seq>  parked copies (on_contention="park")
     <zklock_root>/rates/<encoded key>@<window>s/<uuid>__sem__<seq>    start slots (rate=; persistent), and
     <zklock_root>/rates/<encoded key>@<window>s/o-<uuid>              each slot's owner, alive (ephemeral)
+    <zklock_root>/limits/<encoded key>                                a key's limits changed live (persistent)
     <zklock_root>/beat/<encoded beat name>/election/<uuid>__lock__<seq>
     <zklock_root>/beat/<encoded beat name>/entries/<encoded entry name>
 
@@ -37,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple, Union
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["LOCK_TREES", "MAX_NAME", "MEMBERS", "PARKED", "RATES", "Layout", "check_key", "decode_key", "encode_key",
-           "hashed_name", "node_object"]
+__all__ = ["LIMITS", "LOCK_TREES", "MAX_NAME", "MEMBERS", "PARKED", "RATES", "Layout", "check_key", "decode_key",
+           "encode_key", "hashed_name", "node_object"]
 
 #: The two trees lock keys live in: semaphores apart, so a semaphore and a lock on one key never meet.
 LOCK_TREES: Tuple[str, str] = ("locks", "semaphores")
@@ -53,6 +54,8 @@ MEMBERS = "members"
 MAX_NAME = 200
 #: The tree of start slots of keys with a rate (``rate=``).
 RATES = "rates"
+#: The tree of limits changed live (``celery zklock limit``): persistent nodes, one per key.
+LIMITS = "limits"
 _PREFIX_LEN = 120
 # Characters kept as they are. Everything else, '%' itself included, is
 # percent-encoded from UTF-8, which is what makes the encoding injective.
@@ -178,6 +181,19 @@ class Layout:
     def lock(self, key: str, semaphore: bool = False) -> str:
         """The node a key's contenders queue under."""
         return f"{self.lock_tree(semaphore)}/{self.name(key)}"
+
+    @property
+    def limits_tree(self) -> str:
+        return f"{self.root}/{LIMITS}"
+
+    def limit(self, key: str) -> str:
+        """The persistent node whose value overrides a key's ``limit=`` and ``rate=`` counts
+        (limits changed live), outside the key's containers.
+
+            >>> Layout("/r").limit("partner:x")
+            '/r/limits/k-partner:x'
+        """
+        return f"{self.limits_tree}/{self.name(key)}"
 
     @property
     def rate_tree(self) -> str:

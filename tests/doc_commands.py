@@ -33,6 +33,7 @@ PLACEHOLDERS = {
     "PATH": "/celery-zklock/locks/k-invoice:42/x__lock__0000000000",
     "SECONDS": "30",
     "NAME": "proj.sync",
+    "RATE": "20/s",
 }
 _PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*$")
 _INLINE = re.compile(r"(`+)(celery\s[^`]*?)\1(?!`)")

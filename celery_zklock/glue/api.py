@@ -26,6 +26,7 @@ from kazoo.exceptions import (
 from ..conf import LockMode, MetricsSettings, Settings, TaskDefaults, did_you_mean
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable, explain
 from ..layout import LOCK_TREES, Layout, check_key
+from ..recipes.live import LiveSource
 from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
 from ..recipes.rate import Rate, RateSlot, RateValue, parse_rate
 from ..zk import Session, deadline, remaining, session_for, through_blips, timeouts
@@ -187,7 +188,8 @@ def lock(
     claim_scheme(session, layout, settings.connect_timeout)
     return Lock(session, path, rule,
                 data=holder_data(mode=name, **extra, **holder), timeout=timeout, key=key, mode=name,
-                on_state=on_state, label=layout.label(key))
+                on_state=on_state, label=layout.label(key),
+                live=LiveSource(layout.limit(key)) if limit is not None else None)
 
 
 def rate_path(app: Any, key: str, rate: Rate) -> str:
@@ -208,7 +210,8 @@ def rate_slot(app: Any, key: str, rate: Rate, timeout: Optional[float] = None, s
     session = session or session_for(settings)
     claim_scheme(session, layout, settings.connect_timeout)
     return RateSlot(session, path, rate, data=holder_data(mode="rate", **extra, **holder), timeout=timeout,
-                    key=key, label=layout.label(key), on_state=on_state)
+                    key=key, label=layout.label(key), on_state=on_state,
+                    live=LiveSource(layout.limit(key), rate.window))
 
 
 def _rate_slot(app: Any, key: str, mode: LockMode, limit: Optional[int], rate: RateValue, timeout: Optional[float],

@@ -33,6 +33,7 @@ from ..zk import Session
 from ..zk.nodes import unreadable
 from . import render
 from .cli_admin import _connect, check, clear_queued, evict, exporter_command
+from .cli_limits import limit
 from .tree import elections, locks, queued, server_info
 
 __all__ = ["elections", "locks", "queued", "schedule", "server_info", "zklock"]
@@ -298,5 +299,5 @@ _STATES = {
 
 
 # Checking the setup, changing the tree, serving: their own module.
-for _command in (check, clear_queued, evict, exporter_command):
+for _command in (check, clear_queued, evict, exporter_command, limit):
     zklock.add_command(_command)

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import threading
 import uuid
@@ -37,6 +38,7 @@ from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionEx
 from ..zk import Session, remaining, reply, timeouts
 from ..zk.nodes import refused
 from ..zk.transport import run_inline
+from .live import LiveSource
 from .rules import Decision, Rule, sequence
 
 __all__ = ["ContenderObserver", "Engine", "Held"]
@@ -82,10 +84,14 @@ class Engine:
     """One contender for the key at ``path`` under ``rule``, holding ``data`` in its node."""
 
     def __init__(self, session: Session, path: str, rule: Rule, data: bytes = b"",
-                 observer: Optional[ContenderObserver] = None) -> None:
+                 observer: Optional[ContenderObserver] = None, live: Optional[LiveSource] = None) -> None:
         self.session = session
         self.path = path
         self.rule = rule
+        #: Where a stored count that overrides the rule's (limits changed live) is read; None: none.
+        self.live = live
+        #: The rule the last decision was made under (the code's, or a stored count's).
+        self.rule_now = rule
         self.data = data
         self.observer = observer or _QUIET
         #: Our node while we have one in the queue (waiting or holding).
@@ -162,7 +168,7 @@ class Engine:
                 # Deleted by someone else while the session lives: deciding from our old
                 # sequence number could make us "hold" with no node.
                 return _StartOver(f"our node {node} was deleted by someone else")
-            decision = self.rule.decide(children, node)
+            decision = self._rule_now(until).decide(children, node)
             if decision.holds:
                 self._wake_promoted_waiter(node, children)
                 return Held(node, token, generation)
@@ -185,6 +191,21 @@ class Engine:
             children = reply(session.client.get_children_async(self.path), until)
             self._adopt_lowest(children, until)
         return None
+
+    def _rule_now(self, until: Optional[float]) -> Rule:
+        """The rule to decide under now: the code's, with a count stored live in its place (read
+        once a session and watched: a change wakes this contender to decide again)."""
+        rule = self.rule
+        if self.live is not None:
+            stored = self.live.stored(self.session, until, self)
+            if stored is not None and stored != rule.leases:
+                rule = dataclasses.replace(rule, leases=stored)
+        self.rule_now = rule
+        return rule
+
+    def _stored(self, until: Optional[float]) -> bool:
+        """Whether a count is stored live for this key: the key's own then says nothing."""
+        return self.live is not None and self.live.stored(self.session, until, self) is not None
 
     def _cleared(self, children: List[str], until: Optional[float]) -> bool:
         """Blocked, by the read ``children``: True when this removed a node that blocked us
@@ -261,7 +282,8 @@ class Engine:
         data = reply(stored, until)[0] if stored is not None else None
         # Every contender is checked, not only the first of this session: two of one
         # process (a prefork child's tasks) may ask one key for different limits.
-        self.rule.check_key_data(self.path, nodes.container_data(self.path) if data is None else data)
+        if not self._stored(until):
+            self.rule.check_key_data(self.path, nodes.container_data(self.path) if data is None else data)
         nodes.container_used(self.path, data)
         if listed is not None:
             return reply(listed, until)

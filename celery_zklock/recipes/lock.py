@@ -41,6 +41,7 @@ from ..exceptions import LockLost, LockNotAcquired, Preempted
 from ..zk import Liveness, Session, deadline
 from . import queue
 from .engine import ContenderObserver, Engine, Held
+from .live import LiveSource
 from .lock_watch import (
     _HOLDING,
     _RELEASABLE,
@@ -90,6 +91,7 @@ class Lock(HoldWatch):
         mode: Optional[str] = None,
         label: Optional[str] = None,
         observer: Optional[ContenderObserver] = None,
+        live: Optional[LiveSource] = None,
     ) -> None:
         if not isinstance(path, str) or not path.startswith("/") or path.endswith("/"):
             raise ValueError(f"path must be an absolute znode path, not {path!r}")
@@ -117,7 +119,7 @@ class Lock(HoldWatch):
         self.lost_cause = ""
         #: Who preempted it, as the newer contender described itself; None if nobody did.
         self.preempted_by: Optional[Dict[str, Any]] = None
-        self._engine = Engine(session, path, rule, data, observer)
+        self._engine = Engine(session, path, rule, data, observer, live)
         self._held: Optional[Held] = None
         #: The fencing token of the current hold, or of the last one once released.
         self._token: Optional[int] = None

@@ -56,6 +56,7 @@ from ..zk import Session, remaining, reply
 from ..zk.background import RUNNER
 from ..zk.nodes import refused
 from .engine import ContenderObserver, Engine, _sweep_prefix
+from .live import LiveSource
 from .lock import Lock
 from .rules import Decision, Rule, semaphore, split_queue
 
@@ -230,8 +231,8 @@ class _RateEngine(Engine):
     """The engine, with persistent slots, their owner marks, and orphans freed."""
 
     def __init__(self, session: Session, path: str, rate: Rate, data: bytes,
-                 observer: Optional[ContenderObserver]) -> None:
-        super().__init__(session, path, semaphore(rate.count), data, observer)
+                 observer: Optional[ContenderObserver], live: Optional[LiveSource]) -> None:
+        super().__init__(session, path, semaphore(rate.count), data, observer, live)
         self.rate = rate
         self._timer: Any = None
         self._looked: List[str] = []
@@ -264,7 +265,8 @@ class _RateEngine(Engine):
         self.token = int(node[-10:])  # a slot fences nothing: its sequence number stands in
         self.observer.created(node)
         data = reply(stored, until)[0] if stored is not None else None
-        self.rate.check_key_data(self.path, nodes.container_data(self.path) if data is None else data)
+        if not self._stored(until):
+            self.rate.check_key_data(self.path, nodes.container_data(self.path) if data is None else data)
         nodes.container_used(self.path, data)
         return reply(listed, until)
 
@@ -280,7 +282,7 @@ class _RateEngine(Engine):
 
     def _cleared(self, children: List[str], until: Optional[float]) -> bool:
         self._looked = children  # what _watch compares its watched read with
-        turn = orphan_turn(children, self.rule, _SIGHTINGS.of(self.path), time.monotonic(), self.rate.hold)
+        turn = orphan_turn(children, self.rule_now, _SIGHTINGS.of(self.path), time.monotonic(), self.rate.hold)
         for slot in turn.free:
             try:
                 reply(self.session.client.delete_async(f"{self.path}/{slot}"), until)
@@ -332,11 +334,12 @@ class RateSlot(Lock):
 
     def __init__(self, session: Session, path: str, rate: Rate, *, data: bytes = b"",
                  timeout: Optional[float] = None, key: Optional[str] = None, label: Optional[str] = None,
-                 on_state: Optional[Any] = None, observer: Optional[ContenderObserver] = None) -> None:
+                 on_state: Optional[Any] = None, observer: Optional[ContenderObserver] = None,
+                 live: Optional[LiveSource] = None) -> None:
         super().__init__(session, path, semaphore(rate.count), data=data, timeout=timeout, on_state=on_state,
                          key=key, mode="rate", label=label, observer=observer)
         self.rate = rate
-        self._engine = self._slot_engine = _RateEngine(session, path, rate, data, observer)
+        self._engine = self._slot_engine = _RateEngine(session, path, rate, data, observer, live)
         #: Monotonic time the holder's body started (None: not yet, or released since).
         self.began: Optional[float] = None
 

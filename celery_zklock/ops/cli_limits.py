@@ -1,0 +1,150 @@
+"""``celery zklock limit``: a key's limits changed live, without a deploy (see :mod:`..recipes.live`).
+
+::
+
+    celery -A proj zklock limit set partner:acme --limit 5 --rate 20/s
+    celery -A proj zklock limit show partner:acme
+    celery -A proj zklock limit clear partner:acme
+    celery -A proj zklock limit list
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import click
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+
+from ..glue.api import layout_of
+from ..layout import check_key, decode_key
+from ..recipes.live import NONE, Live, encode_live, parse_live
+from ..recipes.rate import parse_rate
+from ..zk import Session
+from .cli_admin import _connect
+
+__all__ = ["describe_live", "limit"]
+
+
+def describe_live(live: Live) -> str:
+    """A stored value in one line.
+
+    >>> describe_live(Live(5, {1.0: 20, 86400.0: 10000}))
+    'limit 5; 20 starts per 1s; 10000 starts per 86400s'
+    >>> print(describe_live(NONE))
+    nothing stored: the code's limit and rate apply
+    """
+    parts = ([f"limit {live.limit}"] if live.limit is not None else []) + \
+        [f"{n} starts per {w:g}s" for w, n in sorted(live.rates.items())]
+    return "; ".join(parts) if parts else "nothing stored: the code's limit and rate apply"
+
+
+def _read(session: Session, path: str) -> Tuple[Live, Optional[int]]:
+    try:
+        data, stat = session.client.get(path)
+    except NoNodeError:
+        return NONE, None
+    return parse_live(data), stat.version
+
+
+@click.group(name="limit")
+def limit() -> None:
+    """A key's limit= and rate= counts, changed live: every contender of the key reads the stored
+    value and decides under it at once; clear goes back to the code's."""
+
+
+def _key(key: str) -> str:
+    try:
+        return check_key(key)
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="KEY") from None
+
+
+@limit.command(name="set")
+@click.argument("key")
+@click.option("--limit", "count", type=click.IntRange(min=1), default=None,
+              help="At most this many holders of the key's semaphore (its tasks' limit=) at once.")
+@click.option("--rate", "rates", multiple=True, metavar="RATE",
+              help="A start rate for one of the key's windows (its tasks' rate=), like 20/s or 1000/d; repeat "
+                   "for several windows.")
+@click.pass_context
+def set_limit(ctx: click.Context, key: str, count: Optional[int], rates: Tuple[str, ...]) -> None:
+    """Store KEY's limit or rate counts, over what its tasks' code says."""
+    key = _key(key)
+    if count is None and not rates:
+        raise click.UsageError("give --limit N, --rate R, or both")
+    windows = {}
+    for given in rates:
+        try:
+            for one in parse_rate(given):
+                windows[one.window] = one.count
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--rate") from None
+    _, session, app = _connect(ctx)
+    try:
+        path = layout_of(app).limit(key)
+        for _ in range(10):  # version-checked: a concurrent set is read again, never overwritten
+            stored, version = _read(session, path)
+            new = Live(count if count is not None else stored.limit, {**stored.rates, **windows})
+            try:
+                if version is None:
+                    session.client.create(path, encode_live(new), makepath=True)
+                else:
+                    session.client.set(path, encode_live(new), version=version)
+            except (BadVersionError, NodeExistsError, NoNodeError):
+                continue
+            click.echo(f"{key}: {describe_live(new)}")
+            return
+        raise click.ClickException(f"{path} kept changing under us; try again")
+    finally:
+        session.close()
+
+
+@limit.command(name="show")
+@click.argument("key")
+@click.pass_context
+def show_limit(ctx: click.Context, key: str) -> None:
+    """What is stored for KEY."""
+    key = _key(key)
+    _, session, app = _connect(ctx)
+    try:
+        click.echo(f"{key}: {describe_live(_read(session, layout_of(app).limit(key))[0])}")
+    finally:
+        session.close()
+
+
+@limit.command(name="clear")
+@click.argument("key")
+@click.pass_context
+def clear_limit(ctx: click.Context, key: str) -> None:
+    """Delete what is stored for KEY: its tasks' code decides again."""
+    key = _key(key)
+    _, session, app = _connect(ctx)
+    try:
+        try:
+            session.client.delete(layout_of(app).limit(key))
+            click.echo(f"{key}: cleared; the code's limit and rate apply")
+        except NoNodeError:
+            click.echo(f"{key}: nothing was stored")
+    finally:
+        session.close()
+
+
+@limit.command(name="list")
+@click.pass_context
+def list_limits(ctx: click.Context) -> None:
+    """Every key with something stored."""
+    _, session, app = _connect(ctx)
+    try:
+        tree = layout_of(app).limits_tree
+        try:
+            names = sorted(session.client.get_children(tree))
+        except NoNodeError:
+            names = []
+        if not names:
+            click.echo("  (no key has limits stored)")
+        for name in names:
+            stored, _ = _read(session, f"{tree}/{name}")
+            shown: Any = decode_key(name) or name  # a hashed name cannot be turned back into its key
+            click.echo(f"  {shown}: {describe_live(stored)}")
+    finally:
+        session.close()

@@ -1,0 +1,167 @@
+"""Limits changed live: a key's stored value overrides the code's ``limit=`` and ``rate=`` counts.
+
+The value is one PERSISTENT node per key, ``<root>/limits/<key's name>``, outside the key's
+container (a container's data goes with it when its last child does, and ZooKeeper 3.10 reaps a
+container nobody used): ``{"limit": 5, "rate": {"1": 20, "86400": 10000}}``, a window's length in
+seconds to its count. ``celery zklock limit set`` writes it (version-checked), ``clear`` deletes it.
+
+Each process reads a key's value once and keeps it, with a data watch (:class:`LiveLimits`): a
+change wakes every contender of this process waiting on that key, which decides again under the
+new count. Raising a limit lets waiters in as the watch fires; lowering it interrupts no holder,
+and a newcomer waits until fewer than the new count are ahead of it (a count decides from the
+nodes ahead: holders and waiters). The stored value wins over every contender's own, so
+contenders whose code asks different counts are not refused while one is set.
+
+Example::
+
+    >>> parse_live(b'{"limit": 5, "rate": {"1": 20}}')
+    Live(limit=5, rates={1.0: 20})
+    >>> parse_live(b"")
+    Live(limit=None, rates={})
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from typing import Any, Callable, Dict, NamedTuple, Optional
+
+from kazoo.exceptions import NoNodeError
+
+from ..zk import Session, reply
+from ..zk.transport import run_inline
+
+__all__ = ["Live", "LiveLimits", "LiveSource", "encode_live", "live_limits", "parse_live"]
+
+
+class Live(NamedTuple):
+    """A key's stored limits: a semaphore's lease count, and each rate window's start count."""
+
+    limit: Optional[int]
+    rates: Dict[float, int]
+
+
+NONE = Live(None, {})
+
+
+def parse_live(data: bytes) -> Live:
+    """The stored value, from a limit node's data; what is not a positive int is left out.
+
+    >>> parse_live(b'{"limit": 0, "rate": {"1": 3, "x": 4, "60": true}}')
+    Live(limit=None, rates={1.0: 3})
+    """
+    try:
+        raw = json.loads(data.decode()) if data else {}
+    except (ValueError, UnicodeDecodeError):
+        return NONE
+    if not isinstance(raw, dict):
+        return NONE
+    limit = raw.get("limit")
+    rates: Dict[float, int] = {}
+    given = raw.get("rate")
+    if isinstance(given, dict):
+        for window, count in given.items():
+            try:
+                seconds = float(window)
+            except ValueError:
+                continue
+            if seconds > 0 and _positive(count):
+                rates[seconds] = count
+    return Live(limit if _positive(limit) else None, rates)
+
+
+def encode_live(live: Live) -> bytes:
+    """A limit node's data for ``live``.
+
+    >>> encode_live(Live(5, {1.0: 20}))
+    b'{"limit": 5, "rate": {"1": 20}}'
+    """
+    return json.dumps({**({"limit": live.limit} if live.limit is not None else {}),
+                       **({"rate": {f"{w:g}": n for w, n in sorted(live.rates.items())}} if live.rates else {})}
+                      ).encode()
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+class _Entry:
+    __slots__ = ("value", "generation", "waiters")
+
+    def __init__(self, value: Live, generation: int) -> None:
+        self.value, self.generation = value, generation
+        self.waiters: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class LiveLimits:
+    """One session's stored limits, each read once and kept under a data watch."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._lock = threading.Lock()
+        self._entries: Dict[str, _Entry] = {}
+
+    def read(self, path: str, until: Optional[float], waiter: Any = None) -> Live:
+        """The value stored at ``path`` (NONE when there is none); ``waiter.wake()`` is called
+        when it changes. Read from ZooKeeper the first time in a session, then kept."""
+        generation = self.session.generation
+        with self._lock:
+            entry = self._entries.get(path)
+            if entry is not None and entry.generation == generation:
+                if waiter is not None:
+                    entry.waiters.add(waiter)
+                return entry.value
+        try:
+            data, _ = reply(self.session.client.get_async(path, watch=self._changed(path)), until)
+            value = parse_live(data)
+        except NoNodeError:
+            # exists, not get: a watch that fires when the value is first set.
+            if reply(self.session.client.exists_async(path, watch=self._changed(path)), until) is not None:
+                return self.read(path, until, waiter)  # set just now: read it
+            value = NONE
+        with self._lock:
+            entry = self._entries.get(path)
+            if entry is None or entry.generation != generation:
+                entry = self._entries[path] = _Entry(value, generation)
+            else:
+                entry.value = value
+            if waiter is not None:
+                entry.waiters.add(waiter)
+        return value
+
+    def _changed(self, path: str) -> Callable[[Any], None]:
+        @run_inline
+        def changed(event: Any) -> None:
+            with self._lock:
+                entry = self._entries.pop(path, None)  # read again by the next contender
+            for waiter in list(entry.waiters) if entry is not None else []:
+                waiter.wake()
+
+        return changed
+
+
+_BY_SESSION: weakref.WeakKeyDictionary[Session, LiveLimits] = weakref.WeakKeyDictionary()
+_BY_SESSION_LOCK = threading.Lock()
+
+
+def live_limits(session: Session) -> LiveLimits:
+    """The session's :class:`LiveLimits` (one per session)."""
+    with _BY_SESSION_LOCK:
+        found = _BY_SESSION.get(session)
+        if found is None:
+            found = _BY_SESSION[session] = LiveLimits(session)
+        return found
+
+
+class LiveSource(NamedTuple):
+    """Where a contender finds its key's stored count: the key's limit node, and which count
+    (``None``: the semaphore's limit; a window's length: that window's start count)."""
+
+    path: str
+    window: Optional[float] = None
+
+    def stored(self, session: Session, until: Optional[float], waiter: Any) -> Optional[int]:
+        """The stored count that applies, or None (the code's applies)."""
+        value = live_limits(session).read(self.path, until, waiter)
+        return value.limit if self.window is None else value.rates.get(self.window)

@@ -1,0 +1,125 @@
+"""Limits changed live (``celery zklock limit``): a stored count overrides the code's, and every
+contender decides under it as soon as it is written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import List
+
+import pytest
+
+from celery_zklock.layout import Layout
+from celery_zklock.recipes.live import Live, LiveSource, encode_live
+from celery_zklock.recipes.lock import Lock, semaphore
+from celery_zklock.recipes.rate import Rate, RateSlot
+from tests.util import wait_until
+
+
+def store(kazoo, zk_root: str, key: str, live: Live) -> None:
+    path = Layout(zk_root).limit(key)
+    if kazoo.exists(path) is None:
+        kazoo.create(path, encode_live(live), makepath=True)
+    else:
+        kazoo.set(path, encode_live(live))
+
+
+def semaphores(new_session, zk_root: str, key: str, code_limit: int, n: int) -> List[Lock]:
+    layout = Layout(zk_root)
+    return [Lock(new_session(), layout.lock(key, semaphore=True), semaphore(code_limit),
+                 live=LiveSource(layout.limit(key))) for _ in range(n)]
+
+
+def test_a_limit_raised_live_lets_waiters_in_at_once(new_session, zk_root, kazoo):
+    holder, *waiters = semaphores(new_session, zk_root, "pool:up", 1, 4)
+    assert holder.acquire()
+    got: List[float] = []
+    threads = [threading.Thread(target=lambda w=w: w.acquire(timeout=30) and got.append(time.monotonic()))
+               for w in waiters]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(w.state == "waiting" for w in waiters))
+    raised = time.monotonic()
+    store(kazoo, zk_root, "pool:up", Live(3, {}))
+    wait_until(lambda: len(got) == 2, timeout=5)
+    assert max(got) - raised < 1.0
+    time.sleep(0.3)
+    assert len(got) == 2, "a fourth holder came in under a limit of 3"
+    holder.release()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 3
+
+
+def test_a_limit_lowered_live_interrupts_no_holder_and_admits_only_under_it(new_session, zk_root, kazoo):
+    *holders, waiter = semaphores(new_session, zk_root, "pool:down", 3, 4)
+    for h in holders:
+        assert h.acquire()
+    got = threading.Event()
+    threading.Thread(target=lambda: waiter.acquire(timeout=30) and got.set()).start()
+    wait_until(lambda: waiter.state == "waiting")
+    store(kazoo, zk_root, "pool:down", Live(1, {}))
+    for h in holders[:2]:
+        h.release()
+        assert not got.wait(0.5), "the waiter came in with a holder ahead of it under a limit of 1"
+        assert all(o.is_held for o in holders[2:])
+    holders[2].release()
+    assert got.wait(5)
+    waiter.release()
+
+
+def test_a_stored_limit_lets_contenders_whose_code_disagrees_in(new_session, zk_root, kazoo):
+    store(kazoo, zk_root, "pool:mixed", Live(2, {}))
+    a, = semaphores(new_session, zk_root, "pool:mixed", 1, 1)
+    b, = semaphores(new_session, zk_root, "pool:mixed", 5, 1)  # refused with no stored value
+    assert a.acquire(timeout=5) and b.acquire(timeout=5)
+    a.release()
+    b.release()
+
+
+def test_a_rate_raised_live_lets_a_waiter_start_at_once(new_session, zk_root, kazoo):
+    path = Layout(zk_root).rate("partner:live", 5.0)
+    source = LiveSource(Layout(zk_root).limit("partner:live"), 5.0)
+    first = RateSlot(new_session(), path, Rate(1, 5.0), live=source)
+    with first:
+        pass  # its slot is kept for 5 s
+    late = RateSlot(new_session(), path, Rate(1, 5.0), live=source)
+    got = threading.Event()
+    threading.Thread(target=lambda: late.acquire(timeout=30) and got.set()).start()
+    wait_until(lambda: late.state == "waiting")
+    raised = time.monotonic()
+    store(kazoo, zk_root, "partner:live", Live(None, {5.0: 2}))
+    assert got.wait(5) and time.monotonic() - raised < 1.0
+    late.release()
+
+
+def cli(env, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.worker_app", "zklock", "limit", *args],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.slow
+def test_the_limit_command_sets_shows_lists_and_clears(env, app):
+    out = cli(env, "set", "partner:acme", "--limit", "5", "--rate", "20/s")
+    assert out.returncode == 0 and "partner:acme: limit 5; 20 starts per 1s" in out.stdout, out.stderr
+    out = cli(env, "set", "partner:acme", "--rate", "1000/d")  # merged with what is there
+    assert "limit 5; 20 starts per 1s; 1000 starts per 86400s" in out.stdout, out.stderr
+    assert "limit 5; 20 starts per 1s; 1000 starts per 86400s" in cli(env, "show", "partner:acme").stdout
+    assert "partner:acme: limit 5" in cli(env, "list").stdout
+    assert "cleared" in cli(env, "clear", "partner:acme").stdout
+    assert "nothing stored" in cli(env, "show", "partner:acme").stdout
+    assert "(no key has limits stored)" in cli(env, "list").stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["set", "k"], "give --limit N, --rate R, or both"),
+    (["set", "k", "--limit", "0"], "0 is not in the range x>=1"),
+    (["set", "k", "--rate", "20/x"], "Invalid value for --rate: rate '20/x' is not N/s"),
+])
+def test_the_limit_command_refuses_bad_input_naming_it(env, args, message):
+    out = cli(env, *args)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
