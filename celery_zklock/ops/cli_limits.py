@@ -84,7 +84,7 @@ def set_limit(ctx: click.Context, key: str, count: Optional[int], rates: Tuple[s
         path = layout_of(app).limit(key)
         for _ in range(10):  # version-checked: a concurrent set is read again, never overwritten
             stored, version = _read(session, path)
-            new = Live(count if count is not None else stored.limit, {**stored.rates, **windows})
+            new = Live(count if count is not None else stored.limit, {**stored.rates, **windows}, stored.high())
             try:
                 if version is None:
                     session.client.create(path, encode_live(new), makepath=True)
@@ -120,11 +120,20 @@ def clear_limit(ctx: click.Context, key: str) -> None:
     key = _key(key)
     _, session, app = _connect(ctx)
     try:
-        try:
-            session.client.delete(layout_of(app).limit(key))
+        path = layout_of(app).limit(key)
+        for _ in range(10):
+            stored, version = _read(session, path)
+            if version is None or stored.limit is None and not stored.rates:
+                click.echo(f"{key}: nothing was stored")
+                return
+            try:
+                # Not deleted: the largest count stays, for slots it admitted that outlive the clear.
+                session.client.set(path, encode_live(stored.cleared()), version=version)
+            except (BadVersionError, NoNodeError):
+                continue
             click.echo(f"{key}: cleared; the code's limit and rate apply")
-        except NoNodeError:
-            click.echo(f"{key}: nothing was stored")
+            return
+        raise click.ClickException(f"{path} kept changing under us; try again")
     finally:
         session.close()
 
@@ -140,11 +149,15 @@ def list_limits(ctx: click.Context) -> None:
             names = sorted(session.client.get_children(tree))
         except NoNodeError:
             names = []
-        if not names:
-            click.echo("  (no key has limits stored)")
+        shown_any = False
         for name in names:
             stored, _ = _read(session, f"{tree}/{name}")
+            if stored.limit is None and not stored.rates:
+                continue  # cleared
+            shown_any = True
             shown: Any = decode_key(name) or name  # a hashed name cannot be turned back into its key
             click.echo(f"  {shown}: {describe_live(stored)}")
+        if not shown_any:
+            click.echo("  (no key has limits stored)")
     finally:
         session.close()

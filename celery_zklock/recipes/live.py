@@ -2,8 +2,10 @@
 
 The value is one PERSISTENT node per key, ``<root>/limits/<key's name>``, outside the key's
 container (a container's data goes with it when its last child does, and ZooKeeper 3.10 reaps a
-container nobody used): ``{"limit": 5, "rate": {"1": 20, "86400": 10000}}``, a window's length in
-seconds to its count. ``celery zklock limit set`` writes it (version-checked), ``clear`` deletes it.
+container nobody used): ``{"limit": 5, "rate": {"1": 20, "86400": 10000}, "most": 10000}``, a
+window's length in seconds to its count, and the largest count ever stored. ``celery zklock limit
+set`` writes it (version-checked); ``clear`` leaves only ``most``: a slot admitted under a count
+larger than the code's may outlive the clear, and a rate's orphans are judged against it.
 
 Each process reads a key's value once and keeps it, with a data watch (:class:`LiveLimits`): a
 change wakes every contender of this process waiting on that key, which decides again under the
@@ -15,9 +17,9 @@ contenders whose code asks different counts are not refused while one is set.
 Example::
 
     >>> parse_live(b'{"limit": 5, "rate": {"1": 20}}')
-    Live(limit=5, rates={1.0: 20})
+    Live(limit=5, rates={1.0: 20}, most=0)
     >>> parse_live(b"")
-    Live(limit=None, rates={})
+    Live(limit=None, rates={}, most=0)
 """
 
 from __future__ import annotations
@@ -36,10 +38,22 @@ __all__ = ["Live", "LiveLimits", "LiveSource", "encode_live", "live_limits", "pa
 
 
 class Live(NamedTuple):
-    """A key's stored limits: a semaphore's lease count, and each rate window's start count."""
+    """A key's stored limits: a semaphore's lease count, and each rate window's start count;
+    ``most``, the largest count ever stored for the key (kept after a clear)."""
 
     limit: Optional[int]
     rates: Dict[float, int]
+    most: int = 0
+
+    def cleared(self) -> Live:
+        """What a clear leaves: no count, and the largest ever stored. A slot admitted under a
+        larger count than the code's may still be there: a rate must not take it for one that
+        never held (:func:`.rate.orphan_turn` frees those at once)."""
+        return Live(None, {}, self.high())
+
+    def high(self) -> int:
+        """The largest count stored, now or before."""
+        return max([self.most, *(() if self.limit is None else (self.limit,)), *self.rates.values()])
 
 
 NONE = Live(None, {})
@@ -49,7 +63,7 @@ def parse_live(data: bytes) -> Live:
     """The stored value, from a limit node's data; what is not a positive int is left out.
 
     >>> parse_live(b'{"limit": 0, "rate": {"1": 3, "x": 4, "60": true}}')
-    Live(limit=None, rates={1.0: 3})
+    Live(limit=None, rates={1.0: 3}, most=0)
     """
     try:
         raw = json.loads(data.decode()) if data else {}
@@ -68,18 +82,19 @@ def parse_live(data: bytes) -> Live:
                 continue
             if seconds > 0 and _positive(count):
                 rates[seconds] = count
-    return Live(limit if _positive(limit) else None, rates)
+    most = raw.get("most")
+    return Live(limit if _positive(limit) else None, rates, most if isinstance(most, int) and _positive(most) else 0)
 
 
 def encode_live(live: Live) -> bytes:
     """A limit node's data for ``live``.
 
     >>> encode_live(Live(5, {1.0: 20}))
-    b'{"limit": 5, "rate": {"1": 20}}'
+    b'{"limit": 5, "rate": {"1": 20}, "most": 20}'
     """
     return json.dumps({**({"limit": live.limit} if live.limit is not None else {}),
-                       **({"rate": {f"{w:g}": n for w, n in sorted(live.rates.items())}} if live.rates else {})}
-                      ).encode()
+                       **({"rate": {f"{w:g}": n for w, n in sorted(live.rates.items())}} if live.rates else {}),
+                       "most": live.high()}).encode()
 
 
 def _positive(value: Any) -> bool:
@@ -165,3 +180,7 @@ class LiveSource(NamedTuple):
         """The stored count that applies, or None (the code's applies)."""
         value = live_limits(session).read(self.path, until, waiter)
         return value.limit if self.window is None else value.rates.get(self.window)
+
+    def most(self, session: Session, until: Optional[float]) -> int:
+        """The largest count ever stored for the key (0: none ever was)."""
+        return live_limits(session).read(self.path, until).high()

@@ -282,7 +282,11 @@ class _RateEngine(Engine):
 
     def _cleared(self, children: List[str], until: Optional[float]) -> bool:
         self._looked = children  # what _watch compares its watched read with
-        turn = orphan_turn(children, self.rule_now, _SIGHTINGS.of(self.path), time.monotonic(), self.rate.hold)
+        # An orphan is taken for one that never held (freed at once) only past every count that
+        # may have admitted it: a count lowered live since must not make a started slot a waiter.
+        most = self.live.most(self.session, until) if self.live is not None else 0
+        judged = semaphore(max(self.rate.count, self.rule_now.leases, most))
+        turn = orphan_turn(children, judged, _SIGHTINGS.of(self.path), time.monotonic(), self.rate.hold)
         for slot in turn.free:
             try:
                 reply(self.session.client.delete_async(f"{self.path}/{slot}"), until)
