@@ -38,6 +38,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import posixpath
 import re
@@ -46,11 +48,11 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
-from kazoo.exceptions import NoAuthError, NoNodeError, RolledBackError
+from kazoo.exceptions import NoAuthError, NodeExistsError, NoNodeError, RolledBackError
 
-from ..exceptions import ConfigurationError
+from ..exceptions import ConfigurationError, LockLost
 from ..layout import node_object
 from ..zk import Session, remaining, reply
 from ..zk.background import RUNNER
@@ -68,9 +70,11 @@ __all__ = ["DRIFT", "OWNER", "OrphanTurn", "Rate", "RateSlot", "RateValue", "orp
 DRIFT = 1e-3
 #: The mark of a slot's owner: ``o-`` and the slot's uuid.
 OWNER = "o-"
+#: When a host's clock first saw a slot orphaned: ``s-<slot's uuid>-<clock id>``, persistent.
+SIGHTING = "s-"
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_RATE_RE = re.compile(r"^\s*(\d+)\s*/\s*([smhd])\s*$")
+_RATE_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([smhd])\s*$")
 
 
 @dataclass(frozen=True)
@@ -89,23 +93,20 @@ class Rate:
         """What the key's window node holds, so all its contenders agree on the count."""
         return json.dumps({"rate": [self.count, self.window]}).encode()
 
-    def check_key_data(self, path: str, data: bytes) -> None:
-        """Raise ConfigurationError if the key's node says another count for this window.
+    def other_count(self, data: bytes) -> Optional[int]:
+        """The count the key's window node holds, when it is not ours (None: ours, or none).
 
-        >>> Rate(10, 1.0).check_key_data("/r/rates/k-a@1s", b'{"rate": [5, 1.0]}')
-        Traceback (most recent call last):
-        ...
-        celery_zklock.exceptions.ConfigurationError: rate key /r/rates/k-a@1s has 5 starts per 1s, ...
+        >>> Rate(10, 1.0).other_count(b'{"rate": [5, 1.0]}'), Rate(5, 1.0).other_count(b'{"rate": [5, 1.0]}')
+        (5, None)
         """
         stored = node_object(data).get("rate")
-        if isinstance(stored, list) and len(stored) == 2 and stored[0] != self.count:
-            raise ConfigurationError(
-                f"rate key {path} has {stored[0]} starts per {self.window:g}s, this contender asks for "
-                f"{self.count}; a key's contenders must agree. To change it, let the key drain: once its "
-                f"last slot goes, the server removes its node and the next contender sets the rate")
+        if isinstance(stored, list) and len(stored) == 2 and isinstance(stored[0], int) and stored[0] != self.count:
+            return stored[0]
+        return None
 
 
-#: What ``rate=`` accepts: ``"10/s"`` (Celery's ``rate_limit`` units s, m, h, and d for days),
+#: What ``rate=`` accepts: ``"10/s"`` (Celery's ``rate_limit`` units s, m, h, and d for days;
+#: ``"3/6s"``: a window of several units),
 #: ``(count, seconds)``, or a list of these for several windows at once.
 RateValue = Union[str, Tuple[int, float], Sequence[Union[str, Tuple[int, float]]]]
 
@@ -113,12 +114,12 @@ RateValue = Union[str, Tuple[int, float], Sequence[Union[str, Tuple[int, float]]
 def parse_rate(value: Any) -> Tuple[Rate, ...]:
     """The windows ``value`` asks for, one :class:`Rate` each; ValueError naming what is wrong.
 
-    >>> parse_rate("100/m")
-    (Rate(count=100, window=60.0),)
+    >>> parse_rate("100/m"), parse_rate("3/6s")
+    ((Rate(count=100, window=60.0),), (Rate(count=3, window=6.0),))
     >>> parse_rate("10/x")
     Traceback (most recent call last):
     ...
-    ValueError: rate '10/x' is not N/s, N/m, N/h or N/d, nor a (count, seconds) pair
+    ValueError: rate '10/x' is not N/s, N/m, N/h or N/d (or N/6s), nor a (count, seconds) pair
     >>> parse_rate((0, 1))
     Traceback (most recent call last):
     ...
@@ -144,12 +145,13 @@ def _one(value: Any, whole: Any) -> Rate:
     if isinstance(value, str):
         m = _RATE_RE.match(value)
         if m is None:
-            raise ValueError(f"rate {value!r} is not N/s, N/m, N/h or N/d, nor a (count, seconds) pair")
-        count, window = int(m.group(1)), _UNITS[m.group(2)]
+            raise ValueError(f"rate {value!r} is not N/s, N/m, N/h or N/d (or N/6s), nor a (count, seconds) pair")
+        count, window = int(m.group(1)), float(m.group(2) or 1) * _UNITS[m.group(3)]
     elif isinstance(value, tuple) and len(value) == 2:
         count, window = value
     else:
-        raise ValueError(f"rate {whole!r}: {value!r} is not N/s, N/m, N/h or N/d, nor a (count, seconds) pair")
+        raise ValueError(f"rate {whole!r}: {value!r} is not N/s, N/m, N/h or N/d (or N/6s), "
+                         "nor a (count, seconds) pair")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"rate {whole!r}: the count must be a positive int, not {count!r}")
     if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window < float("inf"):
@@ -162,8 +164,10 @@ class OrphanTurn(NamedTuple):
 
     #: Slots to delete now: orphans that never held, and orphans seen for their hold.
     free: Tuple[str, ...]
-    #: When the next orphan that held may go (monotonic), or None.
+    #: When the next orphan that held may go (on the sighting's clock), or None.
     next_due: Optional[float]
+    #: Every orphan seen (held or not): a watch on its gone owner's mark would fire no more.
+    orphans: Tuple[str, ...] = ()
 
 
 def owner(slot: str) -> str:
@@ -178,13 +182,16 @@ def owner(slot: str) -> str:
 def orphan_turn(children: Iterable[str], rule: Rule, seen: Dict[str, float], now: float, hold: float
                 ) -> OrphanTurn:
     """Which orphaned slots a contender may free now, from one read of the key's ``children``.
-    ``seen`` maps each orphan that held to when this contender first saw it orphaned (kept
-    by the caller, updated here); ``hold`` is the rate's :attr:`Rate.hold`.
+    ``seen`` maps each orphan that held to when this host's clock first saw it orphaned (kept
+    in ZooKeeper by the caller, see :func:`sighting`; an orphan met for the first time is added
+    here, at ``now``); ``hold`` is the rate's :attr:`Rate.hold`. ``rule`` must count every
+    count that may have admitted a slot: a slot past it never held.
 
     >>> rule, seen = semaphore(1), {}
     >>> kids = ["a__sem__0000000001", "b__sem__0000000002", "o-b", "c__sem__0000000003"]
-    >>> orphan_turn(kids, rule, seen, now=100.0, hold=5.0)   # a held; c waits: c goes now
-    OrphanTurn(free=('c__sem__0000000003',), next_due=105.0)
+    >>> turn = orphan_turn(kids, rule, seen, now=100.0, hold=5.0)   # a held; c waits: c goes now
+    >>> turn.free, turn.next_due, seen
+    (('c__sem__0000000003',), 105.0, {'a__sem__0000000001': 100.0})
     >>> orphan_turn(kids, rule, seen, now=105.0, hold=5.0).free
     ('a__sem__0000000001', 'c__sem__0000000003')
     """
@@ -192,39 +199,92 @@ def orphan_turn(children: Iterable[str], rule: Rule, seen: Dict[str, float], now
     alive = {c for c in children if c.startswith(OWNER)}
     holders, waiters = split_queue(children, lambda kind: rule)
     free = [w for w in waiters if owner(w) not in alive]
+    orphans = list(free)
     due: Optional[float] = None
     for slot in holders:
         if owner(slot) in alive:
             continue
+        orphans.append(slot)
         since = seen.setdefault(slot, now)
         if now >= since + hold:
             free.append(slot)
         else:
             due = since + hold if due is None else min(due, since + hold)
-    for gone in set(seen) - set(holders):
-        seen.pop(gone, None)  # several contenders of one process share ``seen``
-    return OrphanTurn(tuple(sorted(free)), due)
+    return OrphanTurn(tuple(sorted(free)), due, tuple(sorted(orphans)))
 
 
-class _Sightings:
-    """When this process first saw each orphaned slot that held, by key path: kept across
-    contenders, so that one that does not wait (skip, retry) or waits less than W still frees
-    it once W has passed since this process first saw it. Forgotten once the slot is gone."""
+def sighting(slot: str, clock: str) -> str:
+    """The name of the node that keeps when ``clock`` first saw ``slot`` orphaned.
+
+    >>> sighting("0f3a__sem__0000000007", "b1d2")
+    's-0f3a-b1d2'
+    """
+    return f"{SIGHTING}{slot.split('__', 1)[0]}-{clock}"
+
+
+def sightings_of(children: Iterable[str], clock: str) -> Tuple[Dict[str, str], List[str]]:
+    """From one read of a key's children: ``clock``'s sighting node of each slot there
+    (slot -> node name), and every sighting node whose slot is gone (stale: to delete).
+
+    >>> sightings_of(["a__sem__0000000001", "o-a", "s-a-c1", "s-a-c2", "s-z-c1"], "c1")
+    ({'a__sem__0000000001': 's-a-c1'}, ['s-z-c1'])
+    """
+    children = list(children)
+    slots = {c.split("__", 1)[0]: c for c in children if "__sem__" in c}
+    ours: Dict[str, str] = {}
+    stale: List[str] = []
+    for name in children:
+        if not name.startswith(SIGHTING):
+            continue
+        uid, _, who = name[len(SIGHTING):].rpartition("-")
+        if uid not in slots:
+            stale.append(name)
+        elif who == clock:
+            ours[slots[uid]] = name
+    return ours, stale
+
+
+def _clock_id() -> str:
+    """Which monotonic clock this process reads. Linux's CLOCK_MONOTONIC is one per boot of a
+    kernel, read alike by every process of the host (unless a time namespace offsets it, which
+    the id then includes). A sighting kept under this id is read back by any process of the
+    host, however short-lived (a prefork child with ``max_tasks_per_child=1``), so the wait it
+    starts is not started again by each new process. Elsewhere, one id per process."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with contextlib.suppress(OSError):
+            with open("/proc/self/timens_offsets") as f:
+                boot += f.read()
+    except OSError:
+        boot = uuid.uuid4().hex
+    return hashlib.sha256(boot.encode()).hexdigest()[:12]
+
+
+#: This process's clock's id (see :func:`_clock_id`).
+CLOCK = _clock_id()
+
+
+class _SightingTimes:
+    """The times this process read from sighting nodes (a node's value never changes)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._keys: OrderedDict[str, Dict[str, float]] = OrderedDict()
+        self._times: OrderedDict[str, float] = OrderedDict()
 
-    def of(self, path: str) -> Dict[str, float]:
+    def get(self, path: str) -> Optional[float]:
         with self._lock:
-            seen = self._keys.setdefault(path, {})
-            self._keys.move_to_end(path)
-            while len(self._keys) > 1024:
-                self._keys.popitem(last=False)  # forgetting only restarts a wait: later, never sooner
-            return seen
+            return self._times.get(path)
+
+    def put(self, path: str, when: float) -> None:
+        with self._lock:
+            self._times[path] = when
+            self._times.move_to_end(path)
+            while len(self._times) > 4096:
+                self._times.popitem(last=False)  # read again from its node when needed
 
 
-_SIGHTINGS = _Sightings()
+_TIMES = _SightingTimes()
 
 
 class _RateEngine(Engine):
@@ -236,6 +296,10 @@ class _RateEngine(Engine):
         self.rate = rate
         self._timer: Any = None
         self._looked: List[str] = []
+        self._orphans: Set[str] = set()
+        #: The count the key's node holds, when it is not ours (a contender refused for it still
+        #: frees the orphans it judges by it: else nobody of the old count may be left to).
+        self._stored_count = 0
         #: The session generation our slot was made in (a slot outlives its session).
         self._made_in = -1
 
@@ -265,10 +329,37 @@ class _RateEngine(Engine):
         self.token = int(node[-10:])  # a slot fences nothing: its sequence number stands in
         self.observer.created(node)
         data = reply(stored, until)[0] if stored is not None else None
-        if not self._stored(until):
-            self.rate.check_key_data(self.path, nodes.container_data(self.path) if data is None else data)
+        other = None if self._stored(until) else self.rate.other_count(
+            nodes.container_data(self.path) if data is None else data)
+        if other is not None:
+            return self._refused(other, reply(listed, until), until)
         nodes.container_used(self.path, data)
         return reply(listed, until)
+
+    def _refused(self, other: int, children: List[str], until: Optional[float]) -> List[str]:
+        """The key's node holds another count than ours. Its orphans are freed as their time
+        comes (by us too: maybe nobody of the old count is left to). If only our slot is left,
+        the node goes (in one transaction with our slot, so that nobody's slot goes with it)
+        and the engine makes it again with our count; else we are refused."""
+        self._stored_count = other
+        self._cleared(children, until)
+        client = self.session.client
+        children = reply(client.get_children_async(self.path), until)
+        if not [c for c in children if "__sem__" in c and c != self.node]:
+            tx = client.transaction()
+            for name in sorted(children, key=lambda c: c != self.node):  # ours first: the rest is litter
+                tx.delete(f"{self.path}/{name}")
+            tx.delete(self.path)
+            if not any(isinstance(r, Exception) for r in reply(tx.commit_async(), until)):
+                self.node, self._created = None, False
+                self.session.nodes.container_gone(self.path)
+                raise NoNodeError(self.path)  # made again, with our count, by the engine
+        raise ConfigurationError(
+            f"rate key {self.path} has {other} starts per {self.rate.window:g}s, this contender asks for "
+            f"{self.rate.count}; a key's contenders must agree while slots of either count are in their "
+            f"window. To change it now, store it live (celery zklock limit set KEY --rate "
+            f"{self.rate.count}/{self.rate.window:g}s); else the key takes the new count once the old "
+            "slots are gone (each W after its start; an orphan's, W after a contender sees it orphaned)")
 
     def _enter(self, until: Optional[float]) -> Optional[List[str]]:
         if self._created and self._made_in != self.session.generation:
@@ -282,16 +373,40 @@ class _RateEngine(Engine):
 
     def _cleared(self, children: List[str], until: Optional[float]) -> bool:
         self._looked = children  # what _watch compares its watched read with
+        client = self.session.client
+        ours, stale = sightings_of(children, CLOCK)
+        seen: Dict[str, float] = {}
+        for slot, name in ours.items():
+            when = _TIMES.get(f"{self.path}/{name}")
+            if when is None:
+                try:
+                    when = float(reply(client.get_async(f"{self.path}/{name}"), until)[0].decode())
+                except (NoNodeError, ValueError):
+                    continue  # gone meanwhile, or unreadable: seen afresh below
+                _TIMES.put(f"{self.path}/{name}", when)
+            seen[slot] = when
+        known = set(seen)
+        now = time.monotonic()
         # An orphan is taken for one that never held (freed at once) only past every count that
         # may have admitted it: a count lowered live since must not make a started slot a waiter.
         most = self.live.most(self.session, until) if self.live is not None else 0
-        judged = semaphore(max(self.rate.count, self.rule_now.leases, most))
-        turn = orphan_turn(children, judged, _SIGHTINGS.of(self.path), time.monotonic(), self.rate.hold)
+        judged = semaphore(max(self.rate.count, self.rule_now.leases, most, self._stored_count))
+        turn = orphan_turn(children, judged, seen, now, self.rate.hold)
+        self._orphans = set(turn.orphans)
+        for slot in set(seen) - known:
+            # Kept in ZooKeeper, so that every process of this host, a short-lived one too,
+            # waits from this first sighting, not from its own.
+            path = f"{self.path}/{sighting(slot, CLOCK)}"
+            with contextlib.suppress(NodeExistsError, NoNodeError):
+                reply(client.create_async(path, repr(now).encode()), until)
+            _TIMES.put(path, now)
         for slot in turn.free:
-            try:
-                reply(self.session.client.delete_async(f"{self.path}/{slot}"), until)
-            except NoNodeError:
-                pass
+            with contextlib.suppress(NoNodeError):
+                reply(client.delete_async(f"{self.path}/{slot}"), until)
+            uid = slot.split("__", 1)[0]
+            stale += [c for c in children if c.startswith(f"{SIGHTING}{uid}-")]
+        for name in stale:
+            self.session.nodes.delete_later(f"{self.path}/{name}")
         if turn.next_due is not None:
             if self._timer is not None:
                 self._timer.cancel()
@@ -308,8 +423,11 @@ class _RateEngine(Engine):
         if super()._watch(decision, until):
             return True
         # Further back: our predecessor, and its owner's mark (a dead waiter's slot goes at once).
-        return reply(self.session.client.exists_async(f"{self.path}/{owner(decision.watch[0])}",
+        # A predecessor known orphaned already waits for its due time (the timer wakes us):
+        # looking again at once would spin until then.
+        gone = reply(self.session.client.exists_async(f"{self.path}/{owner(decision.watch[0])}",
                                                       watch=self._on_watch), until) is None
+        return gone and decision.watch[0] not in self._orphans
 
     def leave(self) -> None:
         mark = self.mark if self._prefix else None
@@ -349,7 +467,15 @@ class RateSlot(Lock):
 
     def begin(self, now: Optional[float] = None) -> None:
         """The holder starts now (or at ``now``, a ``time.monotonic()`` reading already taken): its
-        slot is kept for the rate's window from this moment."""
+        slot is kept for the rate's window from this moment.
+
+        Raises :class:`~celery_zklock.LockLost` unless the slot is held beyond doubt: a start
+        counts only while its session can vouch for its slot, as the safety argument needs (a
+        contender may free a slot W after its owner's session ended; a start after that end
+        could fall inside another's window). A holder stalled past its session starts nothing.
+        """
+        if not self.is_held:
+            raise LockLost(f"{self.lost_message()}; it does not start")
         self.began = time.monotonic() if now is None else now
 
     def __enter__(self) -> RateSlot:
@@ -358,19 +484,23 @@ class RateSlot(Lock):
         return self
 
     def _leave(self) -> None:
-        began, self.began = self.began, None
-        engine = self._slot_engine
+        # Idempotent, as to_the_end needs: an asynchronous exception anywhere here is followed by
+        # a second run, which must not take a started slot for one that never started. So the
+        # start is forgotten last, once the slot is in the timer's hands.
+        began, engine = self.began, self._slot_engine
         if began is None or engine.node is None:
             super()._leave()  # no start under it: nothing to keep
             return
         slot, mark = f"{self.path}/{engine.node}", f"{self.path}/{engine.mark}"
         with self._mutex:
             self._deleting = engine.node
+        # Deleted by the owner at start + hold (a second timer, after an interruption, deletes
+        # nothing more). Should this process stop first, its mark goes with its session and the
+        # slot waits for a contender to free it as an orphan.
+        RUNNER.later(began + self.rate.hold - time.monotonic(), _free, self.session, slot, mark)
         engine.node = None
         engine._created = False
-        # Deleted by the owner at start + hold. Should this process stop first, its mark goes
-        # with its session and the slot waits for a contender to free it as an orphan.
-        RUNNER.later(began + self.rate.hold - time.monotonic(), _free, self.session, slot, mark)
+        self.began = None
 
     def slots(self, timeout: Optional[float] = None) -> Tuple[List[str], List[str]]:
         """The key's slots now, (holding, waiting), each in queue order."""

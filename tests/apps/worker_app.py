@@ -257,6 +257,15 @@ def rated_slowly(key: str, seconds: float) -> str:
 
 
 @app.task
+@zk_locked(key="rate-skip:{key}", rate=(1, 4.0), on_contention="skip")
+def rated_skipping(key: str, seconds: float) -> str:
+    """One start per 4 s, and a copy that finds no slot free skips."""
+    note("start", key=key, began=current_lock().began)
+    hold_plain(seconds)
+    return key
+
+
+@app.task
 @zk_locked(key="rate2:{key}", limit=1, rate=[(2, 0.5), (4, 2.0)], on_contention=Wait(timeout=120))
 def rated_and_limited(key: str, seconds: float) -> str:
     """Two windows and a lock: one body at a time, two starts in any 0.5 s, four in any 2 s."""

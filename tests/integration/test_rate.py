@@ -17,6 +17,7 @@ import pytest
 import celery_zklock
 from celery_zklock import ConfigurationError
 from celery_zklock.recipes.rate import Rate, RateSlot, owner
+from celery_zklock.recipes.rate import _RateEngine as _RateEngineType
 from harness import Op, TcpProxy
 from tests.apps import worker_app
 from tests.util import children, events, send, wait_until
@@ -292,3 +293,191 @@ def test_locks_shows_a_keys_slots_with_their_age_and_an_owner_gone(env, new_sess
     rows = [line for line in out.stdout.splitlines() if "rate:cli per 60s" in line]
     assert len(rows) == 2 and all(" rate " in r and " 2/3 " in r for r in rows), out.stdout
     assert sum(", gone" in r for r in rows) == 1, out.stdout
+
+
+# -- found by a fault attack (each failed before its fix) ------------------------------------------
+
+STALLED_HOLDER = (
+    "import os, signal, sys, time\n"
+    "from celery_zklock import LockLost\n"
+    "from celery_zklock.zk import Session\n"
+    "from celery_zklock.conf import Settings\n"
+    "from celery_zklock.recipes.rate import Rate, RateSlot\n"
+    "s = Session(Settings(hosts={hosts!r}, session_timeout=2)).start()\n"
+    "slot = RateSlot(s, {path!r}, Rate(1, 6.0))\n"
+    "assert slot.acquire(timeout=10)\n"
+    "print(slot.node, flush=True)\n"
+    "os.kill(os.getpid(), signal.SIGSTOP)\n"  # stalled between its acquire and its start
+    "try:\n"
+    "    slot.begin(); print('began', slot.began, flush=True)\n"
+    "except LockLost as exc:\n"
+    "    print('refused', exc, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_a_holder_stalled_past_its_session_before_its_start_does_not_start(zk_server, zk_root, new_session,
+                                                                          kazoo):
+    # Its mark goes with its session; a contender sees the orphan and frees it W later. A start
+    # by the stalled holder after its session ended would fall inside the contender's window:
+    # before the fix, the two started 5.0 s apart under one start per 6 s.
+    rate = Rate(1, 6.0)
+    path = f"{zk_root}/rates/k-stalled@6s"
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_HOLDER.format(hosts=zk_server.hosts, path=path)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        node = proc.stdout.readline().strip()
+        late = RateSlot(new_session(), path, rate)
+        got: List[bool] = []
+        thread = threading.Thread(target=lambda: got.append(late.acquire(timeout=60)))
+        thread.start()
+        wait_until(lambda: owner(node) not in children(kazoo, path), timeout=30)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGCONT)
+        said = proc.stdout.readline()
+        assert said.startswith("refused") and "it does not start" in said, said
+        thread.join(60)
+        assert got == [True]
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_an_async_exception_in_the_release_keeps_a_started_slot_for_its_window(new_session, zk_root, kazoo):
+    rate = Rate(1, 5.0)
+    path = f"{zk_root}/rates/k-async@5s"
+    holder = RateSlot(new_session(), path, rate)
+    assert holder.acquire()
+    holder.begin()
+    first = holder.began
+    code = RateSlot._leave.__code__
+    fired: List[int] = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno > code.co_firstlineno + 8 and not fired:
+            fired.append(frame.f_lineno)
+            raise KeyboardInterrupt("a soft time limit")  # as a signal handler's raise lands
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            holder.release()
+    finally:
+        sys.settrace(None)
+    assert fired
+    other = RateSlot(new_session(), path, rate)
+    assert other.acquire(timeout=30)
+    other.begin()
+    assert other.began - first >= rate.window  # before the fix: 0.5 s
+    other.release()
+
+
+SHORT_LIVED = (
+    "from celery_zklock.zk import Session\n"
+    "from celery_zklock.conf import Settings\n"
+    "from celery_zklock.recipes.rate import Rate, RateSlot\n"
+    "s = Session(Settings(hosts={hosts!r}, session_timeout=4)).start()\n"
+    "slot = RateSlot(s, {path!r}, Rate(1, 3.0))\n"
+    "ok = slot.acquire(blocking=False)\n"
+    "print(ok, flush=True)\n"
+    "s.close()\n"
+)
+
+
+def test_an_orphan_is_freed_though_each_contender_lives_for_one_look(zk_server, new_session, zk_root):
+    # A process a look (a prefork child with max_tasks_per_child=1, a cron job): each saw the
+    # orphan for the first time, and none ever waited the window out (41 looks over 15 s, none
+    # in, before the fix). Sightings are kept in ZooKeeper, per host clock.
+    rate = Rate(1, 3.0)
+    path = f"{zk_root}/rates/k-cron@3s"
+    gone = new_session()
+    with RateSlot(gone, path, rate):
+        pass
+    gone.close()
+    first = time.monotonic()
+    while True:
+        out = subprocess.run([sys.executable, "-c", SHORT_LIVED.format(hosts=zk_server.hosts, path=path)],
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+        if out.stdout.strip() == "True":
+            break
+        assert out.stdout.strip() == "False", out.stderr
+        assert time.monotonic() - first < 3 * rate.window, "the orphan was never freed"
+    assert time.monotonic() - first >= rate.window
+
+
+def test_waiting_behind_an_orphan_sleeps_until_it_is_due(new_session, zk_root, kazoo, zk_server):
+    # Before the fix the waiter looked again at once for the whole window (about 5,000 turns
+    # and 2,900 requests a second for a 5 s window).
+    rate = Rate(1, 3.0)
+    path = f"{zk_root}/rates/k-spin@3s"
+    gone = new_session()
+    with RateSlot(gone, path, rate):
+        pass
+    gone.close()
+    looks = []
+    original = _RateEngineType._cleared
+
+    def counted(self, children_, until):
+        looks.append(time.monotonic())
+        return original(self, children_, until)
+
+    def start_once() -> None:
+        with RateSlot(new_session(), path, rate, timeout=30):
+            pass
+
+    _RateEngineType._cleared = counted
+    try:
+        threads = [threading.Thread(target=start_once) for _ in range(2)]  # one behind the orphan, one behind it
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        _RateEngineType._cleared = original
+    # Each look follows a change or a due time: a few per start, not one per turn of a loop.
+    assert len(looks) < 30, f"{len(looks)} looks in {max(looks) - min(looks):.1f}s"
+
+
+def test_a_count_changed_after_a_warm_stop_takes_over_once_the_old_slots_are_gone(new_session, zk_root, kazoo):
+    # The old deploy's last worker stopped warm inside its window: nobody of the old count is
+    # left to free its slot. The new count's contenders were refused for good before the fix.
+    path = f"{zk_root}/rates/k-change@2s"
+    old = new_session()
+    with RateSlot(old, path, Rate(1, 2.0)):
+        began = time.monotonic()
+    old.close()
+    session = new_session()
+    refusals = set()
+    while True:
+        try:
+            slot = RateSlot(session, path, Rate(2, 2.0))
+            if slot.acquire(timeout=1):
+                break
+        except ConfigurationError as exc:
+            refusals.add(str(exc).split(";")[0])
+        assert time.monotonic() - began < 4 * 2.0, "the new count never took over"
+        time.sleep(0.2)
+    slot.begin()
+    assert slot.began - began >= 2.0
+    slot.release()
+    assert refusals == {f"rate key {path} has 1 starts per 2s, this contender asks for 2"}
+
+
+@pytest.mark.slow
+def test_a_worker_recycling_its_children_frees_an_orphan_it_skips_behind(workers, queue, redis_server):
+    # A warm stop inside the window leaves an orphan; the next worker runs one copy a child
+    # (max_tasks_per_child=1), each copy skipping while the key has no slot. Before the fix
+    # each child saw the orphan afresh: 35 copies over 20 s, none ran.
+    w1 = workers("w1", concurrency=1)
+    send(worker_app.rated_skipping, queue, "o", 0.0).get(timeout=60)
+    w1.stop()
+    workers("w2", concurrency=1, extra_args=["--max-tasks-per-child=1"])
+    first = time.monotonic()
+    while len([e for e in events(redis_server.url) if e["event"] == "start"]) < 2:
+        send(worker_app.rated_skipping, queue, "o", 0.0).get(timeout=60)
+        assert time.monotonic() - first < 3 * 4.0, "the orphan was never freed"
+        time.sleep(0.3)
+    began = sorted(e["began"] for e in events(redis_server.url) if e["event"] == "start")
+    assert began[1] - began[0] >= 4.0

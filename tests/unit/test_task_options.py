@@ -134,7 +134,7 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"key": ["a:{x}", "b:{x}"], "on_contention": "preempt"},
      r"on_contention=Preempt\(\) interrupts the one holder of one exclusive key, and this call has 2 keys"),
     # rate= (issue 44): a malformed rate, and the policies it does not serve yet.
-    ({"rate": "10 per second"}, r"rate '10 per second' is not N/s, N/m, N/h or N/d"),
+    ({"rate": "10 per second"}, r"rate .10 per second. is not N/s, N/m, N/h or N/d"),
     ({"rate": (3, 0)}, r"rate \(3, 0\): the window must be a positive number of seconds, not 0"),
     ({"rate": ["1/s", "5/s"]}, r"two windows of 1s"),
     ({"rate": "1/s", "on_contention": "park"}, r"rate= with on_contention=Park\(\) is not built yet"),
