@@ -112,6 +112,7 @@ def main() -> None:
         finally:
             for w in workers:
                 w.stop()
+                w.close()  # its temporary directory goes with it
     print(f"\n{args.workers} prefork workers (-c 2); a burst of {args.burst} on one key limited to {args.count} "
           f"starts per {args.window:g} s; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
     print(f"{'row':<40} {'over-limit windows':>18} {'most in a window':>16} {'throughput vs limit':>19} "
