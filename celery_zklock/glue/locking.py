@@ -131,8 +131,10 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     keys = spec.keys(task.name, fn, args, kwargs, bound, layout_of(app).secret is not None)
     # One global order (by path) so [a, b] and [b, a] never deadlock; a key named twice is locked once.
     # A key's start slots (rate=) are in the same order: one per window, each its own path.
-    ordered = sorted({**({} if spec.rate_only else {lock_path(app, key, spec.limit): (key, None) for key in keys}),
-                      **{rate_path(app, key, one): (key, one) for key in keys for one in spec.rate}}.items())
+    limit = spec.limit_for(task.name, args, kwargs, bound)
+    rates = spec.rates_for(task.name, args, kwargs, bound)
+    ordered = sorted({**({} if spec.rate_only else {lock_path(app, key, limit): (key, None) for key in keys}),
+                      **{rate_path(app, key, one): (key, one) for key in keys for one in rates}}.items())
     settings = settings_of(app)
     request = task.request
     guard = BodyGuard(fn) if spec.on_lock_lost == "interrupt" else None
@@ -146,7 +148,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     placed: Dict[str, Any] = {} if place is None else {PUBLISHED: place}
     try:
         session = session_for(settings)
-        locks = [lock(app, key, spec.mode, limit=spec.limit, session=session, on_state=on_state,
+        locks = [lock(app, key, spec.mode, limit=limit, session=session, on_state=on_state,
                       task=task.name, task_id=request.id, worker=request.hostname, **placed) if rate is None
                  # A slot bounds starts, not the body: its loss once begun interrupts nothing.
                  else rate_slot(app, key, rate, session=session, task=task.name, task_id=request.id,

@@ -70,8 +70,8 @@ class LockOptions(TypedDict, total=False):
     """
 
     mode: LockMode
-    limit: Optional[int]
-    rate: Optional[RateValue]
+    limit: Union[int, Callable[..., int], None]
+    rate: Union[RateValue, Callable[..., RateValue], None]
     on_contention: Union[ContentionPolicy, Contention]
     on_lock_lost: LockLostPolicy
     lock: bool
@@ -94,9 +94,11 @@ class LockSpec:
     where: str
     parts: Tuple[KeyPart, ...] = ()  # the ``key`` option
     mode: LockMode = "exclusive"
-    limit: Optional[int] = None
-    #: Start rates (``rate=``), one :class:`Rate` per window, shortest first; () for none.
-    rate: Tuple[Rate, ...] = ()
+    #: N, or a callable of the task's arguments returning N (a per-tier limit), or None.
+    limit: Union[int, Callable[..., int], None] = None
+    #: Start rates (``rate=``), one :class:`Rate` per window, shortest first; () for none; or a
+    #: callable of the task's arguments returning a ``rate=`` value (a per-tier rate).
+    rate: Union[Tuple[Rate, ...], Callable[..., Any]] = ()
     #: ``rate=`` without ``mode=`` or ``limit=``: the start slots only, no lock on the key.
     rate_only: bool = False
     #: A policy (:data:`DEFAULT`: the app's ``zklock_default_on_contention``).
@@ -134,7 +136,8 @@ class LockSpec:
                 return fallback
 
         mode, limit = get("mode"), get("limit")
-        valid_lock = checked(lambda: rule_for(mode, limit) is not None, False)
+        # A callable limit is checked as each call computes it; its mode, now.
+        valid_lock = checked(lambda: rule_for(mode, 1 if callable(limit) else limit) is not None, False)
         given = get("on_contention")
         policy = DEFAULT if given is DEFAULT else checked(
             lambda: contention_policy(f"{where}: on_contention", given), None)
@@ -155,13 +158,15 @@ class LockSpec:
         parts = checked(lambda: check_key_parts(options.get("key"), fn, where), no_parts)
         given_rate = options.get("rate")
         no_rates: Tuple[Rate, ...] = ()
-        rates = no_rates if given_rate is None else checked(lambda: parse_rate(given_rate), no_rates)
-        if rates and isinstance(policy, Contention):
-            refused_rate = _rate_refusal(policy)
-            if refused_rate:
-                found.append(f"{where}: {refused_rate}")
+        rates: Union[Tuple[Rate, ...], Callable[..., Any]] = (
+            given_rate if callable(given_rate) else
+            no_rates if given_rate is None else checked(lambda: parse_rate(given_rate), no_rates))
+        if isinstance(policy, Contention):
+            refused_here = _rate_refusal(policy, rates, limit)
+            if refused_here:
+                found.append(f"{where}: {refused_here}")
         if isinstance(policy, Contention) and locking is True and valid_lock and not found:
-            refused = policy.refusal(mode, limit, len(parts) or 1, dedupe)  # no key option: one key
+            refused = policy.refusal(mode, _shown(limit), len(parts) or 1, dedupe)  # no key option: one key
             if refused:
                 found.append(f"{where}: on_contention={refused}")
         if found:
@@ -205,6 +210,29 @@ class LockSpec:
             raise ValueError(f"{self.where}: marker_ttl of a task without dedupe")
         return self.dedupe.resolved(defaults).marker_ttl
 
+    def limit_for(self, task_name: str, args: Sequence[Any], kwargs: Dict[str, Any], bound: bool) -> Optional[int]:
+        """The call's ``limit``: the option, or what its callable returns for the call's arguments."""
+        if not callable(self.limit):
+            return self.limit
+        value = _per_call(self.limit, "limit", task_name, args, kwargs, bound)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"task {task_name}: limit callable {_fn_name(self.limit)} returned {value!r}, "
+                                     "not a positive int")
+        return value
+
+    def rates_for(self, task_name: str, args: Sequence[Any], kwargs: Dict[str, Any], bound: bool
+                  ) -> Tuple[Rate, ...]:
+        """The call's rates: the option's, or what its callable returns for the call's arguments
+        (None: no rate for this call)."""
+        if not callable(self.rate):
+            return self.rate
+        value = _per_call(self.rate, "rate", task_name, args, kwargs, bound)
+        try:
+            return () if value is None else parse_rate(value)
+        except ValueError as exc:
+            raise ConfigurationError(f"task {task_name}: rate callable {_fn_name(self.rate)} returned "
+                                     f"{value!r}: {exc}") from None
+
     def keys(self, task_name: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
              bound: bool, private: bool = False) -> List[str]:
         """The keys of one call: the ``key`` option rendered, or the task name plus every argument.
@@ -224,16 +252,52 @@ def policy_problem(where: str, spec: LockSpec, defaults: TaskDefaults, keys: int
     ``keys`` keys (None: it can). A task's own policy was checked as it was defined; the
     default is checked as the app is finalized, and again by each call."""
     policy = spec.policy_as_set(defaults)
-    refused = (_rate_refusal(policy) if spec.rate else None) or policy.refusal(spec.mode, spec.limit, keys,
+    refused = _rate_refusal(policy, spec.rate, spec.limit) or policy.refusal(spec.mode, _shown(spec.limit), keys,
                                                                               spec.dedupe)
     return f"{where}: {spec.contention_source(defaults)}: {refused}" if refused else None
 
 
-def _rate_refusal(policy: Contention) -> Optional[str]:
-    """Why ``policy`` cannot serve a task with ``rate=`` (None: it can)."""
-    if isinstance(policy, (Park, Preempt)):
+def _per_call(fn: Callable[..., Any], option: str, task_name: str, args: Sequence[Any], kwargs: Dict[str, Any],
+              bound: bool) -> Any:
+    """``fn`` called with the task's arguments, as a key callable is; its error names the task."""
+    try:
+        return fn(*(args[1:] if bound else args), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - said with the task and the option, then raised
+        raise ConfigurationError(f"task {task_name}: {option} callable {_fn_name(fn)} raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class _PerCall(int):
+    """A limit computed per call, as a policy's refusal names it: ``limit=tier_limit(...)``."""
+
+    name = ""
+
+    def __repr__(self) -> str:
+        return f"{self.name}(...)"
+
+
+def _shown(limit: Union[int, Callable[..., int], None]) -> Optional[int]:
+    """``limit`` as a policy's refusal takes it: a callable stands as a semaphore of its own name."""
+    if not callable(limit):
+        return limit
+    shown = _PerCall(1)
+    shown.name = _fn_name(limit)
+    return shown
+
+
+def _rate_refusal(policy: Contention, rate: Any, limit: Any) -> Optional[str]:
+    """Why ``policy`` cannot serve a task with this ``rate=`` or ``limit=`` (None: it can)."""
+    if rate and isinstance(policy, (Park, Preempt)):
         return (f"rate= with on_contention={policy!r} is not built yet: a copy would wait for a start slot "
                 "that frees on a timer, not on a release; use Wait(...), Skip(), Retry(...) or Raise()")
+    if callable(limit) and isinstance(policy, Park):
+        # The worker's consumer and a publisher decide a park from the key's rule before any call.
+        return (f"limit= as a callable with on_contention={policy!r} is not built yet: a park is decided "
+                "before the task's arguments reach a call; give an int")
     return None
 
 

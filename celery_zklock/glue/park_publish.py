@@ -111,8 +111,9 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
         if not session.client.connected:
             raise ZooKeeperUnavailable("the session is reconnecting")
         claim_scheme(session, layout, wait)
-        queue = ParkedQueue(session, layout.parked(key, spec.limit is not None), lock_path(app, key, spec.limit),
-                            rule_for(spec.mode, spec.limit))
+        lock_limit = spec.limit_for(task.name, args, kwargs, False)
+        queue = ParkedQueue(session, layout.parked(key, lock_limit is not None), lock_path(app, key, lock_limit),
+                            rule_for(spec.mode, lock_limit))
         limit = cast(Park, spec.contention(defaults)).queue_limit
         parked = queue.park(task_id, lambda: encode(task, task_id, signature), limit, deadline(wait), guarded=True)
     except ParkUntold as exc:

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import click
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
@@ -72,10 +72,13 @@ def set_limit(ctx: click.Context, key: str, count: Optional[int], rates: Tuple[s
     key = _key(key)
     if count is None and not rates:
         raise click.UsageError("give --limit N, --rate R, or both")
-    windows = {}
+    windows: Dict[float, int] = {}
     for given in rates:
         try:
             for one in parse_rate(given):
+                if one.window in windows:
+                    raise ValueError(f"two counts for the {one.window:g}s window ({windows[one.window]} and "
+                                     f"{one.count}); give one")
                 windows[one.window] = one.count
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--rate") from None

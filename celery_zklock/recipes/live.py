@@ -57,6 +57,8 @@ class Live(NamedTuple):
 
 
 NONE = Live(None, {})
+#: How many keys' values a session keeps (the oldest read goes first).
+MAX_KEYS = 10_000
 
 
 def parse_live(data: bytes) -> Live:
@@ -139,6 +141,12 @@ class LiveLimits:
             entry = self._entries.get(path)
             if entry is None or entry.generation != generation:
                 entry = self._entries[path] = _Entry(value, generation)
+                if len(self._entries) > MAX_KEYS:
+                    # The oldest reads nobody waits on go (read again if used again): a waiter's
+                    # must stay, or a change would not wake it.
+                    idle = [k for k, e in self._entries.items() if not e.waiters and e is not entry]
+                    for k in idle[:len(self._entries) - MAX_KEYS]:
+                        del self._entries[k]
             else:
                 entry.value = value
             if waiter is not None:

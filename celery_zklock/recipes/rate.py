@@ -17,16 +17,18 @@ process died, or stopped before its window ran out). Who frees it, and when
 
 - an orphan that never held (a waiter) is deleted at once: only a holder starts, and a
   holder stays one, so it started nothing;
-- an orphan that held is deleted by a contender it blocks, once that contender has seen
-  it orphaned for W (times :data:`DRIFT`) on its own clock. Its owner started, if at all,
-  while its session could vouch for it (a lock is held only then), so before the session
-  ended, and so before anyone saw the mark gone: W after that sighting is W after the start.
+- an orphan that held is deleted by a contender it blocks, W (times 1 + :data:`DRIFT`)
+  after that contender's host first saw it orphaned, on the host's monotonic clock (the
+  sighting is kept in ZooKeeper: :func:`sighting`, :data:`CLOCK`). Its owner started, if at
+  all, while its session could vouch for it (:meth:`RateSlot.begin` refuses otherwise), so
+  before the session ended, and so before anyone saw the mark gone: W after that sighting
+  is W after the start.
 
 A contender whose own mark went (its session ended) never starts with its slot: the
 session's generation changed, so the lock is lost, and the engine starts over with a new
 slot. The owner of a slot deletes it itself at start + W; should it die first, the slot
 waits for the next contender. No slot blocks a key for good: every orphan is freed by the
-first contender it blocks, at most W after that contender sees it.
+first contender it blocks, at most W after that contender's host sees it.
 
 Example::
 
@@ -480,7 +482,11 @@ class RateSlot(Lock):
 
     def __enter__(self) -> RateSlot:
         super().__enter__()
-        self.begin()
+        try:
+            self.begin()
+        except BaseException:
+            self.release()  # no start: the slot goes at once (the with-block's exit will not come)
+            raise
         return self
 
     def _leave(self) -> None:
@@ -501,12 +507,6 @@ class RateSlot(Lock):
         engine.node = None
         engine._created = False
         self.began = None
-
-    def slots(self, timeout: Optional[float] = None) -> Tuple[List[str], List[str]]:
-        """The key's slots now, (holding, waiting), each in queue order."""
-        children = reply(self.session.client.get_children_async(self.path), None if timeout is None
-                         else time.monotonic() + timeout)
-        return split_queue(children, lambda kind: self.rule)
 
 
 def _free(session: Session, slot: str, mark: str) -> None:

@@ -562,6 +562,21 @@ if os.environ.get("ZKT_CONSUMER_BLIND"):  # the main process's views come late, 
     _blind._ConsumerParking._read = _read_late  # type: ignore[method-assign]
 
 
+if os.environ.get("ZKT_NOTE_VIEWS"):  # the main process notes each view it reads: what a test syncs on
+    from celery_zklock.glue import park_consumer as _viewing
+
+    _read_noted = _viewing._ConsumerParking._read
+
+    def _read_and_note(self: Any, entry: Any) -> None:
+        _read_noted(self, entry)
+        view = entry.view
+        if view is not None:
+            history().rpush("history", json.dumps({"event": "view", "key": entry.key, "blocked": view.blocked,
+                                                   "parked": view.parked, "time": time.monotonic()}))
+
+    _viewing._ConsumerParking._read = _read_and_note  # type: ignore[method-assign]
+
+
 @worker_process_init.connect
 def _hook_the_take(**kwargs: Any) -> None:
     # In a worker's pool processes only: a test process that imports this app (and takes a node

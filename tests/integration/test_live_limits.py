@@ -12,6 +12,7 @@ from typing import List
 
 import pytest
 
+import celery_zklock
 from celery_zklock.layout import Layout
 from celery_zklock.recipes.live import Live, LiveSource, encode_live
 from celery_zklock.recipes.lock import Lock, semaphore
@@ -119,7 +120,43 @@ def test_the_limit_command_sets_shows_lists_and_clears(env, app):
     (["set", "k"], "give --limit N, --rate R, or both"),
     (["set", "k", "--limit", "0"], "0 is not in the range x>=1"),
     (["set", "k", "--rate", "20/x"], "Invalid value for --rate: rate '20/x' is not N/s"),
+    (["set", "k", "--rate", "1/s", "--rate", "2/s"], "two counts for the 1s window (1 and 2); give one"),
 ])
 def test_the_limit_command_refuses_bad_input_naming_it(env, args, message):
     out = cli(env, *args)
     assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+TIERS = {"gold": 3, "free": 1}
+
+
+def test_a_limit_and_a_rate_computed_from_the_tasks_arguments(celery_app):
+    # A per-tier default: the callable gets the task's arguments, as a key callable does.
+    @celery_app.task(name="tier.sync")
+    @celery_zklock.zk_locked(key="tenant:{tenant}", limit=lambda tenant, tier: TIERS[tier],
+                             rate=lambda tenant, tier: (TIERS[tier] * 2, 60.0), on_contention="skip")
+    def sync(tenant, tier):
+        held = celery_zklock.current_locks()
+        return sorted((one.mode, one.rate.count if one.mode == "rate" else one.rule.leases) for one in held)
+
+    celery_app.finalize()
+    assert sync.apply(args=("acme", "gold")).get() == [("rate", 6), ("semaphore", 3)]
+    assert sync.apply(args=("tiny", "free")).get() == [("rate", 2), ("semaphore", 1)]
+
+
+@pytest.mark.parametrize("limit, rate, message", [
+    (lambda tenant, tier: 0, None, r"task tier.bad: limit callable .* returned 0, not a positive int"),
+    (lambda tenant, tier: 1 / 0, None, r"task tier.bad: limit callable .* raised ZeroDivisionError"),
+    (None, lambda tenant, tier: "2 per s", r"task tier.bad: rate callable .* returned '2 per s': rate '2 per s'"),
+])
+def test_a_per_call_limit_or_rate_that_is_wrong_names_the_task_and_the_option(celery_app, limit, rate, message):
+    options = {"limit": limit} if limit is not None else {"rate": rate}
+
+    @celery_app.task(name="tier.bad")
+    @celery_zklock.zk_locked(key="tenant:{tenant}", **options)
+    def bad(tenant, tier):
+        return "ran"
+
+    celery_app.finalize()
+    with pytest.raises(celery_zklock.ConfigurationError, match=message):
+        bad.apply(args=("acme", "gold")).get()

@@ -252,15 +252,16 @@ def test_a_park_whose_reply_was_lost_as_zookeeper_went_is_never_failed_and_then_
     first = send(worker_app.parking, held_queue, "untold", 60.0, 0, "", True)
     wait_until(lambda: started(redis_server.url, first.id), timeout=30)
     with TcpProxy(zk_server.port) as proxy:
-        w1 = workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts)
+        w1 = workers("w1", concurrency=2, ZKT_HOSTS=proxy.hosts, ZKT_NOTE_VIEWS="1")
         keyed = [first, send(worker_app.parking, queue, "untold", 0.01, 1)]
         wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "untold") if n.startswith("p-")]) == 1,
                    timeout=30)
-        # Copy 1 parked in a pool process (the consumer had no view of the key yet), which
-        # watches its queue. The consumer's view is current once its read joins the watchers
-        # too: else, under load, copy 2 went to the pool as well, and this was that test.
-        wait_until(lambda: len([n for n in queue_left(kazoo, zk_root, "untold") if n.startswith("w-")]) >= 2,
-                   timeout=30)
+        # Copy 1 parked in a pool process (the consumer had no view of the key yet). Copy 2 must
+        # meet a consumer whose view shows it parked: else it goes to the pool as well, and this
+        # is that test. The queue's watchers were no sign of it: a second pool process's look at
+        # start joins them too (CI, 1 run in 30 under load).
+        wait_until(lambda: any(e["event"] == "view" and e["key"] == "park:untold" and e["parked"] >= 1
+                               for e in events(redis_server.url)), timeout=30)
         held = proxy.hold_reply(Op.MULTI)
         keyed.append(send(worker_app.parking, queue, "untold", 0.01, 2))
         held.wait_matched(10)  # copy 2's park: committed, its reply held

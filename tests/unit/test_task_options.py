@@ -140,6 +140,9 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"rate": "1/s", "on_contention": "park"}, r"rate= with on_contention=Park\(\) is not built yet"),
     ({"rate": "1/s", "on_contention": Preempt()}, r"rate= with on_contention=Preempt\(\) is not built yet"),
     ({"rate": "1/s", "dedupe": "queued", "lock": False}, r"rate applies only with the lock"),
+    ({"limit": lambda x: 2, "on_contention": "park"}, r"limit= as a callable with on_contention=Park\(\) is not built"),
+    ({"limit": lambda x: 2, "mode": "read"}, r"cannot be combined with mode='read'"),
+    ({"limit": lambda x: 2, "on_contention": Preempt()}, r"a semaphore \(limit=.*<lambda>\(...\)\)"),
     # The flat options of before, each pointed to the policy field it became.
     ({"timeout": 5}, r"unknown lock option 'timeout'; a wait's limit is a field of its policy: "
                      r"on_contention=Wait\(timeout=...\)"),
