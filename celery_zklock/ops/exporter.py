@@ -76,6 +76,9 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], str]] = {
                                        "watched them died); a running worker picks each up within "
                                        "zklock_park_resend_after."),
     "celery_zklock_dedupe_markers": (("state",), "Dedupe markers: queued, running, started (latest) or expired."),
+    "celery_zklock_rate_slots": (("state",), "Start slots of rate= keys, every window: holding (inside its "
+                                 "window), waiting, or orphaned (holding, its owner's session gone: freed a "
+                                 "window after a contender sees it)."),
     "celery_zklock_beat_has_leader": (("beat",), "1 if the beat election has a leader, else 0."),
     "celery_zklock_beat_candidates": (("beat",), "Beats in the election, the leader included."),
     "celery_zklock_beat_tick_overdue_seconds": (("beat",), "Seconds past the tick its leader promised (0: on time)."),
@@ -98,6 +101,7 @@ _PARTS: Dict[str, Tuple[str, ...]] = {
     "parked": ("celery_zklock_parked", "celery_zklock_oldest_parked_seconds", "celery_zklock_parked_stalled_seconds",
                "celery_zklock_parked_stalled_queue_seconds", "celery_zklock_parked_unwatched"),
     "markers": ("celery_zklock_dedupe_markers",),
+    "rates": ("celery_zklock_rate_slots",),
 }
 
 #: The most parked queues ``celery_zklock_parked_stalled_queue_seconds`` has a series for: a
@@ -203,6 +207,8 @@ class Exporter:
         out["celery_zklock_parked_unwatched"].add_metric([], snap.unwatched)
         for state in ("queued", "running", "started", "expired"):
             out["celery_zklock_dedupe_markers"].add_metric([state], snap.markers[state])
+        for state in ("holding", "waiting", "orphaned"):
+            out["celery_zklock_rate_slots"].add_metric([state], snap.rate_slots[state])
         for beat, info in sorted(snap.beats.items()):
             out["celery_zklock_beat_has_leader"].add_metric([beat], 1.0 if info.get("leader") else 0.0)
             out["celery_zklock_beat_candidates"].add_metric([beat], info["candidates"])

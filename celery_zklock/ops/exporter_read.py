@@ -14,6 +14,7 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
 from ..recipes.dedupe import STARTED, read_marker
 from ..recipes.park import CLAIM, MEMBER, parked_sequence
+from ..recipes.rate import OWNER, owner
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
 from ..zk import Session
 from ..zk.deadlines import reply
@@ -98,6 +99,9 @@ class Snapshot:
     stalled_since: Dict[Tuple[str, str], float] = field(default_factory=dict)
     markers: Counter = field(default_factory=Counter)
     beats: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    #: Start slots of every key's rate windows (``rate=``): holding (inside their window),
+    #: waiting, and orphaned (holding, their owner's session gone: freed W after a contender sees it).
+    rate_slots: Counter = field(default_factory=Counter)
 
 
 def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
@@ -190,6 +194,21 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
     snap.stalled = {**{head: None for head in snap.idle},
                     **{(p, q[0]): stat.ctime / 1000 for p, _, q in queues
                        for stat in [claims.get(f"{p}/{CLAIM}{q[0]}")] if stat}}
+
+    # Start slots (rate=): one listing, then each window's slots and its count.
+    windows = [f"{layout.rate_tree}/{n}" for n in budget.round("rates", [("children", layout.rate_tree)])[0] or ()]
+    answers = iter(budget.round("rates", [(kind, p) for p in windows for kind in ("children", "get")]))
+    for _ in windows:
+        children, data = next(answers) or [], next(answers)
+        stored = node_object(data[0]).get("rate") if data else None
+        count = stored[0] if isinstance(stored, list) and stored and type(stored[0]) is int and stored[0] > 0 else 1
+        leases = semaphore(count)
+        holding, waiting = split_queue(children, lambda kind: leases)  # noqa: B023 - used at once
+        marks = {c for c in children if c.startswith(OWNER)}
+        orphaned = sum(1 for slot in holding if owner(slot) not in marks)
+        snap.rate_slots["holding"] += len(holding) - orphaned
+        snap.rate_slots["orphaned"] += orphaned
+        snap.rate_slots["waiting"] += len(waiting)
 
     # Dedupe markers: each one's state needs its own read, so they come last.
     for answer in budget.round("markers", [("get", f"{layout.queued_tree}/{m}") for m in markers]):

@@ -56,6 +56,12 @@ def tree(kazoo, zk_root) -> Dict[str, object]:
         kazoo.create(path, json.dumps({"task_id": name, **marker}).encode(), makepath=True)
         if running:
             kazoo.create(f"{path}/running", ephemeral=True)
+    window = layout.rate("p", 60.0)  # two starts a minute: one holds, one holds orphaned, one waits
+    kazoo.create(window, json.dumps({"rate": [2, 60.0]}).encode(), makepath=True)
+    for uid, alive in (("aa", True), ("bb", False), ("cc", True)):
+        kazoo.create(f"{window}/{uid}__sem__", b"{}", sequence=True)
+        if alive:
+            kazoo.create(f"{window}/o-{uid}", ephemeral=True)
     contender(kazoo, layout.election("leading"), "__lock__", json.dumps({"tick_by": now - 100}).encode())
     for entry, ran in (("e1", now - 30), ("e2", now - 60)):
         kazoo.create(layout.entry("leading", entry), json.dumps({"last_run_at": ran}).encode(), makepath=True)
@@ -72,8 +78,9 @@ def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, k
     assert snap.ok and not snap.cut
     # 6 listings; 2 beats x 2 listings, then the leader and 2 entries; keys: 4 listings in locks,
     # the semaphore's listing and limit, 2 ages each for a, b and s; parked: 1 listing, 1 head, its claim
-    # (in flight); 4 markers.
-    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 3 + 4
+    # (in flight); the rates' listing, then the one window's listing and count; 4 markers.
+    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 3 + 3 + 4
+    assert dict(snap.rate_slots) == {"holding": 1, "orphaned": 1, "waiting": 1}
     keys = {k.label: k for k in snap.keys}
     assert set(keys) == {"a", "b", "s"}  # junk and empty keys are no locks
     assert (dict(keys["a"].holders), dict(keys["a"].waiters)) == ({"write": 1}, {"write": 1})
@@ -102,10 +109,10 @@ def test_past_its_budget_a_read_stops_and_leaves_out_what_it_did_not_read_whole(
 
     layout = Layout(zk_root)
     snap = read_tree(new_session(), layout, max_reads=13)  # the listings and the beats, nothing more
-    assert snap.cut == {"locks", "parked", "markers"} and snap.reads == 13  # (no key read: no age to cut)
+    assert snap.cut == {"locks", "parked", "rates", "markers"} and snap.reads == 13  # (no key read: no age)
     assert snap.beats["leading"]["leader"] and "overdue" in snap.beats["leading"]
     snap = read_tree(new_session(), layout, max_reads=30)
-    assert snap.cut == {"markers"} and snap.reads == 30
+    assert snap.cut == {"rates", "markers"} and snap.reads == 30
     # Left out, not served wrong: an election not read is no election without a leader, and a
     # semaphore whose limit was not read has no holders and waiters to tell apart.
     meta = {"celery_zklock_exporter_up", "celery_zklock_exporter_reads", "celery_zklock_exporter_truncated",
@@ -114,7 +121,7 @@ def test_past_its_budget_a_read_stops_and_leaves_out_what_it_did_not_read_whole(
     assert families(13) == meta | {"celery_zklock_beat_has_leader", "celery_zklock_beat_candidates",
                                    "celery_zklock_beat_tick_overdue_seconds",
                                    "celery_zklock_beat_seconds_since_dispatch"}
-    assert families(30) == set(FAMILIES) - {"celery_zklock_dedupe_markers"}
+    assert families(30) == set(FAMILIES) - {"celery_zklock_dedupe_markers", "celery_zklock_rate_slots"}
     assert families(1000) == set(FAMILIES)
 
 
