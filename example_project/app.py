@@ -47,8 +47,9 @@ def work(seconds: float) -> None:
     end = time.time()
     record("run", start=start, end=end)  # every body, with or without a lock (a dedupe-only task)
     for lock in locks:
+        # A rate's slot: when it began, on the host's monotonic clock (what its window counts from).
         record("body", key=lock.key, mode=lock.mode, limit=lock.rule.leases, token=lock.fencing_token, start=start,
-               end=end)
+               end=end, began=getattr(lock, "began", None))
 
 
 @signals.lock_acquired.connect

@@ -90,6 +90,9 @@ def burst(note: Callable[[Dict[str, Any]], None]) -> List[Dict[str, Any]]:
             send(crm.refresh_cache, 7)
         for n in range(6):
             send(partners.call_api, "acme", n)
+        # A quota of three calls a second: nine calls start over three seconds, on every worker.
+        for n in range(9):
+            send(partners.call_quota, "acme", n)
         # Order imports for one customer: one runs, the others park (no worker slot) and run in turn.
         for batch in range(IMPORTS):
             send(crm.import_orders, 7, batch)
@@ -356,7 +359,8 @@ def main() -> int:
 
 #: How the summary and the picture name each mode, in this order.
 MODES = {"exclusive": "exclusive (one holder)", "read": "read (readers share the key)",
-         "write": "write (a writer is alone)", "semaphore": "semaphore (two holders at most)"}
+         "write": "write (a writer is alone)", "semaphore": "semaphore (two holders at most)",
+         "rate": "rate (three starts a second at most)"}
 #: How the summary names each outcome of a contended lock (the workers' contended_total label), in this order.
 CONTENDED = {"waited": "waited for it, then held it", "skipped": "skipped their task (on_contention='skip')",
              "parked": "parked their copy (on_contention='park')"}
@@ -394,9 +398,22 @@ def summarize(publishes: List[Dict[str, Any]], outcomes: Dict[str, Any], history
     at_once = ran - parked - waited - unlocked
 
     bodies = [e for e in history if e["event"] == "body"]
-    holds = [Hold(e["key"], e["mode"], e["token"], e["start"], e["end"], e["who"], e.get("limit", 1)) for e in bodies]
+    # A rate's slots bound starts, not overlaps: checked over every window of their starts instead.
+    holds = [Hold(e["key"], e["mode"], e["token"], e["start"], e["end"], e["who"], e.get("limit", 1)) for e in bodies
+             if e["mode"] != "rate"]
     overlaps = violations(holds)
     broken += [f"overlap: {problem}" for problem in overlaps]
+    rated = collections.defaultdict(list)
+    for e in bodies:
+        if e["mode"] == "rate":
+            rated[(e["key"], e["limit"])].append(e["began"])
+    most_in_a_second = 0
+    for (key, limit), starts in rated.items():
+        starts.sort()
+        most = max(sum(1 for t in starts if s <= t < s + 1.0) for s in starts)
+        most_in_a_second = max(most_in_a_second, most)
+        if most > limit:
+            broken.append(f"rate: {most} starts of {key} in one second, over its {limit}")
     modes = collections.Counter(e["mode"] for e in bodies)
     outcomes_of = collections.Counter(e["outcome"] for e in contended)
     imports = [p["task_id"] for p in publishes if p["task"] == "import_orders"]
@@ -446,6 +463,7 @@ def summarize(publishes: List[Dict[str, Any]], outcomes: Dict[str, Any], history
         *((1, CONTENDED.get(o, o), n) for o, n in sorted(outcomes_of.items(), key=lambda x: _order(CONTENDED, x[0]))),
         (0, "contended, by the workers' metrics", "?" if counted is None else counted),
         (0, "overlaps found in the history", len(overlaps)),
+        (0, "most starts of the quota key in any second (rate 3/s)", most_in_a_second),
         (0, "order imports run, each once", f"{len(set(imported) & set(imports))} of {len(imports)}"),
         (0, "beat runs dispatched", len(dispatches)),
         *((1, f"by {names.get(pid, '?')} (pid {pid})", n) for pid, n in sorted(by_pid.items())),
@@ -461,7 +479,7 @@ def _order(names: Dict[str, str], name: str) -> Tuple[int, str]:
 
 #: Each mode's colour in the timeline; a body that took no lock (a dedupe task's) is grey.
 MODE_COLORS = {"exclusive": "tab:blue", "read": "tab:green", "write": "tab:red", "semaphore": "tab:purple",
-               None: "lightgrey"}
+               "rate": "tab:olive", None: "lightgrey"}
 
 
 def _pyplot() -> Any:
@@ -645,6 +663,9 @@ def _lane_note(key: str, bodies: List[Dict[str, Any]], contended: List[Dict[str,
     if "semaphore" in modes:
         limit = max(e.get("limit", 1) for e in bodies if e["key"] == key)
         return f"semaphore, {limit} at once"
+    if modes == {"rate"}:
+        limit = max(e.get("limit", 1) for e in bodies if e["key"] == key)
+        return f"rate, {limit} starts a second"
     policy = "park" if "parked" in outcomes else "skip" if "skipped" in outcomes else "wait"
     return f"{'/'.join(sorted(modes))}, {policy}"
 

@@ -101,7 +101,8 @@ def summary_adds_up(out: subprocess.CompletedProcess) -> None:
     assert timeline.count(" dispatched by beat pid ") == row("beat runs dispatched")
     # Every feature the picture shows happened in this run.
     for feature in ("deduplicated", "skipped their task", "parked their copy", "waited for it", "read (",
-                    "write (", "semaphore ("):
+                    "write (", "semaphore (", "rate ("):
         assert row(feature) >= 1, (feature, value)
     assert row("overlaps found") == 0 and row("beat runs sent twice") == 0
+    assert 1 <= row("most starts of the quota key in any second") <= 3  # nine calls, three a second
     assert len([n for n in value if n.startswith("by beat")]) == 2, value  # the killed leader, then the standby
