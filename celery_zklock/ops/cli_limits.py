@@ -10,7 +10,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import click
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
@@ -52,6 +53,16 @@ def limit() -> None:
     value and decides under it at once; clear goes back to the code's."""
 
 
+@contextlib.contextmanager
+def _opened(ctx: click.Context) -> Iterator[Tuple[Session, Any]]:
+    """A session of the app's settings, and the app, for one command; closed after it."""
+    _, session, app = _connect(ctx)
+    try:
+        yield session, app
+    finally:
+        session.close()
+
+
 def _key(key: str) -> str:
     try:
         return check_key(key)
@@ -82,8 +93,7 @@ def set_limit(ctx: click.Context, key: str, count: Optional[int], rates: Tuple[s
                 windows[one.window] = one.count
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--rate") from None
-    _, session, app = _connect(ctx)
-    try:
+    with _opened(ctx) as (session, app):
         path = layout_of(app).limit(key)
         for _ in range(10):  # version-checked: a concurrent set is read again, never overwritten
             stored, version = _read(session, path)
@@ -98,8 +108,6 @@ def set_limit(ctx: click.Context, key: str, count: Optional[int], rates: Tuple[s
             click.echo(f"{key}: {describe_live(new)}")
             return
         raise click.ClickException(f"{path} kept changing under us; try again")
-    finally:
-        session.close()
 
 
 @limit.command(name="show")
@@ -108,11 +116,8 @@ def set_limit(ctx: click.Context, key: str, count: Optional[int], rates: Tuple[s
 def show_limit(ctx: click.Context, key: str) -> None:
     """What is stored for KEY."""
     key = _key(key)
-    _, session, app = _connect(ctx)
-    try:
+    with _opened(ctx) as (session, app):
         click.echo(f"{key}: {describe_live(_read(session, layout_of(app).limit(key))[0])}")
-    finally:
-        session.close()
 
 
 @limit.command(name="clear")
@@ -121,8 +126,7 @@ def show_limit(ctx: click.Context, key: str) -> None:
 def clear_limit(ctx: click.Context, key: str) -> None:
     """Delete what is stored for KEY: its tasks' code decides again."""
     key = _key(key)
-    _, session, app = _connect(ctx)
-    try:
+    with _opened(ctx) as (session, app):
         path = layout_of(app).limit(key)
         for _ in range(10):
             stored, version = _read(session, path)
@@ -137,16 +141,13 @@ def clear_limit(ctx: click.Context, key: str) -> None:
             click.echo(f"{key}: cleared; the code's limit and rate apply")
             return
         raise click.ClickException(f"{path} kept changing under us; try again")
-    finally:
-        session.close()
 
 
 @limit.command(name="list")
 @click.pass_context
 def list_limits(ctx: click.Context) -> None:
     """Every key with something stored."""
-    _, session, app = _connect(ctx)
-    try:
+    with _opened(ctx) as (session, app):
         tree = layout_of(app).limits_tree
         try:
             names = sorted(session.client.get_children(tree))
@@ -162,5 +163,3 @@ def list_limits(ctx: click.Context) -> None:
             click.echo(f"  {shown}: {describe_live(stored)}")
         if not shown_any:
             click.echo("  (no key has limits stored)")
-    finally:
-        session.close()
