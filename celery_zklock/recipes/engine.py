@@ -312,7 +312,7 @@ class Engine:
         """A waiter behind us may have read the children while we still looked like a waiter,
         and now watches our node alone (``Decision.watch_promotion``): touching it wakes that
         one waiter to look again. Whoever reads after us sees us hold."""
-        if self.rule.leases > 1 and any(sequence(c) > sequence(node) for c in children):
+        if self.rule_now.leases > 1 and any(sequence(c) > sequence(node) for c in children):
             self.session.client.set_async(f"{self.path}/{node}", self.data)
 
     def _wait_connected(self, until: Optional[float]) -> bool:
