@@ -178,7 +178,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
             return _refused(task, locks[0], refused, until)
         for one in locks:
             held.append(one)
-            if one.acquire(blocking=waits, timeout=remaining(until)):
+            if _acquired(task, one, waits, until):
                 if parking is not None:
                     parking.took = True
                 signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
@@ -262,6 +262,14 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         release_all(task, held)
         if parking is not None and took:
             parking.released()  # hand the key on to its next parked copy
+
+
+def _acquired(task: Any, one: Lock, waits: bool, until: Optional[float]) -> bool:
+    """``one.acquire``, its refusal (a key's stored count is not the task's) naming the task."""
+    try:
+        return one.acquire(blocking=waits, timeout=remaining(until))
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"task {task.name}: {exc}") from None
 
 
 def _still_held(locks: List[Lock]) -> None:

@@ -106,8 +106,20 @@ def set_limit(ctx: click.Context, key: str, count: Optional[int], rates: Tuple[s
             except (BadVersionError, NodeExistsError, NoNodeError):
                 continue
             click.echo(f"{key}: {describe_live(new)}")
+            _warn_unused(session, app, key, count, windows)
             return
         raise click.ClickException(f"{path} kept changing under us; try again")
+
+
+def _warn_unused(session: Session, app: Any, key: str, count: Optional[int], windows: Dict[float, int]) -> None:
+    """Say which of what was just stored no contender of the key uses now: a misspelt key, or a
+    window its tasks do not have, is stored all the same and changes nothing."""
+    layout = layout_of(app)
+    unused = ([] if count is None or session.client.exists(layout.lock(key, semaphore=True)) else ["--limit"])
+    unused += [f"--rate for {w:g}s" for w in windows if not session.client.exists(layout.rate(key, w))]
+    if unused:
+        click.echo(f"note: no contender of {key!r} uses {' or '.join(unused)} now (none since its node was last "
+                   "removed, or none ever: check the key and its tasks' windows); stored all the same", err=True)
 
 
 @limit.command(name="show")

@@ -3,6 +3,7 @@ into a :class:`Snapshot` the gauges are set from (:mod:`.exporter`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
@@ -13,6 +14,7 @@ from kazoo.exceptions import NoAuthError, NoNodeError
 
 from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
 from ..recipes.dedupe import STARTED, read_marker
+from ..recipes.live import parse_live
 from ..recipes.park import CLAIM, MEMBER, parked_sequence
 from ..recipes.rate import OWNER, owner
 from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
@@ -196,12 +198,17 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
                        for stat in [claims.get(f"{p}/{CLAIM}{q[0]}")] if stat}}
 
     # Start slots (rate=): one listing, then each window's slots and its count.
-    windows = [f"{layout.rate_tree}/{n}" for n in budget.round("rates", [("children", layout.rate_tree)])[0] or ()]
-    answers = iter(budget.round("rates", [(kind, p) for p in windows for kind in ("children", "get")]))
-    for _ in windows:
-        children, data = next(answers) or [], next(answers)
+    names = budget.round("rates", [("children", layout.rate_tree)])[0] or []
+    windows = [(f"{layout.rate_tree}/{n}", f"{layout.limits_tree}/{n.rpartition('@')[0]}", n.rpartition("@")[2])
+               for n in names]
+    answers = iter(budget.round("rates", [call for path, live, _ in windows
+                                          for call in (("children", path), ("get", path), ("get", live))]))
+    for _, _, window in windows:
+        children, data, live = next(answers) or [], next(answers), next(answers)
         stored = node_object(data[0]).get("rate") if data else None
         count = stored[0] if isinstance(stored, list) and stored and type(stored[0]) is int and stored[0] > 0 else 1
+        with contextlib.suppress(ValueError):  # a count stored live (celery zklock limit) decides in its place
+            count = parse_live(live[0]).rates.get(float(window[:-1]), count) if live else count
         leases = semaphore(count)
         holding, waiting = split_queue(children, lambda kind: leases)  # noqa: B023 - used at once
         marks = {c for c in children if c.startswith(OWNER)}

@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kazoo.exceptions import NoNodeError
 
-from ..layout import LOCK_TREES, PARKED, RATES, Layout, decode_key, hashed_name, node_object
+from ..layout import LIMITS, LOCK_TREES, PARKED, RATES, Layout, decode_key, hashed_name, node_object
 from ..recipes.dedupe import STARTED, read_marker
+from ..recipes.live import parse_live
 from ..recipes.park import MEMBER, InFlight
 from ..recipes.park import waiting as parked_copies
 from ..recipes.rate import owner
@@ -52,10 +53,12 @@ def read_many(session: Session, parent: str, names: List[str]) -> Dict[str, Any]
 
 
 
-def _rule(kind: str, infos: List[Dict[str, Any]]) -> Rule:
+def _rule(kind: str, infos: List[Dict[str, Any]], stored: Optional[int] = None) -> Rule:
     rule = RULES[kind]
     if rule.name != "semaphore":
         return rule
+    if stored is not None:
+        return semaphore(stored)  # a count stored live (celery zklock limit) wins over the code's
     # A semaphore's limit lives in its holders' data (a rate's count, in its slots': "rate": [N, W]).
     limits = [i["limit"] for i in infos if type(i.get("limit")) is int and i["limit"] > 0]
     limits += [i["rate"][0] for i in infos if isinstance(i.get("rate"), list) and i["rate"]
@@ -85,7 +88,8 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
             if wanted is not None and name != wanted:
                 continue
             path = f"{base}/{name}"
-            nodes, infos, holding, waiting = queue_of(session, path)
+            stored = stored_count(session, root, name) if tree == LOCK_TREES[1] else None
+            nodes, infos, holding, waiting = queue_of(session, path, stored)
             parked = [_parked(node, data, since, now, sent)
                       for node, data, since, sent in parked_copies(session, f"{parked_base}/{name}", None)]
             # Whether a live process sends its head when the key is let go (a member node is
@@ -98,7 +102,7 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
                 key = pattern if wanted is not None and pattern is not None else decode_key(name) or name
             if wanted is None and pattern is not None and not fnmatch.fnmatchcase(key, pattern):
                 continue
-            rule = _rule(semaphore(1).node_name, list(infos.values()))
+            rule = _rule(semaphore(1).node_name, list(infos.values()), stored)
             holders = [_contender(n, infos[n], nodes[n][1], now, "held_for") for n in holding]
             rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting),
                          # In queue order: the next holder first.
@@ -122,7 +126,12 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
         if wanted is not None and key_name != wanted:
             continue
         path = f"{base}/{name}"
-        nodes, infos, holding, waiting = queue_of(session, path)
+        try:
+            seconds: Optional[float] = float(window[:-1])
+        except ValueError:
+            seconds = None
+        stored = stored_count(session, root, key_name, seconds) if seconds is not None else None
+        nodes, infos, holding, waiting = queue_of(session, path, stored)
         if not nodes:
             continue
         alive = set(children(session, path))
@@ -140,17 +149,30 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
         rows.append({"key": f"{key} per {window}", "path": path, "holders": holders, "waiters": len(waiting),
                      "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
                      "parked": [], "watched": False,
-                     "limit": _rule(semaphore(1).node_name, list(infos.values())).leases})
+                     "limit": _rule(semaphore(1).node_name, list(infos.values()), stored).leases})
     return rows
 
 
-def queue_of(session: Session, path: str) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]], List[str], List[str]]:
+def queue_of(session: Session, path: str, stored: Optional[int] = None
+             ) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]], List[str], List[str]]:
     """A key's contender nodes (data and stat), their data as objects, and its holders and
-    waiters, each in queue order, from one read of the key's node."""
+    waiters, each in queue order, from one read of the key's node (``stored``: a semaphore's
+    or a rate window's count stored live, which decides in place of the code's)."""
     nodes = read_many(session, path, [c for c in children(session, path) if contender(c)])
     infos = {n: node_object(data) for n, (data, _) in nodes.items()}
-    holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values())))
+    holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values()), stored=stored))
     return nodes, infos, holding, waiting
+
+
+def stored_count(session: Session, root: str, name: str, window: Optional[float] = None) -> Optional[int]:
+    """The count stored live for the key named ``name`` (its node's name): its semaphore's
+    limit, or ``window``'s start count; None when none is stored."""
+    try:
+        data, _ = session.client.get(f"{root}/{LIMITS}/{name}")
+    except NoNodeError:
+        return None
+    live = parse_live(data)
+    return live.limit if window is None else live.rates.get(window)
 
 
 def _parked(node: str, data: bytes, since: float, now: float, flight: Optional[InFlight]) -> Dict[str, Any]:

@@ -52,7 +52,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
-from kazoo.exceptions import NoAuthError, NodeExistsError, NoNodeError, RolledBackError
+from kazoo.exceptions import BadVersionError, NoAuthError, NodeExistsError, NoNodeError, RolledBackError
 
 from ..exceptions import ConfigurationError, LockLost
 from ..layout import node_object
@@ -293,9 +293,11 @@ class _RateEngine(Engine):
     """The engine, with persistent slots, their owner marks, and orphans freed."""
 
     def __init__(self, session: Session, path: str, rate: Rate, data: bytes,
-                 observer: Optional[ContenderObserver], live: Optional[LiveSource]) -> None:
+                 observer: Optional[ContenderObserver], live: Optional[LiveSource],
+                 label: Optional[str] = None) -> None:
         super().__init__(session, path, semaphore(rate.count), data, observer, live)
         self.rate = rate
+        self.label = label  #: how messages name the key (None: its path)
         self._timer: Any = None
         self._looked: List[str] = []
         self._orphans: Set[str] = set()
@@ -340,28 +342,36 @@ class _RateEngine(Engine):
 
     def _refused(self, other: int, children: List[str], until: Optional[float]) -> List[str]:
         """The key's node holds another count than ours. Its orphans are freed as their time
-        comes (by us too: maybe nobody of the old count is left to). If only our slot is left,
-        the node goes (in one transaction with our slot, so that nobody's slot goes with it)
-        and the engine makes it again with our count; else we are refused."""
+        comes (by us too: maybe nobody of the old count is left to). Once every slot left is of
+        our count (their data says it), nobody of the old count contends: the node takes our
+        count (version-checked) and we go on. Else we are refused."""
         self._stored_count = other
         self._cleared(children, until)
         client = self.session.client
         children = reply(client.get_children_async(self.path), until)
-        if not [c for c in children if "__sem__" in c and c != self.node]:
-            tx = client.transaction()
-            for name in sorted(children, key=lambda c: c != self.node):  # ours first: the rest is litter
-                tx.delete(f"{self.path}/{name}")
-            tx.delete(self.path)
-            if not any(isinstance(r, Exception) for r in reply(tx.commit_async(), until)):
-                self.node, self._created = None, False
-                self.session.nodes.container_gone(self.path)
-                raise NoNodeError(self.path)  # made again, with our count, by the engine
+        others = [c for c in children if "__sem__" in c and c != self.node]
+        read = client.get_async(self.path)
+        slots = [client.get_async(f"{self.path}/{c}") for c in others]
+        _, stat = reply(read, until)
+        ours = [self.rate.count, self.rate.window]
+        counts = []
+        for answer in slots:
+            with contextlib.suppress(NoNodeError):
+                counts.append(node_object(reply(answer, until)[0]).get("rate"))
+        if all(count == ours for count in counts):
+            with contextlib.suppress(BadVersionError):
+                reply(client.set_async(self.path, self.rate.key_data(), version=stat.version), until)
+                self.session.nodes.container_used(self.path, self.rate.key_data())
+                self._stored_count = 0
+                return children
+        key = self.label or self.path
         raise ConfigurationError(
-            f"rate key {self.path} has {other} starts per {self.rate.window:g}s, this contender asks for "
-            f"{self.rate.count}; a key's contenders must agree while slots of either count are in their "
-            f"window. To change it now, store it live (celery zklock limit set KEY --rate "
-            f"{self.rate.count}/{self.rate.window:g}s); else the key takes the new count once the old "
-            "slots are gone (each W after its start; an orphan's, W after a contender sees it orphaned)")
+            f"rate key {key!r} ({self.path}) has {other} starts per {self.rate.window:g}s, this contender asks "
+            f"for {self.rate.count}; a key's contenders must agree while slots of the other count are in their "
+            f"window (those of a deploy just stopped count too). To change it now, store it live: celery zklock "
+            f"limit set {key} --rate {self.rate.count}/{self.rate.window:g}s; else the key takes the new count "
+            "once the old slots are gone (each a window after its start; a stopped or dead owner's, a window "
+            "after a contender sees it gone)")
 
     def _enter(self, until: Optional[float]) -> Optional[List[str]]:
         if self._created and self._made_in != self.session.generation:
@@ -463,7 +473,7 @@ class RateSlot(Lock):
         super().__init__(session, path, semaphore(rate.count), data=data, timeout=timeout, on_state=on_state,
                          key=key, mode="rate", label=label, observer=observer)
         self.rate = rate
-        self._engine = self._slot_engine = _RateEngine(session, path, rate, data, observer, live)
+        self._engine = self._slot_engine = _RateEngine(session, path, rate, data, observer, live, self.label)
         #: Monotonic time the holder's body started (None: not yet, or released since).
         self.began: Optional[float] = None
 

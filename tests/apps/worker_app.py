@@ -248,6 +248,14 @@ def rated(key: str, seconds: float) -> str:
 
 
 @app.task
+@zk_locked(key="rate:{key}", rate=(5, 1.0), on_contention=Wait(timeout=120))
+def rated_faster(key: str, seconds: float) -> str:
+    """``rated``'s key at another count: a deploy that changed it, refused while the old slots stand."""
+    note("start", key=key, began=current_lock().began)
+    return key
+
+
+@app.task
 @zk_locked(key="rate-slow:{key}", rate=(1, 6.0), on_contention=Wait(timeout=120))
 def rated_slowly(key: str, seconds: float) -> str:
     """One start per 6 s: a window longer than the workers' session timeout (4 s)."""

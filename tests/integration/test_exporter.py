@@ -78,8 +78,8 @@ def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, k
     assert snap.ok and not snap.cut
     # 6 listings; 2 beats x 2 listings, then the leader and 2 entries; keys: 4 listings in locks,
     # the semaphore's listing and limit, 2 ages each for a, b and s; parked: 1 listing, 1 head, its claim
-    # (in flight); the rates' listing, then the one window's listing and count; 4 markers.
-    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 3 + 3 + 4
+    # (in flight); the rates' listing, then the one window's listing, count and stored count; 4 markers.
+    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 3 + 4 + 4
     assert dict(snap.rate_slots) == {"holding": 1, "orphaned": 1, "waiting": 1}
     keys = {k.label: k for k in snap.keys}
     assert set(keys) == {"a", "b", "s"}  # junk and empty keys are no locks

@@ -3,6 +3,7 @@ contender decides under it as soon as it is written."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 import celery_zklock
 from celery_zklock.layout import Layout
-from celery_zklock.recipes.live import Live, LiveSource, encode_live
+from celery_zklock.recipes.live import Live, LiveSource, encode_live, parse_live
 from celery_zklock.recipes.lock import Lock, semaphore
 from celery_zklock.recipes.rate import Rate, RateSlot
 from tests.util import wait_until
@@ -106,6 +107,8 @@ def cli(env, *args: str) -> subprocess.CompletedProcess:
 def test_the_limit_command_sets_shows_lists_and_clears(env, app):
     out = cli(env, "set", "partner:acme", "--limit", "5", "--rate", "20/s")
     assert out.returncode == 0 and "partner:acme: limit 5; 20 starts per 1s" in out.stdout, out.stderr
+    # Nobody contends for it: said, as a misspelt key would be, and stored all the same.
+    assert "note: no contender of 'partner:acme' uses --limit or --rate for 1s now" in out.stderr
     out = cli(env, "set", "partner:acme", "--rate", "1000/d")  # merged with what is there
     assert "limit 5; 20 starts per 1s; 1000 starts per 86400s" in out.stdout, out.stderr
     assert "limit 5; 20 starts per 1s; 1000 starts per 86400s" in cli(env, "show", "partner:acme").stdout
@@ -160,3 +163,43 @@ def test_a_per_call_limit_or_rate_that_is_wrong_names_the_task_and_the_option(ce
     celery_app.finalize()
     with pytest.raises(celery_zklock.ConfigurationError, match=message):
         bad.apply(args=("acme", "gold")).get()
+
+
+@pytest.mark.slow
+def test_locks_counts_holders_under_the_count_stored_live(env, new_session, zk_root, kazoo):
+    # Two holders of a semaphore of 2, then a stored limit of 1: one holds (the first), one
+    # waits to, as contenders decide now. locks said 2/2 before (the code's count).
+    layout = Layout(zk_root)
+    data = b'{"mode": "semaphore", "key": "pool:shown", "limit": 2}'
+    for _ in range(2):
+        one = Lock(new_session(), layout.lock("pool:shown", semaphore=True), semaphore(2), data=data,
+                   live=LiveSource(layout.limit("pool:shown")))
+        assert one.acquire(timeout=5)
+    store(kazoo, zk_root, "pool:shown", Live(1, {}))
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.worker_app", "zklock", "locks", "--key",
+                          "pool:*"], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    rows = [line for line in out.stdout.splitlines() if "pool:shown" in line]
+    assert len(rows) == 1 and " 1/1 " in rows[0], out.stdout + out.stderr
+
+
+def test_a_count_stored_for_a_deploy_then_cleared_leaves_the_new_count_unrefused(new_session, zk_root, kazoo):
+    # The flow-control page's advice for a deploy that changes a count: store it live, deploy,
+    # clear. After the clear, the key's node still said the old count while the new code's
+    # slots were in their windows, and every new contender was refused until the key drained.
+    layout = Layout(zk_root)
+    path, source = layout.rate("partner:dep", 2.0), LiveSource(layout.limit("partner:dep"), 2.0)
+
+    def slot(count: int) -> RateSlot:
+        return RateSlot(new_session(), path, Rate(count, 2.0), live=source,
+                        data=f'{{"rate": [{count}, 2.0]}}'.encode())
+
+    with slot(1):
+        pass  # the old deploy's start: the node holds 1
+    store(kazoo, zk_root, "partner:dep", Live(None, {2.0: 2}))
+    with slot(2):
+        pass  # the new code, under the stored count
+    wait_until(lambda: len([c for c in kazoo.get_children(path) if "__sem__" in c]) == 1, timeout=10)
+    kazoo.set(layout.limit("partner:dep"), encode_live(parse_live(kazoo.get(layout.limit("partner:dep"))[0]).cleared()))
+    with slot(2):
+        pass  # not refused: every slot there is of its count
+    assert json.loads(kazoo.get(path)[0]) == {"rate": [2, 2.0]}

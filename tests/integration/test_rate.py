@@ -462,7 +462,7 @@ def test_a_count_changed_after_a_warm_stop_takes_over_once_the_old_slots_are_gon
     slot.begin()
     assert slot.began - began >= 2.0
     slot.release()
-    assert refusals == {f"rate key {path} has 1 starts per 2s, this contender asks for 2"}
+    assert refusals == {f"rate key {path!r} ({path}) has 1 starts per 2s, this contender asks for 2"}
 
 
 @pytest.mark.slow
@@ -481,3 +481,18 @@ def test_a_worker_recycling_its_children_frees_an_orphan_it_skips_behind(workers
         time.sleep(0.3)
     began = sorted(e["began"] for e in events(redis_server.url) if e["event"] == "start")
     assert began[1] - began[0] >= 4.0
+
+
+@pytest.mark.slow
+def test_a_refusal_for_another_count_names_the_task_the_key_and_the_command_to_run(workers, queue, redis_server):
+    # The new-user trial's deploy: the key's node still holds the old count. The refusal must say
+    # which task, which key, and the command that switches now (the key, not a placeholder).
+    workers("w1")
+    send(worker_app.rated, queue, "deploy", 0.0).get(timeout=60)  # 3 starts a second: the node holds 3
+    result = send(worker_app.rated_faster, queue, "deploy", 0.0)
+    with pytest.raises(ConfigurationError) as raised:
+        result.get(timeout=60)
+    text = str(raised.value)
+    assert text.startswith("task tests.apps.worker_app.rated_faster: rate key 'rate:deploy' ("), text
+    assert "has 3 starts per 1s, this contender asks for 5" in text
+    assert "celery zklock limit set rate:deploy --rate 5/1s" in text
