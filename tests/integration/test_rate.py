@@ -16,6 +16,7 @@ import pytest
 
 import celery_zklock
 from celery_zklock import ConfigurationError
+from celery_zklock.recipes import rate as rate_module
 from celery_zklock.recipes.rate import Rate, RateSlot, owner
 from celery_zklock.recipes.rate import _RateEngine as _RateEngineType
 from harness import Op, TcpProxy
@@ -343,28 +344,31 @@ def test_a_holder_stalled_past_its_session_before_its_start_does_not_start(zk_se
         proc.wait(10)
 
 
-def test_an_async_exception_in_the_release_keeps_a_started_slot_for_its_window(new_session, zk_root, kazoo):
+def test_an_async_exception_in_the_release_keeps_a_started_slot_for_its_window(new_session, zk_root, kazoo,
+                                                                                monkeypatch):
+    # A soft time limit lands as the release hands the slot to its timer: to_the_end runs the
+    # release again. Before the fix the start was forgotten first, so the second run took the
+    # slot for one never started and freed it at once (two starts 0.5 s apart under 1 per 5 s).
     rate = Rate(1, 5.0)
     path = f"{zk_root}/rates/k-async@5s"
     holder = RateSlot(new_session(), path, rate)
     assert holder.acquire()
     holder.begin()
     first = holder.began
-    code = RateSlot._leave.__code__
-    fired: List[int] = []
+    runner, fired = rate_module.RUNNER, []
 
-    def local(frame, event, arg):
-        if event == "line" and frame.f_lineno > code.co_firstlineno + 8 and not fired:
-            fired.append(frame.f_lineno)
-            raise KeyboardInterrupt("a soft time limit")  # as a signal handler's raise lands
-        return local
+    class Interrupted:
+        """The runner, whose first timed call is interrupted as it is made."""
 
-    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            holder.release()
-    finally:
-        sys.settrace(None)
+        def later(self, delay: float, fn, *args):
+            if not fired:
+                fired.append(delay)
+                raise KeyboardInterrupt("a soft time limit")
+            return runner.later(delay, fn, *args)
+
+    monkeypatch.setattr(rate_module, "RUNNER", Interrupted())
+    with pytest.raises(KeyboardInterrupt):
+        holder.release()
     assert fired
     other = RateSlot(new_session(), path, rate)
     assert other.acquire(timeout=30)
