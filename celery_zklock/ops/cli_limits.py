@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import click
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
@@ -94,21 +94,30 @@ def set_limit(ctx: click.Context, key: str, count: Optional[int], rates: Tuple[s
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--rate") from None
     with _opened(ctx) as (session, app):
-        path = layout_of(app).limit(key)
-        for _ in range(10):  # version-checked: a concurrent set is read again, never overwritten
-            stored, version = _read(session, path)
-            new = Live(count if count is not None else stored.limit, {**stored.rates, **windows}, stored.high())
-            try:
-                if version is None:
-                    session.client.create(path, encode_live(new), makepath=True)
-                else:
-                    session.client.set(path, encode_live(new), version=version)
-            except (BadVersionError, NodeExistsError, NoNodeError):
-                continue
-            click.echo(f"{key}: {describe_live(new)}")
-            _warn_unused(session, app, key, count, windows)
-            return
-        raise click.ClickException(f"{path} kept changing under us; try again")
+        new = _update(session, layout_of(app).limit(key), lambda stored: Live(
+            count if count is not None else stored.limit, {**stored.rates, **windows}, stored.high()))
+        assert new is not None  # set's change always stores a value
+        click.echo(f"{key}: {describe_live(new)}")
+        _warn_unused(session, app, key, count, windows)
+
+
+def _update(session: Session, path: str, change: Callable[[Live], Optional[Live]]) -> Optional[Live]:
+    """Store ``change(stored)`` at ``path``, version-checked: a concurrent write is read again,
+    never overwritten. None, storing nothing, where ``change`` says None."""
+    for _ in range(10):
+        stored, version = _read(session, path)
+        new = change(stored)
+        if new is None:
+            return None
+        try:
+            if version is None:
+                session.client.create(path, encode_live(new), makepath=True)
+            else:
+                session.client.set(path, encode_live(new), version=version)
+        except (BadVersionError, NodeExistsError, NoNodeError):
+            continue
+        return new
+    raise click.ClickException(f"{path} kept changing under us; try again")
 
 
 def _warn_unused(session: Session, app: Any, key: str, count: Optional[int], windows: Dict[float, int]) -> None:
@@ -136,23 +145,13 @@ def show_limit(ctx: click.Context, key: str) -> None:
 @click.argument("key")
 @click.pass_context
 def clear_limit(ctx: click.Context, key: str) -> None:
-    """Delete what is stored for KEY: its tasks' code decides again."""
+    """Clear what is stored for KEY: its tasks' code decides again."""
     key = _key(key)
     with _opened(ctx) as (session, app):
-        path = layout_of(app).limit(key)
-        for _ in range(10):
-            stored, version = _read(session, path)
-            if version is None or stored.limit is None and not stored.rates:
-                click.echo(f"{key}: nothing was stored")
-                return
-            try:
-                # Not deleted: the largest count stays, for slots it admitted that outlive the clear.
-                session.client.set(path, encode_live(stored.cleared()), version=version)
-            except (BadVersionError, NoNodeError):
-                continue
-            click.echo(f"{key}: cleared; the code's limit and rate apply")
-            return
-        raise click.ClickException(f"{path} kept changing under us; try again")
+        # Not deleted: the largest count stays, for slots it admitted that outlive the clear.
+        cleared = _update(session, layout_of(app).limit(key),
+                          lambda stored: stored.cleared() if stored.counts else None)
+        click.echo(f"{key}: cleared; the code's limit and rate apply" if cleared else f"{key}: nothing was stored")
 
 
 @limit.command(name="list")
@@ -168,7 +167,7 @@ def list_limits(ctx: click.Context) -> None:
         shown_any = False
         for name in names:
             stored, _ = _read(session, f"{tree}/{name}")
-            if stored.limit is None and not stored.rates:
+            if not stored.counts:
                 continue  # cleared
             shown_any = True
             shown: Any = decode_key(name) or name  # a hashed name cannot be turned back into its key

@@ -51,6 +51,11 @@ class Live(NamedTuple):
         never held (:func:`.rate.orphan_turn` frees those at once)."""
         return Live(None, {}, self.high())
 
+    @property
+    def counts(self) -> bool:
+        """Whether a count is stored (a cleared value keeps only ``most``)."""
+        return self.limit is not None or bool(self.rates)
+
     def high(self) -> int:
         """The largest count stored, now or before."""
         return max([self.most, *(() if self.limit is None else (self.limit,)), *self.rates.values()])
