@@ -127,7 +127,7 @@ def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
 _NO_ANSWER = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 
 
-_LOCK_OPTIONS = ("mode", "timeout", "limit", "rate", "session", "on_state", "blocking")
+_LOCK_OPTIONS = ("mode", "timeout", "limit", "rate", "units", "session", "on_state", "blocking")
 _TASK_OPTIONS = ("key", "on_contention", "on_lock_lost", "dedupe")
 _SET_BY_THE_LOCK = ("host", "pid")
 
@@ -146,6 +146,7 @@ def lock(
     *,
     limit: Optional[int] = None,
     rate: Optional[RateValue] = None,
+    units: int = 1,
     session: Optional[Session] = None,
     on_state: Optional[Callable[[Lock, str], None]] = None,
     **holder: Any,
@@ -157,7 +158,8 @@ def lock(
     ``limit=N`` gives a counting semaphore instead (N holders at most).
     ``rate="10/s"`` (or ``(count, seconds)``) gives a start slot instead (a
     :class:`~celery_zklock.recipes.rate.RateSlot`): at most that many ``with`` blocks
-    (or :meth:`~celery_zklock.recipes.rate.RateSlot.begin` calls) start in any such window.
+    (or :meth:`~celery_zklock.recipes.rate.RateSlot.begin` calls) start in any such window;
+    ``units=U`` makes this one start count as U of them (a weighted start).
     ``on_state(lock, state)`` hears when a held lock becomes in doubt, held again, or lost.
     Extra keyword arguments go into the holder's node data.
     """
@@ -174,7 +176,10 @@ def lock(
             raise ConfigurationError(f"lock(): unknown option {name!r}{hint} (other keyword arguments go into "
                                      "the holder's node data, but not one named like an option)")
     if rate is not None:
-        return _rate_slot(app, key, mode, limit, rate, timeout, session, on_state, holder)
+        return _rate_slot(app, key, mode, limit, rate, units, timeout, session, on_state, holder)
+    if units != 1:
+        raise ConfigurationError(f"lock(): units={units!r} weighs the starts of rate=, and this lock has no rate=; "
+                                 "give rate= too, or drop units=")
     rule = rule_for(mode, limit)
     check_timeout(timeout)
     layout = layout_of(app)
@@ -199,22 +204,25 @@ def rate_path(app: Any, key: str, rate: Rate) -> str:
 
 
 def rate_slot(app: Any, key: str, rate: Rate, timeout: Optional[float] = None, session: Optional[Session] = None,
-              on_state: Optional[Callable[[Lock, str], None]] = None, **holder: Any) -> RateSlot:
+              on_state: Optional[Callable[[Lock, str], None]] = None, units: int = 1, **holder: Any) -> RateSlot:
     """A start slot of ``key`` for one window of its rate (see :func:`lock`'s ``rate=``)."""
     layout = layout_of(app)
     path = rate_path(app, key, rate)
     extra: Dict[str, Any] = {"rate": [rate.count, rate.window]}
+    if units != 1:
+        extra["units"] = units
     if layout.secret is None:
         extra["key"] = key
     settings = settings_of(app)
     session = session or session_for(settings)
     claim_scheme(session, layout, settings.connect_timeout)
     return RateSlot(session, path, rate, data=holder_data(mode="rate", **extra, **holder), timeout=timeout,
-                    key=key, label=layout.label(key), on_state=on_state,
+                    key=key, label=layout.label(key), on_state=on_state, units=units,
                     live=LiveSource(layout.limit(key), rate.window))
 
 
-def _rate_slot(app: Any, key: str, mode: LockMode, limit: Optional[int], rate: RateValue, timeout: Optional[float],
+def _rate_slot(app: Any, key: str, mode: LockMode, limit: Optional[int], rate: RateValue, units: int,
+               timeout: Optional[float],
                session: Optional[Session], on_state: Optional[Callable[[Lock, str], None]],
                holder: Dict[str, Any]) -> RateSlot:
     if limit is not None or mode != "exclusive":
@@ -229,4 +237,7 @@ def _rate_slot(app: Any, key: str, mode: LockMode, limit: Optional[int], rate: R
         raise ConfigurationError(f"lock(): rate={rate!r} has {len(windows)} windows; lock() takes one: take one "
                                  "lock() per window, longest first")
     check_timeout(timeout)
-    return rate_slot(app, key, windows[0], timeout, session, on_state, **holder)
+    if isinstance(units, bool) or not isinstance(units, int) or not 1 <= units <= windows[0].count:
+        raise ConfigurationError(f"lock(): units={units!r} must be an int from 1 to the rate's count "
+                                 f"({windows[0].count})")
+    return rate_slot(app, key, windows[0], timeout, session, on_state, units, **holder)

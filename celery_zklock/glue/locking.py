@@ -133,6 +133,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     # A key's start slots (rate=) are in the same order: one per window, each its own path.
     limit = spec.limit_for(task.name, args, kwargs, bound)
     rates = spec.rates_for(task.name, args, kwargs, bound)
+    units = spec.units_for(task.name, args, kwargs, bound, rates) if rates else 1
     ordered = sorted({**({} if spec.rate_only else {lock_path(app, key, limit): (key, None) for key in keys}),
                       **{rate_path(app, key, one): (key, one) for key in keys for one in rates}}.items())
     settings = settings_of(app)
@@ -151,7 +152,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         locks = [lock(app, key, spec.mode, limit=limit, session=session, on_state=on_state,
                       task=task.name, task_id=request.id, worker=request.hostname, **placed) if rate is None
                  # A slot bounds starts, not the body: its loss once begun interrupts nothing.
-                 else rate_slot(app, key, rate, session=session, task=task.name, task_id=request.id,
+                 else rate_slot(app, key, rate, session=session, units=units, task=task.name, task_id=request.id,
                                 worker=request.hostname)
                  for _, (key, rate) in ordered]
     except ZooKeeperUnavailable as exc:

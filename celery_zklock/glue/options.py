@@ -72,6 +72,7 @@ class LockOptions(TypedDict, total=False):
     mode: LockMode
     limit: Union[int, Callable[..., int], None]
     rate: Union[RateValue, Callable[..., RateValue], None]
+    units: Union[int, Callable[..., int]]
     on_contention: Union[ContentionPolicy, Contention]
     on_lock_lost: LockLostPolicy
     lock: bool
@@ -99,6 +100,9 @@ class LockSpec:
     #: Start rates (``rate=``), one :class:`Rate` per window, shortest first; () for none; or a
     #: callable of the task's arguments returning a ``rate=`` value (a per-tier rate).
     rate: Union[Tuple[Rate, ...], Callable[..., Any]] = ()
+    #: How many of each rate window's count a start takes (weighted starts), or a callable of
+    #: the task's arguments returning it.
+    units: Union[int, Callable[..., int]] = 1
     #: ``rate=`` without ``mode=`` or ``limit=``: the start slots only, no lock on the key.
     rate_only: bool = False
     #: A policy (:data:`DEFAULT`: the app's ``zklock_default_on_contention``).
@@ -161,6 +165,12 @@ class LockSpec:
         rates: Union[Tuple[Rate, ...], Callable[..., Any]] = (
             given_rate if callable(given_rate) else
             no_rates if given_rate is None else checked(lambda: parse_rate(given_rate), no_rates))
+        units = get("units")
+        if "units" in options and not given_rate:
+            found.append(f"{where}: units= weighs the starts of rate=, and this task has no rate=; give rate= too, "
+                         "or drop units=")
+        elif not callable(units):
+            checked(lambda: _checked_units(units, rates, f"units={units!r}"), 1)
         if isinstance(policy, Contention):
             refused_here = _rate_refusal(policy, rates, limit)
             if refused_here:
@@ -171,7 +181,7 @@ class LockSpec:
                 found.append(f"{where}: on_contention={refused}")
         if found:
             raise ConfigurationError("; ".join(found))
-        return cls(where=where, parts=parts, mode=mode, limit=limit, rate=rates,
+        return cls(where=where, parts=parts, mode=mode, limit=limit, rate=rates, units=units,
                    rate_only=bool(rates) and "mode" not in options and "limit" not in options,
                    on_contention=cast(Contention, policy), on_lock_lost=on_lock_lost, lock=locking, dedupe=dedupe)
 
@@ -233,6 +243,20 @@ class LockSpec:
             raise ConfigurationError(f"task {task_name}: rate callable {_fn_name(self.rate)} returned "
                                      f"{value!r}: {exc}") from None
 
+    def units_for(self, task_name: str, args: Sequence[Any], kwargs: Dict[str, Any], bound: bool,
+                  rates: Tuple[Rate, ...]) -> int:
+        """The call's ``units``: the option, or what its callable returns for the call's arguments,
+        checked against the call's ``rates`` (a start can never take more than a window's count)."""
+        if not callable(self.units):
+            value, what = self.units, f"units={self.units!r}"
+        else:
+            value = _per_call(self.units, "units", task_name, args, kwargs, bound)
+            what = f"units callable {_fn_name(self.units)} returned {value!r}"
+        try:
+            return _checked_units(value, rates, what)
+        except ValueError as exc:
+            raise ConfigurationError(f"task {task_name}: {exc}") from None
+
     def keys(self, task_name: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
              bound: bool, private: bool = False) -> List[str]:
         """The keys of one call: the ``key`` option rendered, or the task name plus every argument.
@@ -265,6 +289,26 @@ def _per_call(fn: Callable[..., Any], option: str, task_name: str, args: Sequenc
     except Exception as exc:  # noqa: BLE001 - said with the task and the option, then raised
         raise ConfigurationError(f"task {task_name}: {option} callable {_fn_name(fn)} raised "
                                  f"{type(exc).__name__}: {exc}") from exc
+
+
+def _checked_units(value: Any, rates: Any, what: str) -> int:
+    """``value`` as ``units``: a positive int no larger than any window's count (a rate given as
+    a callable is checked per call); ValueError after ``what`` (how the message names it).
+
+    >>> _checked_units(3, (Rate(5, 1.0),), "units=3")
+    3
+    >>> _checked_units(6, (Rate(5, 1.0), Rate(100, 60.0)), "units=6")
+    Traceback (most recent call last):
+    ...
+    ValueError: units=6: more than the rate's count of 5 per 1s, so such a start could never start
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}: not a positive int")
+    for rate in rates if isinstance(rates, tuple) else ():
+        if value > rate.count:
+            raise ValueError(f"{what}: more than the rate's count of {rate.count} per {rate.window:g}s, so such a "
+                             "start could never start")
+    return value
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -325,7 +369,7 @@ OPTIONS: Tuple[str, ...] = ("key", *(f.name for f in dataclasses.fields(LockSpec
 _DEFAULTS: Dict[str, Any] = {"key": None, **{f.name: f.default for f in dataclasses.fields(LockSpec)
                                              if f.name in OPTIONS}}
 #: The options that mean something only with the lock.
-_LOCK_ONLY = ("mode", "limit", "rate", "on_contention", "on_lock_lost")
+_LOCK_ONLY = ("mode", "limit", "rate", "units", "on_contention", "on_lock_lost")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ def lock_lines(rows: List[Dict[str, Any]], waiters: bool = False, task: Optional
                 f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7} {parked:>6}  {who.get('token', '-')}")
 
     for row in rows:
-        count = len(row["holders"])
+        count = sum(h.get("units", 1) for h in row["holders"])  # a weighted start takes several
         held = f"{count}/{row['limit']}" if row.get("limit") else str(count)
         parked = row.get("parked", [])
         for h in row["holders"]:

@@ -25,7 +25,7 @@ from ..recipes.live import parse_live
 from ..recipes.park import MEMBER, InFlight
 from ..recipes.park import waiting as parked_copies
 from ..recipes.rate import owner
-from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
+from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue, units
 from ..zk import Session
 from ..zk.transport import peer_address
 
@@ -194,6 +194,7 @@ def _contender(node: str, info: Dict[str, Any], stat: Any, now: float, age: str)
         # From the node's creation: a holder's includes the time it waited first.
         age: round(max(0.0, now - stat.ctime / 1000), 3),
         "token": stat.czxid, "node": node,
+        "units": units(node),  # of a rate window's count (a weighted start's units=); else 1
     }
 
 

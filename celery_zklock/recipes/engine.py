@@ -94,6 +94,8 @@ class Engine:
         self.rule_now = rule
         self.data = data
         self.observer = observer or _QUIET
+        #: Between our node's uuid and its node name: a weighted contender's units (:func:`.units_tag`).
+        self.tag = ""
         #: Our node while we have one in the queue (waiting or holding).
         self.node: Optional[str] = None
         #: The czxid of our latest node: the fencing token, once we hold.
@@ -115,7 +117,7 @@ class Engine:
 
         Whatever it returns or raises, call :meth:`leave` when done: a node it made stays until then.
         """
-        self._prefix = uuid.uuid4().hex + self.rule.node_name
+        self._prefix = uuid.uuid4().hex + self.tag + self.rule.node_name
         self._created = False
         self._cancelled = False
         self.blocked = False

@@ -62,7 +62,7 @@ from ..zk.nodes import refused
 from .engine import ContenderObserver, Engine, _sweep_prefix
 from .live import LiveSource
 from .lock import Lock
-from .rules import Decision, Rule, semaphore, split_queue
+from .rules import Decision, Rule, semaphore, split_queue, units_tag
 
 __all__ = ["DRIFT", "OWNER", "OrphanTurn", "Rate", "RateSlot", "RateValue", "orphan_turn", "owner", "parse_rate"]
 
@@ -294,9 +294,11 @@ class _RateEngine(Engine):
 
     def __init__(self, session: Session, path: str, rate: Rate, data: bytes,
                  observer: Optional[ContenderObserver], live: Optional[LiveSource],
-                 label: Optional[str] = None) -> None:
+                 label: Optional[str] = None, units: int = 1) -> None:
         super().__init__(session, path, semaphore(rate.count), data, observer, live)
         self.rate = rate
+        self.units = units
+        self.tag = units_tag(units)
         self.label = label  #: how messages name the key (None: its path)
         self._timer: Any = None
         self._looked: List[str] = []
@@ -380,8 +382,18 @@ class _RateEngine(Engine):
             # under a new uuid: adopting it would start on a slot others count as dead.
             _sweep_prefix(self.session, self.path, self._prefix)
             self.node, self._created = None, False
-            self._prefix = uuid.uuid4().hex + self.rule.node_name
+            self._prefix = uuid.uuid4().hex + self.tag + self.rule.node_name
         return super()._enter(until)
+
+    def _rule_now(self, until: Optional[float]) -> Rule:
+        rule = super()._rule_now(until)
+        if self.units > rule.leases:
+            # It would wait for ever: no window of this count ever has room for it.
+            key = self.label or self.path
+            raise ConfigurationError(f"rate key {key!r} ({self.path}) has {rule.leases} units per "
+                                     f"{self.rate.window:g}s, this start takes units={self.units}: it can never "
+                                     "start (a count stored live is lower than the code's?)")
+        return rule
 
     def _cleared(self, children: List[str], until: Optional[float]) -> bool:
         self._looked = children  # what _watch compares its watched read with
@@ -453,7 +465,8 @@ class _RateEngine(Engine):
 
 class RateSlot(Lock):
     """One start's slot on a key's rate window (:class:`Rate`): held as a semaphore's lease is,
-    and kept for :attr:`Rate.hold` from :meth:`begin` after :meth:`release`.
+    and kept for :attr:`Rate.hold` from :meth:`begin` after :meth:`release`. A start of
+    ``units`` takes that many of the window's count (a weighted semaphore, :func:`.units`).
 
     Example::
 
@@ -469,11 +482,13 @@ class RateSlot(Lock):
     def __init__(self, session: Session, path: str, rate: Rate, *, data: bytes = b"",
                  timeout: Optional[float] = None, key: Optional[str] = None, label: Optional[str] = None,
                  on_state: Optional[Any] = None, observer: Optional[ContenderObserver] = None,
-                 live: Optional[LiveSource] = None) -> None:
+                 live: Optional[LiveSource] = None, units: int = 1) -> None:
+        if isinstance(units, bool) or not isinstance(units, int) or not 1 <= units <= rate.count:
+            raise ValueError(f"units must be an int from 1 to the rate's count ({rate.count}), not {units!r}")
         super().__init__(session, path, semaphore(rate.count), data=data, timeout=timeout, on_state=on_state,
                          key=key, mode="rate", label=label, observer=observer)
         self.rate = rate
-        self._engine = self._slot_engine = _RateEngine(session, path, rate, data, observer, live, self.label)
+        self._engine = self._slot_engine = _RateEngine(session, path, rate, data, observer, live, self.label, units)
         #: Monotonic time the holder's body started (None: not yet, or released since).
         self.began: Optional[float] = None
 

@@ -24,9 +24,10 @@ from ..exceptions import ConfigurationError
 from ..layout import node_object
 
 __all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Rule", "contender", "semaphore", "sequence",
-           "split_queue"]
+           "split_queue", "units", "units_tag"]
 
 _CONTENDER_RE = re.compile(r"(__lock__|__rlock__|__sem__)(-?\d{10})$")
+_UNITS_RE = re.compile(r"-(\d+)__sem__-?\d{10}$")
 
 
 def contender(name: str) -> Optional[Tuple[str, int]]:
@@ -37,6 +38,27 @@ def contender(name: str) -> Optional[Tuple[str, int]]:
     """
     m = _CONTENDER_RE.search(name)
     return (m.group(1), int(m.group(2))) if m else None
+
+
+def units(name: str) -> int:
+    """How many of a semaphore's leases a contender's node takes: a weighted start (``units=``)
+    says so in its name, ``<uuid>-<units>__sem__<seq>``, so that a rule decides from names
+    alone, as it does for every other node; any other node takes one.
+
+    >>> units("0f3a-3__sem__0000000007"), units("0f3a__sem__0000000007"), units("0f3a__lock__0000000007")
+    (3, 1, 1)
+    """
+    m = _UNITS_RE.search(name)
+    return int(m.group(1)) if m else 1
+
+
+def units_tag(n: int) -> str:
+    """What a contender of ``n`` units puts between its uuid and its node name (see :func:`units`).
+
+    >>> units_tag(1), units_tag(3)
+    ('', '-3')
+    """
+    return f"-{n}" if n > 1 else ""
 
 
 def sequence(name: str) -> int:
@@ -107,10 +129,20 @@ class Rule:
         >>> EXCLUSIVE.has_room(["a__rlock__0000000001"]), READ.has_room(["a__rlock__0000000001", "junk"])
         (False, True)
         """
-        return len(self.blockers(children)) < self.leases
+        return sum(map(units, self.blockers(children))) < self.leases
 
     def decide(self, children: Iterable[str], me: str) -> Decision:
-        """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch."""
+        """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch.
+
+        Weighted, a semaphore's nodes are admitted in order while their units fit (a small one
+        behind a big one waits its turn: no start is starved):
+
+        >>> kids = ["a-3__sem__0000000001", "b-2__sem__0000000002", "c__sem__0000000003"]
+        >>> [semaphore(4).decide(kids, k).holds for k in kids]
+        [True, False, False]
+        >>> semaphore(4).decide(kids, kids[1]), semaphore(4).decide(kids, kids[2]).watch
+        (Decision(holds=False, watch=('a-3__sem__0000000001',), watch_promotion=False), ('b-2__sem__0000000002',))
+        """
         mine = contender(me)
         if mine is None:
             raise ValueError(f"{me!r} is not a contender node")
@@ -121,12 +153,15 @@ class Rule:
             # Nodes of other kinds and foreign junk never block us.
             if other is not None and other[0] in self.blocked_by and other[1] < my_seq:
                 ahead.append((other[1], child))
-        if len(ahead) < self.leases:
+        # Weighted (a semaphore's ``units``): we hold when the units ahead and ours fit. Holders
+        # are then always a prefix of the queue, so their units never pass the leases.
+        taken = sum(units(c) for _, c in ahead)
+        if taken + units(me) <= self.leases:
             return Decision(True, (), False)
         ahead.sort()
-        if len(ahead) == self.leases:
-            # First in line: any holder leaving frees a place for us, so watch
-            # them all (for a mutex that is just the predecessor).
+        if taken <= self.leases:
+            # First in line (every node ahead holds): any holder leaving frees room for us, so
+            # watch them all (for a mutex that is just the predecessor).
             return Decision(False, tuple(c for _, c in ahead), False)
         # Further back: only our predecessor. With several leases it may be
         # promoted while we sleep; it touches its node then, waking us alone.
@@ -168,6 +203,7 @@ def split_queue(children: Iterable[str], rule_of: Callable[[str], Rule]) -> Tupl
     for node in nodes:
         kind = contender(node)[0]  # type: ignore[index]
         rule = rule_of(kind)
-        (holders if sum(ahead.get(k, 0) for k in rule.blocked_by) < rule.leases else waiters).append(node)
-        ahead[kind] = ahead.get(kind, 0) + 1
+        weight = units(node)
+        (holders if sum(ahead.get(k, 0) for k in rule.blocked_by) + weight <= rule.leases else waiters).append(node)
+        ahead[kind] = ahead.get(kind, 0) + weight
     return holders, waiters

@@ -256,6 +256,16 @@ def rated_faster(key: str, seconds: float) -> str:
 
 
 @app.task
+@zk_locked(key="rate-units:{key}", rate=(4, 1.0), units=lambda key, units, seconds: units,
+           on_contention=Wait(timeout=120))
+def rated_by_units(key: str, units: int, seconds: float) -> str:
+    """Weighted starts: at most 4 units a second per key, each copy taking ``units`` of them."""
+    note("start", key=key, units=units, began=current_lock().began)
+    hold_plain(seconds)
+    return key
+
+
+@app.task
 @zk_locked(key="rate-slow:{key}", rate=(1, 6.0), on_contention=Wait(timeout=120))
 def rated_slowly(key: str, seconds: float) -> str:
     """One start per 6 s: a window longer than the workers' session timeout (4 s)."""

@@ -147,14 +147,14 @@ def test_a_limit_and_a_rate_computed_from_the_tasks_arguments(celery_app):
     assert sync.apply(args=("tiny", "free")).get() == [("rate", 2), ("semaphore", 1)]
 
 
-@pytest.mark.parametrize("limit, rate, message", [
-    (lambda tenant, tier: 0, None, r"task tier.bad: limit callable .* returned 0, not a positive int"),
-    (lambda tenant, tier: 1 / 0, None, r"task tier.bad: limit callable .* raised ZeroDivisionError"),
-    (None, lambda tenant, tier: "2 per s", r"task tier.bad: rate callable .* returned '2 per s': rate '2 per s'"),
+@pytest.mark.parametrize("options, message", [
+    ({"limit": lambda tenant, tier: 0}, r"task tier.bad: limit callable .* returned 0, not a positive int"),
+    ({"limit": lambda tenant, tier: 1 / 0}, r"task tier.bad: limit callable .* raised ZeroDivisionError"),
+    ({"rate": lambda tenant, tier: "2 per s"}, r"task tier.bad: rate callable .* returned '2 per s': rate '2 per s'"),
+    ({"rate": lambda tenant, tier: "3/s", "units": lambda tenant, tier: 4},
+     r"task tier.bad: units callable .* returned 4: more than the rate's count of 3 per 1s"),
 ])
-def test_a_per_call_limit_or_rate_that_is_wrong_names_the_task_and_the_option(celery_app, limit, rate, message):
-    options = {"limit": limit} if limit is not None else {"rate": rate}
-
+def test_a_per_call_limit_or_rate_that_is_wrong_names_the_task_and_the_option(celery_app, options, message):
     @celery_app.task(name="tier.bad")
     @celery_zklock.zk_locked(key="tenant:{tenant}", **options)
     def bad(tenant, tier):
@@ -203,3 +203,17 @@ def test_a_count_stored_for_a_deploy_then_cleared_leaves_the_new_count_unrefused
     with slot(2):
         pass  # not refused: every slot there is of its count
     assert json.loads(kazoo.get(path)[0]) == {"rate": [2, 2.0]}
+
+
+def test_a_count_stored_below_a_starts_units_refuses_it_naming_the_key(new_session, zk_root, kazoo):
+    # A weighted start (units=3) fits the code's count of 4, not a count of 2 stored live: it
+    # would wait for ever. It is refused, naming the key, and leaves no slot behind.
+    layout = Layout(zk_root)
+    path = layout.rate("partner:heavy", 1.0)
+    store(kazoo, zk_root, "partner:heavy", Live(None, {1.0: 2}))
+    slot = RateSlot(new_session(), path, Rate(4, 1.0), units=3, live=LiveSource(layout.limit("partner:heavy"), 1.0),
+                    label="partner:heavy")
+    with pytest.raises(celery_zklock.ConfigurationError, match=r"rate key 'partner:heavy' .* has 2 units per 1s, "
+                                                                 r"this start takes units=3: it can never start"):
+        slot.acquire(timeout=5)
+    wait_until(lambda: not [c for c in kazoo.get_children(path) if "__sem__" in c], timeout=5)

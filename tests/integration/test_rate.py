@@ -31,10 +31,22 @@ def over_limit(starts: List[float], rate: Rate) -> List[List[float]]:
     return [starts[i:i + n + 1] for i in range(len(starts) - n) if starts[i + n] - starts[i] < rate.window]
 
 
+def over_units(starts: List[tuple], rate: Rate) -> List[List[tuple]]:
+    """Every window of W, from one ``(start, units)`` on, whose starts take more than the count."""
+    starts = sorted(starts)
+    found = []
+    for i, (t, _) in enumerate(starts):
+        inside = [s for s in starts[i:] if s[0] - t < rate.window]
+        if sum(u for _, u in inside) > rate.count:
+            found.append(inside)
+    return found
+
+
 def test_over_limit_finds_a_burst_at_a_windows_edge():
     # The check itself: a fixed window's edge burst (3 at 0.9 s, 3 at 1.1 s) is 6 in 0.2 s.
     assert over_limit([0.9, 0.9, 0.9, 1.1, 1.1, 1.1], Rate(3, 1.0))
     assert not over_limit([0.0, 0.1, 0.2, 1.0, 1.1, 1.2], Rate(3, 1.0))
+    assert over_units([(0.0, 2), (0.5, 2)], Rate(3, 1.0)) and not over_units([(0.0, 2), (1.0, 2)], Rate(3, 1.0))
 
 
 def test_contenders_on_six_sessions_start_at_most_n_in_any_window(new_session, zk_root):
@@ -65,6 +77,38 @@ def test_contenders_on_six_sessions_start_at_most_n_in_any_window(new_session, z
     assert over_limit(starts, rate) == []
     # And the key kept moving: about count per window over the run, not a trickle.
     assert len(starts) >= 3 * rate.count, sorted(starts)
+
+
+def test_weighted_starts_on_six_sessions_take_at_most_n_units_in_any_window(new_session, zk_root):
+    # units=: a start of U takes U of the count. Contenders of 1 to 3 units against a count of 4
+    # in 0.5 s; the heavy ones are not starved by light ones behind them (the queue is in order).
+    rate = Rate(4, 0.5)
+    path = f"{zk_root}/rates/k-weighted@0.5s"
+    starts: List[tuple] = []
+    stop = time.monotonic() + 3.0
+    errors: List[BaseException] = []
+
+    def contend(units: int) -> None:
+        session = new_session()
+        try:
+            while time.monotonic() < stop:
+                slot = RateSlot(session, path, rate, units=units)
+                assert slot.acquire(timeout=10)
+                slot.begin()
+                starts.append((slot.began, units))
+                slot.release()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contend, args=(1 + i % 3,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert over_units(starts, rate) == []
+    assert {u for _, u in starts} == {1, 2, 3}, "a weight never started"
+    assert sum(u for _, u in starts) >= 3 * rate.count, sorted(starts)
 
 
 def test_a_slot_is_kept_for_its_window_after_release_and_its_holders_clean_stop(new_session, zk_root, kazoo):
@@ -194,6 +238,19 @@ def test_a_task_with_two_windows_and_a_lock_keeps_all_three(workers, queue, redi
     assert over_limit(starts, Rate(2, 0.5)) == [] and over_limit(starts, Rate(4, 2.0)) == []
     bodies = sorted((e["start"], e["time"]) for e in history if e["event"] == "end")
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(bodies, bodies[1:])), "two bodies overlapped"
+
+
+@pytest.mark.slow
+def test_weighted_tasks_on_two_workers_take_at_most_n_units_per_key_in_any_window(workers, queue, redis_server):
+    workers("w1", concurrency=3)
+    workers("w2", concurrency=3)
+    results = [send(worker_app.rated_by_units, queue, "u", 1 + i % 3, 0.02) for i in range(12)]
+    assert [r.get(timeout=120) for r in results] == ["u"] * 12
+    starts = [(e["began"], e["units"]) for e in events(redis_server.url) if e["event"] == "start"]
+    assert len(starts) == 12 and sum(u for _, u in starts) == 24
+    assert over_units(starts, Rate(4, 1.0)) == []
+    # The limit, not less: 24 units at 4 a second take about 5 windows.
+    assert max(t for t, _ in starts) - min(t for t, _ in starts) < 5 * 1.0 + 2.5, sorted(starts)
 
 
 @pytest.fixture

@@ -2,10 +2,11 @@
 start, keep their slot for the window on their own drifting clocks, die (their mark goes when
 their session ends, later), give up, and free orphans, with a count changed live at random.
 
-Each schedule checks that no window of W holds more starts than the largest count any of them
-started under (a count lowered live admits no newcomer past it, and a slot admitted under the old
-count keeps its place, as a holder does), and that once deaths stop, every contender still
-waiting starts within a bound (no key blocked for good). ``ZKLOCK_RATE_SCHEDULES=1000`` runs more (CI runs 200).
+Contenders are weighted (``units=``): each takes 1 to 3 of the count. Each schedule checks that no
+window of W holds more units of starts than the largest count any of them started under (a count
+lowered live admits no newcomer past it, and a slot admitted under the old count keeps its place,
+as a holder does), and that once deaths stop, every contender still waiting starts within a bound
+(no key blocked for good). ``ZKLOCK_RATE_SCHEDULES=1000`` runs more (CI runs 200).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from celery_zklock.recipes.rate import DRIFT, OWNER, Rate, orphan_turn
-from celery_zklock.recipes.rules import semaphore
+from celery_zklock.recipes.rules import semaphore, units_tag
 
 SCHEDULES = int(os.environ.get("ZKLOCK_RATE_SCHEDULES", "200"))
 
@@ -28,6 +29,7 @@ class Contender:
     uid: str
     process: int
     drift: float  # its clock runs at (1 + drift) times real time
+    units: int = 1
     slot: Optional[str] = None
     began: Optional[float] = None  # real time of its start
     dead_at: Optional[float] = None
@@ -37,8 +39,8 @@ class Contender:
         return now * (1 + self.drift)
 
 
-def run_schedule(seed: int, free_early: bool = False, turn=None) -> List[str]:
-    """One schedule; ``free_early`` and ``turn`` make a decision wrong on purpose."""
+def run_schedule(seed: int, free_early: bool = False, turn=None, weigh: bool = True) -> List[str]:
+    """One schedule; ``free_early``, ``turn`` and ``weigh`` make a decision wrong on purpose."""
     turn = turn or orphan_turn
     rng = random.Random(seed)
     rate = Rate(rng.randint(1, 3), rng.choice([1.0, 2.0, 5.0]))
@@ -62,9 +64,16 @@ def run_schedule(seed: int, free_early: bool = False, turn=None) -> List[str]:
         if c.slot not in children or OWNER + c.uid not in marks:
             return  # freed as an orphan (its session ended): it never starts on it
         rule = semaphore(count)
-        if rule.decide(children, c.slot).holds:
+        if c.units > count:  # refused, as the engine refuses it (ConfigurationError): it gives up
+            children.pop(c.slot, None)
+            marks.discard(OWNER + c.uid)
+            c.gave_up = True
+            return
+        named = children if weigh else {k.replace(units_tag(c.units) + "__", "__") if k == c.slot else k: 0
+                                         for k in children}  # wrong on purpose: it counts its own start as one
+        if rule.decide(named, c.slot if weigh else c.slot.replace(units_tag(c.units) + "__", "__")).holds:
             c.began = now
-            starts.append((now, count))
+            starts.append((now, count, c.units))
             if may_give_up and rng.random() < 0.3:  # it dies as it starts: an orphan that held, soon
                 c.dead_at = now
                 expiries.append((now + rng.uniform(0.0, rate.window), OWNER + c.uid))
@@ -93,8 +102,9 @@ def run_schedule(seed: int, free_early: bool = False, turn=None) -> List[str]:
             count = rng.randint(1, 3)  # a count stored live
             most = max(most, count)
         if rng.random() < 0.25 and len(contenders) < 12:
-            uid = f"{rng.getrandbits(32):08x}"
-            c = Contender(uid, rng.randint(0, 2), rng.uniform(-0.0005, 0.0005))
+            units = rng.randint(1, 3)
+            uid = f"{rng.getrandbits(32):08x}{units_tag(units)}"
+            c = Contender(uid, rng.randint(0, 2), rng.uniform(-0.0005, 0.0005), units)
             seq += 1
             c.slot = f"{uid}__sem__{seq:010d}"
             children[c.slot] = now
@@ -112,13 +122,14 @@ def run_schedule(seed: int, free_early: bool = False, turn=None) -> List[str]:
             continue
         act(c, may_give_up=True)
     problems: List[str] = []
-    for t, _ in starts:
+    for t, _, _ in starts:
         # A count lowered live admits no newcomer past it, but a slot admitted under the old count
         # keeps its place (as a holder does): the bound is the largest count a start in the window
         # was made under.
-        in_window = [n for s, n in starts if t - rate.window < s <= t]
-        if len(in_window) > max(in_window):
-            problems.append(f"seed {seed}: {in_window} starts in a window of {rate.window:g}s ending at {t:.3f}")
+        in_window = [(n, u) for s, n, u in starts if t - rate.window < s <= t]
+        if sum(u for _, u in in_window) > max(n for n, _ in in_window):
+            problems.append(f"seed {seed}: (count, units) {in_window} started in a window of {rate.window:g}s "
+                            f"ending at {t:.3f}")
             return problems
     # Liveness: with deaths and newcomers over, every live contender still waiting starts within
     # a bound: each slot ahead of it goes within its window, or within one after a sighting.
@@ -159,6 +170,10 @@ def test_an_orphan_freed_at_first_sight_breaks_the_rate():
 
     assert any(run_schedule(seed, turn=hasty) for seed in range(300)), "the check cannot fail"
     assert DRIFT > 0
+
+
+def test_a_weighted_start_counted_as_one_breaks_the_rate():
+    assert any(run_schedule(seed, weigh=False) for seed in range(300)), "the check cannot fail"
 
 
 def test_an_orphan_never_freed_blocks_its_key():
