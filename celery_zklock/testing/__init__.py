@@ -18,8 +18,8 @@ Example::
     assert history.violations() == []
 """
 
-from .history import HistoryRecorder, Hold, max_concurrency, violations
+from .history import HistoryRecorder, Hold, max_concurrency, rate_violations, violations
 from .server import ServerError, ZooKeeperServer, find_zookeeper_jar
 
 __all__ = ["HistoryRecorder", "Hold", "ServerError", "ZooKeeperServer", "find_zookeeper_jar", "max_concurrency",
-           "violations"]
+           "rate_violations", "violations"]

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from ..recipes import EXCLUSIVE, RULES, Rule
 
-__all__ = ["Hold", "HistoryRecorder", "holds_beside", "max_concurrency", "rule_of", "violations"]
+__all__ = ["Hold", "HistoryRecorder", "holds_beside", "max_concurrency", "rate_violations", "rule_of", "violations"]
 
 #: The rule of each mode a lock reports (``exclusive`` is the write lock under another name).
 _RULE_OF_MODE: Dict[str, Rule] = {"exclusive": EXCLUSIVE, **{rule.name: rule for rule in RULES.values()}}
@@ -187,3 +187,25 @@ def max_concurrency(history: Iterable[Hold], key: str) -> int:
         level += d
         best = max(best, level)
     return best
+
+
+def rate_violations(starts: Iterable[Any], count: int, window: float) -> List[str]:
+    """Every window of ``window`` seconds whose starts take more than ``count`` units (what
+    ``rate=(count, window)`` promises), as one line each; [] when the rate held. ``starts``:
+    start times (:attr:`RateSlot.began <celery_zklock.recipes.rate.RateSlot.began>`, or any
+    one clock's readings), or ``(time, units)`` pairs for weighted starts (``units=``).
+
+    >>> rate_violations([0.9, 0.9, 0.9, 1.1, 1.1, 1.1], 3, 1.0)[0]   # a fixed window's edge burst
+    '6 units started in 0.200s from 0.900 (rate 3 per 1s)'
+    >>> rate_violations([(0.0, 2), (1.0, 2)], 3, 1.0), rate_violations([(0.0, 2), (0.5, 2)], 3, 1.0)
+    ([], ['4 units started in 0.500s from 0.000 (rate 3 per 1s)'])
+    """
+    timed = sorted(s if isinstance(s, tuple) else (s, 1) for s in starts)
+    found = []
+    for i, (t, _) in enumerate(timed):
+        inside = [s for s in timed[i:] if s[0] - t < window]
+        taken = sum(u for _, u in inside)
+        if taken > count:
+            found.append(f"{taken} units started in {inside[-1][0] - t:.3f}s from {t:.3f} (rate {count} per "
+                         f"{window:g}s)")
+    return found

@@ -22,8 +22,10 @@ from typing import Iterator, List, Optional
 import pytest
 import redis
 
+from celery_zklock.exceptions import ZkLockError
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
-from celery_zklock.testing import Hold, violations
+from celery_zklock.recipes.rate import Rate, RateSlot
+from celery_zklock.testing import Hold, rate_violations, violations
 from celery_zklock.zk import Session
 from harness import CeleryBeat, Op, TcpProxy, ZooKeeperEnsemble
 from tests.apps import beat_app, dedupe_app
@@ -368,3 +370,60 @@ def test_a_worker_on_a_follower_leaves_no_marker_behind_with_no_fault_at_all(ens
         rig.close()
         for cached in ("_zklock_settings", "_zklock_task_defaults"):
             dedupe_app.app.__dict__.pop(cached, None)
+
+
+@pytest.mark.parametrize("fault", ["killed_server", "quorum_loss"])
+def test_rate_starts_through_a_killed_server_or_a_lost_quorum(ensemble, new_session, zk_root, fault):
+    # Start slots of one key (2 per 6 s, a window past the 4 s session timeout), taken again and
+    # again from a session on each server. The first has started on its slot when its server is
+    # killed (and, for a lost quorum, the leader too) for 5 s: its session ends with its slot
+    # inside its window. No window holds more than 2 starts (an orphan freed at first sight
+    # made 3), and starts go on once the servers are back (no orphan blocks the key for good).
+    on = sessions(ensemble, new_session)
+    rate = Rate(2, 6.0)
+    path = f"{zk_root}/rates/k-through-{fault}@6s"
+    hit = next(s for s in ensemble.servers if s is not ensemble.leader())
+    starts: List[float] = []
+    errors: List[BaseException] = []
+    stop = time.monotonic() + 90.0  # brought in once the servers are back
+
+    def contend(server) -> None:
+        session = on(server)
+        try:
+            while time.monotonic() < stop:
+                slot = RateSlot(session, path, rate)
+                try:
+                    if slot.acquire(timeout=max(0.0, stop - time.monotonic())):
+                        slot.begin()  # LockLost unless its session can vouch for its slot
+                        starts.append(slot.began)  # type: ignore[arg-type]
+                except ZkLockError:
+                    time.sleep(0.1)  # the fault itself: ZooKeeper gone, or the session lost
+                finally:
+                    slot.release()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contend, args=(server,)) for server in [hit, *ensemble.servers]]
+    threads[0].start()
+    wait_until(lambda: starts, timeout=30)  # the contender on the server to kill holds a started slot
+    for t in threads[1:]:
+        t.start()
+    time.sleep(1.0)  # the others queue behind it: placed, not waited for
+    down = [hit] + ([ensemble.leader()] if fault == "quorum_loss" else [])
+    for server in down:
+        server.stop(signal.SIGKILL)
+    time.sleep(TIMEOUT + 1.0)  # the fault's length: past the session timeout
+    for server in down:
+        server.start(wait=False)
+    for server in down:
+        server.wait_serving()
+    back = time.monotonic()
+    # Live: an orphan the fault made is freed a window after a contender sees it, at most.
+    stop = back + TIMEOUT + rate.window + 2.0
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert rate_violations(starts, rate.count, rate.window) == [], [round(t - starts[0], 2) for t in sorted(starts)]
+    after = [round(t - back, 2) for t in sorted(starts) if t > back]
+    assert after, f"no start after the servers came back: {[round(t - back, 2) for t in sorted(starts)]}"
+    print(f"{fault}: starts at {[round(t - back, 2) for t in sorted(starts)]} from the servers' return")

@@ -11,6 +11,10 @@ The faults, one or two a round, each at a drawn moment and for a drawn length:
 - a contender's reconnect whose ConnectResponse is held back, then its link dark;
 - a contender's link dark (its server and the rest of the ensemble fine).
 
+A round locks one key (exclusive, read/write, or a semaphore of 2), or takes start slots of a
+rate (``rate=(3, 1.0)``, weighted starts of 1 or 2 units, each contender starting again and again):
+its starts are checked against every sliding window.
+
 The ensemble ticks every 100 ms with ``syncLimit`` 25, so a cut follower answers reads for
 2.5 s, longer than the 1.5 s session timeout: a clock that counted those answers as proof
 would let two holders overlap (the round checks that none do). A hold lasts, as a task
@@ -32,7 +36,8 @@ import pytest
 from celery_zklock.conf import Settings
 from celery_zklock.exceptions import ZkLockError
 from celery_zklock.recipes import EXCLUSIVE, READ, WRITE, Lock, Rule, semaphore
-from celery_zklock.testing import Hold, violations
+from celery_zklock.recipes.rate import Rate, RateSlot
+from celery_zklock.testing import Hold, rate_violations, violations
 from celery_zklock.zk import Session
 from harness import Op, TcpProxy, ZooKeeperEnsemble
 from tests.util import wait_until
@@ -66,6 +71,8 @@ class Contender:
     proxy: TcpProxy
     session: Optional[Session] = None
     holds: List[Hold] = field(default_factory=list)
+    #: A rate round's starts: (RateSlot.began, units).
+    starts: List[Tuple[float, int]] = field(default_factory=list)
     error: Optional[BaseException] = None
 
 
@@ -93,6 +100,29 @@ def _contend(c: Contender, path: str, until: float) -> None:
                 time.sleep(0.05)  # ZooKeeper unreachable or the session lost: what the fault is for
             finally:
                 lock.release()
+    except BaseException as exc:  # reported by the round's check
+        c.error = exc
+
+
+#: A rate round's rate: three units a second.
+RATE = Rate(3, 1.0)
+
+
+def _start(c: Contender, path: str, until: float) -> None:
+    """Take a start slot of the key's rate again and again until ``until``, each of ``c``'s
+    units (its ``hold_for``, 1 or 2), and record each start the rate counts."""
+    assert c.session is not None
+    try:
+        while time.monotonic() < until:
+            slot = RateSlot(c.session, path, RATE, units=int(c.hold_for))
+            try:
+                if slot.acquire(timeout=max(0.0, until - time.monotonic())):
+                    slot.begin()  # LockLost unless its session can vouch for the slot
+                    c.starts.append((slot.began, int(c.hold_for)))  # type: ignore[arg-type]
+            except ZkLockError:
+                time.sleep(0.05)
+            finally:
+                slot.release()
     except BaseException as exc:  # reported by the round's check
         c.error = exc
 
@@ -144,9 +174,9 @@ def _fault(kind: str, rng: random.Random, ensemble: ZooKeeperEnsemble,
 
 def _round(seed: int, ensemble: ZooKeeperEnsemble) -> List[str]:
     rng = random.Random(seed)
-    kind = rng.choice(["exclusive", "rw", "sem2"])
+    kind = rng.choice(["exclusive", "rw", "sem2", "rate"])
     root = f"/fuzz-ensemble/r{seed}"
-    path = f"{root}/locks/k"
+    path = f"{root}/locks/k" if kind != "rate" else f"{root}/rates/k@1s"
     ensemble.wait_leader(60)
     contenders = []
     for i in range(rng.randint(2, 4)):
@@ -154,10 +184,13 @@ def _round(seed: int, ensemble: ZooKeeperEnsemble) -> List[str]:
             rule, mode = EXCLUSIVE, "exclusive"
         elif kind == "rw":
             rule, mode = (READ, "read") if rng.random() < 0.5 else (WRITE, "write")
-        else:
+        elif kind == "sem2":
             rule, mode = semaphore(2), "semaphore"
+        else:
+            rule, mode = semaphore(RATE.count), "rate"
         server = rng.choice(ensemble.servers)
-        hold_for = rng.choice([rng.uniform(0.1, 0.8), rng.uniform(2.0, 5.0)])
+        # A lock's hold, or a rate contender's units.
+        hold_for = rng.choice([rng.uniform(0.1, 0.8), rng.uniform(2.0, 5.0)]) if kind != "rate" else rng.choice([1, 2])
         contenders.append(Contender(i, server.myid, rule, mode, hold_for, TcpProxy(server.port).start()))
     faults = [(rng.uniform(0.0, 1.5), rng.choice(FAULTS), rng.uniform(0.3, 4.0))
               for _ in range(rng.choice([1, 1, 2]))]
@@ -168,8 +201,8 @@ def _round(seed: int, ensemble: ZooKeeperEnsemble) -> List[str]:
             c.session = Session(Settings(hosts=c.proxy.hosts, root=root, session_timeout=TIMEOUT,
                                          connect_timeout=10, server_tick_time=TICK_MS / 1000)).start()
         began = time.monotonic()
-        threads = [threading.Thread(target=_contend, args=(c, path, began + ROUND), daemon=True)
-                   for c in contenders]
+        threads = [threading.Thread(target=_contend if kind != "rate" else _start, args=(c, path, began + ROUND),
+                                    daemon=True) for c in contenders]
         for t in threads:
             t.start()
         ends = []
@@ -188,6 +221,10 @@ def _round(seed: int, ensemble: ZooKeeperEnsemble) -> List[str]:
         problems += [f"c{c.who} raised {c.error!r}" for c in contenders if c.error is not None]
         holds = [h for c in contenders for h in c.holds]
         problems += violations(holds)
+        starts = sorted(s for c in contenders for s in c.starts)
+        problems += rate_violations(starts, RATE.count, RATE.window)
+        if problems and kind == "rate":
+            problems.append("starts: " + "; ".join(f"{t - began:+.3f}x{u}" for t, u in starts))
         if problems:
             problems.append("holds: " + "; ".join(f"{h.who} {h.mode} token {h.token} "
                                                    f"{h.start - began:+.2f}..{h.end - began:+.2f}" for h in holds))

@@ -18,6 +18,7 @@ from celery_zklock.layout import Layout
 from celery_zklock.recipes.live import Live, LiveSource, encode_live, parse_live
 from celery_zklock.recipes.lock import Lock, semaphore
 from celery_zklock.recipes.rate import Rate, RateSlot
+from harness import TcpProxy
 from tests.util import wait_until
 
 
@@ -54,6 +55,31 @@ def test_a_limit_raised_live_lets_waiters_in_at_once(new_session, zk_root, kazoo
     for t in threads:
         t.join(30)
     assert len(got) == 3
+
+
+def test_a_limit_raised_while_a_waiter_is_cut_off_lets_it_in_once_its_link_is_back(new_session, zk_root, kazoo,
+                                                                                    zk_server):
+    # The client-cut cell: the raise is written while the waiter's link is dark (shorter than
+    # its session): the watch it set before the cut fires as kazoo reconnects the same session.
+    layout = Layout(zk_root)
+    path, source = layout.lock("pool:cut", semaphore=True), LiveSource(layout.limit("pool:cut"))
+    holder = Lock(new_session(), path, semaphore(1), live=source)
+    assert holder.acquire()
+    with TcpProxy(zk_server.port) as proxy:
+        waiter = Lock(new_session(hosts=proxy.hosts), path, semaphore(1), live=source)
+        got = threading.Event()
+        threading.Thread(target=lambda: waiter.acquire(timeout=30) and got.set(), daemon=True).start()
+        wait_until(lambda: waiter.state == "waiting")
+        proxy.mode = "blackhole"
+        store(kazoo, zk_root, "pool:cut", Live(2, {}))
+        time.sleep(1.5)  # the cut's length (under the 4 s session timeout): the fault itself
+        assert not got.is_set()
+        proxy.mode = "pass"
+        back = time.monotonic()
+        assert got.wait(10), "the raise never reached the waiter cut off as it was written"
+        assert time.monotonic() - back < 5.0
+        waiter.release()
+    holder.release()
 
 
 def test_a_limit_lowered_live_interrupts_no_holder_and_admits_only_under_it(new_session, zk_root, kazoo):

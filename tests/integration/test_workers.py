@@ -216,7 +216,8 @@ def test_with_zookeeper_unreachable_every_policy_says_so_and_none_says_skipped(e
                          env={**env, "ZKT_HOSTS": proxy.hosts}, extra_args=["-Q", queue]) as worker:
         assert send(worker_app.skipping, queue, "warm-up", 0).get(timeout=30) == "ran"
         proxy.close()  # ZooKeeper gone: the connection drops, and every new one is refused
-        for task in (worker_app.skipping, worker_app.raising, worker_app.retrying):
+        for task in (worker_app.skipping, worker_app.raising, worker_app.retrying,
+                     worker_app.rated):  # a rate's slot: no start without its window counted
             result = send(task, queue, "nobody-holds-it", 0)
             with pytest.raises(ZooKeeperUnavailable, match=rf"^task {task.name}: .*the task did not run"):
                 result.get(timeout=60)
