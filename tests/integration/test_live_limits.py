@@ -19,7 +19,8 @@ from celery_zklock.recipes.live import Live, LiveSource, encode_live, parse_live
 from celery_zklock.recipes.lock import Lock, semaphore
 from celery_zklock.recipes.rate import Rate, RateSlot
 from harness import TcpProxy
-from tests.util import wait_until
+from tests.apps import worker_app
+from tests.util import events, send, wait_until
 
 
 def store(kazoo, zk_root: str, key: str, live: Live) -> None:
@@ -243,3 +244,44 @@ def test_a_count_stored_below_a_starts_units_refuses_it_naming_the_key(new_sessi
                                                                  r"this start takes units=3: it can never start"):
         slot.acquire(timeout=5)
     wait_until(lambda: not [c for c in kazoo.get_children(path) if "__sem__" in c], timeout=5)
+
+
+@pytest.mark.slow
+def test_a_rate_raised_then_lowered_mid_burst_bounds_each_window_by_the_count_in_force(workers, queue, redis_server,
+                                                                                        kazoo, zk_root):
+    # Real workers, a burst of one key under rate 3/s in the code; 6/s is stored live as it runs,
+    # then 2/s. Each window of 1 s holds at most the largest count in force from a window before
+    # it to its end (a slot admitted under the old count keeps its place, as a holder does: the
+    # design's bound), the raise is used (a window past 3), and once the lowering is a window
+    # old, no window passes 2.
+    workers("w1", concurrency=4)
+    workers("w2", concurrency=4)
+    changes = [(time.monotonic(), 3)]  # (when, count in force from then): on the workers' clock too
+    results = [send(worker_app.rated, queue, "live", 0.01) for _ in range(40)]
+    wait_until(lambda: len([e for e in events(redis_server.url) if e["event"] == "start"]) >= 6, timeout=30)
+    store(kazoo, zk_root, "rate:live", Live(None, {1.0: 6}))
+    changes.append((time.monotonic(), 6))
+    wait_until(lambda: len([e for e in events(redis_server.url) if e["event"] == "start"]) >= 24, timeout=30)
+    store(kazoo, zk_root, "rate:live", Live(None, {1.0: 2}))
+    changes.append((time.monotonic(), 2))
+    assert sorted(r.get(timeout=120) for r in results) == ["live"] * 40
+    starts = sorted(e["began"] for e in events(redis_server.url) if e["event"] == "start")
+    assert len(starts) == 40
+
+    def in_force(start: float, end: float) -> int:
+        """The largest count in force at any moment from ``start`` to ``end``."""
+        return max(count for i, (when, count) in enumerate(changes)
+                   if when < end and (i + 1 == len(changes) or changes[i + 1][0] > start))
+
+    def counted(i: int) -> int:
+        return len([s for s in starts[i:] if s - starts[i] < 1.0])
+
+    base = changes[0][0]
+    for i, t in enumerate(starts):
+        # From a window before it (a slot admitted under the old count keeps its place) to its end.
+        bound = in_force(t - 1.0, t + 1.0)
+        assert counted(i) <= bound, f"{counted(i)} starts in 1 s from {t - base:.3f}s, bound {bound}: " \
+                                    f"{[round(s - base, 3) for s in starts]}"
+    raised, lowered = changes[1][0], changes[2][0]
+    assert any(counted(i) > 3 for i, t in enumerate(starts) if raised <= t < lowered), "6/s was never used"
+    assert all(counted(i) <= 2 for i, t in enumerate(starts) if t >= lowered + 1.0), "2/s did not hold"
