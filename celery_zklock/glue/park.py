@@ -394,9 +394,9 @@ class Parking:
             return
         if self.received is not None and self.stage.runs:
             self.queue.done(self.received)
+        heads: List[str] = []  # the head we sent, or claimed and did not: we answer for it until it is received
         try:
             looked, self._looked = self._looked, None
-            heads: List[str] = []  # the head we sent, which we answer for until a worker receives it
             if self.queue.nudge(self._send, deadline(self.settings.connect_timeout), looked=looked,
                                 sent=heads.append) != Nudge.EMPTY:
                 watch = self._watch()  # we may be the last one alive who knows of this queue
@@ -406,9 +406,14 @@ class Parking:
             logger.warning("%s: could not send the next parked copy of lock %r (%s); the processes watching "
                            "the key's queue will", self.where, self.label, explain(exc))
             # This process among them: a claim whose create went unanswered is ours, and only a
-            # nudge of ours sends under it (it is looked at again as the session comes back).
+            # nudge of ours sends under it (it is looked at again as the session comes back). We
+            # may only follow the queue's watchers, whose leader reads the claim as a head in
+            # flight: so we answer for it as for a head we sent, and send it again (nudge's sent).
             with contextlib.suppress(Exception):
-                _watch(self.queue.session, self.settings, self.task.app).add(self.queue, self._send, nudge=True)
+                watch = _watch(self.queue.session, self.settings, self.task.app)
+                watch.add(self.queue, self._send, nudge=True)
+                for head in heads:
+                    watch.sent(self.queue, head, self._send)
         self.stage = Stage.HANDED_ON
 
     def _watch(self) -> QueueWatch:

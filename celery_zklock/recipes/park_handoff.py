@@ -93,6 +93,9 @@ class _NudgeTry:
     head: Optional[str] = None
     #: The claims it tried to make (see _Unanswered).
     claims: Set[str] = field(default_factory=set)
+    #: The head under a claim of ours this nudge made, or may have made, or found, to send: if
+    #: the nudge ends before it is sent, its sender answers for it all the same (see nudge).
+    ours: Optional[str] = None
     #: The caller synced this session's server just before: the first read needs no sync of its own.
     synced: bool = False
 
@@ -143,11 +146,26 @@ class HandOff(QueueBase):
         received (:meth:`resend`). ``synced``: the caller's last read of this queue, just before,
         followed a sync (:meth:`follow`'s): our first read, later on the same session, sees at
         least what that one saw, and a change after it fires ``watch``; so it needs no sync.
+
+        A nudge that raises with a claim of ours made, or perhaps made (its create's answer
+        never came), and its head not sent, calls ``sent(head)`` too, before it raises: to every
+        other process that claim is a head in flight, which only its sender sends again. So
+        the sender answers for it as for a head it sent: :meth:`resend` sends it if the claim
+        is there, ours and still says sent, and forgets it if not. The next nudge of ours would
+        send it sooner (see :class:`_Unanswered`), but a process whose nudge failed may make no
+        other: a watcher steps aside for the next, which leads from then on, and a releaser
+        joins the watchers behind those already there (a quorum loss under CI's load: every
+        copy of a key stalled behind such a claim for as long as the worker lived, 2 runs in 3).
         """
         # A claim this call made, found again after a lost reply, is known by its token.
         token = SENT + uuid.uuid4().hex.encode()
         attempt = _NudgeTry(looked, synced=synced)
-        done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, attempt))
+        try:
+            done = through_blips(self.session, until, lambda: self._nudge_now(send, until, token, watch, attempt))
+        except BaseException:
+            if sent is not None and attempt.ours is not None:
+                sent(attempt.ours)
+            raise
         for claim in attempt.claims:  # settled: a claim of ours is sent, or was never made
             _UNANSWERED.answered(claim, token)
         if done == Nudge.SENT and sent is not None and attempt.head is not None:
@@ -192,7 +210,12 @@ class HandOff(QueueBase):
                     mine = data == token or _UNANSWERED.ours(claim, data)
                 except NoNodeError:
                     continue
-                return self._send(head, claim, send, until) if mine else Nudge.CLAIMED
+                if not mine:
+                    if attempt.ours == head:
+                        attempt.ours = None  # our try on it made no claim: the one there is another's
+                    return Nudge.CLAIMED
+                attempt.ours = head
+                return self._send(head, claim, send, until, attempt)
             if turn.action == Hand.BUSY:
                 return Nudge.BUSY
             tx = client.transaction()
@@ -201,18 +224,21 @@ class HandOff(QueueBase):
             read = client.get_async(self.node_path(head))
             _UNANSWERED.tried(claim, token)
             attempt.claims.add(claim)
+            attempt.ours = head
             results = reply(tx.commit_async(), until)
             try:
                 payload, _ = reply(read, until)
             except NoNodeError:
+                attempt.ours = None
                 continue  # taken since we listed (so our claim was not made): look again
             if _failed(results):
+                attempt.ours = None
                 if isinstance(results[1], NodeExistsError):
                     return Nudge.CLAIMED
                 continue
-            return self._send(head, claim, send, until, payload)
+            return self._send(head, claim, send, until, attempt, payload)
 
-    def _send(self, head: str, claim: str, send: Send, until: Optional[float],
+    def _send(self, head: str, claim: str, send: Send, until: Optional[float], attempt: _NudgeTry,
               payload: Optional[bytes] = None) -> Nudge:
         if payload is None:
             try:
@@ -222,6 +248,7 @@ class HandOff(QueueBase):
         try:
             send(self.node_path(head), payload)
         except BaseException:
+            attempt.ours = None  # the claim is given back: the next nudge sends the head
             self.session.nodes.delete_later(claim)
             raise
         return Nudge.SENT

@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Tuple
 import pytest
 from kazoo.handlers.threading import KazooTimeoutError
 
-from celery_zklock.recipes import EXCLUSIVE, Lock
+from celery_zklock.recipes import EXCLUSIVE, Lock, park_handoff
 from celery_zklock.recipes.park import (
     UNACKED,
     Nudge,
@@ -22,6 +22,7 @@ from celery_zklock.recipes.park import (
     parked_sequence,
 )
 from celery_zklock.recipes.park_watch import QueueWatch
+from celery_zklock.recipes.rules import sequence
 from celery_zklock.zk import deadline
 from harness import Op, TcpProxy
 from harness.proxy import Fault
@@ -322,6 +323,95 @@ def test_a_watcher_that_cannot_send_steps_aside_for_the_next(new_session, zk_roo
     finally:
         for watch in watches:
             watch.stop()
+
+
+def test_a_watcher_whose_claims_reply_was_lost_sends_the_head_though_another_leads_now(
+        new_session, proxy, zk_root, kazoo, monkeypatch):
+    """The park_publish round under quorum_loss, twice in three CI runs: the leading watcher's
+    claim committed as the servers went, and its nudge gave up before the reply could come. It
+    stepped aside for the next watcher, which read the claim as a sent head in flight, and
+    joined again behind it; a claim of ours is sent only by a nudge of ours, which a follower
+    never makes. Every copy of the key waited for as long as the worker lived. The claim is
+    its maker's to answer for, as a sent head's is: it sends the head again, past resend_after."""
+    queue_path, lock_path = paths(zk_root)
+    holder = Lock(new_session(), lock_path, EXCLUSIVE)
+    assert holder.acquire(timeout=10)
+    cut, other = new_session(hosts=proxy.hosts, session_timeout=20.0), new_session()
+    queues = [ParkedQueue(s, queue_path, lock_path, EXCLUSIVE) for s in (cut, other)]
+    name = queues[0].park("copy-1", b"m1", 10, deadline(10))
+    cut_id = cut.client.client_id[0]
+    failed: List[BaseException] = []
+
+    def nudge(*args: Any, _nudge: Callable[..., Nudge] = queues[0].nudge, **kwargs: Any) -> Nudge:
+        try:
+            return _nudge(*args, **kwargs)
+        except BaseException as exc:
+            failed.append(exc)
+            raise
+
+    queues[0].nudge = nudge  # type: ignore[method-assign]
+    sends = [Sends(), Sends()]
+    watches = [QueueWatch(cut, 1.0, resend_after=1.0), QueueWatch(other, 10, resend_after=1.0)]
+    try:
+        for watch, queue, sent in zip(watches, queues, sends):
+            watch.add(queue, sent)
+            wait_until(lambda w=watch: any(c.startswith("w-" + w.token) for c in kazoo.get_children(queue_path)))
+        held = proxy.hold_reply(Op.MULTI)
+        holder.release()  # the first watcher claims the head; the claim commits, its reply is held
+        held.wait_matched()
+        wait_until(lambda: failed, timeout=10)  # its nudge gave up, its claim's reply unread
+        # The other watcher is another process: what this one's nudges tried is not known there.
+        monkeypatch.setattr(park_handoff, "_UNANSWERED", park_handoff._Unanswered())
+        proxy.reset()  # the reply is lost with the connection; the session lives, and so does the claim
+        # It stepped aside: the other watcher leads now, and reads the claim as a head in flight.
+        wait_until(lambda: min((c for c in children(kazoo, queue_path) if c.startswith("w-")), key=sequence)
+                   .startswith("w-" + watches[1].token), timeout=10)
+        claim = kazoo.get(f"{queue_path}/c-{name}")[1]
+        assert claim.ephemeralOwner == cut_id, "the claim is the cut watcher's"
+        wait_until(lambda: sends[0].seen or sends[1].seen, timeout=10)
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert {sent for sent in sends[0].seen} == {(queues[0].node_path(str(name)), b"m1")} and sends[1].seen == []
+
+
+def test_a_nudge_that_gave_up_on_its_claims_reply_names_its_head_for_its_sender_to_answer_for(
+        new_session, proxy, zk_root, kazoo):
+    """The releaser's side of the same stall (a pool process lets go as the servers go): its
+    nudge gave up with its claim made, and the process joins the queue's watchers behind the
+    first. What the releaser answers for is what ``sent`` names: the head, though it never went;
+    and a sender's resend finds the claim its own, still saying sent, and sends it."""
+    queue_path, lock_path = paths(zk_root)
+    session = new_session(hosts=proxy.hosts, session_timeout=20.0)
+    releaser = ParkedQueue(session, queue_path, lock_path, EXCLUSIVE)
+    name = str(releaser.park("copy-1", b"m1", 10, deadline(10)))
+    sends, heads = Sends(), []
+    held = proxy.hold_reply(Op.MULTI)
+    with pytest.raises(KazooTimeoutError):
+        releaser.nudge(sends, deadline(1), sent=heads.append)
+    held.release()
+    assert held.done.wait(5)
+    assert kazoo.exists(f"{queue_path}/c-{name}") is not None and sends.seen == []
+    assert heads == [name], "a claim of ours, never sent, that nobody answers for"
+    assert releaser.resend(name, sends, deadline(10))
+    assert sends.seen == [(releaser.node_path(name), b"m1")]
+
+
+def test_a_nudge_whose_send_failed_gives_its_claim_back_and_names_no_head(new_session, zk_root, kazoo):
+    """A send that fails (the broker away) gives the claim back at once, for the next nudge:
+    there is nothing left for its sender to answer for."""
+    queue_path, lock_path = paths(zk_root)
+    sender = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    name = str(sender.park("copy-1", b"m1", 10, deadline(10)))
+    heads: List[str] = []
+
+    def broken(node: str, payload: bytes) -> None:
+        raise ConnectionError("the broker is unreachable from this process")
+
+    with pytest.raises(ConnectionError):
+        sender.nudge(broken, deadline(10), sent=heads.append)
+    assert heads == []
+    wait_until(lambda: kazoo.exists(f"{queue_path}/c-{name}") is None, timeout=10)
 
 
 # -- a publisher's park (park_at_publish): guarded ---------------------------------------------
