@@ -79,12 +79,18 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "celery_zklock_rate_slots": (("state",), "Start slots of rate= keys, every window: holding (inside its "
                                  "window), waiting, or orphaned (holding, its owner's session gone: freed a "
                                  "window after a contender sees it)."),
+    "celery_zklock_live_limits": ((), "Keys with a limit or rate stored live (celery zklock limit set), overriding "
+                                      "the code's."),
     "celery_zklock_beat_has_leader": (("beat",), "1 if the beat election has a leader, else 0."),
     "celery_zklock_beat_candidates": (("beat",), "Beats in the election, the leader included."),
     "celery_zklock_beat_tick_overdue_seconds": (("beat",), "Seconds past the tick its leader promised (0: on time)."),
     "celery_zklock_beat_seconds_since_dispatch": (("beat",), "Seconds since the newest run the leader recorded."),
     # Off by default (--per-key), refused under hashed key names: a series per key.
     "celery_zklock_key_holders": (("key", "mode"), "Holders of one key (--per-key)."),
+    "celery_zklock_key_rate_limit": (("key", "window"), "One key's start rate: starts (units) allowed per window, "
+                                                        "the count stored live if any, else the code's (--per-key)."),
+    "celery_zklock_key_rate_used": (("key", "window"), "One key's start slots inside their window, in units "
+                                                       "(--per-key)."),
     "celery_zklock_key_waiters": (("key", "mode"), "Waiters of one key (--per-key)."),
     "celery_zklock_key_longest_hold_seconds": (("key", "mode"), "Age of one key's oldest holder (--per-key)."),
 }
@@ -101,7 +107,8 @@ _PARTS: Dict[str, Tuple[str, ...]] = {
     "parked": ("celery_zklock_parked", "celery_zklock_oldest_parked_seconds", "celery_zklock_parked_stalled_seconds",
                "celery_zklock_parked_stalled_queue_seconds", "celery_zklock_parked_unwatched"),
     "markers": ("celery_zklock_dedupe_markers",),
-    "rates": ("celery_zklock_rate_slots",),
+    "rates": ("celery_zklock_rate_slots", "celery_zklock_live_limits", "celery_zklock_key_rate_limit",
+              "celery_zklock_key_rate_used"),
 }
 
 #: The most parked queues ``celery_zklock_parked_stalled_queue_seconds`` has a series for: a
@@ -209,6 +216,7 @@ class Exporter:
             out["celery_zklock_dedupe_markers"].add_metric([state], snap.markers[state])
         for state in ("holding", "waiting", "orphaned"):
             out["celery_zklock_rate_slots"].add_metric([state], snap.rate_slots[state])
+        out["celery_zklock_live_limits"].add_metric([], snap.live_limits)
         for beat, info in sorted(snap.beats.items()):
             out["celery_zklock_beat_has_leader"].add_metric([beat], 1.0 if info.get("leader") else 0.0)
             out["celery_zklock_beat_candidates"].add_metric([beat], info["candidates"])
@@ -224,6 +232,9 @@ class Exporter:
                 if k.hold:
                     out["celery_zklock_key_longest_hold_seconds"].add_metric([k.label, k.hold[0]],
                                                                              _age(now, [k.hold[1]]))
+            for (key, window), (count, used) in sorted(snap.rate_windows.items()):
+                out["celery_zklock_key_rate_limit"].add_metric([key, window], count)
+                out["celery_zklock_key_rate_used"].add_metric([key, window], used)
         left_out = {name for part in snap.cut | ({"ages"} if "locks" in snap.cut else set())
                     for name in _PARTS.get(part, ())}
         yield from (f for name, f in out.items() if f.samples and name not in left_out)

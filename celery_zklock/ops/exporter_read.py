@@ -17,7 +17,7 @@ from ..recipes.dedupe import STARTED, read_marker
 from ..recipes.live import parse_live
 from ..recipes.park import CLAIM, MEMBER, parked_sequence
 from ..recipes.rate import OWNER, owner
-from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue
+from ..recipes.rules import RULES, Rule, contender, semaphore, sequence, split_queue, units
 from ..zk import Session
 from ..zk.deadlines import reply
 
@@ -104,6 +104,11 @@ class Snapshot:
     #: Start slots of every key's rate windows (``rate=``): holding (inside their window),
     #: waiting, and orphaned (holding, their owner's session gone: freed W after a contender sees it).
     rate_slots: Counter = field(default_factory=Counter)
+    #: Each rate window, (key label, window such as ``1s``) -> (its count in force: stored live,
+    #: else the key's node's; the units its holding slots take).
+    rate_windows: Dict[Tuple[str, str], Tuple[int, int]] = field(default_factory=dict)
+    #: Keys with a count stored live (``celery zklock limit set``), whatever they store.
+    live_limits: int = 0
 
 
 def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
@@ -203,7 +208,8 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
                for n in names]
     answers = iter(budget.round("rates", [call for path, live, _ in windows
                                           for call in (("children", path), ("get", path), ("get", live))]))
-    for _, _, window in windows:
+    snap.live_limits = len(budget.round("rates", [("children", layout.limits_tree)])[0] or [])
+    for name, (_, _, window) in zip(names, windows):
         children, data, live = next(answers) or [], next(answers), next(answers)
         stored = node_object(data[0]).get("rate") if data else None
         count = stored[0] if isinstance(stored, list) and stored and type(stored[0]) is int and stored[0] > 0 else 1
@@ -216,6 +222,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         snap.rate_slots["holding"] += len(holding) - orphaned
         snap.rate_slots["orphaned"] += orphaned
         snap.rate_slots["waiting"] += len(waiting)
+        snap.rate_windows[(_label(name.rpartition("@")[0]), window)] = (count, sum(map(units, holding)))
 
     # Dedupe markers: each one's state needs its own read, so they come last.
     for answer in budget.round("markers", [("get", f"{layout.queued_tree}/{m}") for m in markers]):

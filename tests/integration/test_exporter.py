@@ -62,6 +62,7 @@ def tree(kazoo, zk_root) -> Dict[str, object]:
         kazoo.create(f"{window}/{uid}__sem__", b"{}", sequence=True)
         if alive:
             kazoo.create(f"{window}/o-{uid}", ephemeral=True)
+    kazoo.create(layout.limit("q"), b'{"limit": 3}', makepath=True)  # a limit stored live, on another key
     contender(kazoo, layout.election("leading"), "__lock__", json.dumps({"tick_by": now - 100}).encode())
     for entry, ran in (("e1", now - 30), ("e2", now - 60)):
         kazoo.create(layout.entry("leading", entry), json.dumps({"last_run_at": ran}).encode(), makepath=True)
@@ -78,9 +79,11 @@ def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, k
     assert snap.ok and not snap.cut
     # 6 listings; 2 beats x 2 listings, then the leader and 2 entries; keys: 4 listings in locks,
     # the semaphore's listing and limit, 2 ages each for a, b and s; parked: 1 listing, 1 head, its claim
-    # (in flight); the rates' listing, then the one window's listing, count and stored count; 4 markers.
-    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 3 + 4 + 4
+    # (in flight); the rates' listing, then the one window's listing, count and stored count, and
+    # the listing of the counts stored live; 4 markers.
+    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 3 + 4 + 1 + 4
     assert dict(snap.rate_slots) == {"holding": 1, "orphaned": 1, "waiting": 1}
+    assert snap.rate_windows == {("p", "60s"): (2, 2)} and snap.live_limits == 1
     keys = {k.label: k for k in snap.keys}
     assert set(keys) == {"a", "b", "s"}  # junk and empty keys are no locks
     assert (dict(keys["a"].holders), dict(keys["a"].waiters)) == ({"write": 1}, {"write": 1})
@@ -121,7 +124,9 @@ def test_past_its_budget_a_read_stops_and_leaves_out_what_it_did_not_read_whole(
     assert families(13) == meta | {"celery_zklock_beat_has_leader", "celery_zklock_beat_candidates",
                                    "celery_zklock_beat_tick_overdue_seconds",
                                    "celery_zklock_beat_seconds_since_dispatch"}
-    assert families(30) == set(FAMILIES) - {"celery_zklock_dedupe_markers", "celery_zklock_rate_slots"}
+    assert families(30) == set(FAMILIES) - {"celery_zklock_dedupe_markers", "celery_zklock_rate_slots",
+                                            "celery_zklock_live_limits", "celery_zklock_key_rate_limit",
+                                            "celery_zklock_key_rate_used"}
     assert families(1000) == set(FAMILIES)
 
 
