@@ -17,6 +17,7 @@ from kazoo.exceptions import NoNodeError
 
 from ..exceptions import explain
 from ..layout import node_object
+from ..recipes.engine import sweep_prefix
 from ..recipes.park import PARKED as _PARKED_PREFIX
 from ..recipes.park import (
     SETTLE,
@@ -208,6 +209,11 @@ class ConsumerReads:
             for entry in kept:
                 self._read_again(entry, later=0.0)
 
+    def _stands_for(self, viewer: str) -> bool:
+        """Whether a key in our view stands by ``viewer`` (a viewer node of ours)."""
+        with self._lock:
+            return any(entry.viewer == viewer for entry in self._keys.values())
+
     def _read(self, entry: KeyState) -> None:
         with self._lock:
             entry.asked = False
@@ -246,7 +252,10 @@ class ConsumerReads:
                 entry.viewer = self._queue(session, entry).add_viewer(self.token, until)
             except Exception as exc:  # noqa: BLE001 - publishers publish as usual meanwhile
                 logger.debug("celery-zklock: no viewer for key %r (%s)", entry.key, explain(exc))
-                self._read_again(entry, later=1.0)  # its create may yet commit: that read removes it
+                # Its create may yet commit: removed by a listing sent behind it, not by the next
+                # read of the key, which a blip that drops the key from our view never makes.
+                sweep_prefix(session, entry.queue_path, f"{VIEWER}{self.token}-", keep=self._stands_for)
+                self._read_again(entry, later=1.0)
             else:
                 with self._lock:
                     dropped = self._keys.get(entry.key) is not entry

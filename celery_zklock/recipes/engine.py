@@ -31,7 +31,7 @@ import dataclasses
 import posixpath
 import threading
 import uuid
-from typing import Any, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
 from kazoo.exceptions import ConnectionLoss, NoAuthError, NoNodeError, SessionExpiredError
 
@@ -41,7 +41,7 @@ from ..zk.transport import run_inline
 from .live import LiveSource
 from .rules import Decision, Rule, sequence
 
-__all__ = ["ContenderObserver", "Engine", "Held"]
+__all__ = ["ContenderObserver", "Engine", "Held", "sweep_prefix"]
 
 
 class Held(NamedTuple):
@@ -154,7 +154,7 @@ class Engine:
             self.node = None  # only once the delete is sent: an interruption before it repeats the send
             self._created = False
         elif self._created:
-            _sweep_prefix(self.session, self.path, self._prefix)
+            sweep_prefix(self.session, self.path, self._prefix)
             self._created = False
 
     # -- the loop -----------------------------------------------------------------------
@@ -339,9 +339,11 @@ def _ignore(result: Any) -> None:
     pass
 
 
-def _sweep_prefix(session: Session, parent: str, prefix: str) -> None:
+def sweep_prefix(session: Session, parent: str, prefix: str, keep: Callable[[str], bool] = lambda name: False
+                  ) -> None:
     """Delete our node if a create whose reply we never saw made one (requests run in order,
-    so this read comes after that create)."""
+    so this read comes after that create); a node ``keep`` names, read as the listing comes,
+    stays (one a later create made, standing for something)."""
     if not session.started:
         return
     client = session.client
@@ -350,12 +352,12 @@ def _sweep_prefix(session: Session, parent: str, prefix: str) -> None:
         try:
             children = result.get_nowait()
         except ConnectionLoss:
-            _sweep_prefix(session, parent, prefix)
+            sweep_prefix(session, parent, prefix, keep)
             return
         except Exception:
             return
         for child in children:
-            if child.startswith(prefix):
+            if child.startswith(prefix) and not keep(child):
                 session.nodes.delete_later(f"{parent}/{child}")
 
     try:

@@ -59,7 +59,7 @@ from ..layout import node_object
 from ..zk import Session, remaining, reply
 from ..zk.background import RUNNER
 from ..zk.nodes import refused
-from .engine import ContenderObserver, Engine, _sweep_prefix
+from .engine import ContenderObserver, Engine, sweep_prefix
 from .live import LiveSource
 from .lock import Lock
 from .rules import Decision, Rule, semaphore, split_queue, units_tag
@@ -380,7 +380,7 @@ class _RateEngine(Engine):
             # A slot we made in an ended session is an orphan now: it never started (a slot
             # starts only after the engine returns), so it goes at once, and we queue afresh
             # under a new uuid: adopting it would start on a slot others count as dead.
-            _sweep_prefix(self.session, self.path, self._prefix)
+            sweep_prefix(self.session, self.path, self._prefix)
             self.node, self._created = None, False
             self._prefix = uuid.uuid4().hex + self.tag + self.rule.node_name
         return super()._enter(until)

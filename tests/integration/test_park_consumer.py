@@ -7,6 +7,7 @@ import collections
 import json
 import os
 import signal
+import threading
 
 import pytest
 import redis
@@ -417,3 +418,41 @@ def test_a_viewer_whose_create_answered_late_is_not_left_in_the_queue(workers, q
         assert first.get(timeout=30) == 0
         # Free, and nothing parked: the consumer drops its viewer, whatever answered when.
         wait_until(lambda: not viewers(), timeout=10)
+
+
+def test_a_viewer_whose_create_answered_after_a_blip_dropped_its_key_is_not_left(app, kazoo, zk_server, new_session):
+    # The consumer makes a viewer (publishers may park behind the held key); its create commits,
+    # but its answer comes after the consumer's 2 s, and meanwhile a blip drops the key from the
+    # consumer's view. Before, the next read of the key was to remove the node, and a key out of
+    # view is never read: the node stood for a watcher for the worker's session's life (two
+    # park_publish rounds of test_dedupe_under_an_ensemble_fault left one).
+    from celery_zklock.glue.api import layout_of, settings_of
+    from celery_zklock.glue.park_consumer_reads import ConsumerReads
+    from celery_zklock.glue.park_consumer_state import KeyState
+    from celery_zklock.recipes.lock import EXCLUSIVE, Lock
+    from celery_zklock.zk import Liveness, session_for
+
+    with TcpProxy(zk_server.port) as proxy:
+        app.conf.zklock_hosts = proxy.hosts
+        session_for(settings_of(app))  # the process's session, started as a worker's is
+        reads = ConsumerReads(app)
+        layout = layout_of(app)
+        lock_path, queue_path = layout.lock("strayview"), layout.parked("strayview")
+        holder = Lock(new_session(), lock_path, EXCLUSIVE)
+        assert holder.acquire(timeout=5)  # held: publishers may park behind it, so a viewer is made
+        entry = KeyState("strayview", queue_path, lock_path, EXCLUSIVE, "exclusive", reads)
+        entry.publishers = True
+        with reads._lock:
+            reads._keys["strayview"] = entry
+        assert reads.session() is not None
+        late = proxy.delay_reply(Op.CREATE2, 3.0)  # the viewer's create, answered past 2 s
+        reading = threading.Thread(target=reads._read, args=(entry,))
+        reading.start()
+        late.wait_matched(10)
+        reads.on_session_state(Liveness.IN_DOUBT)  # the blip: a key with no copy in hand leaves the view
+        reading.join(10)
+        try:
+            wait_until(lambda: not [c for c in children(kazoo, queue_path) if c.startswith("v-")], timeout=10)
+        finally:
+            reads.stop()
+            holder.release()
