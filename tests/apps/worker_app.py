@@ -256,6 +256,18 @@ def rated_faster(key: str, seconds: float) -> str:
 
 
 @app.task
+@zk_locked(key=["tenant:{tenant}", "partner:{partner}"], limit=1, on_contention=Wait(timeout=120))
+def tenant_call(tenant: str, partner: str, seconds: float) -> str:
+    """A tenant's own cap and a partner's total on one task: each key its own limit, stored live."""
+    start = time.monotonic()
+    hold_plain(seconds)
+    end = time.monotonic()
+    for held in current_locks():
+        note_body(held, held.key, start, end)
+    return tenant
+
+
+@app.task
 @zk_locked(key="rate-units:{key}", rate=(4, 1.0), units=lambda key, units, seconds: units,
            on_contention=Wait(timeout=120))
 def rated_by_units(key: str, units: int, seconds: float) -> str:

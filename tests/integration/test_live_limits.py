@@ -18,9 +18,10 @@ from celery_zklock.layout import Layout
 from celery_zklock.recipes.live import Live, LiveSource, encode_live, parse_live
 from celery_zklock.recipes.lock import Lock, semaphore
 from celery_zklock.recipes.rate import Rate, RateSlot
+from celery_zklock.testing import max_concurrency
 from harness import TcpProxy
 from tests.apps import worker_app
-from tests.util import events, send, wait_until
+from tests.util import events, holds, send, wait_until
 
 
 def store(kazoo, zk_root: str, key: str, live: Live) -> None:
@@ -285,3 +286,22 @@ def test_a_rate_raised_then_lowered_mid_burst_bounds_each_window_by_the_count_in
     raised, lowered = changes[1][0], changes[2][0]
     assert any(counted(i) > 3 for i, t in enumerate(starts) if raised <= t < lowered), "6/s was never used"
     assert all(counted(i) <= 2 for i, t in enumerate(starts) if t >= lowered + 1.0), "2/s did not hold"
+
+
+@pytest.mark.slow
+def test_several_keys_each_with_its_own_limit_stored_live_on_one_task(workers, queue, redis_server, kazoo, zk_root):
+    # A tenant's own cap and a partner's total: one task locks both keys (in one global order, so
+    # no deadlock), and each key counts against the limit stored for it.
+    for key, limit in (("tenant:a", 2), ("tenant:b", 2), ("partner:p", 3)):
+        store(kazoo, zk_root, key, Live(limit, {}))
+    workers("w1", concurrency=4)
+    workers("w2", concurrency=4)
+    results = [send(worker_app.tenant_call, queue, "ab"[i % 2], "p", 0.3) for i in range(16)]
+    assert sorted(r.get(timeout=120) for r in results) == sorted("ab" * 8)
+    history = holds(redis_server.url)
+    assert len(history) == 32  # each copy held both keys
+    most = {key: max_concurrency(history, key) for key in ("tenant:a", "tenant:b", "partner:p")}
+    # Within each key's own limit; and the stored limits, not the code's 1, are what admit: the
+    # partner's total is reached (the tenants' caps allow 4 together), and a tenant's cap too.
+    assert most["tenant:a"] <= 2 and most["tenant:b"] <= 2 and most["partner:p"] == 3, most
+    assert max(most["tenant:a"], most["tenant:b"]) == 2, most
