@@ -28,7 +28,7 @@ from ..exceptions import ConfigurationError, ZooKeeperUnavailable, explain
 from ..layout import LOCK_TREES, Layout, check_key
 from ..recipes.live import LiveSource
 from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
-from ..recipes.rate import Rate, RateSlot, RateValue, parse_rate
+from ..recipes.rate import Rate, RateSlot, RateValue, check_units, parse_rate
 from ..zk import Session, deadline, remaining, session_for, through_blips, timeouts
 from ..zk.nodes import unreadable
 
@@ -146,7 +146,7 @@ def lock(
     *,
     limit: Optional[int] = None,
     rate: Optional[RateValue] = None,
-    units: int = 1,
+    units: Optional[int] = None,
     session: Optional[Session] = None,
     on_state: Optional[Callable[[Lock, str], None]] = None,
     **holder: Any,
@@ -171,15 +171,18 @@ def lock(
             raise ConfigurationError(f"lock(): {name!r} is an option of locked tasks (@zk_locked), not of lock()")
         if name in _SET_BY_THE_LOCK:
             raise ConfigurationError(f"lock(): {name!r} is set in the holder's node data by the lock itself")
+        if name == "blocking":
+            raise ConfigurationError("lock(): blocking is an argument of acquire(), not of lock(): "
+                                     "lock(app, key).acquire(blocking=False)")
         hint = _option_hint(name)
         if hint:
             raise ConfigurationError(f"lock(): unknown option {name!r}{hint} (other keyword arguments go into "
                                      "the holder's node data, but not one named like an option)")
     if rate is not None:
         return _rate_slot(app, key, mode, limit, rate, units, timeout, session, on_state, holder)
-    if units != 1:
-        raise ConfigurationError(f"lock(): units={units!r} weighs the starts of rate=, and this lock has no rate=; "
-                                 "give rate= too, or drop units=")
+    if units is not None:
+        raise ConfigurationError(f"lock(): units={units!r}: units= weighs the starts of rate=, and this lock has no "
+                                 "rate=; give rate= too, or drop units=")
     rule = rule_for(mode, limit)
     check_timeout(timeout)
     layout = layout_of(app)
@@ -221,7 +224,7 @@ def rate_slot(app: Any, key: str, rate: Rate, timeout: Optional[float] = None, s
                     live=LiveSource(layout.limit(key), rate.window))
 
 
-def _rate_slot(app: Any, key: str, mode: LockMode, limit: Optional[int], rate: RateValue, units: int,
+def _rate_slot(app: Any, key: str, mode: LockMode, limit: Optional[int], rate: RateValue, units: Optional[int],
                timeout: Optional[float],
                session: Optional[Session], on_state: Optional[Callable[[Lock, str], None]],
                holder: Dict[str, Any]) -> RateSlot:
@@ -237,7 +240,8 @@ def _rate_slot(app: Any, key: str, mode: LockMode, limit: Optional[int], rate: R
         raise ConfigurationError(f"lock(): rate={rate!r} has {len(windows)} windows; lock() takes one: take one "
                                  "lock() per window, longest first")
     check_timeout(timeout)
-    if isinstance(units, bool) or not isinstance(units, int) or not 1 <= units <= windows[0].count:
-        raise ConfigurationError(f"lock(): units={units!r} must be an int from 1 to the rate's count "
-                                 f"({windows[0].count})")
-    return rate_slot(app, key, windows[0], timeout, session, on_state, units, **holder)
+    try:
+        weight = 1 if units is None else check_units(units, windows, f"units={units!r}")
+    except ValueError as exc:
+        raise ConfigurationError(f"lock(): {exc}") from None
+    return rate_slot(app, key, windows[0], timeout, session, on_state, weight, **holder)

@@ -47,7 +47,7 @@ from ..conf import (
 )
 from ..exceptions import ConfigurationError
 from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
-from ..recipes.rate import Rate, RateValue, parse_rate
+from ..recipes.rate import Rate, RateValue, check_units, parse_rate
 from .api import metrics_of, rule_for, settings_of, task_defaults
 from .policies import DEFAULT, Contention, Dedupe, FromSettings, Park, Preempt, contention_policy, dedupe_policy
 
@@ -170,7 +170,7 @@ class LockSpec:
             found.append(f"{where}: units= weighs the starts of rate=, and this task has no rate=; give rate= too, "
                          "or drop units=")
         elif not callable(units):
-            checked(lambda: _checked_units(units, rates, f"units={units!r}"), 1)
+            checked(lambda: check_units(units, rates, f"units={units!r}"), 1)
         if isinstance(policy, Contention):
             refused_here = _rate_refusal(policy, rates, limit)
             if refused_here:
@@ -253,7 +253,7 @@ class LockSpec:
             value = _per_call(self.units, "units", task_name, args, kwargs, bound)
             what = f"units callable {_fn_name(self.units)} returned {value!r}"
         try:
-            return _checked_units(value, rates, what)
+            return check_units(value, rates, what)
         except ValueError as exc:
             raise ConfigurationError(f"task {task_name}: {exc}") from None
 
@@ -289,26 +289,6 @@ def _per_call(fn: Callable[..., Any], option: str, task_name: str, args: Sequenc
     except Exception as exc:  # noqa: BLE001 - said with the task and the option, then raised
         raise ConfigurationError(f"task {task_name}: {option} callable {_fn_name(fn)} raised "
                                  f"{type(exc).__name__}: {exc}") from exc
-
-
-def _checked_units(value: Any, rates: Any, what: str) -> int:
-    """``value`` as ``units``: a positive int no larger than any window's count (a rate given as
-    a callable is checked per call); ValueError after ``what`` (how the message names it).
-
-    >>> _checked_units(3, (Rate(5, 1.0),), "units=3")
-    3
-    >>> _checked_units(6, (Rate(5, 1.0), Rate(100, 60.0)), "units=6")
-    Traceback (most recent call last):
-    ...
-    ValueError: units=6: more than the rate's count of 5 per 1s, so such a start could never start
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what}: not a positive int")
-    for rate in rates if isinstance(rates, tuple) else ():
-        if value > rate.count:
-            raise ValueError(f"{what}: more than the rate's count of {rate.count} per {rate.window:g}s, so such a "
-                             "start could never start")
-    return value
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:

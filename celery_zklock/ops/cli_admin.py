@@ -185,7 +185,8 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
 def exporter_command(ctx: click.Context, port: int, address: Optional[str], interval: float, max_reads: int,
                      per_key: bool) -> None:
     """Serve ZooKeeper's state as Prometheus gauges: holders, waiters, oldest ages, parked
-    copies, dedupe markers, the beat election. One per app; it only reads."""
+    copies, dedupe markers, rate slots and counts stored live, the beat election. One per app;
+    it only reads."""
     app = ctx.obj.app
     layout = layout_of(app)
     if per_key and layout.secret is not None:

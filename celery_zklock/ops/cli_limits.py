@@ -20,6 +20,7 @@ from ..glue.api import layout_of
 from ..layout import check_key, decode_key
 from ..recipes.live import NONE, Live, encode_live, parse_live
 from ..recipes.rate import parse_rate
+from ..recipes.rules import units
 from ..zk import Session
 from .cli_admin import _connect
 
@@ -129,6 +130,16 @@ def _warn_unused(session: Session, app: Any, key: str, count: Optional[int], win
     if unused:
         click.echo(f"note: no contender of {key!r} uses {' or '.join(unused)} now (none since its node was last "
                    "removed, or none ever: check the key and its tasks' windows); stored all the same", err=True)
+    for window, n in sorted(windows.items()):
+        try:
+            largest = max((units(c) for c in session.client.get_children(layout.rate(key, window)) if "__sem__" in c),
+                          default=0)
+        except NoNodeError:
+            continue
+        if largest > n:
+            click.echo(f"warning: a start of {key!r} queued now takes {largest} units of the {window:g}s window, more "
+                       f"than {n}: it and every start behind it wait until the count is raised again, or until their "
+                       "policy's timeout", err=True)
 
 
 @limit.command(name="show")

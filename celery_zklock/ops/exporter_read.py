@@ -208,7 +208,12 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
                for n in names]
     answers = iter(budget.round("rates", [call for path, live, _ in windows
                                           for call in (("children", path), ("get", path), ("get", live))]))
-    snap.live_limits = len(budget.round("rates", [("children", layout.limits_tree)])[0] or [])
+    # A key cleared keeps its node (its largest count, for the slots it admitted): counted only
+    # while it stores a count.
+    stored_keys = budget.round("rates", [("children", layout.limits_tree)])[0] or []
+    snap.live_limits = sum(1 for got in budget.round("rates", [("get", f"{layout.limits_tree}/{n}")
+                                                               for n in stored_keys])
+                           if got is not None and _stores_counts(got[0]))
     for name, (_, _, window) in zip(names, windows):
         children, data, live = next(answers) or [], next(answers), next(answers)
         stored = node_object(data[0]).get("rate") if data else None
@@ -222,7 +227,8 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         snap.rate_slots["holding"] += len(holding) - orphaned
         snap.rate_slots["orphaned"] += orphaned
         snap.rate_slots["waiting"] += len(waiting)
-        snap.rate_windows[(_label(name.rpartition("@")[0]), window)] = (count, sum(map(units, holding)))
+        snap.rate_windows[(_label(name.rpartition("@")[0]), window)] = (
+            count, sum(units(slot) for slot in holding if owner(slot) in marks))  # orphans: in rate_slots
 
     # Dedupe markers: each one's state needs its own read, so they come last.
     for answer in budget.round("markers", [("get", f"{layout.queued_tree}/{m}") for m in markers]):
@@ -236,6 +242,13 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
 def _mode(node: str) -> str:
     """A contender node's mode, from its name: write (exclusive locks too), read or semaphore."""
     return RULES[contender(node)[0]].name  # type: ignore[index]
+
+
+def _stores_counts(data: bytes) -> bool:
+    """Whether a key's live node stores a count (not only a cleared key's largest one)."""
+    with contextlib.suppress(ValueError):
+        return bool(parse_live(data).counts)
+    return False
 
 
 def _label(name: str) -> str:

@@ -50,7 +50,8 @@ def lock_lines(rows: List[Dict[str, Any]], waiters: bool = False, task: Optional
         # str() everywhere: node data may hold anything.
         holder = who.get("where") or (f"{who.get('host')}/{who.get('pid')}" if who.get("host") is not None
                                       or who.get("pid") else "-")
-        return (f"  {cell(key, 28)} {str(who.get('mode', '-')):<9} {held:>5} {cell(holder, 22)} "
+        mode = str(who.get("mode", "-")) + (f" x{who['units']}" if who.get("units", 1) != 1 else "")  # weighted
+        return (f"  {cell(key, 28)} {cell(mode, 9)} {held:>5} {cell(holder, 22)} "
                 f"{cell(who.get('worker') or '-', 20)} {cell(who.get('task') or '-', 28)} "
                 f"{str(who.get('task_id') or '-'):<36} {age:>7} {waiting:>7} {parked:>6}  {who.get('token', '-')}")
 

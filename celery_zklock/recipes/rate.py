@@ -64,7 +64,8 @@ from .live import LiveSource
 from .lock import Lock
 from .rules import Decision, Rule, semaphore, split_queue, units_tag
 
-__all__ = ["DRIFT", "OWNER", "OrphanTurn", "Rate", "RateSlot", "RateValue", "orphan_turn", "owner", "parse_rate"]
+__all__ = ["DRIFT", "OWNER", "OrphanTurn", "Rate", "RateSlot", "RateValue", "check_units", "orphan_turn", "owner",
+           "parse_rate"]
 
 #: How much faster than real time a machine's monotonic clock may run (NTP slews a clock by at
 #: most 500 ppm): every wait of W here is W times (1 + DRIFT), so no observer with a true clock
@@ -159,6 +160,26 @@ def _one(value: Any, whole: Any) -> Rate:
     if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window < float("inf"):
         raise ValueError(f"rate {whole!r}: the window must be a positive number of seconds, not {window!r}")
     return Rate(count, float(window))
+
+
+def check_units(value: Any, rates: Any, what: str) -> int:
+    """``value`` as ``units``: a positive int no larger than any window's count (a rate given as
+    a callable is checked per call); ValueError after ``what`` (how the message names it).
+
+    >>> check_units(3, (Rate(5, 1.0),), "units=3")
+    3
+    >>> check_units(6, (Rate(5, 1.0), Rate(100, 60.0)), "units=6")
+    Traceback (most recent call last):
+    ...
+    ValueError: units=6: more than the rate's count of 5 per 1s, so such a start could never start
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}: not a positive int")
+    for rate in rates if isinstance(rates, tuple) else ():
+        if value > rate.count:
+            raise ValueError(f"{what}: more than the rate's count of {rate.count} per {rate.window:g}s, so such a "
+                             "start could never start")
+    return value
 
 
 class OrphanTurn(NamedTuple):
@@ -384,16 +405,6 @@ class _RateEngine(Engine):
             self.node, self._created = None, False
             self._prefix = uuid.uuid4().hex + self.tag + self.rule.node_name
         return super()._enter(until)
-
-    def _rule_now(self, until: Optional[float]) -> Rule:
-        rule = super()._rule_now(until)
-        if self.units > rule.leases:
-            # It would wait for ever: no window of this count ever has room for it.
-            key = self.label or self.path
-            raise ConfigurationError(f"rate key {key!r} ({self.path}) has {rule.leases} units per "
-                                     f"{self.rate.window:g}s, this start takes units={self.units}: it can never "
-                                     "start (a count stored live is lower than the code's?)")
-        return rule
 
     def _cleared(self, children: List[str], until: Optional[float]) -> bool:
         self._looked = children  # what _watch compares its watched read with

@@ -233,18 +233,25 @@ def test_a_count_stored_for_a_deploy_then_cleared_leaves_the_new_count_unrefused
     assert json.loads(kazoo.get(path)[0]) == {"rate": [2, 2.0]}
 
 
-def test_a_count_stored_below_a_starts_units_refuses_it_naming_the_key(new_session, zk_root, kazoo):
-    # A weighted start (units=3) fits the code's count of 4, not a count of 2 stored live: it
-    # would wait for ever. It is refused, naming the key, and leaves no slot behind.
+def test_a_count_stored_below_a_starts_units_makes_it_wait_until_it_is_raised(new_session, zk_root, kazoo):
+    # A weighted start (units=3) fits the code's count of 4, not a count of 2 stored live. It
+    # waits (its policy's timeout bounds it), and starts as soon as the count is raised again.
+    # Before, it failed at once with a ConfigurationError: a new user's live throttle of a
+    # partner failed every queued weighted start, consumed and not retried.
     layout = Layout(zk_root)
     path = layout.rate("partner:heavy", 1.0)
     store(kazoo, zk_root, "partner:heavy", Live(None, {1.0: 2}))
-    slot = RateSlot(new_session(), path, Rate(4, 1.0), units=3, live=LiveSource(layout.limit("partner:heavy"), 1.0),
-                    label="partner:heavy")
-    with pytest.raises(celery_zklock.ConfigurationError, match=r"rate key 'partner:heavy' .* has 2 units per 1s, "
-                                                                 r"this start takes units=3: it can never start"):
-        slot.acquire(timeout=5)
-    wait_until(lambda: not [c for c in kazoo.get_children(path) if "__sem__" in c], timeout=5)
+    slot = RateSlot(new_session(), path, Rate(4, 1.0), units=3, live=LiveSource(layout.limit("partner:heavy"), 1.0))
+    assert not slot.acquire(timeout=1.0)
+    got: List[float] = []
+    waiter = threading.Thread(target=lambda: slot.acquire(timeout=20) and got.append(time.monotonic()))
+    waiter.start()
+    wait_until(lambda: slot.state == "waiting")
+    raised = time.monotonic()
+    store(kazoo, zk_root, "partner:heavy", Live(None, {1.0: 3}))
+    waiter.join(20)
+    assert got and got[0] - raised < 1.0
+    slot.release()
 
 
 @pytest.mark.slow

@@ -182,6 +182,12 @@ def test_a_contender_asking_another_count_for_the_same_window_is_refused(app, ne
     ({"rate": (1, -1.0)}, "the window must be a positive number"),
     ({"rate": "1/s", "limit": 2}, "cannot be combined with limit=2"),
     ({"rate": ["1/s", "10/m"]}, "lock() takes one"),
+    # units=, as @zk_locked says it (the new-user trial: lock() took units=1 with no rate, and
+    # worded the same mistakes otherwise); and blocking=, which is acquire()'s.
+    ({"units": 1}, "lock(): units=1: units= weighs the starts of rate=, and this lock has no rate="),
+    ({"rate": "3/s", "units": 4}, "lock(): units=4: more than the rate's count of 3 per 1s"),
+    ({"rate": "3/s", "units": 0}, "lock(): units=0: not a positive int"),
+    ({"blocking": False}, "lock(): blocking is an argument of acquire(), not of lock()"),
 ])
 def test_lock_refuses_a_bad_rate_naming_it(app, options, message):
     with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
