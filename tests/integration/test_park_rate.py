@@ -5,6 +5,7 @@ killed inside its window) is freed by the queue's watcher, not left to stall the
 
 from __future__ import annotations
 
+import os
 import time
 from typing import List
 
@@ -13,6 +14,7 @@ import pytest
 from celery_zklock.recipes.rate import Rate
 from celery_zklock.testing import rate_violations
 from tests.apps import worker_app
+from tests.integration.test_cli import cli
 from tests.integration.test_park import consume, unrelated_ran
 from tests.util import children, events, send, wait_until
 
@@ -59,7 +61,7 @@ def test_a_burst_parks_without_pool_slots_and_starts_at_most_n_in_any_window(wor
 
 
 def test_a_holder_killed_inside_its_window_leaves_an_orphan_that_the_queue_frees(workers, queue, redis_server,
-                                                                                 kazoo, zk_root):
+                                                                                 kazoo, zk_root, env):
     # One start per 3 s. b runs the first copy and parks the rest; then b is SIGKILLed inside the
     # window. Its slot is an orphan (its mark goes with b's session, 4 s here), and no contender
     # is left to free it: every copy is parked. The queue's watcher (a, which adopts the queue
@@ -73,6 +75,11 @@ def test_a_holder_killed_inside_its_window_leaves_an_orphan_that_the_queue_frees
     rest = [send(worker_app.rated_parking_slowly, queue, "kill", 0.05, i) for i in range(1, 4)]
     path = rate_queue(zk_root, "rate-park-slow:kill", rate.window)
     wait_until(lambda: len(parked_left(kazoo, path)) == 3, timeout=30)
+    # `celery zklock locks` lists the window's parked copies on its row, beside its holder.
+    listed = cli({**os.environ, **env, "COLUMNS": "300"}, "locks", "--key", "rate-park-slow:*")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line for line in listed.stdout.splitlines() if "rate-park-slow:kill per 3s" in line]
+    assert len(rows) == 1 and " 1/1 " in rows[0] and rows[0].split()[-2] == "3", listed.stdout
     consume("a", queue)  # a can run them, and never saw them park
     b.crash()
     killed = time.monotonic()
