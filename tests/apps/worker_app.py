@@ -411,27 +411,27 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         (hold_on_socket if gated else hold)(seconds, key)
         return seq
 
-    @app.task(bind=True, shared=False)
-    @zk_locked(key="rate-park:{key}", rate=(3, 1.0), on_contention="park")
-    def rated_parking(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
-        """Three starts a second per key; a copy that finds no start slot parks (no pool slot)."""
+    def _rated_start(task: Any, key: str, seconds: float, seq: int, gated: bool) -> int:
+        """A rated copy's start (its slot's begin()), then a body of ``seconds`` (``gated``: until
+        the test pushes to ``nobody-pushes:<its task id>``, at most ``seconds``)."""
         note("start", key=key, seq=seq, mode=current_lock().mode, began=current_lock().began)
         if gated:
-            history().blpop(f"nobody-pushes:{self.request.id}", timeout=seconds)
+            history().blpop(f"nobody-pushes:{task.request.id}", timeout=seconds)
         else:
             hold_plain(seconds)
         return seq
 
     @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park:{key}", rate=(3, 1.0), on_contention="park")
+    def rated_parking(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """Three starts a second per key; a copy that finds no start slot parks (no pool slot)."""
+        return _rated_start(self, key, seconds, seq, gated)
+
+    @app.task(bind=True, shared=False)
     @zk_locked(key="rate-park-slow:{key}", rate=(1, 3.0), on_contention="park")
     def rated_parking_slowly(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
         """One start per 3 s per key, parked while none is free: a holder killed inside its window."""
-        note("start", key=key, seq=seq, mode=current_lock().mode, began=current_lock().began)
-        if gated:
-            history().blpop(f"nobody-pushes:{self.request.id}", timeout=seconds)
-        else:
-            hold_plain(seconds)
-        return seq
+        return _rated_start(self, key, seconds, seq, gated)
 
     @app.task(shared=False)
     @zk_locked(key="park:{key}", on_contention=Park(limit=2))
