@@ -346,7 +346,7 @@ def _rate_refusal(policy: Contention, rate: Any, limit: Any, units: Any = 1, alo
 
     >>> _rate_refusal(Park(), (Rate(3, 1.0),), None) is None
     True
-    >>> _rate_refusal(Park(), (Rate(3, 1.0), Rate(100, 60.0)), None)[:62]
+    >>> _rate_refusal(Park(), (Rate(3, 1.0), Rate(100, 60.0)), None)[:61]
     'rate= of 2 windows with on_contention=Park() is not built yet'
     """
     if rate and isinstance(policy, Preempt):
