@@ -428,6 +428,12 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         return _rated_start(self, key, seconds, seq, gated)
 
     @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-pub:{key}", rate=(1, 2.0), on_contention=Park(at_publish=True))
+    def rated_parking_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """One start per 2 s per key; its publishers park a copy themselves where a worker watches the window."""
+        return _rated_start(self, key, seconds, seq, gated)
+
+    @app.task(bind=True, shared=False)
     @zk_locked(key="rate-park-slow:{key}", rate=(1, 3.0), on_contention="park")
     def rated_parking_slowly(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
         """One start per 3 s per key, parked while none is free: a holder killed inside its window."""
@@ -505,6 +511,7 @@ def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: 
     # Every delivery of a parking copy as it ends, with its outcome: a second send drops itself (IGNORED).
     if sender is not None and sender.name in ("tests.apps.worker_app.parking",
                                               "tests.apps.worker_app.parking_at_publish",
+                                              "tests.apps.worker_app.rated_parking_at_publish",
                                               "tests.apps.worker_app.parking_tracked",
                                               "tests.apps.worker_app.parking_late",
                                               "tests.apps.worker_app.parking_acked",

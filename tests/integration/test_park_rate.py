@@ -5,11 +5,13 @@ killed inside its window) is freed by the queue's watcher, not left to stall the
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from typing import List
 
 import pytest
+import redis
 
 from celery_zklock.recipes.rate import Rate
 from celery_zklock.testing import rate_violations
@@ -93,4 +95,33 @@ def test_a_holder_killed_inside_its_window_leaves_an_orphan_that_the_queue_frees
     assert next_start - killed < 4 + 1 + rate.window + 3, f"the next copy started {next_start - killed:.2f}s after"
     assert next_start - killed >= rate.window, "the orphan was freed before its window could have passed"
     assert a.log_text()  # a ran them: its log is there for a failure's report
+    wait_until(lambda: parked_left(kazoo, path) == [], timeout=10)
+
+
+def test_a_publisher_parks_a_rated_copy_behind_a_full_window(workers, queue, redis_server, kazoo, zk_root):
+    # Park(at_publish=True): where a worker watches the window's queue, a publisher whose key has
+    # no start slot free parks the copy itself; each copy then reaches a worker once, to run.
+    # The pool path (zklock_park_in_consumer off): a copy a worker parks is delivered twice (parked, then run).
+    rate = Rate(1, 2.0)
+    workers("w1", concurrency=2, ZKT_PARK_IN_CONSUMER="0")
+    path = rate_queue(zk_root, "rate-park-pub:pub", rate.window)
+    first = send(worker_app.rated_parking_at_publish, queue, "pub", 60.0, 0, True)
+    wait_until(lambda: any(e["task_id"] == first.id for e in starts_of(redis_server.url)), timeout=30)
+    second = send(worker_app.rated_parking_at_publish, queue, "pub", 0.05, 1)
+    wait_until(lambda: kazoo.exists(path) and any(n.startswith("w-") for n in children(kazoo, path)), timeout=30)
+    rest = [send(worker_app.rated_parking_at_publish, queue, "pub", 0.05, i) for i in range(2, 5)]
+    assert len(parked_left(kazoo, path)) == 4, "each publish parked its copy before it returned"
+    redis.Redis.from_url(redis_server.url).rpush(f"nobody-pushes:{first.id}", "go")
+    keyed = [first, second, *rest]
+    assert [r.get(timeout=60) for r in keyed] == list(range(5))
+    wait_until(lambda: {e["task_id"] for e in events(redis_server.url) if e["event"] == "delivered"}
+               >= {r.id for r in keyed}, timeout=10)
+    history = events(redis_server.url)
+    deliveries = collections.Counter(e["task_id"] for e in history if e["event"] == "delivered")
+    assert deliveries[second.id] == 2, "the worker parked it, then ran it"
+    assert [deliveries[r.id] for r in rest] == [1, 1, 1], "a copy parked as it was published reached a worker to run"
+    starts = [e for e in history if e["event"] == "start"]
+    assert [e["task_id"] for e in sorted(starts, key=lambda e: e["began"])] == [r.id for r in keyed], \
+        "each copy once, in publish order"
+    assert rate_violations([e["began"] for e in starts], rate.count, rate.window) == []
     wait_until(lambda: parked_left(kazoo, path) == [], timeout=10)
