@@ -9,6 +9,7 @@
     <zklock_root>/queued/<encoded task name and key>                  enqueue-time dedupe markers
     <zklock_root>/publish-order                                       each write's zxid orders a preempt publish
     <zklock_root>/parked/locks|semaphores/<encoded key>/p-<hash>-<seq>  parked copies (on_contention="park")
+    <zklock_root>/parked/rates/<encoded key>@<window>s/p-<hash>-<seq>   parked copies of a rate= key (one window)
     <zklock_root>/rates/<encoded key>@<window>s/<uuid>__sem__<seq>    start slots (rate=; persistent), and
     <zklock_root>/rates/<encoded key>@<window>s/o-<uuid>              each slot's owner, alive (ephemeral)
     <zklock_root>/limits/<encoded key>                                a key's limits changed live (persistent)
@@ -215,6 +216,17 @@ class Layout:
             '/r/parked/locks/k-acct:7'
         """
         return f"{self.root}/{PARKED}/{LOCK_TREES[1] if semaphore else LOCK_TREES[0]}/{self.name(key)}"
+
+    def parked_rate(self, key: str, window: float) -> str:
+        """The queue a key's parked copies wait in for a start slot of one window of its rate
+        (``rate=`` with ``on_contention=Park()``): ``parked/`` plus the window's path.
+
+            >>> Layout("/r").parked_rate("partner:x", 1.0)
+            '/r/parked/rates/k-partner:x@1s'
+            >>> Layout("/r").lock_of_parked(Layout("/r").parked_rate("partner:x", 1.0))
+            '/r/rates/k-partner:x@1s'
+        """
+        return f"{self.root}/{PARKED}/{RATES}/{self.name(key)}@{window:g}s"
 
     def lock_of_parked(self, parked: str) -> str:
         """The lock a parked queue's copies wait for (the inverse of :meth:`parked`).

@@ -47,7 +47,6 @@ from .park_message import (
     PARK_HEADER,
     SENT_HEADER,
     _ignores_result,
-    _queue_path,
     _sent_nonce,
     _watch,
     abandon_received,
@@ -56,6 +55,7 @@ from .park_message import (
     leave_queue,
     message_of,
     parked_header,
+    queue_of_lock,
     send,
 )
 
@@ -124,7 +124,7 @@ class Parking:
         self.where = f"task {task.name}[{self.request.id}]"
         self.label = lock.label
         self.lock = lock
-        self.queue = ParkedQueue(session, _queue_path(task.app, lock), lock.path, lock.rule)
+        self.queue = queue_of_lock(session, task.app, lock)
         header = parked_header(self.request)
         #: This copy held the key (and must hand it on as it lets go): run_locked's second net reads it.
         self.took = False

@@ -32,6 +32,7 @@ from celery.worker.request import Request
 
 from ..exceptions import explain
 from ..recipes.park import delivery_token
+from ..recipes.rules import semaphore
 from .api import lock_path, rule_for, task_defaults
 from .options import spec_of
 from .park_consumer_parks import ConsumerParks
@@ -136,11 +137,20 @@ class _ConsumerParking(ConsumerParks):
             if entry is not None:
                 self._keys.move_to_end(key)
                 return entry
-            semaphore = spec.limit is not None
-            rule = rule_for(spec.mode, spec.limit)
-            entry = self._keys[key] = KeyState(key, self.layout.parked(key, semaphore),
-                                           lock_path(self.app, key, spec.limit), rule,
-                                           rule.name if semaphore else spec.mode, self)
+            rate = spec.parked_rate
+            if rate is not None:
+                # A start rate: its copies wait for a slot of its window, which counts every slot
+                # there, a released one too until its window passes.
+                entry = self._keys[key] = KeyState(key, self.layout.parked_rate(key, rate.window),
+                                               self.layout.rate(key, rate.window), semaphore(rate.count), "rate",
+                                               self)
+                entry.rate = rate
+            else:
+                semaphored = spec.limit is not None
+                rule = rule_for(spec.mode, spec.limit)
+                entry = self._keys[key] = KeyState(key, self.layout.parked(key, semaphored),
+                                               lock_path(self.app, key, spec.limit), rule,
+                                               rule.name if semaphored else spec.mode, self)
             entry.publishers = spec.parks_at_publish
             while len(self._keys) > VIEW_KEYS:
                 _, gone = self._keys.popitem(last=False)  # its watches fire once more, for nothing

@@ -11,6 +11,7 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Proto
 from celery.worker.state import reserved_requests
 
 from ..recipes.park import BATCH
+from ..recipes.rate import Rate
 from ..recipes.rules import Rule
 
 #: How many keys' views the consumer keeps (least recently used go first).
@@ -94,6 +95,8 @@ class KeyState:
 
     def __init__(self, key: str, queue_path: str, lock: str, rule: Rule, mode: str, owner: Reader) -> None:
         self.key, self.queue_path, self.lock, self.rule, self.mode = key, queue_path, lock, rule, mode
+        #: The rate window its copies wait for (``rate=`` with park), else None: its queue frees orphans.
+        self.rate: Optional[Rate] = None
         #: What the last read found (None: none answered since the key came into view).
         self.view: Optional[View] = None
         #: A read is asked for and not yet done (so watches that fire meanwhile ask for none), due then (monotonic).

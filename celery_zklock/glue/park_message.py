@@ -21,10 +21,13 @@ from ..conf import Settings
 from ..exceptions import ParkedMessageTooLarge, ZkLockError, explain
 from ..layout import decode_key, node_object
 from ..recipes import Lock
+from ..recipes.live import LiveSource
 from ..recipes.park import MAX_PAYLOAD, ParkedQueue
 from ..recipes.park_watch import QueueWatch
+from ..recipes.rate import Rate, RateOrphans, RateSlot
+from ..recipes.rules import semaphore
 from ..zk import Session, deadline, timeouts
-from .api import layout_of, rule_for, task_defaults
+from .api import layout_of, lock_path, rule_for, task_defaults
 
 logger = logging.getLogger("celery_zklock")
 
@@ -134,8 +137,33 @@ def _queue_at(session: Session, app: Any, path: str, spec: Any) -> ParkedQueue:
     """The parked queue at ``path`` (a header's or a sweep's), beside its key's lock, under
     ``spec``'s rule (None: a copy's removal alone, which reads no rule); ValueError for a path
     that names no queue of ``app``'s root."""
+    lock = layout_of(app).lock_of_parked(path)
+    rate = spec.parked_rate if spec is not None else None
+    if rate is not None and lock.endswith(f"@{rate.window:g}s"):
+        return _rate_queue(session, app, path, lock, rate)
     rule = rule_for() if spec is None else rule_for(spec.mode, spec.limit)
-    return ParkedQueue(session, path, layout_of(app).lock_of_parked(path), rule)
+    return ParkedQueue(session, path, lock, rule)
+
+
+def parked_queue(session: Session, app: Any, spec: Any, key: str, limit: Optional[int]) -> ParkedQueue:
+    """The parked queue of ``key`` under ``spec`` (``limit``: the call's, if any): beside its
+    lock, or, for a task that parks on a start rate, beside its rate window (see :func:`_queue_path`)."""
+    layout = layout_of(app)
+    rate = spec.parked_rate
+    if rate is not None:
+        return _rate_queue(session, app, layout.parked_rate(key, rate.window), layout.rate(key, rate.window), rate)
+    return ParkedQueue(session, layout.parked(key, limit is not None), lock_path(app, key, limit),
+                       rule_for(spec.mode, limit))
+
+
+def _rate_queue(session: Session, app: Any, path: str, window: str, rate: Rate) -> ParkedQueue:
+    """The parked queue at ``path`` of the rate window at ``window``: its copies wait for a start
+    slot, which frees on a timer (its holder's) or as an orphan, which the queue's first watcher
+    frees (:class:`RateOrphans`), judged against the key's live counts too."""
+    layout = layout_of(app)
+    name = posixpath.basename(window).rpartition("@")[0]
+    live = LiveSource(f"{layout.limits_tree}/{name}", rate.window)
+    return ParkedQueue(session, path, window, semaphore(rate.count), RateOrphans(session, window, rate, live))
 
 
 def parked_elsewhere(task: Any, lock: Lock) -> bool:
@@ -147,8 +175,18 @@ def parked_elsewhere(task: Any, lock: Lock) -> bool:
 
 
 def _queue_path(app: Any, lock: Lock) -> str:
-    """The parked queue of ``lock``'s key."""
+    """The parked queue of ``lock``'s key: a start slot's (``rate=``) is its window's, apart from
+    the key's lock and semaphore, whose copies wait for a release, not for a window to pass."""
+    if isinstance(lock, RateSlot):
+        return layout_of(app).parked_rate(lock.key or "", lock.rate.window)
     return layout_of(app).parked(lock.key or "", lock.rule.name == "semaphore")
+
+
+def queue_of_lock(session: Session, app: Any, lock: Lock) -> ParkedQueue:
+    """The parked queue of the key ``lock`` is taken on (one call's, see :class:`.park.Parking`)."""
+    if isinstance(lock, RateSlot):
+        return _rate_queue(session, app, _queue_path(app, lock), lock.path, lock.rate)
+    return ParkedQueue(session, _queue_path(app, lock), lock.path, lock.rule)
 
 
 def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> None:

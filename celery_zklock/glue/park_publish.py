@@ -13,12 +13,12 @@ from celery.utils import uuid
 from kazoo.exceptions import KazooException
 
 from ..exceptions import ConfigurationError, ParkInDoubt, ZkLockError, ZooKeeperUnavailable, explain
-from ..recipes.park import ParkedQueue, ParkUntold
+from ..recipes.park import ParkUntold
 from ..zk import deadline, session_for, timeouts
-from .api import claim_scheme, layout_of, lock_path, rule_for, settings_of, task_defaults
+from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import current_task, retried_request
 from .options import policy_problem, spec_of
-from .park_message import PARK_HEADER, SENT_HEADER, _sending, encode
+from .park_message import PARK_HEADER, SENT_HEADER, _sending, encode, parked_queue
 from .policies import Park
 
 __all__ = ["as_new_delivery", "publish"]
@@ -112,8 +112,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             raise ZooKeeperUnavailable("the session is reconnecting")
         claim_scheme(session, layout, wait)
         lock_limit = spec.limit_for(task.name, args, kwargs, False)
-        queue = ParkedQueue(session, layout.parked(key, lock_limit is not None), lock_path(app, key, lock_limit),
-                            rule_for(spec.mode, lock_limit))
+        queue = parked_queue(session, app, spec, key, lock_limit)
         limit = cast(Park, spec.contention(defaults)).queue_limit
         parked = queue.park(task_id, lambda: encode(task, task_id, signature), limit, deadline(wait), guarded=True)
     except ParkUntold as exc:

@@ -20,7 +20,7 @@ from celery import states
 from kazoo.exceptions import KazooException, NoNodeError
 
 from ..exceptions import ConfigurationError, ZkLockError, explain
-from ..layout import LOCK_TREES, PARKED, node_object
+from ..layout import LOCK_TREES, PARKED, RATES, node_object
 from ..recipes.park import TAKEN, head_and_count, unwatched
 from ..recipes.park_rules import GiveUp, give_up_turn
 from ..recipes.park_watch import QueueWatch
@@ -342,7 +342,8 @@ def _adopt(app: Any, session: Session, watch: QueueWatch, orphans: bool) -> None
     timeout = settings_of(app).connect_timeout
     until = deadline(timeout)
     watched = set(watch.watched()) if orphans else set()
-    queues = [f"{layout.root}/{PARKED}/{tree}/{name}" for tree in LOCK_TREES
+    # A rate window's queue too (``rate=`` with park): its copies wait for a start slot.
+    queues = [f"{layout.root}/{PARKED}/{tree}/{name}" for tree in (*LOCK_TREES, RATES)
               for name in _children(session, f"{layout.root}/{PARKED}/{tree}", until)]
     if orphans:
         # A periodic look reads every queue of the root: pipelined, in batches, each in its own

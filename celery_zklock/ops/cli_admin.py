@@ -177,7 +177,7 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
               help="The address to serve on (default: zklock_metrics_address, itself 127.0.0.1 by default).")
 @click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=15.0, show_default=True,
               help="Read the tree at most once per this many seconds; a scrape sooner gets the last read.")
-@click.option("--max-reads", type=click.IntRange(min=6), default=1000, show_default=True,
+@click.option("--max-reads", type=click.IntRange(min=7), default=1000, show_default=True,
               help="At most this many ZooKeeper requests per read of the tree; past it the values are partial.")
 @click.option("--per-key", is_flag=True,
               help="Also a series per key (refused under hashed key names): a label per key, unbounded in number.")

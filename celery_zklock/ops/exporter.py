@@ -12,12 +12,13 @@ Run one per app (or per ``zklock_root``).
 with B beats of E entries each, K key nodes, P parked queues, R rate windows, L keys with
 counts stored live and M dedupe markers costs::
 
-    6 listings + B x (3 + E) + K x (1 to 4) + P x 2 + F + 1 + R x 3 + 1 + L + M
+    7 listings + B x (3 + E) + K x (1 to 4) + P x 2 + F + 1 + R x 3 + 1 + L + M
 
-(a rate window: its slots, its count and its count stored live; a key: its children, and
-if it has contenders a semaphore's limit, its oldest holder's and oldest waiter's age; a
-key's node stays until the server reaps it, a minute or so after its last contender left;
-F: the parked queues whose head is in flight, whose claim is dated).
+(a key: its children, and if it has contenders a semaphore's limit, its oldest holder's and
+oldest waiter's age; a key's node stays until the server reaps it, a minute or so after its
+last contender left; F: the parked queues whose head is in flight, whose claim is dated; a rate
+window: its slots, its count and its count stored live, after one listing of them all; then
+one listing of the counts stored live, and each of them).
 Past the budget the rest is left out, in this order of need: markers, then parked queues,
 then ages, then keys. ``celery_zklock_exporter_truncated`` is then 1, and the families of
 each part not read whole are left out, not served partial: a beat election not read is no

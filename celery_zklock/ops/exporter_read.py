@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from kazoo.exceptions import NoAuthError, NoNodeError
 
-from ..layout import LOCK_TREES, PARKED, Layout, decode_key, node_object
+from ..layout import LOCK_TREES, PARKED, RATES, Layout, decode_key, node_object
 from ..recipes.dedupe import STARTED, read_marker
 from ..recipes.live import parse_live
 from ..recipes.park import CLAIM, MEMBER, parked_sequence
@@ -117,13 +117,14 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
     budget = _Budget(session, max_reads, started + READ_TIMEOUT)
     snap = Snapshot(at=now)
     lock_trees = [f"{layout.root}/{t}" for t in LOCK_TREES]
-    parked_trees = [f"{layout.root}/{PARKED}/{t}" for t in LOCK_TREES]
+    # A rate window's parked queue too (rate= with park): parked/rates/<key>@<W>s.
+    parked_trees = [f"{layout.root}/{PARKED}/{t}" for t in (*LOCK_TREES, RATES)]
     listed = budget.round("listings", [("children", p) for p in
                                        (*lock_trees, *parked_trees, layout.queued_tree, layout.beats)])
     locks = [(tree, name) for tree, names in zip(lock_trees, listed[:2]) for name in names or ()]
-    parked = [f"{tree}/{name}" for tree, names in zip(parked_trees, listed[2:4]) for name in names or ()]
-    markers = listed[4] or []
-    beats = listed[5] or []
+    parked = [f"{tree}/{name}" for tree, names in zip(parked_trees, listed[2:5]) for name in names or ()]
+    markers = listed[5] or []
+    beats = listed[6] or []
 
     # The beat elections first: the smallest part, and the one an alert on "no leader" needs.
     paths = [f"{layout.beats}/{b}" for b in beats]
@@ -196,11 +197,6 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
     claims = dict(zip(flying, stats[len(queues):]))
     claimed = [s.ctime / 1000 for s in claims.values() if s]
     snap.in_flight_since = min(claimed) if claimed else None
-    snap.idle = {(p, q[0]) for p, names, q in queues
-                 if CLAIM + q[0] not in names and layout.lock_of_parked(p) not in with_holder}
-    snap.stalled = {**{head: None for head in snap.idle},
-                    **{(p, q[0]): stat.ctime / 1000 for p, _, q in queues
-                       for stat in [claims.get(f"{p}/{CLAIM}{q[0]}")] if stat}}
 
     # Start slots (rate=): one listing, then each window's slots and its count.
     names = budget.round("rates", [("children", layout.rate_tree)])[0] or []
@@ -214,7 +210,7 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
     snap.live_limits = sum(1 for got in budget.round("rates", [("get", f"{layout.limits_tree}/{n}")
                                                                for n in stored_keys])
                            if got is not None and _stores_counts(got[0]))
-    for name, (_, _, window) in zip(names, windows):
+    for name, (path, _, window) in zip(names, windows):
         children, data, live = next(answers) or [], next(answers), next(answers)
         stored = node_object(data[0]).get("rate") if data else None
         count = stored[0] if isinstance(stored, list) and stored and type(stored[0]) is int and stored[0] > 0 else 1
@@ -229,6 +225,18 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         snap.rate_slots["waiting"] += len(waiting)
         snap.rate_windows[(_label(name.rpartition("@")[0]), window)] = (
             count, sum(units(slot) for slot in holding if owner(slot) in marks))  # orphans: in rate_slots
+        if holding:
+            with_holder.add(path)  # a window's parked copies wait for these slots to go
+
+    # A parked queue is idle where its head is not in flight and its key has no holder: nobody
+    # sends it on. A rate window's queue is judged only once its window was read.
+    rates_read = "rates" not in budget.cut
+    snap.idle = {(p, q[0]) for p, names, q in queues
+                 if CLAIM + q[0] not in names and layout.lock_of_parked(p) not in with_holder
+                 and (rates_read or not p.startswith(parked_trees[2] + "/"))}
+    snap.stalled = {**{head: None for head in snap.idle},
+                    **{(p, q[0]): stat.ctime / 1000 for p, _, q in queues
+                       for stat in [claims.get(f"{p}/{CLAIM}{q[0]}")] if stat}}
 
     # Dedupe markers: each one's state needs its own read, so they come last.
     for answer in budget.round("markers", [("get", f"{layout.queued_tree}/{m}") for m in markers]):

@@ -121,7 +121,8 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
     (its mark gone: the slot waits to be freed, W after a contender sees it) is said so."""
     rows = []
     base = f"{root}/{RATES}"
-    for name in sorted(children(session, base)):
+    parked_base = f"{root}/{PARKED}/{RATES}"  # copies parked for a window's start slot (on_contention="park")
+    for name in sorted(set(children(session, base)) | set(children(session, parked_base))):
         key_name, _, window = name.rpartition("@")
         if wanted is not None and key_name != wanted:
             continue
@@ -132,8 +133,11 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
             seconds = None
         stored = stored_count(session, root, key_name, seconds) if seconds is not None else None
         nodes, infos, holding, waiting = queue_of(session, path, stored)
-        if not nodes:
+        parked = [_parked(node, data, since, now, sent)
+                  for node, data, since, sent in parked_copies(session, f"{parked_base}/{name}", None)]
+        if not nodes and not parked:
             continue
+        watched = bool(parked) and any(c.startswith(MEMBER) for c in children(session, f"{parked_base}/{name}"))
         alive = set(children(session, path))
         key = next((i["key"] for i in infos.values() if isinstance(i.get("key"), str)), None)
         if key is None:
@@ -148,7 +152,7 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
             holders.append(row)
         rows.append({"key": f"{key} per {window}", "path": path, "holders": holders, "waiters": len(waiting),
                      "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
-                     "parked": [], "watched": False,
+                     "parked": parked, "watched": watched,
                      "limit": _rule(semaphore(1).node_name, list(infos.values()), stored).leases})
     return rows
 

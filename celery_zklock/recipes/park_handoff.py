@@ -129,7 +129,9 @@ class HandOff(QueueBase):
                 contenders = reply(locked, until)
             except NoNodeError:
                 return None
-            return (children, [c for c in contenders if c != leaving]) if _parked(children) else None
+            # A start slot is not let go with its holder's release: it stays out its window.
+            gone = leaving if self.orphans is None else None
+            return (children, [c for c in contenders if c != gone]) if _parked(children) else None
 
         return read
 
@@ -194,7 +196,8 @@ class HandOff(QueueBase):
                     contenders = reply(locked, until)
                 except NoNodeError:
                     contenders = []
-            turn = head_turn(children, contenders, self.rule)
+            rule = self.rule if self.orphans is None else self.orphans.rule(until)
+            turn = head_turn(children, contenders, rule)
             if looked is not None and turn.action != Hand.CLAIM:
                 continue  # only a claim may come of a look: any other answer is read after the release
             if turn.action == Hand.EMPTY:
@@ -217,6 +220,15 @@ class HandOff(QueueBase):
                 attempt.ours = head
                 return self._send(head, claim, send, until, attempt)
             if turn.action == Hand.BUSY:
+                if self.orphans is not None:
+                    # A rate window: the slots that fill it go on their owners' timers, which
+                    # fire the watch; an orphan's owner is gone, so no timer frees it, and no
+                    # contender may be left to (every copy is parked). We do, when its time
+                    # comes; until then our watcher looks again at orphan_due.
+                    freed = self.orphans.free(contenders, until)
+                    self.orphan_due = freed.next_due
+                    if freed.free:
+                        continue
                 return Nudge.BUSY
             tx = client.transaction()
             tx.check(self.node_path(head), -1)

@@ -16,6 +16,7 @@ from .park_rules import (
 from .park_rules import members as _members
 from .park_rules import parked as _parked
 from .park_rules import parked_prefix as _prefix
+from .rate import RateOrphans
 from .rules import Rule
 
 
@@ -103,11 +104,18 @@ class QueueBase:
     """The parked copies of the key whose lock is at ``lock_path``, under ``rule``: what the
     parker's and the hand-off's halves of :class:`.park.ParkedQueue` share."""
 
-    def __init__(self, session: Session, path: str, lock_path: str, rule: Rule) -> None:
+    def __init__(self, session: Session, path: str, lock_path: str, rule: Rule,
+                 orphans: Optional[RateOrphans] = None) -> None:
         self.session = session
         self.path = path
         self.lock_path = lock_path
         self.rule = rule
+        #: A rate window's orphans (its key's lock is a start slot, ``rate=``): with every copy
+        #: parked no contender is left to free them, so a nudge that finds no room does.
+        self.orphans = orphans
+        #: When the next orphan the last nudge saw may be freed (monotonic; None: none seen):
+        #: the queue's watcher nudges again then (no watch fires for a time passing).
+        self.orphan_due: Optional[float] = None
         #: The last park found its message's record (see park's ``unacked``).
         self.recorded = False
 

@@ -79,6 +79,8 @@ class QueueWatch:
         self._backoff: Dict[str, Tuple[float, float]] = {}
         #: Queues a watch fired for, whose nudge waits out SETTLE.
         self._settling: Set[str] = set()
+        #: Queues of rate windows -> when their next orphan may be freed, each timed (see _orphan_due).
+        self._orphan_timers: Dict[str, float] = {}
         #: Names this process's member nodes (see ParkedQueue.follow), one per queue watched.
         self.token = uuid.uuid4().hex[:16]
         self._lock = threading.Lock()
@@ -257,6 +259,23 @@ class QueueWatch:
                 elif turn.action == Watch.AGAIN:
                     self._todo.put(path)  # a copy parked since we left the queue's members: join again
 
+    def _orphan_due(self, path: str, due: float) -> None:
+        """A rate window's orphan may be freed at ``due`` (monotonic): nudge ``path`` then. No
+        watch fires for a time passing, and with every copy parked nobody else looks (one
+        timer per queue and due time: each nudge that finds the orphan sees the same due)."""
+        with self._lock:
+            if self._orphan_timers.get(path, float("inf")) <= due:
+                return
+            self._orphan_timers[path] = due
+
+        def nudge() -> None:
+            with self._lock:
+                if self._orphan_timers.get(path) == due:
+                    del self._orphan_timers[path]
+            self._todo.put(path)
+
+        RUNNER.later(max(0.0, due - time.monotonic()) + SETTLE, nudge)
+
     def _remove(self) -> None:
         with self._lock:
             todo, self._removals = self._removals, []
@@ -280,6 +299,8 @@ class QueueWatch:
                 return Nudge.FOLLOWING
             # The nudge's own reads set the watches: a change they do not see fires them.
             done = parked.nudge(send, until, watch=fired, sent=self.sent_from(parked, send), synced=True)
+            if done == Nudge.BUSY and parked.orphan_due is not None:
+                self._orphan_due(parked.path, parked.orphan_due)
             if done == Nudge.EMPTY and parked.leave(self.token, until):
                 self._todo.put(parked.path)  # a copy parked as we left: we join again and watch on
                 return Nudge.FOLLOWING

@@ -64,8 +64,8 @@ from .live import LiveSource
 from .lock import Lock
 from .rules import Decision, Rule, semaphore, split_queue, units_tag
 
-__all__ = ["DRIFT", "OWNER", "OrphanTurn", "Rate", "RateSlot", "RateValue", "check_units", "orphan_turn", "owner",
-           "parse_rate"]
+__all__ = ["DRIFT", "OWNER", "OrphanTurn", "Rate", "RateOrphans", "RateSlot", "RateValue", "check_units",
+           "free_orphans", "orphan_turn", "owner", "parse_rate"]
 
 #: How much faster than real time a machine's monotonic clock may run (NTP slews a clock by at
 #: most 500 ppm): every wait of W here is W times (1 + DRIFT), so no observer with a true clock
@@ -310,6 +310,78 @@ class _SightingTimes:
 _TIMES = _SightingTimes()
 
 
+def free_orphans(session: Session, path: str, children: List[str], judged: Rule, hold: float,
+                 until: Optional[float]) -> OrphanTurn:
+    """Free the orphans among ``children`` (one read of the window node at ``path``) whose time
+    came, judged under ``judged`` (the largest count that may have admitted them), as
+    :func:`orphan_turn` decides: this host's first sightings read from and kept in ZooKeeper,
+    freed slots deleted with their sightings, stale sightings swept. The turn, for its
+    ``next_due`` (monotonic): whoever called must look again then. The I/O shell both a
+    blocked contender (the rate engine) and a parked queue's first watcher run."""
+    client = session.client
+    ours, stale = sightings_of(children, CLOCK)
+    seen: Dict[str, float] = {}
+    for slot, name in ours.items():
+        when = _TIMES.get(f"{path}/{name}")
+        if when is None:
+            try:
+                when = float(reply(client.get_async(f"{path}/{name}"), until)[0].decode())
+            except (NoNodeError, ValueError):
+                continue  # gone meanwhile, or unreadable: seen afresh below
+            _TIMES.put(f"{path}/{name}", when)
+        seen[slot] = when
+    known = set(seen)
+    now = time.monotonic()
+    turn = orphan_turn(children, judged, seen, now, hold)
+    for slot in set(seen) - known:
+        # Kept in ZooKeeper, so that every process of this host, a short-lived one too,
+        # waits from this first sighting, not from its own.
+        sighted = f"{path}/{sighting(slot, CLOCK)}"
+        with contextlib.suppress(NodeExistsError, NoNodeError):
+            reply(client.create_async(sighted, repr(now).encode()), until)
+        _TIMES.put(sighted, now)
+    for slot in turn.free:
+        with contextlib.suppress(NoNodeError):
+            reply(client.delete_async(f"{path}/{slot}"), until)
+        uid = slot.split("__", 1)[0]
+        stale += [c for c in children if c.startswith(f"{SIGHTING}{uid}-")]
+    for name in stale:
+        session.nodes.delete_later(f"{path}/{name}")
+    return turn
+
+
+class RateOrphans:
+    """The orphans of one key's rate window, freed by someone that does not contend for it: the
+    first watcher of the key's parked queue (``on_contention=Park()``), where every copy of the
+    key is parked and no contender is left to free them (:func:`free_orphans`). Judged, as a
+    contender judges them, against the largest count that may have admitted them: the code's,
+    the one stored live and the most ever stored (``live``), and the one the window node holds.
+
+    Example::
+
+        orphans = RateOrphans(session, "/celery-zklock/rates/k-partner@1s", Rate(10, 1.0), live)
+        turn = orphans.free(children, deadline(5.0))  # look again at turn.next_due, if any
+    """
+
+    def __init__(self, session: Session, path: str, rate: Rate, live: Optional[LiveSource] = None) -> None:
+        self.session, self.path, self.rate, self.live = session, path, rate, live
+
+    def rule(self, until: Optional[float]) -> Rule:
+        """The rule a start is admitted under now: the code's count, or the one stored live."""
+        stored = self.live.stored(self.session, until, None) if self.live is not None else None
+        return semaphore(self.rate.count if stored is None else stored)
+
+    def free(self, children: List[str], until: Optional[float]) -> OrphanTurn:
+        counts = [self.rate.count]
+        if self.live is not None:
+            stored = self.live.stored(self.session, until, None)
+            counts += [stored or 0, self.live.most(self.session, until)]
+        with contextlib.suppress(NoNodeError):
+            data = reply(self.session.client.get_async(self.path), until)[0]
+            counts.append(self.rate.other_count(data) or 0)
+        return free_orphans(self.session, self.path, children, semaphore(max(counts)), self.rate.hold, until)
+
+
 class _RateEngine(Engine):
     """The engine, with persistent slots, their owner marks, and orphans freed."""
 
@@ -408,40 +480,12 @@ class _RateEngine(Engine):
 
     def _cleared(self, children: List[str], until: Optional[float]) -> bool:
         self._looked = children  # what _watch compares its watched read with
-        client = self.session.client
-        ours, stale = sightings_of(children, CLOCK)
-        seen: Dict[str, float] = {}
-        for slot, name in ours.items():
-            when = _TIMES.get(f"{self.path}/{name}")
-            if when is None:
-                try:
-                    when = float(reply(client.get_async(f"{self.path}/{name}"), until)[0].decode())
-                except (NoNodeError, ValueError):
-                    continue  # gone meanwhile, or unreadable: seen afresh below
-                _TIMES.put(f"{self.path}/{name}", when)
-            seen[slot] = when
-        known = set(seen)
-        now = time.monotonic()
         # An orphan is taken for one that never held (freed at once) only past every count that
         # may have admitted it: a count lowered live since must not make a started slot a waiter.
         most = self.live.most(self.session, until) if self.live is not None else 0
         judged = semaphore(max(self.rate.count, self.rule_now.leases, most, self._stored_count))
-        turn = orphan_turn(children, judged, seen, now, self.rate.hold)
+        turn = free_orphans(self.session, self.path, children, judged, self.rate.hold, until)
         self._orphans = set(turn.orphans)
-        for slot in set(seen) - known:
-            # Kept in ZooKeeper, so that every process of this host, a short-lived one too,
-            # waits from this first sighting, not from its own.
-            path = f"{self.path}/{sighting(slot, CLOCK)}"
-            with contextlib.suppress(NodeExistsError, NoNodeError):
-                reply(client.create_async(path, repr(now).encode()), until)
-            _TIMES.put(path, now)
-        for slot in turn.free:
-            with contextlib.suppress(NoNodeError):
-                reply(client.delete_async(f"{self.path}/{slot}"), until)
-            uid = slot.split("__", 1)[0]
-            stale += [c for c in children if c.startswith(f"{SIGHTING}{uid}-")]
-        for name in stale:
-            self.session.nodes.delete_later(f"{self.path}/{name}")
         if turn.next_due is not None:
             if self._timer is not None:
                 self._timer.cancel()

@@ -423,6 +423,34 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         (hold_on_socket if gated else hold)(seconds, key)
         return seq
 
+    def _rated_start(task: Any, key: str, seconds: float, seq: int, gated: bool) -> int:
+        """A rated copy's start (its slot's begin()), then a body of ``seconds`` (``gated``: until
+        the test pushes to ``nobody-pushes:<its task id>``, at most ``seconds``)."""
+        note("start", key=key, seq=seq, mode=current_lock().mode, began=current_lock().began)
+        if gated:
+            history().blpop(f"nobody-pushes:{task.request.id}", timeout=seconds)
+        else:
+            hold_plain(seconds)
+        return seq
+
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park:{key}", rate=(3, 1.0), on_contention="park")
+    def rated_parking(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """Three starts a second per key; a copy that finds no start slot parks (no pool slot)."""
+        return _rated_start(self, key, seconds, seq, gated)
+
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-pub:{key}", rate=(1, 2.0), on_contention=Park(at_publish=True))
+    def rated_parking_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """One start per 2 s per key; its publishers park a copy themselves where a worker watches the window."""
+        return _rated_start(self, key, seconds, seq, gated)
+
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-slow:{key}", rate=(1, 3.0), on_contention="park")
+    def rated_parking_slowly(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """One start per 3 s per key, parked while none is free: a holder killed inside its window."""
+        return _rated_start(self, key, seconds, seq, gated)
+
     @app.task(shared=False)
     @zk_locked(key="park:{key}", on_contention=Park(limit=2))
     def parking_two_at_most(key: str, seconds: float, seq: int) -> int:
@@ -495,6 +523,7 @@ def _delivered(sender: Any = None, task_id: str = "", state: str = "", **extra: 
     # Every delivery of a parking copy as it ends, with its outcome: a second send drops itself (IGNORED).
     if sender is not None and sender.name in ("tests.apps.worker_app.parking",
                                               "tests.apps.worker_app.parking_at_publish",
+                                              "tests.apps.worker_app.rated_parking_at_publish",
                                               "tests.apps.worker_app.parking_tracked",
                                               "tests.apps.worker_app.parking_late",
                                               "tests.apps.worker_app.parking_acked",

@@ -78,11 +78,11 @@ def ctime(kazoo, path: str) -> float:
 def test_one_read_counts_every_kind_in_the_documented_number_of_requests(tree, kazoo, zk_root, new_session):
     snap = read_tree(new_session(), Layout(zk_root), max_reads=1000)
     assert snap.ok and not snap.cut
-    # 6 listings; 2 beats x 2 listings, then the leader and 2 entries; keys: 4 listings in locks,
+    # 7 listings; 2 beats x 2 listings, then the leader and 2 entries; keys: 4 listings in locks,
     # the semaphore's listing and limit, 2 ages each for a, b and s; parked: 1 listing, 1 head, its claim
     # (in flight); the rates' listing, then the one window's listing, count and stored count, and
     # the listing of the counts stored live and each of them (2); 4 markers.
-    assert snap.reads == 6 + 4 + 3 + 4 + 2 + 6 + 3 + 4 + 1 + 2 + 4
+    assert snap.reads == 7 + 4 + 3 + 4 + 2 + 6 + 3 + 4 + 1 + 2 + 4
     assert dict(snap.rate_slots) == {"holding": 1, "orphaned": 1, "waiting": 1}
     # A window's units in use leave its orphans out (rate_slots counts those).
     assert snap.rate_windows == {("p", "60s"): (2, 1)} and snap.live_limits == 1
@@ -113,20 +113,20 @@ def test_past_its_budget_a_read_stops_and_leaves_out_what_it_did_not_read_whole(
         return {f.name for f in exporter.collect()}
 
     layout = Layout(zk_root)
-    snap = read_tree(new_session(), layout, max_reads=13)  # the listings and the beats, nothing more
-    assert snap.cut == {"locks", "parked", "rates", "markers"} and snap.reads == 13  # (no key read: no age)
+    snap = read_tree(new_session(), layout, max_reads=14)  # the listings and the beats, nothing more
+    assert snap.cut == {"locks", "parked", "rates", "markers"} and snap.reads == 14  # (no key read: no age)
     assert snap.beats["leading"]["leader"] and "overdue" in snap.beats["leading"]
-    snap = read_tree(new_session(), layout, max_reads=30)
-    assert snap.cut == {"rates", "markers"} and snap.reads == 30
+    snap = read_tree(new_session(), layout, max_reads=31)
+    assert snap.cut == {"rates", "markers"} and snap.reads == 31
     # Left out, not served wrong: an election not read is no election without a leader, and a
     # semaphore whose limit was not read has no holders and waiters to tell apart.
     meta = {"celery_zklock_exporter_up", "celery_zklock_exporter_reads", "celery_zklock_exporter_truncated",
             "celery_zklock_exporter_read_seconds"}
-    assert families(6) == meta
-    assert families(13) == meta | {"celery_zklock_beat_has_leader", "celery_zklock_beat_candidates",
+    assert families(7) == meta
+    assert families(14) == meta | {"celery_zklock_beat_has_leader", "celery_zklock_beat_candidates",
                                    "celery_zklock_beat_tick_overdue_seconds",
                                    "celery_zklock_beat_seconds_since_dispatch"}
-    assert families(30) == set(FAMILIES) - {"celery_zklock_dedupe_markers", "celery_zklock_rate_slots",
+    assert families(31) == set(FAMILIES) - {"celery_zklock_dedupe_markers", "celery_zklock_rate_slots",
                                             "celery_zklock_live_limits", "celery_zklock_key_rate_limit",
                                             "celery_zklock_key_rate_used"}
     assert families(1000) == set(FAMILIES)
@@ -214,7 +214,7 @@ def test_no_key_label_unless_asked_and_refused_under_hashed_names(tree, exporter
     out = cli({**cli_env, "ZKT_KEY_SECRET": "s" * 32}, "exporter", "--port", str(free_port()), "--per-key")
     assert out.returncode == 2 and "--per-key is refused under zklock_key_names='hashed'" in out.stderr
     out = cli(cli_env, "exporter", "--port", str(free_port()), "--max-reads", "3")
-    assert out.returncode == 2 and "'--max-reads': 3 is not in the range x>=6" in out.stderr
+    assert out.returncode == 2 and "'--max-reads': 3 is not in the range x>=7" in out.stderr
 
 
 def test_started_while_zookeeper_is_unreachable_it_serves_up_0_until_it_reaches_it(tree, exporter, zk_server):
@@ -344,3 +344,27 @@ def test_a_parked_queue_that_stands_still_with_its_key_free_is_timed_and_one_nob
     assert gauges()["celery_zklock_parked_stalled_seconds"] <= time.time() - ctime(kazoo, claim) + 1
     for node in (claim, holder, member):
         kazoo.delete(node)
+
+
+def test_a_rate_windows_parked_copies_are_counted_and_stall_only_with_no_slot_held(kazoo, zk_root, new_session):
+    # rate= with park: a window's copies wait in parked/rates/<key>@<W>s. Behind a window with a
+    # slot held they wait for it to go (not stalled); behind an empty one, nobody sends them on.
+    layout = Layout(zk_root)
+    busy_window, empty_window = layout.rate("full", 60.0), layout.rate("empty", 60.0)
+    kazoo.create(busy_window, json.dumps({"rate": [1, 60.0]}).encode(), makepath=True)
+    kazoo.create(f"{busy_window}/aa__sem__", b"{}", sequence=True)
+    kazoo.create(f"{busy_window}/o-aa", ephemeral=True)
+    kazoo.create(empty_window, json.dumps({"rate": [1, 60.0]}).encode(), makepath=True)
+    heads = {}
+    for key in ("full", "empty"):
+        queue = layout.parked_rate(key, 60.0)
+        heads[key] = kazoo.create(f"{queue}/p-0123456789abcdef-", b"{}", sequence=True, makepath=True)
+        kazoo.create(f"{queue}/p-fedcba9876543210-", b"{}", sequence=True)
+    snap = read_tree(new_session(), layout, max_reads=1000)
+    assert snap.ok and not snap.cut
+    assert snap.parked == 4 and snap.unwatched == 2
+    assert snap.idle == {(layout.parked_rate("empty", 60.0), heads["empty"].rsplit("/", 1)[1])}
+    assert dict(snap.rate_slots) == {"holding": 1, "orphaned": 0, "waiting": 0}
+    # Its window not read (past the budget), a rate window's queue is not called stalled.
+    snap = read_tree(new_session(), layout, max_reads=7 + 4 + 1)
+    assert "rates" in snap.cut and snap.parked == 4 and snap.idle == set()
