@@ -123,6 +123,9 @@ class LiveLimits:
         self.session = session
         self._lock = threading.Lock()
         self._entries: Dict[str, _Entry] = {}
+        #: How many times each path's watch fired: a read whose watch fired before it stored
+        #: what it read (the change's event right behind the reply) reads again.
+        self._fired: Dict[str, int] = {}
 
     def read(self, path: str, until: Optional[float], waiter: Any = None) -> Live:
         """The value stored at ``path`` (NONE when there is none); ``waiter.wake()`` is called
@@ -134,6 +137,7 @@ class LiveLimits:
                 if waiter is not None:
                     entry.waiters.add(waiter)
                 return entry.value
+            fired = self._fired.get(path, 0)
         try:
             data, _ = reply(self.session.client.get_async(path, watch=self._changed(path)), until)
             value = parse_live(data)
@@ -143,26 +147,34 @@ class LiveLimits:
                 return self.read(path, until, waiter)  # set just now: read it
             value = NONE
         with self._lock:
-            entry = self._entries.get(path)
-            if entry is None or entry.generation != generation:
-                entry = self._entries[path] = _Entry(value, generation)
-                if len(self._entries) > MAX_KEYS:
-                    # The oldest reads nobody waits on go (read again if used again): a waiter's
-                    # must stay, or a change would not wake it.
-                    idle = [k for k, e in self._entries.items() if not e.waiters and e is not entry]
-                    for k in idle[:len(self._entries) - MAX_KEYS]:
-                        del self._entries[k]
-            else:
-                entry.value = value
-            if waiter is not None:
-                entry.waiters.add(waiter)
-        return value
+            # Changed since our read, its watch spent: kept, this value would stand for good.
+            stale = self._fired.get(path, 0) != fired
+            if not stale:
+                self._keep(path, value, generation, waiter)
+        return self.read(path, until, waiter) if stale else value  # read again, with a new watch
+
+    def _keep(self, path: str, value: Live, generation: int, waiter: Any) -> None:
+        """Keep ``value`` as read for ``path`` in this session's ``generation`` (under the lock)."""
+        entry = self._entries.get(path)
+        if entry is None or entry.generation != generation:
+            entry = self._entries[path] = _Entry(value, generation)
+            if len(self._entries) > MAX_KEYS:
+                # The oldest reads nobody waits on go (read again if used again): a waiter's
+                # must stay, or a change would not wake it.
+                idle = [k for k, e in self._entries.items() if not e.waiters and e is not entry]
+                for k in idle[:len(self._entries) - MAX_KEYS]:
+                    del self._entries[k]
+        else:
+            entry.value = value
+        if waiter is not None:
+            entry.waiters.add(waiter)
 
     def _changed(self, path: str) -> Callable[[Any], None]:
         @run_inline
         def changed(event: Any) -> None:
             with self._lock:
                 entry = self._entries.pop(path, None)  # read again by the next contender
+                self._fired[path] = self._fired.get(path, 0) + 1
             for waiter in list(entry.waiters) if entry is not None else []:
                 waiter.wake()
 

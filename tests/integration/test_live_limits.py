@@ -312,3 +312,36 @@ def test_several_keys_each_with_its_own_limit_stored_live_on_one_task(workers, q
     # partner's total is reached (the tenants' caps allow 4 together), and a tenant's cap too.
     assert most["tenant:a"] <= 2 and most["tenant:b"] <= 2 and most["partner:p"] == 3, most
     assert max(most["tenant:a"], most["tenant:b"]) == 2, most
+
+
+def test_a_count_changed_right_behind_its_first_read_is_not_kept_stale(new_session, zk_root, kazoo, zk_server,
+                                                                       monkeypatch):
+    # The fault-attack helper's schedule: the first read's reply (3/5s) and the watch event of a
+    # change right after it (1/5s) reach the client back to back. The event came before the read
+    # was kept, found nothing to drop, and spent the watch: the process kept 3/5s for its
+    # session's life. A read whose watch fired before it kept its value reads again now.
+    from celery_zklock.recipes import live
+    from celery_zklock.recipes.live import live_limits
+    from celery_zklock.zk import deadline
+    from harness import Op
+
+    # The reader is scheduled out between its reply and keeping it (0.3 s, as a loaded host may):
+    # the change's event is handled meanwhile. Placed, so the schedule is the same every run.
+    parse = live.parse_live
+    monkeypatch.setattr(live, "parse_live", lambda data: (time.sleep(0.3), parse(data))[1])
+    path = Layout(zk_root).limit("partner:race")
+    store(kazoo, zk_root, "partner:race", Live(None, {5.0: 3}))
+    with TcpProxy(zk_server.port) as proxy:
+        session = new_session(hosts=proxy.hosts)
+        held = proxy.hold_reply(Op.GET_DATA)
+        got: List[Live] = []
+        reading = threading.Thread(target=lambda: got.append(live_limits(session).read(path, deadline(30))))
+        reading.start()
+        held.wait_matched()
+        store(kazoo, zk_root, "partner:race", Live(None, {5.0: 1}))  # lowered right behind the read
+        time.sleep(0.5)  # the change's event queues behind the held reply: the schedule under test
+        held.release()
+        reading.join(30)
+        assert len(got) == 1  # the value as read, or as changed since: either was true then
+        # The change's event may still be on its way to whoever keeps the value: soon, not never.
+        wait_until(lambda: live_limits(session).read(path, deadline(5)).rates == {5.0: 1}, timeout=5)
