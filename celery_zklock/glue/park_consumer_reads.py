@@ -30,7 +30,7 @@ from ..zk import Liveness, Session, deadline, reply, session_for
 from ..zk.background import RUNNER
 from .api import layout_of, settings_of, task_defaults
 from .park_consumer_state import QUIET, RETRY_EVERY, KeyState, View
-from .park_message import _rate_queue, _watch, send
+from .park_message import _live_of, _rate_queue, _watch, send
 
 logger = logging.getLogger("celery_zklock")
 
@@ -285,7 +285,8 @@ class ConsumerReads:
     def _queue(self, session: Session, entry: KeyState) -> ParkedQueue:
         if entry.rate is not None:
             return _rate_queue(session, self.app, entry.queue_path, entry.lock, entry.rate)
-        return ParkedQueue(session, entry.queue_path, entry.lock, entry.rule)
+        return ParkedQueue(session, entry.queue_path, entry.lock, entry.rule,
+                           live=_live_of(self.app, entry.lock, entry.rule))
     # -- the parker's, the event loop's (see ConsumerParks and _ConsumerParking) ---------------
     def _park(self, entry: KeyState) -> None:
         raise NotImplementedError

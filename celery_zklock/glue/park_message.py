@@ -25,7 +25,7 @@ from ..recipes.live import LiveSource
 from ..recipes.park import MAX_PAYLOAD, ParkedQueue
 from ..recipes.park_watch import QueueWatch
 from ..recipes.rate import Rate, RateOrphans, RateSlot
-from ..recipes.rules import semaphore
+from ..recipes.rules import Rule, semaphore
 from ..zk import Session, deadline, timeouts
 from .api import layout_of, lock_path, rule_for, task_defaults
 
@@ -142,7 +142,7 @@ def _queue_at(session: Session, app: Any, path: str, spec: Any) -> ParkedQueue:
     if rate is not None and lock.endswith(f"@{rate.window:g}s"):
         return _rate_queue(session, app, path, lock, rate)
     rule = rule_for() if spec is None else rule_for(spec.mode, spec.limit)
-    return ParkedQueue(session, path, lock, rule)
+    return ParkedQueue(session, path, lock, rule, live=_live_of(app, lock, rule))
 
 
 def parked_queue(session: Session, app: Any, spec: Any, key: str, limit: Optional[int]) -> ParkedQueue:
@@ -152,8 +152,8 @@ def parked_queue(session: Session, app: Any, spec: Any, key: str, limit: Optiona
     rate = spec.parked_rate
     if rate is not None:
         return _rate_queue(session, app, layout.parked_rate(key, rate.window), layout.rate(key, rate.window), rate)
-    return ParkedQueue(session, layout.parked(key, limit is not None), lock_path(app, key, limit),
-                       rule_for(spec.mode, limit))
+    lock, rule = lock_path(app, key, limit), rule_for(spec.mode, limit)
+    return ParkedQueue(session, layout.parked(key, limit is not None), lock, rule, live=_live_of(app, lock, rule))
 
 
 def _rate_queue(session: Session, app: Any, path: str, window: str, rate: Rate) -> ParkedQueue:
@@ -186,7 +186,14 @@ def queue_of_lock(session: Session, app: Any, lock: Lock) -> ParkedQueue:
     """The parked queue of the key ``lock`` is taken on (one call's, see :class:`.park.Parking`)."""
     if isinstance(lock, RateSlot):
         return _rate_queue(session, app, _queue_path(app, lock), lock.path, lock.rate)
-    return ParkedQueue(session, _queue_path(app, lock), lock.path, lock.rule)
+    return ParkedQueue(session, _queue_path(app, lock), lock.path, lock.rule, live=_live_of(app, lock.path, lock.rule))
+
+
+def _live_of(app: Any, lock: str, rule: Rule) -> Optional[LiveSource]:
+    """Where the count stored live for the semaphore at ``lock`` is (None: not a semaphore)."""
+    if rule.name != "semaphore":
+        return None
+    return LiveSource(f"{layout_of(app).limits_tree}/{posixpath.basename(lock)}")
 
 
 def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> None:

@@ -196,7 +196,7 @@ class HandOff(QueueBase):
                     contenders = reply(locked, until)
                 except NoNodeError:
                     contenders = []
-            rule = self.rule if self.orphans is None else self.orphans.rule(until)
+            rule = self.rule_now(until)
             turn = head_turn(children, contenders, rule)
             if looked is not None and turn.action != Hand.CLAIM:
                 continue  # only a claim may come of a look: any other answer is read after the release

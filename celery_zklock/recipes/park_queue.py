@@ -3,11 +3,13 @@ and the base of :class:`.park.ParkedQueue` (its paths and its synced read). See 
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple, cast
+import dataclasses
+from typing import Any, List, NamedTuple, Optional, Tuple, cast
 
 from kazoo.exceptions import NoNodeError
 
 from ..zk import Session, deadline, reply, through_blips
+from .live import LiveSource
 from .park_rules import (
     CLAIM,
     SENT,
@@ -105,11 +107,17 @@ class QueueBase:
     parker's and the hand-off's halves of :class:`.park.ParkedQueue` share."""
 
     def __init__(self, session: Session, path: str, lock_path: str, rule: Rule,
-                 orphans: Optional[RateOrphans] = None) -> None:
+                 orphans: Optional[RateOrphans] = None, live: Optional[LiveSource] = None) -> None:
         self.session = session
         self.path = path
         self.lock_path = lock_path
         self.rule = rule
+        #: Where a semaphore's count stored live is read (``celery zklock limit``): a head is sent
+        #: under it, as its contenders decide under it. None: the code's count alone.
+        self.live = live
+        #: Woken (``wake()``) when that count changes: the queue's watcher, to look again (a raise
+        #: may make room that no release will announce). Held here: the live value keeps it weakly.
+        self.waiter: Any = None
         #: A rate window's orphans (its key's lock is a start slot, ``rate=``): with every copy
         #: parked no contender is left to free them, so a nudge that finds no room does.
         self.orphans = orphans
@@ -121,6 +129,18 @@ class QueueBase:
 
     def node_path(self, name: str) -> str:
         return f"{self.path}/{name}"
+
+    def rule_now(self, until: Optional[float]) -> Rule:
+        """The rule a head is sent under now: the one its contenders will decide under (a count
+        stored live in the code's place; for a rate window, see :meth:`RateOrphans.rule`).
+        Sent under the code's count instead, a copy found no room where the hand-off saw some,
+        and was sent again and again (918 sends in 10 s under a limit lowered live)."""
+        if self.orphans is not None:
+            return self.orphans.rule(until, self.waiter)
+        if self.live is None or self.rule.name != "semaphore":
+            return self.rule
+        stored = self.live.stored(self.session, until, self.waiter)
+        return self.rule if stored is None else dataclasses.replace(self.rule, leases=stored)
 
     # -- reads ---------------------------------------------------------------------------
     def parked(self, until: Optional[float]) -> List[str]:

@@ -34,6 +34,18 @@ def _sending(send: Send, payloads: List[bytes], node: str, payload: bytes) -> No
     payloads.append(payload)
 
 
+class _Wake:
+    """A parked queue's waiter on its key's count stored live: its watcher settles and nudges."""
+
+    __slots__ = ("call", "__weakref__")
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self.call = call
+
+    def wake(self) -> None:
+        self.call()
+
+
 class QueueWatch:
     """Nudges the queues one process parked copies in whenever their key's contenders change
     or their own children do (a copy or a claim comes or goes), until a queue is empty. Of the
@@ -96,6 +108,7 @@ class QueueWatch:
             new = path not in self._queues
             if new:
                 self._queues[path] = (parked, send, lambda event: self._settle(path))
+                parked.waiter = _Wake(lambda: self._settle(path))  # a count changed live: look again
             self._added[path] = self._added.get(path, 0) + 1
             self._start()
         if new or nudge:

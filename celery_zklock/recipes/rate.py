@@ -366,9 +366,15 @@ class RateOrphans:
     def __init__(self, session: Session, path: str, rate: Rate, live: Optional[LiveSource] = None) -> None:
         self.session, self.path, self.rate, self.live = session, path, rate, live
 
-    def rule(self, until: Optional[float]) -> Rule:
-        """The rule a start is admitted under now: the code's count, or the one stored live."""
-        stored = self.live.stored(self.session, until, None) if self.live is not None else None
+    def rule(self, until: Optional[float], waiter: Any = None) -> Rule:
+        """The rule a start is admitted under now: the count stored live (``waiter.wake()`` when
+        it changes); else the one the window's node holds, which a contender of another count
+        is refused under while its slots stand (a deploy that changed the count: sent under the
+        new one, a head was refused and sent again, 418 times in 5.5 s); else the code's."""
+        stored = self.live.stored(self.session, until, waiter) if self.live is not None else None
+        if stored is None:
+            with contextlib.suppress(NoNodeError):
+                stored = self.rate.other_count(reply(self.session.client.get_async(self.path), until)[0])
         return semaphore(self.rate.count if stored is None else stored)
 
     def free(self, children: List[str], until: Optional[float]) -> OrphanTurn:

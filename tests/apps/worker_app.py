@@ -451,6 +451,31 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         """One start per 3 s per key, parked while none is free: a holder killed inside its window."""
         return _rated_start(self, key, seconds, seq, gated)
 
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-long:{key}", rate=(int(os.environ.get("ZKT_LONG_COUNT", "1")), 30.0),
+               on_contention="park")
+    def rated_parking_long(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """One start per 30 s per key (ZKT_LONG_COUNT: another count, a deploy that changed it), parked."""
+        return _rated_start(self, key, seconds, seq, gated)
+
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-deploy:{key}", rate=(int(os.environ.get("ZKT_DEPLOY_COUNT", "1")), 4.0),
+               on_contention="park")
+    def rated_parking_deployed(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """One start per 4 s per key, or ZKT_DEPLOY_COUNT: a deploy that changes the count, parked."""
+        return _rated_start(self, key, seconds, seq, gated)
+
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="sem-park:{key}", limit=2, on_contention="park")
+    def sem_parking(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """A semaphore of 2 per key, parked while full: its limit changed live."""
+        note("start", key=key, seq=seq, mode=current_lock().mode)
+        if gated:
+            history().blpop(f"nobody-pushes:{self.request.id}", timeout=seconds)
+        else:
+            hold_plain(seconds)
+        return seq
+
     @app.task(shared=False)
     @zk_locked(key="park:{key}", on_contention=Park(limit=2))
     def parking_two_at_most(key: str, seconds: float, seq: int) -> int:

@@ -125,3 +125,79 @@ def test_a_publisher_parks_a_rated_copy_behind_a_full_window(workers, queue, red
         "each copy once, in publish order"
     assert rate_violations([e["began"] for e in starts], rate.count, rate.window) == []
     wait_until(lambda: parked_left(kazoo, path) == [], timeout=10)
+
+
+def received(worker, results) -> collections.Counter:
+    """How many times each copy was received (sent to the worker): a head sent where its key
+    has no room is received, declined and sent again."""
+    lines = worker.log_text().splitlines()
+    return collections.Counter(r.id for r in results for line in lines if f"[{r.id}] received" in line)
+
+
+def test_a_count_raised_live_sends_parked_copies_on_at_once(workers, queue, redis_server, kazoo, zk_root, env):
+    # One start per 30 s, Park(): a first copy starts, three park behind its slot, and the count
+    # is raised live to 4 per 30 s. Before, nothing told the queue's watcher (it watched the
+    # queue and the window, not the stored count): the copies started as the first slot went,
+    # 28 s later (the fault-attack helper's schedule).
+    workers("w1", concurrency=2)
+    first = send(worker_app.rated_parking_long, queue, "up", 0.05, 0)
+    wait_until(lambda: [e for e in starts_of(redis_server.url) if e["task_id"] == first.id], timeout=30)
+    rest = [send(worker_app.rated_parking_long, queue, "up", 0.05, i) for i in range(1, 4)]
+    path = rate_queue(zk_root, "rate-park-long:up", 30.0)
+    wait_until(lambda: len(parked_left(kazoo, path)) == 3, timeout=30)
+    out = cli({**os.environ, **env}, "limit", "set", "rate-park-long:up", "--rate", "4/30s")
+    assert out.returncode == 0, out.stderr
+    raised = time.monotonic()
+    assert [r.get(timeout=60) for r in rest] == [1, 2, 3]
+    late = [round(e["began"] - raised, 2) for e in starts_of(redis_server.url) if e["task_id"] != first.id]
+    assert max(late) < 5.0, f"parked copies started {late} s after the raise"
+    assert rate_violations([e["began"] for e in starts_of(redis_server.url)], 4, 30.0) == []
+
+
+@pytest.mark.parametrize("change", ["lowered", "raised"])
+def test_a_semaphores_limit_changed_live_sends_its_parked_copies_under_it(workers, queue, redis_server, kazoo,
+                                                                          zk_root, env, change):
+    # limit=2 and Park(): two gated holders, three copies parked. Lowered live to 1 and one holder
+    # let go: the hand-off saw room under the code's 2 and sent the head, which found none under
+    # the live 1, declined, and was sent again (918 times in 10 s). Raised to 5: the copies never
+    # started while the holders held (nothing told the watcher).
+    worker = workers("w1", concurrency=6)
+    holders = [send(worker_app.sem_parking, queue, change, 60.0, i, True) for i in range(2)]
+    wait_until(lambda: len(starts_of(redis_server.url)) == 2, timeout=30)
+    rest = [send(worker_app.sem_parking, queue, change, 0.05, i) for i in range(2, 5)]
+    path = f"{zk_root}/parked/semaphores/k-sem-park:{change}"
+    wait_until(lambda: len(parked_left(kazoo, path)) == 3, timeout=30)
+    limit = "1" if change == "lowered" else "5"
+    out = cli({**os.environ, **env}, "limit", "set", f"sem-park:{change}", "--limit", limit)
+    assert out.returncode == 0, out.stderr
+    gate = redis.Redis.from_url(redis_server.url)
+    if change == "raised":
+        wait_until(lambda: len(starts_of(redis_server.url)) == 5, timeout=10)  # beside the two holders
+    else:
+        gate.rpush(f"nobody-pushes:{holders[0].id}", "go")
+        time.sleep(3.0)  # one holder left under a limit of 1: the schedule under test, its sends counted
+        assert len(starts_of(redis_server.url)) == 2, "a copy started beside a holder under a limit of 1"
+    for h in holders:
+        gate.rpush(f"nobody-pushes:{h.id}", "go")
+    assert [r.get(timeout=60) for r in rest] == [2, 3, 4]
+    assert max(received(worker, rest).values()) <= 3, dict(received(worker, rest))
+
+
+def test_a_deploy_that_changes_the_count_while_copies_are_parked_sends_none_into_a_refusal(
+        workers, queue, redis_server, kazoo, zk_root):
+    # The old deploy (1 per 4 s) starts a copy, three park behind its slot, and it stops warm;
+    # the new deploy asks 2 per 4 s. The hand-off judged room under the new count while the
+    # window's node held the old one, which the new code's contender is refused under while
+    # the old slot stands: the head was sent, refused and sent again, 418 times in 5.5 s.
+    old = workers("old", concurrency=2, ZKT_DEPLOY_COUNT="1")
+    first = send(worker_app.rated_parking_deployed, queue, "dep", 0.05, 0)
+    wait_until(lambda: [e for e in starts_of(redis_server.url) if e["task_id"] == first.id], timeout=30)
+    rest = [send(worker_app.rated_parking_deployed, queue, "dep", 0.05, i) for i in range(1, 4)]
+    wait_until(lambda: len(parked_left(kazoo, rate_queue(zk_root, "rate-park-deploy:dep", 4.0))) == 3, timeout=30)
+    old.stop(timeout=30)
+    new = workers("new", concurrency=2, ZKT_DEPLOY_COUNT="2")
+    assert [r.get(timeout=60) for r in rest] == [1, 2, 3]
+    starts = starts_of(redis_server.url)
+    assert sorted(e["task_id"] for e in starts) == sorted(r.id for r in [first, *rest])
+    assert rate_violations([e["began"] for e in starts], 2, 4.0) == []
+    assert max(received(new, rest).values()) <= 3, dict(received(new, rest))
