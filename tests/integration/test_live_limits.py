@@ -224,13 +224,17 @@ def test_a_count_stored_for_a_deploy_then_cleared_leaves_the_new_count_unrefused
     with slot(1):
         pass  # the old deploy's start: the node holds 1
     store(kazoo, zk_root, "partner:dep", Live(None, {2.0: 2}))
-    with slot(2):
-        pass  # the new code, under the stored count
+    new = slot(2)  # the new code, under the stored count; held, so its slot stays
+    assert new.acquire(timeout=5)
+    new.begin()
+    # Until the old slot's window passes. (The new one was released at once before, and under
+    # CI's load the moment with only it left was missed: both gone, and the key's node reaped.)
     wait_until(lambda: len([c for c in kazoo.get_children(path) if "__sem__" in c]) == 1, timeout=10)
     kazoo.set(layout.limit("partner:dep"), encode_live(parse_live(kazoo.get(layout.limit("partner:dep"))[0]).cleared()))
     with slot(2):
         pass  # not refused: every slot there is of its count
     assert json.loads(kazoo.get(path)[0]) == {"rate": [2, 2.0]}
+    new.release()
 
 
 def test_a_count_stored_below_a_starts_units_makes_it_wait_until_it_is_raised(new_session, zk_root, kazoo):
