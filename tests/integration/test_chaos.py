@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import time
 import uuid
@@ -394,7 +395,17 @@ def test_beat_leader_partitioned_paused_and_killed(chaos, chaos_report):
     counts = chaos.check([])
     history = chaos.dispatches()
     runs = [d["run"] for d in history]
-    assert runs == list(range(runs[0], runs[0] + len(runs))), f"runs sent twice or skipped: {runs}"
+    # Dispatch is at most once (docs/guarantees.md, the beat's "Limit"): a leader partitioned or
+    # paused between recording a run and sending it loses that run, and says so in a WARNING
+    # ending "not sent"; the next leader goes on after it. ci41 met it: the leader paused just
+    # after recording run 14. That run, declared, may be missing; one undeclared, or a run twice,
+    # may not. (test_ensemble_partitions' beat test allows the same.)
+    logs = "\n".join(b.log_text() for b in beats)
+    unsent = {int(n) for n in re.findall(r"run (\d+) of every-second[^\n]*; not sent", logs)}
+    assert len(unsent) <= len(takeovers), f"more runs declared unsent than faults: {sorted(unsent)}"
+    expected = [n for n in range(runs[0], max(runs) + 1) if n not in unsent or n in runs]
+    assert runs == expected, f"runs sent twice or skipped (declared unsent: {sorted(unsent)}): {runs}\n" + \
+        "\n".join(b.log_tail(60) for b in beats)
     for fault, seconds in takeovers.items():
         assert seconds <= TIMEOUT + 2.5, f"takeover after {fault} took {seconds:.2f}s"
     print("beat takeover: " + ", ".join(f"{k} {v:.2f}s" for k, v in takeovers.items()))
