@@ -166,14 +166,14 @@ class LockSpec:
             given_rate if callable(given_rate) else
             no_rates if given_rate is None else checked(lambda: parse_rate(given_rate), no_rates))
         units = get("units")
+        rate_only = bool(rates) and "mode" not in options and "limit" not in options  # no lock beside the rate
         if "units" in options and not given_rate:
             found.append(f"{where}: units= weighs the starts of rate=, and this task has no rate=; give rate= too, "
                          "or drop units=")
         elif not callable(units):
             checked(lambda: check_units(units, rates, f"units={units!r}"), 1)
         if isinstance(policy, Contention):
-            refused_here = _rate_refusal(policy, rates, limit, units,
-                                         alone="mode" not in options and "limit" not in options)
+            refused_here = _rate_refusal(policy, rates, limit, units, alone=rate_only)
             if refused_here:
                 found.append(f"{where}: {refused_here}")
         if isinstance(policy, Contention) and locking is True and valid_lock and not found:
@@ -183,7 +183,7 @@ class LockSpec:
         if found:
             raise ConfigurationError("; ".join(found))
         return cls(where=where, parts=parts, mode=mode, limit=limit, rate=rates, units=units,
-                   rate_only=bool(rates) and "mode" not in options and "limit" not in options,
+                   rate_only=rate_only,
                    on_contention=cast(Contention, policy), on_lock_lost=on_lock_lost, lock=locking, dedupe=dedupe)
 
     def contention(self, defaults: TaskDefaults) -> Contention:
