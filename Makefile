@@ -77,13 +77,16 @@ bench: system venv
 chaos: system venv
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
 
-# Java, ZooKeeper and Redis (and openssl for the TLS test's CA, chromium for the test that lays out the
-# docs site in a browser) from the distribution, only when missing.
+# Java, ZooKeeper and Redis (a JDK and Apache Curator for the tests that lock beside a Java holder,
+# openssl for the TLS test's CA, chromium for the test that lays out the docs site in a browser) from
+# the distribution, only when missing.
 system:
 	@missing=""; \
 	command -v java >/dev/null 2>&1 || missing="$$missing default-jre-headless"; \
 	[ -n "$$ZOOKEEPER_HOME" ] || [ -e /usr/share/java/zookeeper.jar ] || missing="$$missing zookeeper"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v javac >/dev/null 2>&1 || missing="$$missing default-jdk-headless"; \
+	ls /usr/share/java/curator-recipes*.jar >/dev/null 2>&1 || missing="$$missing libcurator-recipes-java"; \
 	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
 	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
 	  || command -v google-chrome >/dev/null 2>&1 || missing="$$missing chromium"; \

@@ -35,9 +35,10 @@ from .exceptions import ConfigurationError
 
 __all__ = [
     "ACL_POLICIES", "CONTENTION_POLICIES", "DEDUPE_MODES", "DEFAULTS", "DESCRIPTIONS", "DUPLICATE_POLICIES",
-    "KEY_NAMES", "LOCK_LOST_POLICIES", "LOCK_MODES", "MIN_SECRET", "SECRET_SETTINGS", "UNAVAILABLE_POLICIES",
-    "AclPolicy", "MetricsSettings",
-    "ContentionPolicy", "DedupeMode", "DuplicatePolicy", "KeyNames", "LockLostPolicy", "LockMode", "Settings",
+    "KEY_NAMES", "LOCK_LOST_POLICIES", "LOCK_NAMES", "LOCK_MODES", "MIN_SECRET", "SECRET_SETTINGS",
+    "UNAVAILABLE_POLICIES", "AclPolicy", "MetricsSettings",
+    "ContentionPolicy", "DedupeMode", "DuplicatePolicy", "KeyNames", "LockLostPolicy", "LockNames", "LockMode",
+    "Settings",
     "TaskDefaults", "UnavailablePolicy", "beat_name", "choice", "describe", "did_you_mean", "optional_seconds",
     "positive_int", "shown", "unknown_settings",
 ]
@@ -75,6 +76,8 @@ UNAVAILABLE_POLICIES: Tuple[UnavailablePolicy, ...] = get_args(UnavailablePolicy
 #: ``hashed`` (an HMAC-SHA256 of the key under ``zklock_key_secret``).
 KeyNames = Literal["readable", "hashed"]
 KEY_NAMES: Tuple[KeyNames, ...] = get_args(KeyNames)
+LockNames = Literal["kazoo", "curator"]
+LOCK_NAMES: Tuple[LockNames, ...] = get_args(LockNames)
 
 #: Setting name -> default (what each one is: DESCRIPTIONS, below).
 DEFAULTS: Mapping[str, Any] = {
@@ -87,6 +90,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_acl": "open",
     "zklock_key_names": "readable",
     "zklock_key_secret": None,
+    "zklock_lock_names": "kazoo",
     "zklock_use_ssl": False,
     "zklock_ca": None,
     "zklock_certfile": None,
@@ -136,6 +140,13 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
     "zklock_key_names": ("str", "How a lock key becomes a znode name: `readable` (the key itself, "
                          "percent-encoded) or `hashed` (an HMAC-SHA256 of the key under `zklock_key_secret`; the "
                          "holder's data then carries no key either)."),
+    "zklock_lock_names": ("str", "How a lock contender's node is named: `kazoo` (`<uuid>__lock__<seq>`, "
+                          "kazoo's names: its `Lock`, `ReadLock` and `WriteLock` share our locks) or `curator` "
+                          "(`_c_<uuid>-lock-<seq>`, `-__READ__`, `-__WRIT__`: Apache Curator's "
+                          "`InterProcessMutex` and `InterProcessReadWriteLock` share them; see "
+                          "[locks shared with Java](../guide/curator.md)). A kazoo-named lock shares nothing "
+                          "with Curator's. Every process of a root must agree: one that does not is refused "
+                          "at start. `curator` refuses `limit=` and `rate=`."),
     "zklock_key_secret": ("str or bytes", "The HMAC key of `hashed` names: at least 16 bytes, the same in every "
                           "worker, beat and CLI of the app. Required by `hashed`, refused without it. Never printed."),
     "zklock_use_ssl": ("bool", "Talk TLS to ZooKeeper's `secureClientPort`."),
@@ -229,6 +240,7 @@ _FIELDS: Mapping[str, Tuple[str, Callable[[Any], Any]]] = {
     "acl": ("zklock_acl", lambda v: choice("zklock_acl", v, ACL_POLICIES)),
     "key_names": ("zklock_key_names", lambda v: choice("zklock_key_names", v, KEY_NAMES)),
     "key_secret": ("zklock_key_secret", _secret),
+    "lock_names": ("zklock_lock_names", lambda v: choice("zklock_lock_names", v, LOCK_NAMES)),
     "use_ssl": ("zklock_use_ssl", lambda v: _flag("zklock_use_ssl", v)),
     "ca": ("zklock_ca", lambda v: _file("zklock_ca", v)),
     "certfile": ("zklock_certfile", lambda v: _file("zklock_certfile", v)),
@@ -282,6 +294,7 @@ class Settings:
     acl: AclPolicy = DEFAULTS["zklock_acl"]
     key_names: KeyNames = DEFAULTS["zklock_key_names"]
     key_secret: Optional[bytes] = field(default=None, repr=False)
+    lock_names: LockNames = DEFAULTS["zklock_lock_names"]
     use_ssl: bool = False
     ca: Optional[str] = None
     certfile: Optional[str] = None
@@ -301,7 +314,7 @@ class Settings:
         return (
             f"Settings(hosts={self.hosts!r}, root={self.root!r}, session_timeout={self.session_timeout}, "
             f"connect_timeout={self.connect_timeout}, auth={user!r}, acl={self.acl!r}, "
-            f"key_names={self.key_names!r}, use_ssl={self.use_ssl})"
+            f"key_names={self.key_names!r}, lock_names={self.lock_names!r}, use_ssl={self.use_ssl})"
         )
 
     @classmethod

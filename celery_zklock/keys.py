@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from .exceptions import ConfigurationError, KeyBuildError
 from .layout import MAX_NAME, check_key, encode_key
 
-__all__ = ["MAX_NAME", "KeyBuildError", "KeyPart", "bind_arguments", "build_keys", "check_key", "check_key_parts",
-           "default_key", "encode_key"]
+__all__ = ["MAX_NAME", "KeyBuildError", "KeyPart", "bind_arguments", "build_keys", "build_path", "check_key",
+           "check_key_parts", "check_path_template", "check_znode_path", "default_key", "encode_key"]
 
 #: One part of a task's lock key: a ``str.format`` template over the task's
 #: arguments, or a callable taking the task's arguments and returning a str.
@@ -224,6 +224,17 @@ class _StableFormatter(string.Formatter):
         return value, used
 
 
+class _PathFormatter(_StableFormatter):
+    """A key's formatter whose every field must stay inside one znode name."""
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        text = super().format_field(value, format_spec)
+        if "/" in text:
+            raise KeyBuildError(f"{self.where}: path {self.template!r} would render a field with a '/' in it: "
+                                "a field names part of one znode, never another parent")
+        return text
+
+
 def _unordered(value: Any, depth: int = 0) -> Optional[str]:
     """The name of a mapping or set in ``value`` (itself, or inside a list or tuple), else None.
 
@@ -244,3 +255,74 @@ def _unordered(value: Any, depth: int = 0) -> Optional[str]:
 
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", repr(fn))
+
+
+def check_znode_path(path: str, what: str) -> str:
+    """``path`` if it is an absolute znode path ZooKeeper accepts, else ConfigurationError naming ``what``.
+
+    >>> check_znode_path("/billing/locks/invoice-42", "path")
+    '/billing/locks/invoice-42'
+    >>> check_znode_path("/billing/../x", "path")
+    Traceback (most recent call last):
+    ...
+    celery_zklock.exceptions.ConfigurationError: path='/billing/../x' must be an absolute znode path ...
+    """
+    parts = path.split("/") if isinstance(path, str) else []
+    if (len(parts) < 2 or parts[0] != "" or any(p in ("", ".", "..") for p in parts[1:])
+            or any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f for c in path)):
+        raise ConfigurationError(f"{what}={path!r:.120} must be an absolute znode path (like /app/locks/invoice-42): "
+                                 "no empty, '.' or '..' names, no trailing '/', no control characters")
+    return path
+
+
+def check_path_template(template: Any, fn: Optional[Callable[..., Any]], where: str) -> Optional[str]:
+    """Validate a ``path=`` template (the znode to lock, as a Java service names it) when the
+    task is defined, as key templates are: it names the task's arguments (or, for ``lock()``,
+    ``fn`` None, only ``{key}``), and what is not a field is an absolute znode path already.
+
+    >>> check_path_template("/billing/locks/invoice-{invoice_id}", lambda invoice_id: None, "task t")
+    '/billing/locks/invoice-{invoice_id}'
+    """
+    if template is None:
+        return None
+    if not isinstance(template, str):
+        raise ConfigurationError(f"{where}: path must be a str template, not {type(template).__name__}")
+    if fn is None:
+        try:
+            roots = _template_roots(template)
+        except ValueError as exc:
+            raise ConfigurationError(f"{where}: path template {template!r} is malformed: {exc}") from None
+        if any(root != "key" for root in roots):
+            raise ConfigurationError(f"{where}: path template {template!r} may name only {{key}}")
+    else:
+        try:
+            check_key_parts(template, fn, where)
+        except ConfigurationError as exc:  # the same checks: said of the path
+            raise ConfigurationError(str(exc).replace(": key template", ": path template", 1)) from None
+    check_znode_path("".join(text + ("x" if field is not None else "")
+                             for text, field, _, _ in string.Formatter().parse(template)), f"{where}: path")
+    return template
+
+
+def build_path(template: str, arguments: Mapping[str, Any], where: str) -> str:
+    """Render a ``path=`` template for one call, as a key template is rendered, refusing a
+    field whose text has a ``/`` in it (it would name another znode than the one meant).
+
+    >>> build_path("/billing/locks/invoice-{invoice_id}", {"invoice_id": 42}, "task t")
+    '/billing/locks/invoice-42'
+    >>> build_path("/b/{key}", {"key": "a/b"}, "lock()")
+    Traceback (most recent call last):
+    ...
+    celery_zklock.exceptions.KeyBuildError: lock(): path '/b/{key}' would render a field with a '/' in it: ...
+    """
+    try:
+        path = _PathFormatter(where, template).vformat(template, (), arguments)
+    except KeyBuildError:
+        raise
+    except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
+        raise KeyBuildError(f"{where}: cannot build path {template!r} from the arguments: "
+                            f"{type(exc).__name__}: {exc}") from None
+    try:
+        return check_znode_path(path, f"{where}: path")
+    except ConfigurationError as exc:
+        raise KeyBuildError(str(exc)) from None

@@ -3,8 +3,10 @@
 ::
 
     <zklock_root>                                                     its data: the key-name scheme
+                                                                      (and the lock names, if Curator's)
     <zklock_root>/members/<scheme>-<session id>                       each live session's scheme (ephemeral)
     <zklock_root>/locks/<encoded key>/<uuid>__lock__|__rlock__<seq>   read/write and exclusive locks
+    <zklock_root>/locks/<encoded key>/_c_<uuid>-lock-|-__READ__|-__WRIT__<seq>   the same, Curator's names
     <zklock_root>/semaphores/<encoded key>/<uuid>__sem__<seq>         counting semaphores
     <zklock_root>/queued/<encoded task name and key>                  enqueue-time dedupe markers
     <zklock_root>/publish-order                                       each write's zxid orders a preempt publish
@@ -40,7 +42,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 from urllib.parse import unquote_to_bytes
 
 __all__ = ["LIMITS", "LOCK_TREES", "MAX_NAME", "MEMBERS", "PARKED", "RATES", "Layout", "check_key", "decode_key",
-           "encode_key", "hashed_name", "node_object"]
+           "encode_key", "hashed_name", "node_object", "scheme_mismatch", "scheme_parts"]
 
 #: The two trees lock keys live in: semaphores apart, so a semaphore and a lock on one key never meet.
 LOCK_TREES: Tuple[str, str] = ("locks", "semaphores")
@@ -130,22 +132,55 @@ def hashed_name(secret: bytes, key: str) -> str:
     return "s-" + hmac.new(secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
+def scheme_parts(scheme: str) -> Tuple[str, str]:
+    """A recorded scheme's key names (``readable``, ``hashed``) and lock names (``kazoo``, ``curator``).
+
+    >>> scheme_parts("readable"), scheme_parts("hashed:0123456789abcdef+curator")
+    (('readable', 'kazoo'), ('hashed', 'curator'))
+    """
+    keys, plus, names = scheme.partition("+")
+    return keys.split(":")[0], names if plus else "kazoo"
+
+
+def scheme_mismatch(recorded: str, ours: str) -> Tuple[str, str, str]:
+    """The setting two schemes differ in, the recorded one's names and ours, for a message.
+
+    >>> scheme_mismatch("readable+curator", "readable")
+    ('zklock_lock_names', 'curator lock names', 'names lock contenders as kazoo does')
+    >>> scheme_mismatch("hashed:aa", "hashed:bb")
+    ('zklock_key_names', 'hashed key names under another zklock_key_secret', 'names keys as hashed')
+    """
+    (their_keys, their_names), (our_keys, our_names) = scheme_parts(recorded), scheme_parts(ours)
+    if their_names != our_names:
+        return "zklock_lock_names", f"{their_names} lock names", f"names lock contenders as {our_names} does"
+    other = " under another zklock_key_secret" if their_keys == our_keys else ""
+    return "zklock_key_names", f"{their_keys} key names{other}", f"names keys as {our_keys}"
+
+
 @dataclass(frozen=True)
 class Layout:
-    """The paths under one ``zklock_root``; with ``secret``, lock keys get hashed names."""
+    """The paths under one ``zklock_root``; with ``secret``, lock keys get hashed names;
+    ``lock_names`` is the family contenders' nodes are named in (``zklock_lock_names``)."""
 
     root: str
     secret: Optional[bytes] = field(default=None, repr=False)
+    lock_names: str = "kazoo"
 
     @property
     def scheme(self) -> str:
         """How this layout names keys, as recorded in the root's data: ``readable``, or
         ``hashed:`` plus a fingerprint of the secret (an HMAC, so it reveals nothing of it):
-        two secrets name one key differently, so they must not share a root either.
+        two secrets name one key differently, so they must not share a root either. Under
+        Curator's lock names, ``+curator`` follows: a kazoo-named contender and a Curator one
+        both see each other, but a Java contender sees only Curator's names.
+
+            >>> Layout("/r").scheme, Layout("/r", lock_names="curator").scheme
+            ('readable', 'readable+curator')
         """
+        names = "" if self.lock_names == "kazoo" else f"+{self.lock_names}"
         if self.secret is None:
-            return "readable"
-        return "hashed:" + hmac.new(self.secret, b"celery-zklock scheme", hashlib.sha256).hexdigest()[:16]
+            return "readable" + names
+        return "hashed:" + hmac.new(self.secret, b"celery-zklock scheme", hashlib.sha256).hexdigest()[:16] + names
 
     def name(self, key: str) -> str:
         """The znode name of a lock key."""

@@ -23,17 +23,19 @@ from kazoo.exceptions import (
     ZookeeperError,
 )
 
-from ..conf import LockMode, MetricsSettings, Settings, TaskDefaults, did_you_mean
+from ..conf import LockMode, LockNames, MetricsSettings, Settings, TaskDefaults, did_you_mean
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable, explain
+from ..keys import build_path, check_path_template
 from ..layout import LOCK_TREES, Layout, check_key
 from ..recipes.live import LiveSource
 from ..recipes.lock import EXCLUSIVE, READ, WRITE, Lock, Rule, check_timeout, semaphore
 from ..recipes.rate import Rate, RateSlot, RateValue, check_units, parse_rate
+from ..recipes.rules import mode_rules
 from ..zk import Session, deadline, remaining, session_for, through_blips, timeouts
 from ..zk.nodes import unreadable
 
-__all__ = ["MODES", "claim_scheme", "holder_data", "layout_of", "lock", "lock_path", "rule_for", "settings_of",
-           "task_defaults"]
+__all__ = ["MODES", "app_rule", "claim_scheme", "curator_refusal", "holder_data", "layout_of", "lock", "lock_at",
+           "lock_path", "rule_for", "settings_of", "task_defaults"]
 
 #: Lock modes and their rules; ``exclusive`` and ``write`` are the same lock.
 MODES: Dict[LockMode, Rule] = {"exclusive": EXCLUSIVE, "write": WRITE, "read": READ}
@@ -70,19 +72,40 @@ def task_defaults(app: Any) -> TaskDefaults:
 def layout_of(app: Any) -> Layout:
     """The znode paths of a Celery app (under its ``zklock_root``, named as ``zklock_key_names`` says)."""
     settings = settings_of(app)
-    return Layout(settings.root, settings.key_secret if settings.key_names == "hashed" else None)
+    return Layout(settings.root, settings.key_secret if settings.key_names == "hashed" else None, settings.lock_names)
 
 
-def rule_for(mode: LockMode = "exclusive", limit: Optional[int] = None) -> Rule:
-    """The lock rule for a mode, or the semaphore rule when ``limit`` is given."""
+def rule_for(mode: LockMode = "exclusive", limit: Optional[int] = None, names: LockNames = "kazoo") -> Rule:
+    """The lock rule for a mode, or the semaphore rule when ``limit`` is given; ``names`` is the
+    family its contenders' nodes are named in (``zklock_lock_names``)."""
     if limit is not None:
         if mode != "exclusive":
             raise ValueError(f"limit={limit!r} makes a semaphore; it cannot be combined with mode={mode!r}")
         return semaphore(limit)
     try:
-        return MODES[mode]
+        return mode_rules(names)[mode]
     except (KeyError, TypeError):
         raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}") from None
+
+
+def app_rule(app: Any, mode: LockMode = "exclusive", limit: Optional[int] = None) -> Rule:
+    """:func:`rule_for` with the app's ``zklock_lock_names``."""
+    names = settings_of(app).lock_names
+    if limit is not None and names == "curator":
+        raise ConfigurationError(curator_refusal(f"limit={limit!r}", "lock()"))
+    return rule_for(mode, limit, names)
+
+
+def curator_refusal(what: str, where: str) -> str:
+    """Why ``what`` (``limit=``, ``rate=``) cannot be under ``zklock_lock_names='curator'``.
+
+    >>> print(curator_refusal("limit=3", "task app.sync"))
+    task app.sync: limit=3 is refused under zklock_lock_names='curator': ...
+    """
+    return (f"{where}: {what} is refused under zklock_lock_names='curator': Curator's semaphore "
+            "(InterProcessSemaphoreV2) keeps its leases in a protocol of its own that this package does not "
+            "speak, so a Java service would not count our holders; drop it, or use zklock_lock_names='kazoo' "
+            "(a kazoo-named lock shares nothing with Curator's)")
 
 
 def lock_path(app: Any, key: str, limit: Optional[int] = None) -> str:
@@ -127,7 +150,7 @@ def claim_scheme(session: Session, layout: Layout, timeout: float) -> None:
 _NO_ANSWER = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 
 
-_LOCK_OPTIONS = ("mode", "timeout", "limit", "rate", "units", "session", "on_state", "blocking")
+_LOCK_OPTIONS = ("mode", "timeout", "limit", "rate", "units", "path", "session", "on_state", "blocking")
 _TASK_OPTIONS = ("key", "on_contention", "on_lock_lost", "dedupe")
 _SET_BY_THE_LOCK = ("host", "pid")
 
@@ -147,6 +170,7 @@ def lock(
     limit: Optional[int] = None,
     rate: Optional[RateValue] = None,
     units: Optional[int] = None,
+    path: Optional[str] = None,
     session: Optional[Session] = None,
     on_state: Optional[Callable[[Lock, str], None]] = None,
     **holder: Any,
@@ -160,6 +184,8 @@ def lock(
     :class:`~celery_zklock.recipes.rate.RateSlot`): at most that many ``with`` blocks
     (or :meth:`~celery_zklock.recipes.rate.RateSlot.begin` calls) start in any such window;
     ``units=U`` makes this one start count as U of them (a weighted start).
+    ``path="/billing/locks/{key}"`` locks that znode instead of the key's under ``zklock_root``
+    (the znode a Java service locks, with ``zklock_lock_names="curator"``); ``{key}`` is the key.
     ``on_state(lock, state)`` hears when a held lock becomes in doubt, held again, or lost.
     Extra keyword arguments go into the holder's node data.
     """
@@ -178,15 +204,32 @@ def lock(
         if hint:
             raise ConfigurationError(f"lock(): unknown option {name!r}{hint} (other keyword arguments go into "
                                      "the holder's node data, but not one named like an option)")
+    if settings_of(app).lock_names == "curator" and (limit is not None or rate is not None):
+        raise ConfigurationError(curator_refusal(f"limit={limit!r}" if limit is not None else f"rate={rate!r}",
+                                                 "lock()"))
+    znode = None
+    if path is not None:
+        check_key(key)
+        if limit is not None or rate is not None:
+            raise ConfigurationError("lock(): path= locks one znode as a lock; it cannot be combined with "
+                                     f"{'limit=' if limit is not None else 'rate='} (those live under zklock_root)")
+        znode = build_path(check_path_template(path, None, "lock()") or "", {"key": key}, "lock()")
     if rate is not None:
         return _rate_slot(app, key, mode, limit, rate, units, timeout, session, on_state, holder)
     if units is not None:
         raise ConfigurationError(f"lock(): units={units!r}: units= weighs the starts of rate=, and this lock has no "
                                  "rate=; give rate= too, or drop units=")
-    rule = rule_for(mode, limit)
+    return lock_at(app, key, mode, timeout, limit=limit, znode=znode, session=session, on_state=on_state, **holder)
+
+
+def lock_at(app: Any, key: str, mode: LockMode = "exclusive", timeout: Optional[float] = None, *,
+            limit: Optional[int] = None, znode: Optional[str] = None, session: Optional[Session] = None,
+            on_state: Optional[Callable[[Lock, str], None]] = None, **holder: Any) -> Lock:
+    """:func:`lock`'s lock, options checked already: at ``znode`` (a rendered ``path=``), or the key's."""
+    rule = app_rule(app, mode, limit)
     check_timeout(timeout)
     layout = layout_of(app)
-    path = layout.lock(key, semaphore=limit is not None)
+    path = layout.lock(key, semaphore=limit is not None) if znode is None else znode
     name = mode if limit is None else rule.name
     extra: Dict[str, Any] = {} if limit is None else {"limit": limit}  # lets `celery zklock locks` tell holders apart
     if layout.secret is None:
@@ -209,6 +252,8 @@ def rate_path(app: Any, key: str, rate: Rate) -> str:
 def rate_slot(app: Any, key: str, rate: Rate, timeout: Optional[float] = None, session: Optional[Session] = None,
               on_state: Optional[Callable[[Lock, str], None]] = None, units: int = 1, **holder: Any) -> RateSlot:
     """A start slot of ``key`` for one window of its rate (see :func:`lock`'s ``rate=``)."""
+    if settings_of(app).lock_names == "curator":
+        raise ConfigurationError(curator_refusal(f"rate={rate.count}/{rate.window:g}s", "lock()"))
     layout = layout_of(app)
     path = rate_path(app, key, rate)
     extra: Dict[str, Any] = {"rate": [rate.count, rate.window]}

@@ -36,7 +36,7 @@ from ..recipes.engine import ContenderObserver
 from ..recipes.preempt import PUBLISHED
 from ..recipes.rate import RateSlot
 from ..zk import Session, deadline, remaining, session_for, timeouts
-from .api import layout_of, lock, lock_path, rate_path, rate_slot, settings_of, task_defaults
+from .api import layout_of, lock_at, lock_path, rate_path, rate_slot, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
 from .locking_outcomes import SKIPPED, _Contended, _preempted, _refused, _superseded, skipped
@@ -134,7 +134,9 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     limit = spec.limit_for(task.name, args, kwargs, bound)
     rates = spec.rates_for(task.name, args, kwargs, bound)
     units = spec.units_for(task.name, args, kwargs, bound, rates) if rates else 1
-    ordered = sorted({**({} if spec.rate_only else {lock_path(app, key, limit): (key, None) for key in keys}),
+    # path=: the one znode a Java service locks, rendered from the same arguments.
+    znode = spec.path_for(task.name, fn, args, kwargs, bound)
+    ordered = sorted({**({} if spec.rate_only else {znode or lock_path(app, key, limit): (key, None) for key in keys}),
                       **{rate_path(app, key, one): (key, one) for key in keys for one in rates}}.items())
     settings = settings_of(app)
     request = task.request
@@ -149,8 +151,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     placed: Dict[str, Any] = {} if place is None else {PUBLISHED: place}
     try:
         session = session_for(settings)
-        locks = [lock(app, key, spec.mode, limit=limit, session=session, on_state=on_state,
-                      task=task.name, task_id=request.id, worker=request.hostname, **placed) if rate is None
+        locks = [lock_at(app, key, spec.mode, limit=limit, znode=znode, session=session, on_state=on_state,
+                         task=task.name, task_id=request.id, worker=request.hostname, **placed) if rate is None
                  # A slot bounds starts, not the body: its loss once begun interrupts nothing.
                  else rate_slot(app, key, rate, session=session, units=units, task=task.name, task_id=request.id,
                                 worker=request.hostname)

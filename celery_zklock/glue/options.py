@@ -46,9 +46,9 @@ from ..conf import (
     did_you_mean,
 )
 from ..exceptions import ConfigurationError
-from ..keys import KeyPart, bind_arguments, build_keys, check_key_parts, default_key
+from ..keys import KeyPart, bind_arguments, build_keys, build_path, check_key_parts, check_path_template, default_key
 from ..recipes.rate import Rate, RateValue, check_units, parse_rate
-from .api import metrics_of, rule_for, settings_of, task_defaults
+from .api import curator_refusal, metrics_of, rule_for, settings_of, task_defaults
 from .policies import DEFAULT, Contention, Dedupe, FromSettings, Park, Preempt, contention_policy, dedupe_policy
 
 __all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions",
@@ -77,6 +77,7 @@ class LockOptions(TypedDict, total=False):
     on_lock_lost: LockLostPolicy
     lock: bool
     dedupe: Union[DedupeMode, Dedupe, None]
+    path: Optional[str]
 
 
 class TaskLockOptions(LockOptions, total=False):
@@ -112,6 +113,9 @@ class LockSpec:
     lock: bool = True
     #: Enqueue-time dedupe: None, or a policy (``Queued``, ``QueuedOrRunning``, ``Latest``).
     dedupe: Optional[Dedupe] = None
+    #: The znode to lock, a template over the task's arguments (a Java service's lock), or None:
+    #: the key's under ``zklock_root``.
+    path: Optional[str] = None
 
     @classmethod
     def make(cls, fn: Callable[..., Any], where: str, options: Mapping[str, Any]) -> LockSpec:
@@ -160,6 +164,11 @@ class LockSpec:
                              f"drop {'them' if len(lock_only) > 1 else 'it'}, or lock=False")
         no_parts: Tuple[KeyPart, ...] = ()
         parts = checked(lambda: check_key_parts(options.get("key"), fn, where), no_parts)
+        path = checked(lambda: check_path_template(options.get("path"), fn, where), None)
+        if path is not None:
+            refused_with_path = _path_refusal(limit, options.get("rate"), parts, policy)
+            if refused_with_path:
+                found.append(f"{where}: {refused_with_path}")
         given_rate = options.get("rate")
         no_rates: Tuple[Rate, ...] = ()
         rates: Union[Tuple[Rate, ...], Callable[..., Any]] = (
@@ -184,7 +193,8 @@ class LockSpec:
             raise ConfigurationError("; ".join(found))
         return cls(where=where, parts=parts, mode=mode, limit=limit, rate=rates, units=units,
                    rate_only=rate_only,
-                   on_contention=cast(Contention, policy), on_lock_lost=on_lock_lost, lock=locking, dedupe=dedupe)
+                   on_contention=cast(Contention, policy), on_lock_lost=on_lock_lost, lock=locking, dedupe=dedupe,
+                   path=path)
 
     def contention(self, defaults: TaskDefaults) -> Contention:
         """What this task does when its lock is held: its own policy, else the app's default, with
@@ -263,6 +273,13 @@ class LockSpec:
             return check_units(value, rates, what)
         except ValueError as exc:
             raise ConfigurationError(f"task {task_name}: {exc}") from None
+
+    def path_for(self, task_name: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
+                 bound: bool) -> Optional[str]:
+        """The znode the call locks (``path=`` rendered), or None: the key's under ``zklock_root``."""
+        if self.path is None:
+            return None
+        return build_path(self.path, bind_arguments(fn, args, kwargs, skip_first=bound), f"task {task_name}")
 
     def keys(self, task_name: str, fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any],
              bound: bool, private: bool = False) -> List[str]:
@@ -354,6 +371,25 @@ def _rate_refusal(policy: Contention, rate: Any, limit: Any, units: Any = 1, alo
     return None
 
 
+def _path_refusal(limit: Any, rate: Any, parts: Tuple[KeyPart, ...], policy: Any) -> Optional[str]:
+    """Why ``path=`` cannot serve these other options (None: it can). A lock at a path of its own
+    is one znode: no semaphore, no start slots, one key; its queue is not under ``zklock_root``,
+    where a parked copy or a preempting one finds the lock it waits for.
+
+    >>> print(_path_refusal(None, None, (), Park()))
+    path= with on_contention=Park() is refused: park finds a key's lock under zklock_root, ...
+    """
+    given = ("limit=" if limit is not None else "rate=" if rate is not None else
+             "a key list" if len(parts) > 1 else None)
+    if given:
+        return f"path= locks one znode as a lock; it cannot be combined with {given}"
+    if isinstance(policy, (Park, Preempt)):
+        return (f"path= with on_contention={type(policy).__name__}() is refused: {type(policy).__name__.lower()} "
+                "finds a key's lock under zklock_root, not at a path of its own; use Wait(...), Skip(), "
+                "Retry(...) or Raise()")
+    return None
+
+
 def _shown_units(units: Any) -> str:
     return _fn_name(units) if callable(units) else repr(units)
 
@@ -382,7 +418,7 @@ OPTIONS: Tuple[str, ...] = ("key", *(f.name for f in dataclasses.fields(LockSpec
 _DEFAULTS: Dict[str, Any] = {"key": None, **{f.name: f.default for f in dataclasses.fields(LockSpec)
                                              if f.name in OPTIONS}}
 #: The options that mean something only with the lock.
-_LOCK_ONLY = ("mode", "limit", "rate", "units", "on_contention", "on_lock_lost")
+_LOCK_ONLY = ("mode", "limit", "rate", "units", "on_contention", "on_lock_lost", "path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -586,6 +622,12 @@ def contention_problem(app: Any, where: str, spec: Optional[LockSpec], defaults:
     problem = policy_problem(where, spec, defaults, len(spec.parts) or 1)
     if problem is None and spec.parks(defaults) is not None and app.conf.get("zklock_key_names") == "hashed":
         problem = PARK_HASHED.format(where=where)
+    if problem is None and spec.path is not None:
+        # The app's default policy, which the task's own check could not see.
+        refused = _path_refusal(None, None, (), spec.contention(defaults))
+        problem = f"{where}: {refused}" if refused else None
+    if problem is None and app.conf.get("zklock_lock_names") == "curator" and (spec.limit is not None or spec.rate):
+        problem = curator_refusal("limit=" if spec.limit is not None else "rate=", where)
     return problem
 
 

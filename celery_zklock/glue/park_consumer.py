@@ -33,7 +33,7 @@ from celery.worker.request import Request
 from ..exceptions import explain
 from ..recipes.park import delivery_token
 from ..recipes.rules import semaphore
-from .api import lock_path, rule_for, task_defaults
+from .api import app_rule, lock_path, task_defaults
 from .options import spec_of
 from .park_consumer_parks import ConsumerParks
 from .park_consumer_state import LEND_AT_MOST, VIEW_KEYS, Decision, Job, KeyState, View, decide
@@ -147,7 +147,7 @@ class _ConsumerParking(ConsumerParks):
                 entry.rate = rate
             else:
                 semaphored = spec.limit is not None
-                rule = rule_for(spec.mode, spec.limit)
+                rule = app_rule(self.app, spec.mode, spec.limit)
                 entry = self._keys[key] = KeyState(key, self.layout.parked(key, semaphored),
                                                lock_path(self.app, key, spec.limit), rule,
                                                rule.name if semaphored else spec.mode, self)

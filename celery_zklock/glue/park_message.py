@@ -27,7 +27,7 @@ from ..recipes.park_watch import QueueWatch
 from ..recipes.rate import Rate, RateOrphans, RateSlot
 from ..recipes.rules import Rule, semaphore
 from ..zk import Session, deadline, timeouts
-from .api import layout_of, lock_path, rule_for, task_defaults
+from .api import app_rule, layout_of, lock_path, task_defaults
 
 logger = logging.getLogger("celery_zklock")
 
@@ -141,7 +141,7 @@ def _queue_at(session: Session, app: Any, path: str, spec: Any) -> ParkedQueue:
     rate = spec.parked_rate if spec is not None else None
     if rate is not None and lock.endswith(f"@{rate.window:g}s"):
         return _rate_queue(session, app, path, lock, rate)
-    rule = rule_for() if spec is None else rule_for(spec.mode, spec.limit)
+    rule = app_rule(app) if spec is None else app_rule(app, spec.mode, spec.limit)
     return ParkedQueue(session, path, lock, rule, live=_live_of(app, lock, rule))
 
 
@@ -152,7 +152,7 @@ def parked_queue(session: Session, app: Any, spec: Any, key: str, limit: Optiona
     rate = spec.parked_rate
     if rate is not None:
         return _rate_queue(session, app, layout.parked_rate(key, rate.window), layout.rate(key, rate.window), rate)
-    lock, rule = lock_path(app, key, limit), rule_for(spec.mode, limit)
+    lock, rule = lock_path(app, key, limit), app_rule(app, spec.mode, limit)
     return ParkedQueue(session, layout.parked(key, limit is not None), lock, rule, live=_live_of(app, lock, rule))
 
 

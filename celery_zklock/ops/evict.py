@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, TypeVar
 import click
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NoAuthError, NoNodeError
 
-from ..layout import LOCK_TREES, MEMBERS, Layout, decode_key, node_object
+from ..layout import LOCK_TREES, MEMBERS, Layout, decode_key, node_object, scheme_mismatch, scheme_parts
 from ..recipes.lock import EVICTED_BY
 from ..recipes.rules import contender
 from ..zk import Session
@@ -38,8 +38,8 @@ def foreign(layout: Layout, path: str) -> str:
         ''
         >>> foreign(Layout("/r"), "/r/beat/k-b/election/0f3a__lock__0000000001")
         'it is not a contender node under /r/locks/*/ or /r/semaphores/*/ (evict takes locks and semaphores)'
-        >>> foreign(Layout("/r"), "/r/semaphores/k-a/junk")
-        "'junk' is not a contender node's name (__lock__, __rlock__ or __sem__ and a sequence number)"
+        >>> print(foreign(Layout("/r"), "/r/semaphores/k-a/junk"))
+        'junk' is not a contender node's name (__lock__, __rlock__, __sem__, or Curator's -lock-, ...
         >>> foreign(Layout("/r", secret=b"0123456789abcdef"), "/r/locks/k-a/0f3a__lock__0000000001")
         "its key's name 'k-a' is a readable one, and this app names keys hashed (s-...): not this app's lock"
     """
@@ -51,7 +51,8 @@ def foreign(layout: Layout, path: str) -> str:
                 "(evict takes locks and semaphores)")
     name, node = parts[1], parts[2]
     if contender(node) is None:
-        return f"{node!r} is not a contender node's name (__lock__, __rlock__ or __sem__ and a sequence number)"
+        return (f"{node!r} is not a contender node's name (__lock__, __rlock__, __sem__, or Curator's -lock-, "
+                "-__READ__ or -__WRIT__, and a sequence number)")
     # A name of the other scheme is another app's (or this app's before a switch): its holders
     # never exclude this app's, so taking their lock is not this app's call.
     if layout.secret is not None and not name.startswith("s-"):
@@ -75,7 +76,11 @@ def other_scheme(layout: Layout, recorded: Optional[str]) -> str:
     """
     if recorded is None or recorded == layout.scheme:
         return ""
-    kind, ours = recorded.split(":")[0], layout.scheme.split(":")[0]
+    setting, theirs, ours = scheme_mismatch(recorded, layout.scheme)
+    if setting == "zklock_lock_names":
+        return (f"zklock_root={layout.root} is in use with {theirs}, and this app {ours}: its locks are not "
+                "this app's (evict with the app that took them)")
+    kind, ours = scheme_parts(recorded)[0], scheme_parts(layout.scheme)[0]
     other = " under another zklock_key_secret" if kind == ours else ""
     return (f"zklock_root={layout.root} names keys {kind}{other}, this app {ours}: its locks are not this app's "
             "(evict with the app that took them)")

@@ -163,8 +163,8 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         leases = node_object(limit[0]).get("limit") if limit else None
         rule = semaphore(leases) if type(leases) is int and leases > 0 else None
 
-        def rule_of(node_name: str, rule: Optional[Rule] = rule) -> Rule:
-            return rule if rule is not None and RULES[node_name].name == "semaphore" else RULES[node_name]
+        def rule_of(kind: str, rule: Optional[Rule] = rule) -> Rule:
+            return rule if rule is not None and RULES[kind].name == "semaphore" else RULES[kind]
 
         holding, waiting = split_queue(children, rule_of)
         if not holding and not waiting:

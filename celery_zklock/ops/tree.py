@@ -102,7 +102,7 @@ def locks(session: Session, root: str, pattern: Optional[str] = None,
                 key = pattern if wanted is not None and pattern is not None else decode_key(name) or name
             if wanted is None and pattern is not None and not fnmatch.fnmatchcase(key, pattern):
                 continue
-            rule = _rule(semaphore(1).node_name, list(infos.values()), stored)
+            rule = _rule(semaphore(1).kind, list(infos.values()), stored)
             holders = [_contender(n, infos[n], nodes[n][1], now, "held_for") for n in holding]
             rows.append({"key": key, "path": path, "holders": holders, "waiters": len(waiting),
                          # In queue order: the next holder first.
@@ -153,7 +153,7 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
         rows.append({"key": f"{key} per {window}", "path": path, "holders": holders, "waiters": len(waiting),
                      "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
                      "parked": parked, "watched": watched,
-                     "limit": _rule(semaphore(1).node_name, list(infos.values()), stored).leases})
+                     "limit": _rule(semaphore(1).kind, list(infos.values()), stored).leases})
     return rows
 
 

@@ -117,7 +117,7 @@ class Engine:
 
         Whatever it returns or raises, call :meth:`leave` when done: a node it made stays until then.
         """
-        self._prefix = uuid.uuid4().hex + self.tag + self.rule.node_name
+        self._prefix = self.rule.prefix(uuid.uuid4(), self.tag)
         self._created = False
         self._cancelled = False
         self.blocked = False

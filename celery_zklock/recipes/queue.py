@@ -22,14 +22,14 @@ __all__ = ["contenders", "holders", "read_queue", "rule_of"]
 
 
 def rule_of(rule: Rule) -> Callable[[str], Rule]:
-    """Each node name's rule, seen by a contender under ``rule``: its own kind shares its rule
+    """Each kind's rule, seen by a contender under ``rule``: its own kind shares its rule
     (a semaphore's limit), the other kinds are kazoo's.
 
     >>> from celery_zklock.recipes.rules import semaphore
     >>> rule_of(semaphore(3))("__sem__").leases, rule_of(semaphore(3))("__lock__").name
     (3, 'write')
     """
-    return lambda node_name: rule if node_name == rule.node_name else RULES[node_name]
+    return lambda kind: rule if kind == rule.kind else RULES[kind]
 
 
 def read_queue(session: Session, path: str, rule: Rule, timeout: Optional[float] = None) -> List[Tuple[str, bool]]:

@@ -481,7 +481,7 @@ class _RateEngine(Engine):
             # under a new uuid: adopting it would start on a slot others count as dead.
             sweep_prefix(self.session, self.path, self._prefix)
             self.node, self._created = None, False
-            self._prefix = uuid.uuid4().hex + self.tag + self.rule.node_name
+            self._prefix = self.rule.prefix(uuid.uuid4(), self.tag)
         return super()._enter(until)
 
     def _cleared(self, children: List[str], until: Optional[float]) -> bool:

@@ -1,8 +1,13 @@
 """Who holds a key, decided from its node names alone: exclusive, read, write and semaphore
 as small :class:`Rule` values (the way Curator splits ``LockInternals`` from its drivers).
 
-A contender's node is ``<uuid><node_name><seq>``, kazoo's names, so kazoo's ``Lock``,
-``ReadLock`` and ``WriteLock`` on the same key contend with ours. A rule answers, from one
+A contender's node is named in one of two families (``zklock_lock_names``): kazoo's,
+``<uuid><node_name><seq>``, so kazoo's ``Lock``, ``ReadLock`` and ``WriteLock`` on the same key
+contend with ours; or Apache Curator's, ``_c_<uuid>-lock-<seq>`` (``InterProcessMutex``) and
+``_c_<uuid>-__READ__<seq>``/``-__WRIT__<seq>`` (``InterProcessReadWriteLock``), so a Java
+service's locks contend with ours. Every name is parsed here, by :func:`contender`, and both
+families are recognised whichever one this process writes: a node's *kind* is kazoo's node
+name of its role (``__lock__`` for a writer, ``__rlock__`` for a reader, ``__sem__``). A rule answers, from one
 unwatched read of the key's children, whether a node holds and which node(s) it should
 watch while it waits. Pure: no server, no threads; the engine, the queue view, the CLI and
 the test kit's history checks all ask the same rules.
@@ -17,27 +22,38 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 from ..exceptions import ConfigurationError
 from ..layout import node_object
 
-__all__ = ["EXCLUSIVE", "READ", "RULES", "WRITE", "Decision", "Rule", "contender", "semaphore", "sequence",
-           "split_queue", "units", "units_tag"]
+__all__ = ["CURATOR", "CURATOR_MARKERS", "EXCLUSIVE", "LOCK_NAMES", "READ", "RULES", "WRITE", "Decision", "Rule",
+           "contender", "mode_rules", "semaphore", "sequence", "split_queue", "units", "units_tag"]
 
-_CONTENDER_RE = re.compile(r"(__lock__|__rlock__|__sem__)(-?\d{10})$")
+#: Curator's markers, each with the kind it stands for. Curator sorts a child by what follows the
+#: *last* marker in its name (``StandardLockInternalsDriver.fixForSorting``): ZooKeeper's ten
+#: sequence digits, the same counter kazoo's names end in, so both families share one order.
+CURATOR_MARKERS: Dict[str, str] = {"-lock-": "__lock__", "-__WRIT__": "__lock__", "-__READ__": "__rlock__"}
+_CONTENDER_RE = re.compile(r"(__lock__|__rlock__|__sem__|-lock-|-__WRIT__|-__READ__)(-?\d{10})$")
 _UNITS_RE = re.compile(r"-(\d+)__sem__-?\d{10}$")
 
 
 def contender(name: str) -> Optional[Tuple[str, int]]:
-    """``(node name, sequence)`` of a contender's node, or None for anything else (junk).
+    """``(kind, sequence)`` of a contender's node, or None for anything else (junk). The kind is
+    kazoo's node name of the node's role, whichever family named it:
 
     >>> contender("0f3a__rlock__0000000007"), contender("junk")
     (('__rlock__', 7), None)
+    >>> contender("_c_9b1d-7c-lock-0000000003"), contender("_c_9b1d-7c-__READ__0000000004")
+    (('__lock__', 3), ('__rlock__', 4))
     """
     m = _CONTENDER_RE.search(name)
-    return (m.group(1), int(m.group(2))) if m else None
+    if not m:
+        return None
+    marker = m.group(1)
+    return CURATOR_MARKERS.get(marker, marker), int(m.group(2))
 
 
 def units(name: str) -> int:
@@ -88,9 +104,33 @@ class Rule:
 
     #: The mode, as users, node data and the CLI spell it: write, read or semaphore.
     name: str
+    #: What a contender's node name carries before its sequence: kazoo's node name, or a Curator marker.
     node_name: str
+    #: The kinds (see :func:`contender`) whose earlier nodes block a contender of this rule.
     blocked_by: FrozenSet[str]
     leases: int = 1
+
+    @property
+    def kind(self) -> str:
+        """The kind of this rule's nodes, as :func:`contender` reads them back.
+
+        >>> CURATOR["read"].kind, READ.kind
+        ('__rlock__', '__rlock__')
+        """
+        return CURATOR_MARKERS.get(self.node_name, self.node_name)
+
+    def prefix(self, uid: uuid.UUID, tag: str = "") -> str:
+        """A new contender's node name before the server appends its sequence: the engine finds
+        its own node again by this prefix. Curator's families begin with its ``_c_<uuid>``
+        (a ``withProtection()`` name), as Curator's own contenders do.
+
+        >>> u = uuid.UUID(int=1)
+        >>> EXCLUSIVE.prefix(u), CURATOR["exclusive"].prefix(u)
+        ('00000000000000000000000000000001__lock__', '_c_00000000-0000-0000-0000-000000000001-lock-')
+        """
+        if self.node_name in CURATOR_MARKERS:
+            return f"_c_{uid}{self.node_name}"
+        return uid.hex + tag + self.node_name
 
     @property
     def key_data(self) -> bytes:
@@ -182,13 +222,41 @@ def semaphore(limit: int) -> Rule:
     return Rule("semaphore", "__sem__", frozenset({"__sem__"}), limit)
 
 
-#: The rule of each node name (a semaphore's with one lease: its limit lives in holder data).
-RULES: Dict[str, Rule] = {r.node_name: r for r in (WRITE, READ, semaphore(1))}
+#: The rule of each kind (a semaphore's with one lease: its limit lives in holder data).
+RULES: Dict[str, Rule] = {r.kind: r for r in (WRITE, READ, semaphore(1))}
+
+#: The lock modes named as Curator names them: an exclusive lock as ``InterProcessMutex``, a
+#: write and a read lock as ``InterProcessReadWriteLock``. The two Curator recipes never see
+#: each other's nodes (each sorts the other's names last), so on a znode shared with Java an
+#: exclusive lock pairs with a mutex, and read/write with a read/write lock; ours see all.
+CURATOR: Dict[str, Rule] = {
+    "exclusive": Rule("write", "-lock-", WRITE.blocked_by),
+    "write": Rule("write", "-__WRIT__", WRITE.blocked_by),
+    "read": Rule("read", "-__READ__", READ.blocked_by),
+}
+
+#: The settings' name families (``zklock_lock_names``), each with its modes' rules.
+LOCK_NAMES: Dict[str, Dict[str, Rule]] = {
+    "kazoo": {"exclusive": EXCLUSIVE, "write": WRITE, "read": READ},
+    "curator": CURATOR,
+}
+
+
+def mode_rules(names: str) -> Dict[str, Rule]:
+    """The rule of each lock mode under a name family (``kazoo`` or ``curator``).
+
+    >>> mode_rules("curator")["exclusive"].node_name, mode_rules("kazoo")["exclusive"] is EXCLUSIVE
+    ('-lock-', True)
+    """
+    try:
+        return LOCK_NAMES[names]
+    except KeyError:
+        raise ValueError(f"lock names must be one of {sorted(LOCK_NAMES)}, not {names!r}") from None
 
 
 def split_queue(children: Iterable[str], rule_of: Callable[[str], Rule]) -> Tuple[List[str], List[str]]:
     """Split the contender nodes among ``children`` into holders and waiters, each in queue
-    order; ``rule_of(node_name)`` gives each kind's rule. Junk is left out.
+    order; ``rule_of(kind)`` gives each kind's rule. Junk is left out.
 
     >>> split_queue(["a__lock__0000000001", "b__rlock__0000000002", "junk"], RULES.__getitem__)
     (['a__lock__0000000001'], ['b__rlock__0000000002'])

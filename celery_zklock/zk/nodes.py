@@ -23,7 +23,7 @@ from kazoo.exceptions import ConnectionLoss, NoAuthError, NodeExistsError, NoNod
 from kazoo.security import ACL, Permissions
 
 from ..exceptions import ConfigurationError
-from ..layout import MEMBERS, node_object
+from ..layout import MEMBERS, node_object, scheme_mismatch
 from .deadlines import deadline, reply
 from .transport import create_container_async, create_node_async
 
@@ -95,14 +95,12 @@ class Nodes:
                 busy = (f"a process of it is alive (ZooKeeper session 0x{others[0].rsplit('-', 1)[-1]})"
                         if others else self._contended(trees, until))
                 if busy:
-                    kind, ours = recorded.split(":")[0], scheme.split(":")[0]
+                    setting, theirs, ours = scheme_mismatch(recorded, scheme)
                     raise ConfigurationError(
-                        f"zklock_key_names: {self.root} is in use with {kind} key names"
-                        + (" under another zklock_key_secret" if kind == ours else "")
-                        + f" and {busy}; this process names keys as {ours}, so their locks would not exclude "
-                        "each other. If that is another project sharing this ZooKeeper, give each its own "
-                        "zklock_root; if it is this app's old setting, stop every worker and publisher of it, "
-                        "then start the new ones")
+                        f"{setting}: {self.root} is in use with {theirs} and {busy}; this process {ours}, "
+                        "so their locks would not exclude each other. If that is another project sharing this "
+                        "ZooKeeper, give each its own zklock_root; if it is this app's old setting, stop every "
+                        "worker and publisher of it, then start the new ones")
             tx = client.transaction()
             tx.set_data(self.root, data, version=stat.version)  # any claim in between makes this fail
             tx.create(member, ephemeral=True)
