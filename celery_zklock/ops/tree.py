@@ -163,7 +163,7 @@ def queue_of(session: Session, path: str, stored: Optional[int] = None
     waiters, each in queue order, from one read of the key's node (``stored``: a semaphore's
     or a rate window's count stored live, which decides in place of the code's)."""
     nodes = read_many(session, path, [c for c in children(session, path) if contender(c)])
-    infos = {n: node_object(data) for n, (data, _) in nodes.items()}
+    infos = {n: _info(data) for n, (data, _) in nodes.items()}
     holding, waiting = split_queue(nodes, functools.partial(_rule, infos=list(infos.values()), stored=stored))
     return nodes, infos, holding, waiting
 
@@ -189,8 +189,28 @@ def _parked(node: str, data: bytes, since: float, now: float, flight: Optional[I
             "received": flight.received if flight is not None else None}
 
 
+#: Where :func:`queue_of` keeps the data of a node that is not ours (a Curator contender's: its
+#: client's IP address, as Curator writes it): no key our JSON could have.
+_FOREIGN = "\0data"
+
+
+def _info(data: bytes) -> Dict[str, Any]:
+    """A contender's data as an object: ours, or a foreign node's text under :data:`_FOREIGN`.
+
+    >>> _info(b'{"pid": 7}'), _info(b"10.0.0.7")[_FOREIGN], _info(b"")
+    ({'pid': 7}, '10.0.0.7', {})
+    """
+    info = node_object(data)
+    if info or not data:
+        return info
+    return {_FOREIGN: data.decode("utf-8", "replace")[:200]}
+
+
 def _contender(node: str, info: Dict[str, Any], stat: Any, now: float, age: str) -> Dict[str, Any]:
-    return {
+    foreign = info.get(_FOREIGN)
+    # Another client's contender (a Java service's, by Curator): what its node says is who it is.
+    where = {} if foreign is None else {"where": f"{foreign} (foreign)", "data": foreign}
+    return {**where,
         "mode": info["mode"] if isinstance(info.get("mode"), str)
         else _rule(contender(node)[0], []).name,  # type: ignore[index]
         "host": info.get("host"), "pid": info.get("pid"), "task": info.get("task"),
