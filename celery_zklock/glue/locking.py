@@ -36,6 +36,7 @@ from ..recipes.engine import ContenderObserver
 from ..recipes.preempt import PUBLISHED
 from ..recipes.rate import RateSlot
 from ..zk import Session, deadline, remaining, session_for, timeouts
+from . import tracing
 from .api import layout_of, lock, lock_path, rate_path, rate_slot, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
@@ -147,6 +148,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     if preempts and place is None:
         warn_placeless(task, request)
     placed: Dict[str, Any] = {} if place is None else {PUBLISHED: place}
+    if preempts:
+        placed.update(tracing.node_fields())  # a newer copy that stops this one links to its span
     try:
         session = session_for(settings)
         locks = [lock(app, key, spec.mode, limit=limit, session=session, on_state=on_state,
