@@ -124,9 +124,10 @@ def traceparent(span: Any = None) -> Optional[str]:
 
 
 def _context_of(api: _Otel, parent: Any) -> Any:
-    """The span context a traceparent names (invalid for anything else)."""
-    carried = api.w3c.extract({"traceparent": parent}) if isinstance(parent, str) else None
-    return api.trace.get_current_span(carried).get_span_context()
+    """The span context a traceparent names (invalid for anything else: never the current one)."""
+    if not isinstance(parent, str):
+        return api.trace.INVALID_SPAN_CONTEXT
+    return api.trace.get_current_span(api.w3c.extract({"traceparent": parent})).get_span_context()
 
 
 def _links(api: _Otel, named: Mapping[str, Any]) -> List[Any]:
