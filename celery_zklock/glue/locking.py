@@ -186,6 +186,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 if parking is not None:
                     parking.took = True
                 signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
+                tracing.acquired(task, one)
                 if one.waited:
                     signals.lock_contended.send(sender=task, lock=one, policy=policy.name,
                                                 outcome="preempted" if preempts else "waited")
@@ -212,6 +213,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 if one.acquire(blocking=True, timeout=None):
                     parking.took = True
                     signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
+                    tracing.acquired(task, one)
                     continue
                 held.pop()
                 raise Reject(f"{where}: delivered again after its take, it could not wait for lock {one.label!r}; "

@@ -35,8 +35,8 @@ from .. import signals
 from ..recipes import Lock
 from .api import tracing_of
 
-__all__ = ["PARKED_IN", "PUBLISHED_IN", "dispatching", "install", "leadership", "node_fields", "span_outcome",
-           "park_headers", "preempted", "resending", "superseding"]
+__all__ = ["PARKED_IN", "PUBLISHED_IN", "acquired", "dispatching", "install", "leadership", "node_fields",
+           "park_headers", "preempted", "resending", "span_outcome", "superseding"]
 
 #: The header of a parked copy naming the span of the run that parked it (a W3C traceparent).
 PARKED_IN = "zklock_parked_in"
@@ -84,13 +84,13 @@ def _otel() -> Optional[_Otel]:
 
 
 def install() -> None:
-    """Hear the lock signals, if OpenTelemetry is installed (a worker's :func:`.worker.install`)."""
+    """Hear the lock signals of waits and losses, if OpenTelemetry is installed (a worker's
+    :func:`.worker.install`); an acquisition, on every call's path, is told directly (:func:`acquired`)."""
     global _api
     if _api is _UNSET:
         _otel()
     if _api is None:
         return  # not installed: not a receiver more
-    signals.lock_acquired.connect(_acquired, weak=False, dispatch_uid="celery_zklock.tracing.acquired")
     signals.lock_contended.connect(_contended, weak=False, dispatch_uid="celery_zklock.tracing.contended")
     signals.lock_lost.connect(_lost, weak=False, dispatch_uid="celery_zklock.tracing.lost")
 
@@ -154,14 +154,17 @@ def _lock_attributes(task: Any, lock: Lock) -> Dict[str, Any]:
     return attributes
 
 
-def _acquired(sender: Any = None, lock: Optional[Lock] = None, **kwargs: Any) -> None:
+def acquired(task: Any, lock: Lock) -> None:
+    """A locked call took ``lock``: a ``zklock.acquired`` event on its run span. Called by the
+    runner, not a signal receiver: every acquisition comes here, and Celery's dispatch to one
+    receiver costs more than this whole check does without an SDK."""
     api = _otel()
-    if api is None or lock is None:
+    if api is None:
         return
     span = api.trace.get_current_span()
     if span.is_recording():
         _runs[lock] = span
-        span.add_event("zklock.acquired", {**_lock_attributes(sender, lock), "zklock.fencing_token": lock.fencing_token,
+        span.add_event("zklock.acquired", {**_lock_attributes(task, lock), "zklock.fencing_token": lock.fencing_token,
                                            "zklock.waited": lock.waited})
 
 

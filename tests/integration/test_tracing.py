@@ -18,6 +18,7 @@ from tests.apps import traced_app
 from tests.conftest import _started
 from tests.util import children, wait_until
 
+
 class Traced:
     """The processes, and the spans they wrote."""
 

@@ -21,6 +21,7 @@ def test_without_opentelemetry_every_tracing_entry_point_does_nothing():
         assert tracing._api is None, tracing._api
         for signal in (signals.lock_acquired, signals.lock_contended, signals.lock_lost):
             assert not [r for r in signal.receivers if "tracing" in repr(r)], signal.receivers
+        assert tracing.acquired(None, None) is None
         assert tracing.node_fields() == {} and tracing.park_headers(object()) == {}
         assert tracing.leadership("b", 1) is None
         with tracing.superseding(app) as traced:
