@@ -36,7 +36,7 @@ from .exceptions import ConfigurationError
 __all__ = [
     "ACL_POLICIES", "CONTENTION_POLICIES", "DEDUPE_MODES", "DEFAULTS", "DESCRIPTIONS", "DUPLICATE_POLICIES",
     "KEY_NAMES", "LOCK_LOST_POLICIES", "LOCK_NAMES", "LOCK_MODES", "MIN_SECRET", "SECRET_SETTINGS",
-    "UNAVAILABLE_POLICIES", "AclPolicy", "MetricsSettings",
+    "UNAVAILABLE_POLICIES", "AclPolicy", "MetricsSettings", "TracingSettings",
     "ContentionPolicy", "DedupeMode", "DuplicatePolicy", "KeyNames", "LockLostPolicy", "LockNames", "LockMode",
     "Settings",
     "TaskDefaults", "UnavailablePolicy", "beat_name", "choice", "describe", "did_you_mean", "optional_seconds",
@@ -106,6 +106,7 @@ DEFAULTS: Mapping[str, Any] = {
     "zklock_beat_name": None,
     "zklock_metrics_port": None,
     "zklock_metrics_address": "127.0.0.1",
+    "zklock_trace_keys": False,
 }
 
 #: Setting name -> (its type, what it does). The settings reference in docs/ is rendered
@@ -195,6 +196,10 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                             "needs the `metrics` extra (`pip install celery-zklock[metrics]`). Unset: no metrics, "
                             "and `prometheus_client` is never imported."),
     "zklock_metrics_address": ("str", "The address the metrics are served on; `0.0.0.0` serves every interface."),
+    "zklock_trace_keys": ("bool", "Put each lock's key on its OpenTelemetry spans (`zklock.key`; the `otel` "
+                          "extra, see the tracing guide). Off by default: a key is built from a task's "
+                          "arguments, and a trace goes wherever its exporter sends it. Refused under "
+                          "`zklock_key_names='hashed'`, which is there to keep keys out of sight."),
 }
 
 
@@ -437,6 +442,30 @@ class MetricsSettings:
     def from_conf(cls, conf: Mapping[str, Any]) -> MetricsSettings:
         return cls(**_all_or_raise({"port": lambda: _metrics_port(conf.get("zklock_metrics_port")),
                                     "address": lambda: _metrics_address(conf.get("zklock_metrics_address"))}))
+
+
+@dataclass(frozen=True)
+class TracingSettings:
+    """What a locked task's spans say: ``keys``, whether they carry the lock's key (``zklock_trace_keys``)."""
+
+    keys: bool = DEFAULTS["zklock_trace_keys"]
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> TracingSettings:
+        """Read ``zklock_trace_keys``, refused beside hashed key names.
+
+        >>> TracingSettings.from_conf({"zklock_trace_keys": True, "zklock_key_names": "hashed"})
+        Traceback (most recent call last):
+        ...
+        celery_zklock.exceptions.ConfigurationError: zklock_trace_keys=True would put each lock's key on its spans, ...
+        """
+        keys = _flag("zklock_trace_keys", conf.get("zklock_trace_keys", DEFAULTS["zklock_trace_keys"]))
+        if keys and conf.get("zklock_key_names") == "hashed":
+            raise ConfigurationError(
+                "zklock_trace_keys=True would put each lock's key on its spans, and zklock_key_names='hashed' "
+                "is set to keep keys out of sight: a span goes wherever its exporter sends it; drop "
+                "zklock_trace_keys, or use readable key names")
+        return cls(keys=keys)
 
 
 def beat_name(conf: Mapping[str, Any], main: Optional[str]) -> str:

@@ -23,7 +23,7 @@ from kazoo.exceptions import (
     ZookeeperError,
 )
 
-from ..conf import LockMode, LockNames, MetricsSettings, Settings, TaskDefaults, did_you_mean
+from ..conf import LockMode, LockNames, MetricsSettings, Settings, TaskDefaults, TracingSettings, did_you_mean
 from ..exceptions import ConfigurationError, ZooKeeperUnavailable, explain
 from ..keys import build_path, check_path_template
 from ..layout import LOCK_TREES, Layout, check_key
@@ -35,7 +35,7 @@ from ..zk import Session, deadline, remaining, session_for, through_blips, timeo
 from ..zk.nodes import unreadable
 
 __all__ = ["MODES", "app_rule", "claim_scheme", "curator_refusal", "holder_data", "layout_of", "lock", "lock_at",
-           "lock_path", "rule_for", "settings_of", "task_defaults"]
+           "lock_path", "rule_for", "settings_of", "task_defaults", "tracing_of"]
 
 #: Lock modes and their rules; ``exclusive`` and ``write`` are the same lock.
 MODES: Dict[LockMode, Rule] = {"exclusive": EXCLUSIVE, "write": WRITE, "read": READ}
@@ -62,6 +62,11 @@ def settings_of(app: Any) -> Settings:
 def metrics_of(app: Any) -> MetricsSettings:
     """Where the app's workers and beats serve metrics (``zklock_metrics_*``; read once per app)."""
     return _once_per_app(app, "_zklock_metrics", MetricsSettings.from_conf)
+
+
+def tracing_of(app: Any) -> TracingSettings:
+    """What the app's spans say (``zklock_trace_keys``; read once per app)."""
+    return _once_per_app(app, "_zklock_tracing", TracingSettings.from_conf)
 
 
 def task_defaults(app: Any) -> TaskDefaults:

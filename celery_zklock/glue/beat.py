@@ -37,7 +37,7 @@ from ..layout import Layout
 from ..recipes.election import Election
 from ..zk import session_for
 from ..zk.background import RUNNER
-from . import metrics
+from . import metrics, tracing
 from .api import layout_of, metrics_of, settings_of
 from .options import problems, refusal, uses_zklock
 
@@ -67,6 +67,8 @@ class _Leadership(Scheduler):
     beat_name: str = ""
     #: The election token the schedule's state was loaded under (None: not leading).
     _leading_token: Optional[int] = None
+    #: The traceparent of the span that marked this leadership (None: no OpenTelemetry SDK).
+    _lead_trace: Optional[str] = None
     #: What the leader tells ``celery zklock status`` in its election node (JSON).
     _info: Dict[str, Any] = {}
     #: Wall time by which this leader has promised, in its node, to tick again.
@@ -169,6 +171,7 @@ class _Leadership(Scheduler):
                 logger.warning("beat: could not take over the schedule (%s); trying again", exc)
                 return 0.5
             self._leading_token = token
+            self._lead_trace = tracing.leadership(self.beat_name, token)  # each dispatch links to it
         # A stop (SIGTERM, SIGINT) that comes as the tick sends waits for the tick's end: else
         # it raised SystemExit between a run's record and its send, and a rolling restart lost
         # that run (CI's oldest lane: run 5 of 11, recorded and never sent).
@@ -205,7 +208,8 @@ class _Leadership(Scheduler):
             late = -entry.schedule.remaining_estimate(entry.last_run_at).total_seconds()
         except Exception:  # noqa: BLE001 - a schedule of another kind: the run is sent all the same
             late = None
-        super().apply_entry(entry, producer=producer)
+        with tracing.dispatching(self._lead_trace, entry.name):
+            super().apply_entry(entry, producer=producer)
         metrics.beat_sent(entry.name, late)
 
     def _publish(self, **info: Any) -> None:

@@ -30,11 +30,12 @@ from ..exceptions import AlreadyQueued, ZkLockError, ZooKeeperUnavailable, expla
 from ..recipes.dedupe import claim, reap, release, supersede
 from ..zk import Session, session_for, timeouts
 from ..zk.background import RUNNER
-from . import park_publish, preempt
+from . import park_publish, preempt, tracing
 from .api import claim_scheme, layout_of, settings_of, task_defaults
 from .celery_internals import retried_request
 from .dedupe_markers import MARKER_HEADER, _dedupe_spec, _marker_key, _releases, _seconds_until
 from .dedupe_run import Replaced, ended, lost, marker_kept, revoked
+from .options import LockSpec
 from .policies import Latest, OneQueued
 
 __all__ = ["MARKER_HEADER", "Replaced", "ended", "lost", "marker_kept", "publish", "revoked", "send_by_name"]
@@ -58,7 +59,7 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
     app = task.app
     where = f"task {task.name}"
     args, kwargs = tuple(args or ()), dict(kwargs or {})
-    settings, layout = settings_of(app), layout_of(app)
+    layout = layout_of(app)
     key = _marker_key(task, spec, args, kwargs)
     defaults = task_defaults(app)
     ttl = spec.marker_ttl(defaults)
@@ -79,6 +80,24 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                        "link) neither replaces a queued copy nor can be replaced, or a canvas would never "
                        "complete", where)
         return original(task, args, kwargs, task_id=task_id, **options)
+    if latest:
+        # A span around the publish (when an OpenTelemetry SDK is configured): the marker names
+        # it, and it links to the copy the marker named before, which this one replaces.
+        with tracing.superseding(task) as traced:
+            return _publish(task, original, args, kwargs, options, spec, key, ttl, task_id, path, traced)
+    return _publish(task, original, args, kwargs, options, spec, key, ttl, task_id, path, None)
+
+
+def _publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any],
+             spec: LockSpec, key: str, ttl: float, task_id: str, path: str,
+             traced: Optional[tracing.Superseding]) -> Any:
+    """:func:`publish`, once the copy's marker is known (``traced``: a ``latest`` publish's span)."""
+    app = task.app
+    where = f"task {task.name}"
+    settings, layout, defaults = settings_of(app), layout_of(app), task_defaults(app)
+    policy = spec.dedupe
+    assert policy is not None  # _dedupe_spec returns only a dedupe task's spec
+    latest = isinstance(policy, Latest)
     # Under hashed names, the marker's own name: what `celery zklock queued` lists.
     label = key if layout.secret is None else path.rsplit("/", 1)[1]
     wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
@@ -93,10 +112,12 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
             # server, a first publish) must not leave the marker born with its life half spent.
             now = time.time()
             data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
-                    **({"key": key} if layout.secret is None else {})}
+                    **({"key": key} if layout.secret is None else {}), **(traced.fields() if traced else {})}
             claiming = True
             if latest:
-                _in_tree(session, layout.queued_tree, wait, lambda: supersede(session, path, data, wait))
+                replaced = _in_tree(session, layout.queued_tree, wait, lambda: supersede(session, path, data, wait))
+                if traced is not None:
+                    traced.replaced(replaced)
                 existing = None
             else:
                 existing = _claim(session, layout.queued_tree, path, data, wait)

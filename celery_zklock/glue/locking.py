@@ -36,6 +36,7 @@ from ..recipes.engine import ContenderObserver
 from ..recipes.preempt import PUBLISHED
 from ..recipes.rate import RateSlot
 from ..zk import Session, deadline, remaining, session_for, timeouts
+from . import tracing
 from .api import layout_of, lock_at, lock_path, rate_path, rate_slot, settings_of, task_defaults
 from .celery_internals import current_task
 from .interrupt import BodyGuard
@@ -149,6 +150,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     if preempts and place is None:
         warn_placeless(task, request)
     placed: Dict[str, Any] = {} if place is None else {PUBLISHED: place}
+    if preempts:
+        placed.update(tracing.node_fields())  # a newer copy that stops this one links to its span
     try:
         session = session_for(settings)
         locks = [lock_at(app, key, spec.mode, limit=limit, znode=znode, session=session, on_state=on_state,
@@ -185,6 +188,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 if parking is not None:
                     parking.took = True
                 signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
+                tracing.acquired(task, one)
                 if one.waited:
                     signals.lock_contended.send(sender=task, lock=one, policy=policy.name,
                                                 outcome="preempted" if preempts else "waited")
@@ -211,6 +215,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 if one.acquire(blocking=True, timeout=None):
                     parking.took = True
                     signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
+                    tracing.acquired(task, one)
                     continue
                 held.pop()
                 raise Reject(f"{where}: delivered again after its take, it could not wait for lock {one.label!r}; "

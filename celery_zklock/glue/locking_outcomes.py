@@ -17,6 +17,7 @@ from ..layout import node_object
 from ..recipes import Lock
 from ..recipes.lock import describe
 from ..zk import remaining
+from . import tracing
 from .park import Parking
 from .policies import Contention
 
@@ -27,6 +28,8 @@ def _preempted(task: Any, lock: Lock, ran: bool = False) -> Dict[str, Any]:
     """A copy a newer one preempted, while it waited (it ends unrun, as ``skip`` would) or while its
     body ran (the body got ``Preempted`` and let it through): a record saying so, logged at INFO."""
     by = lock.preempted_by or {}
+    if not ran:
+        tracing.preempted(lock)  # a loss while the body ran is the lock_lost signal's (tracing hears it)
     reason = f"preempted by a newer copy ({describe(by)}) " + ("while its body ran" if ran else "before it started")
     logger.info("task %s[%s] %s: lock %r (%s): %s", task.name, task.request.id, "preempted" if ran else "skipped",
                 lock.label, lock.mode, reason)

@@ -48,7 +48,7 @@ from ..conf import (
 from ..exceptions import ConfigurationError
 from ..keys import KeyPart, bind_arguments, build_keys, build_path, check_key_parts, check_path_template, default_key
 from ..recipes.rate import Rate, RateValue, check_units, parse_rate
-from .api import curator_refusal, metrics_of, rule_for, settings_of, task_defaults
+from .api import curator_refusal, metrics_of, rule_for, settings_of, task_defaults, tracing_of
 from .policies import DEFAULT, Contention, Dedupe, FromSettings, Park, Preempt, contention_policy, dedupe_policy
 
 __all__ = ["DEFAULT", "OPTIONS", "PARK_HASHED", "KeyOption", "LockOptions", "LockSpec", "Locking", "TaskLockOptions",
@@ -537,7 +537,7 @@ def problems(app: Any) -> List[str]:
     found = django_misses(app)
     # The settings' own word on a Django name without the namespace would say it again.
     said = tuple(f"setting {name!r} is never read" for name in _django_missed(app))
-    for read in (settings_of, metrics_of):  # every wrong setting at once, each named
+    for read in (settings_of, metrics_of, tracing_of):  # every wrong setting at once, each named
         try:
             read(app)
         except ConfigurationError as exc:

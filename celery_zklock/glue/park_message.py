@@ -27,6 +27,7 @@ from ..recipes.park_watch import QueueWatch
 from ..recipes.rate import Rate, RateOrphans, RateSlot
 from ..recipes.rules import Rule, semaphore
 from ..zk import Session, deadline, timeouts
+from . import tracing
 from .api import app_rule, layout_of, lock_path, task_defaults
 
 logger = logging.getLogger("celery_zklock")
@@ -123,8 +124,9 @@ def message_of(task: Any, request: Any) -> bytes:
     ``task.request``, or the Context a worker's main process builds), ready to park."""
     signature = task.signature_from_request(request)
     options = signature.options
-    options["headers"] = {k: v for k, v in (options.get("headers") or {}).items()
-                          if k not in (PARK_HEADER, SENT_HEADER)}
+    options["headers"] = {**{k: v for k, v in (options.get("headers") or {}).items()
+                             if k not in (PARK_HEADER, SENT_HEADER, tracing.PARKED_IN)},
+                          **tracing.park_headers(request)}
     payload = encode(task, request.id, signature)
     if len(payload) > MAX_PAYLOAD:
         raise ParkedMessageTooLarge(
@@ -270,10 +272,11 @@ def send(app: Any, node: str, payload: bytes) -> None:
     message = loads(body, info["content_type"], info["content_encoding"],
                     accept=prepare_accept_content(app.conf.accept_content))
     signature = app.signature(message)
+    headers = signature.options.get("headers") or {}
     _sending.now = True
     try:
-        signature.apply_async(headers={**(signature.options.get("headers") or {}), PARK_HEADER: node,
-                                       SENT_HEADER: uuid()})
+        with tracing.resending(headers):  # in its publisher's trace, not in this process's
+            signature.apply_async(headers={**headers, PARK_HEADER: node, SENT_HEADER: uuid()})
     finally:
         _sending.now = False
 

@@ -76,7 +76,7 @@ from ..conf import SECRET_SETTINGS
 from ..exceptions import ConfigurationError, ZkLockError, ZooKeeperUnavailable
 from ..zk import Session, close_sessions, session_for
 from ..zk.background import RUNNER
-from . import beat, dedupe, metrics, park_consumer, park_worker
+from . import beat, dedupe, metrics, park_consumer, park_worker, tracing
 from .api import claim_scheme, layout_of, metrics_of, settings_of
 from .celery_internals import (
     connect_on_app_finalize,
@@ -128,6 +128,7 @@ def install() -> None:
         worker_process_shutdown.connect(_close_sessions, weak=False)
         worker_shutdown.connect(park_consumer.stop, weak=False)
         worker_shutdown.connect(_stop, weak=False)
+        tracing.install()  # spans of lock waits, if OpenTelemetry is installed (the otel extra)
         if hasattr(os, "register_at_fork"):
             # (In the child, logging has made the locks afresh: nothing to release there.)
             os.register_at_fork(before=_hold_log_handlers, after_in_parent=_release_log_handlers,

@@ -206,8 +206,10 @@ PREVIOUS = "previous"
 STARTED = "started"
 
 
-def supersede(session: Session, path: str, data: Dict[str, Any], timeout: Optional[float] = None) -> None:
-    """``dedupe="latest"``: make ``path`` name our copy, whatever copy it named. What it named
+def supersede(session: Session, path: str, data: Dict[str, Any],
+              timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
+    """``dedupe="latest"``: make ``path`` name our copy, whatever copy it named (returned: the
+    marker it replaced, None if there was none, or junk). What it named
     before is kept in it, as ``previous``, for :func:`release` to put back should our copy
     never be sent: the copies it replaced must not all be stale for a copy that never runs.
     (One level: two never-sent copies in a row put back the first's, then delete.)
@@ -220,7 +222,7 @@ def supersede(session: Session, path: str, data: Dict[str, Any], timeout: Option
     for _ in range(5):
         try:
             reply(client.create_async(path, json.dumps(data).encode()), until)
-            return
+            return None
         except NodeExistsError:
             pass
         try:
@@ -234,7 +236,7 @@ def supersede(session: Session, path: str, data: Dict[str, Any], timeout: Option
                 PREVIOUS: {k: v for k, v in before.items() if k != PREVIOUS}} if before is not None else data
         try:
             reply(client.set_async(path, json.dumps(ours).encode(), version=stat.version), until)
-            return
+            return before
         except (BadVersionError, NoNodeError):
             continue  # another publisher came in between: replace what it wrote
     raise RuntimeError(f"marker {path} kept changing under us")  # five races in a row: not expected

@@ -107,6 +107,9 @@ class Engine:
         self._event = threading.Event()
         #: The rule made this run wait at least once (what a contended acquire is told by).
         self.blocked = False
+        #: How many contenders waited ahead of ours when the rule first made this run wait (see
+        #: :meth:`Rule.waiters_ahead`); None while it has not.
+        self.ahead: Optional[int] = None
         #: True while we wait on watches we set: a watch of an earlier round that fires later
         #: (first in line, we watch every holder; the first one to leave wakes us) wakes nobody.
         self._waiting = False
@@ -121,6 +124,7 @@ class Engine:
         self._created = False
         self._cancelled = False
         self.blocked = False
+        self.ahead = None
         while not self._cancelled:
             try:
                 outcome = self._contend(blocking, until)
@@ -174,6 +178,8 @@ class Engine:
             if decision.holds:
                 self._wake_promoted_waiter(node, children)
                 return Held(node, token, generation)
+            if not self.blocked:
+                self.ahead = self.rule_now.waiters_ahead(children, node)
             self.blocked = True
             self.observer.blocked(decision.watch)
             if self._cleared(children, until):

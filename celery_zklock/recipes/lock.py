@@ -119,6 +119,9 @@ class Lock(HoldWatch):
         self.lost_cause = ""
         #: Who preempted it, as the newer contender described itself; None if nobody did.
         self.preempted_by: Optional[Dict[str, Any]] = None
+        #: The node data of each contender this one asked to go in its last acquire (see
+        #: :meth:`preempt_ahead`), as each described itself.
+        self.asked_to_go: List[Dict[str, Any]] = []
         self._engine = Engine(session, path, rule, data, observer, live)
         self._held: Optional[Held] = None
         #: The fencing token of the current hold, or of the last one once released.
@@ -202,6 +205,7 @@ class Lock(HoldWatch):
             self.state = LockState.WAITING
             self.lost_reason = self.lost_cause = ""
             self.preempted_by = None
+            self.asked_to_go = []
         got = False
         started = time.monotonic()
         try:
@@ -221,6 +225,12 @@ class Lock(HoldWatch):
     def waited(self) -> bool:
         """Whether the last :meth:`acquire` found the key held and had to wait (or give up)."""
         return self._engine.blocked
+
+    @property
+    def waiters_ahead(self) -> Optional[int]:
+        """How many contenders waited ahead of this one (holders not counted) when the last
+        :meth:`acquire` first found the key held; None when it did not."""
+        return self._engine.ahead
 
     @property
     def published(self) -> Optional[int]:

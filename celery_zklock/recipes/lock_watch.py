@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 import threading
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from kazoo.exceptions import BadVersionError, NoNodeError
 from kazoo.protocol.states import Callback, EventType
@@ -106,6 +106,7 @@ class HoldWatch:
     path: str
     state: LockState
     preempted_by: Optional[Dict[str, Any]]
+    asked_to_go: List[Dict[str, Any]]
     lost_reason: str
     lost_cause: str
     on_state: Optional[Callable[[Any, LockState], None]]
@@ -259,11 +260,13 @@ class HoldWatch:
         marks = [client.set_async(f"{self.path}/{name}", json.dumps({**node_object(data), PREEMPTED_BY: by}).encode(),
                                   version=stat.version)
                  for name, data, stat in found if preempt_request(data) is None]
+        asked = [node_object(data) for _, data, _ in found if preempt_request(data) is None]
         done = 0
-        for result in marks:
+        for result, who in zip(marks, asked):
             try:
                 reply(result, until)
                 done += 1
+                self.asked_to_go.append(who)
             except (BadVersionError, NoNodeError):
                 pass  # it went, or its data changed (a promotion touch): the next look marks it
         return PreemptLook(done, None)

@@ -171,6 +171,30 @@ class Rule:
         """
         return sum(map(units, self.blockers(children))) < self.leases
 
+    def waiters_ahead(self, children: Iterable[str], me: str) -> int:
+        """How many contenders that block ``me`` wait ahead of it, not counting those that hold
+        (the prefix of the queue whose units fit the leases): what a trace says a wait waited behind.
+
+        >>> EXCLUSIVE.waiters_ahead(["a__lock__0000000001", "b__lock__0000000002", "c__lock__0000000003"],
+        ...                         "c__lock__0000000003")
+        1
+        >>> semaphore(2).waiters_ahead(["a__sem__0000000001", "b__sem__0000000002", "c__sem__0000000003"],
+        ...                            "c__sem__0000000003")
+        0
+        """
+        mine = contender(me)
+        if mine is None:
+            raise ValueError(f"{me!r} is not a contender node")
+        ahead = sorted((other[1], child) for child in children if (other := contender(child)) is not None
+                       and other[0] in self.blocked_by and other[1] < mine[1])
+        taken, holding = 0, 0
+        for _, child in ahead:
+            if taken + units(child) > self.leases:
+                break
+            taken += units(child)
+            holding += 1
+        return len(ahead) - holding
+
     def decide(self, children: Iterable[str], me: str) -> Decision:
         """Decide from one unwatched read of the children whether ``me`` holds, and whom to watch.
 
