@@ -18,12 +18,21 @@ The thread model:
 TLS and the green handlers keep kazoo's own path: two threads must not use one SSL
 socket at once, and green handlers have no OS threads.
 
-Each function here leans on something kazoo does not promise to keep. :func:`drift`
-checks every such method (present, same parameters, doing what the override relies
-on) when the first session starts; on any change the session keeps kazoo's own
-request path, with one WARNING naming the kazoo version, so an upgrade costs speed,
-never the client. ``tests/unit/test_private_api.py`` fails on such an upgrade, naming
-the method; ``test_boundaries`` checks that only this module and
+Each function here leans on something kazoo does not promise to keep, in one of three ways
+(the table in docs/design.md names each):
+
+* :func:`drift` checks every method the fast path overrides or calls (present, same
+  parameters, doing and returning what the override relies on) when the first session
+  starts; on any change the session starts on kazoo's own client and handler.
+* What a wrapped method returns is checked where it is read, at each call; on another
+  shape the connection becomes kazoo's own there and then (:func:`fall_back`), and
+  kazoo's result is passed on untouched. Never an override that misreads a result:
+  that kills kazoo's connection thread, for good.
+* What no path can do without is refused at import, in one line naming the release.
+
+A fallback logs one WARNING per process naming the kazoo version, so an upgrade costs
+speed, never the client. ``tests/unit/test_private_api.py`` fails on such an upgrade,
+naming the method; ``test_boundaries`` checks that only this module and
 ``glue/celery_internals.py`` touch private names.
 """
 
@@ -95,6 +104,9 @@ __all__ = [
     "create_container_async",
     "create_node_async",
     "drift",
+    "drifted",
+    "fall_back",
+    "kazoo_version",
     "on_connect_reply",
     "peer_address",
     "run_inline",
