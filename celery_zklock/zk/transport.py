@@ -305,19 +305,19 @@ def _source(obj: Any) -> str:
 _problems: List[str] = []
 _problems_lock = threading.Lock()  # a session's start and kazoo's connection thread may report at once
 _checked = False
+_check_lock = threading.Lock()  # two sessions starting at once: one checks, the other waits for its answer
 
 
 def drifted() -> bool:
     """Whether this kazoo is not what the fast request path expects: :func:`drift` (checked
     once per process), or a shape a running client saw (:func:`fall_back`)."""
     global _checked
-    if not _checked:
-        found = drift()
-        with _problems_lock:
-            first = not _checked
+    with _check_lock:
+        if not _checked:
+            found = drift()
             _checked = True
-        if first and found:
-            fall_back("; ".join(found))
+            if found:
+                fall_back("; ".join(found))
     return bool(_problems)
 
 
@@ -658,7 +658,7 @@ class _DirectConnection(ConnectionHandler):  # type: ignore[misc]
         while True:
             response = super()._read_socket(read_timeout)
             if response is not None and response != CLOSE_RESPONSE:
-                # Read on for the next reply, this one would be lost: kazoo's caller wants it.
+                # Reading on to the next buffered reply would drop this answer, which kazoo's caller wants.
                 self._fall_back(f"ConnectionHandler._read_socket returned {_shape(response)}, "
                                 f"not None or CLOSE_RESPONSE")
                 return response
