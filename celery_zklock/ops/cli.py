@@ -152,8 +152,8 @@ def status(ctx: click.Context, as_json: bool, beat: bool) -> None:
         click.echo(json.dumps(report, indent=2))
     else:
         server = report["server"]
-        click.echo(f"ZooKeeper {server['server']} (session {server['session_id']}, mode {server['mode'] or '?'}, "
-                   f"round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
+        click.echo(f"ZooKeeper {server['server'] or '?'} (session {server['session_id']}, "
+                   f"mode {server['mode'] or '?'}, round trip {server['rtt_ms']:.2f} ms), root {settings.root}")
         # This app's election missing, though it should have one: said where it would be listed.
         missing = report["beat_missing"]
         if report["elections"]:

@@ -289,7 +289,7 @@ def check(ctx: click.Context) -> None:
                f"zklock_server_tick_time={'unset' if tick is None else f'{tick:g}s'} zklock_acl={settings.acl} "
                f"tls={'on' if settings.use_ssl else 'off'} "
                f"auth={'digest user ' + settings.auth[0] if settings.auth else 'none'}")
-    click.echo(f"connected to {server['server']}: ZooKeeper {server['version'] or '? (srvr not whitelisted)'}, "
+    click.echo(f"connected to {server['server'] or '?'}: ZooKeeper {server['version'] or '? (srvr not whitelisted)'}, "
                f"mode {server['mode'] or '?'}, round trip {server['rtt_ms']:.2f} ms (median of 5)")
     click.echo(f"{settings.root}: {'exists' if root is not None else 'not created yet (the first lock creates it)'}")
     if tick is None and ticks:

@@ -283,9 +283,10 @@ def server_info(session: Session, samples: int = 5) -> Dict[str, Any]:
         t0 = time.perf_counter()
         client.exists("/")
         rtts.append((time.perf_counter() - t0) * 1000)
-    host, port = peer_address(client)
-    client_id = client.client_id  # None if the connection dropped since the reads above
-    info: Dict[str, Any] = {"server": f"{host}:{port}", "session_id": f"0x{client_id[0]:x}" if client_id else None,
+    peer = peer_address(client)  # None if the connection dropped since the reads above
+    client_id = client.client_id  # as is this
+    info: Dict[str, Any] = {"server": f"{peer[0]}:{peer[1]}" if peer else None,
+                            "session_id": f"0x{client_id[0]:x}" if client_id else None,
                             "rtt_ms": round(statistics.median(rtts), 3), "version": None, "mode": None}
     try:
         for line in client.command(b"srvr").splitlines():

@@ -22,7 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ import weakref
 from typing import Any, List, Optional, Protocol
 
 from kazoo.client import KazooClient
+from kazoo.handlers.threading import SequentialThreadingHandler
 from kazoo.protocol.states import KazooState
 from kazoo.security import ACL, CREATOR_ALL_ACL, READ_ACL_UNSAFE
 
@@ -45,7 +45,7 @@ from .clock import Liveness, LivenessClock
 from .deadlines import remaining
 from .nodes import Nodes
 from .probe import addresses, four_letter_word, server_limits
-from .transport import DirectClient, PollHandler, drift, on_connect_reply
+from .transport import DirectClient, PollHandler, drifted, kazoo_version, on_connect_reply
 
 __all__ = ["Session", "SessionListener", "acl_for"]
 
@@ -77,6 +77,9 @@ class Session:
         #: When the last accepted ConnectRequest went out; without kazoo's hooks, a moment
         #: before it (the start, or the moment the connection broke).
         self._connect_sent: Optional[float] = None
+        #: Whether kazoo's hook reported a connect reply (see on_connect_reply); without it the
+        #: granted timeout is asked of the servers.
+        self._connect_replied = False
         self._listeners: weakref.WeakSet[SessionListener] = weakref.WeakSet()
         self._stopped = threading.Event()
         self._wakeup = threading.Event()
@@ -112,7 +115,8 @@ class Session:
 
     def start(self) -> Session:
         s = self.settings
-        handler = green.handler(PollHandler)
+        # On kazoo's own path (see transport.drift) with kazoo's own handler too.
+        handler = green.handler(SequentialThreadingHandler if drifted() else PollHandler)
         client = self.client_class(handler)(
             hosts=s.hosts,
             handler=handler,
@@ -128,7 +132,7 @@ class Session:
             connection_retry={"max_tries": -1, "delay": 0.1, "backoff": 2, "max_delay": 2,
                               "sleep_func": handler.sleep_func},
         )
-        if not kazoo_drifted():
+        if not drifted():
             on_connect_reply(client, self._on_connect_reply)
         client.add_listener(self._on_kazoo_state)
         self._client = client
@@ -143,7 +147,7 @@ class Session:
                 f"could not reach ZooKeeper at zklock_hosts={s.hosts!r} within "
                 f"zklock_connect_timeout={s.connect_timeout:g}s"
             ) from None
-        if kazoo_drifted():
+        if not self._connect_replied:  # kazoo's own path, from the start or since the first connect
             granted = _granted_by_servers(s)
             if granted is not None and granted != s.session_timeout:
                 self._on_connect_reply(self._connect_sent, granted)
@@ -153,7 +157,7 @@ class Session:
     def client_class(self, handler: Any) -> type:
         """The kazoo client class to use with ``handler``: requests leave from the calling thread
         (:class:`DirectClient`) where that is safe, plain TCP under OS threads."""
-        direct = isinstance(handler, PollHandler) and not self.settings.use_ssl and not kazoo_drifted()
+        direct = isinstance(handler, PollHandler) and not self.settings.use_ssl and not drifted()
         return DirectClient if direct else KazooClient
 
     @property
@@ -233,6 +237,7 @@ class Session:
         with self._lock:
             self.clock.negotiated_timeout = timeout
             self._connect_sent = sent
+            self._connect_replied = True
 
     def _on_kazoo_state(self, state: str) -> None:
         now = time.monotonic()
@@ -333,33 +338,6 @@ def _granted_by_servers(settings: Settings) -> Optional[float]:
                    "own path, and no server answered 'conf'): the lost-lock clock assumes zklock_session_timeout, "
                    "so keep it within every server's maxSessionTimeout", kazoo_version())
     return None
-
-
-_drift: Optional[List[str]] = None
-_drift_lock = threading.Lock()  # a session's start and its connection's thread may ask at once: said once
-
-
-def kazoo_drifted() -> bool:
-    """Whether this kazoo changed what the fast request path leans on (see transport.drift);
-    checked once per process, and said once, as a WARNING naming the version."""
-    global _drift
-    with _drift_lock:
-        if _drift is not None:
-            return bool(_drift)
-        _drift = drift()
-        if _drift:
-            logger.warning("celery-zklock: kazoo %s changed private methods the fast request path uses (%s): "
-                           "using kazoo's own request path, which works but costs more CPU per lock, and the "
-                           "session's clock counts a reconnect from when the connection broke. Please report "
-                           "it, naming this kazoo version", kazoo_version(), "; ".join(_drift))
-    return bool(_drift)
-
-
-def kazoo_version() -> str:
-    try:
-        return importlib.metadata.version("kazoo")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - kazoo imported but not installed
-        return "(unknown version)"
 
 
 def acl_for(settings: Settings) -> Optional[List[ACL]]:

@@ -6,6 +6,9 @@ A failure here names the call that an upgrade broke, before any lock misbehaves.
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +18,8 @@ from kazoo.protocol.serialization import Auth, Connect, Create2
 
 from celery_zklock.glue import celery_internals
 from celery_zklock.zk import transport
+from celery_zklock.zk.transport import kazoo_version
+from tests import kazoo_releases
 
 
 @pytest.fixture
@@ -27,7 +32,7 @@ def test_the_installed_kazoo_has_every_hook_the_fast_path_leans_on():
     assert transport.drift() == [], "kazoo changed what zk/transport.py leans on (the session falls back)"
 
 
-@pytest.mark.parametrize("owner, name", [(owner, name) for owner, name, _, _ in transport._HOOKS])
+@pytest.mark.parametrize("owner, name", [(hook.owner, hook.name) for hook in transport._HOOKS])
 def test_a_release_that_changes_any_hook_is_noticed(monkeypatch, owner, name):
     original = getattr(owner, name)
 
@@ -41,6 +46,30 @@ def test_a_release_that_changes_any_hook_is_noticed(monkeypatch, owner, name):
 def test_a_release_that_drops_a_hook_is_noticed(monkeypatch):
     monkeypatch.delattr(ConnectionHandler, "_read_response")
     assert "ConnectionHandler._read_response is gone" in transport.drift()
+
+
+def test_a_release_that_changes_what_a_replaced_hook_returns_is_noticed(monkeypatch):
+    # DirectClient._call answers kazoo's callers itself: only kazoo's source says what they expect.
+    kazoo_releases.install(monkeypatch, "_call returns True for a queued request")
+    assert [p for p in transport.drift() if p.startswith("KazooClient.")] == [
+        "KazooClient._call returns False or True, not False"]
+
+
+@pytest.mark.parametrize("release, expected", [
+    ("del kazoo.protocol.connection.AUTH_XID", "it has no kazoo.protocol.connection.AUTH_XID"),
+    ("del kazoo.protocol.serialization.Create2", "it has no kazoo.protocol.serialization.Create2"),
+    ("del kazoo.client.KazooClient._call", "its KazooClient._call(request, async_object), which sends every "
+                                           "create, is gone or takes other arguments"),
+    ("kazoo.client.KazooClient._call = lambda self, request, async_object, priority: None",
+     "its KazooClient._call(request, async_object), which sends every create, is gone or takes other arguments"),
+])
+def test_a_release_without_what_no_path_can_do_without_is_refused_at_import_in_one_line(release, expected):
+    run = subprocess.run([sys.executable, "-c", f"import kazoo.client, kazoo.protocol.connection\n{release}\n"
+                          "import celery_zklock"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[-1] == (
+        f"ImportError: celery-zklock cannot use kazoo {kazoo_version()}: {expected}; pin kazoo to a release "
+        "celery-zklock was tested with, and please report it, naming this kazoo version")
 
 
 def test_create2_serializes_what_a_container_create_needs():
@@ -64,6 +93,22 @@ def test_on_connect_reply_reports_the_send_time_and_the_granted_seconds(client):
     assert seen == [(pytest.approx(sent[0], abs=0.05), pytest.approx(4.0))] and before <= seen[0][0] <= sent[0]
     client._connection._invoke(1.0, Auth(0, "digest", "u:p"), xid=-4)  # anything but a connect: not reported
     assert len(seen) == 1
+
+
+def test_on_connect_reply_hands_a_reply_of_another_shape_on_and_gives_kazoo_its_invoke_back(
+        client, monkeypatch, caplog):
+    monkeypatch.setattr(transport, "_problems", [])
+    monkeypatch.setattr(ConnectionHandler, "_invoke", lambda self, timeout, request, xid=None: (reply, 5, "new"))
+    reply, seen = Connect(0, 0, 4000, 1, b"", False), []
+    transport.on_connect_reply(client, lambda *args: seen.append(args))
+    with caplog.at_level(logging.WARNING, logger="celery_zklock"):
+        assert client._connection._invoke(1.0, Connect(0, 0, 10000, 0, b"", False)) == (reply, 5, "new")
+    assert seen == [] and "_invoke" not in vars(client._connection)  # kazoo's own from the next connect on
+    assert [r.getMessage() for r in caplog.records] == [
+        f"celery-zklock: kazoo {kazoo_version()} is not what the fast request path expects (ConnectionHandler."
+        f"_invoke returned a tuple of 3 for a connect, not (the reply, its zxid); the session's clock counts a "
+        f"reconnect from when the connection broke): using kazoo's own code there instead, which works but costs "
+        f"more CPU per lock. Please report it, naming this kazoo version"]
 
 
 def test_celery_state_functions():
