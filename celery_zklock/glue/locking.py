@@ -296,7 +296,8 @@ def _parking(task: Any, spec: LockSpec, policy: Park, locks: List[Lock], session
              defaults: TaskDefaults, units: int) -> Parking:
     """This call's part in its key's parked queue, under :class:`Park`."""
     where = f"task {task.name}"
-    problem = policy_problem(where, spec, defaults, len(locks))
+    # Its keys, not its locks: a rate of several windows takes a start slot of each, on one key.
+    problem = policy_problem(where, spec, defaults, len({one.key for one in locks}))
     if problem:
         raise ConfigurationError(problem)
     if layout_of(task.app).secret is not None:
