@@ -481,9 +481,9 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         return _rated_starts(self, key, seconds, seq)
 
     @app.task(bind=True, shared=False)
-    @zk_locked(key="rate-park-win-slow:{key}", rate=[(1, 3.0), (2, 8.0)], on_contention="park")
+    @zk_locked(key="rate-park-win-slow:{key}", rate=[(1, 2.0), (2, 8.0)], on_contention="park")
     def rated_parking_windows_slowly(self, key: str, seconds: float, seq: int) -> int:
-        """One start per 3 s and two per 8 s per key, parked: a holder killed inside both windows."""
+        """One start per 2 s and two per 8 s per key, parked: holders killed inside both windows."""
         return _rated_starts(self, key, seconds, seq)
 
     @app.task(bind=True, shared=False)
