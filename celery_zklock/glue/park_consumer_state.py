@@ -144,7 +144,9 @@ class KeyState:
 
     def decide(self) -> Decision:
         in_pool = self.in_pool()
-        return decide(self.view, in_pool, len(self.unsettled), self.parking, self.rule.leases)
+        # A rate of several windows: the smallest count is the first our own pool's copies fill.
+        leases = min(rule.leases for _, rule in self.gates)
+        return decide(self.view, in_pool, len(self.unsettled), self.parking, leases)
 
     def busy(self) -> bool:
         """Copies of this key are with the consumer or its pool: what it knows of them keeps their order."""
