@@ -11,7 +11,8 @@
     <zklock_root>/queued/<encoded task name and key>                  enqueue-time dedupe markers
     <zklock_root>/publish-order                                       each write's zxid orders a preempt publish
     <zklock_root>/parked/locks|semaphores/<encoded key>/p-<hash>-<seq>  parked copies (on_contention="park")
-    <zklock_root>/parked/rates/<encoded key>@<window>s/p-<hash>-<seq>   parked copies of a rate= key (one window)
+    <zklock_root>/parked/rates/<encoded key>@<window>s/p-<hash>-<seq>   parked copies of a rate= key (one window;
+    <zklock_root>/parked/rates/<encoded key>@<w1>s,<w2>s/p-<hash>-<U>-<seq>  several: each named; U: units= > 1)
     <zklock_root>/rates/<encoded key>@<window>s/<uuid>__sem__<seq>    start slots (rate=; persistent), and
     <zklock_root>/rates/<encoded key>@<window>s/o-<uuid>              each slot's owner, alive (ephemeral)
     <zklock_root>/limits/<encoded key>                                a key's limits changed live (persistent)
@@ -38,7 +39,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 from urllib.parse import unquote_to_bytes
 
 __all__ = ["LIMITS", "LOCK_TREES", "MAX_NAME", "MEMBERS", "PARKED", "RATES", "Layout", "check_key", "decode_key",
@@ -252,16 +253,37 @@ class Layout:
         """
         return f"{self.root}/{PARKED}/{LOCK_TREES[1] if semaphore else LOCK_TREES[0]}/{self.name(key)}"
 
-    def parked_rate(self, key: str, window: float) -> str:
-        """The queue a key's parked copies wait in for a start slot of one window of its rate
-        (``rate=`` with ``on_contention=Park()``): ``parked/`` plus the window's path.
+    def parked_rate(self, key: str, window: float, *more: float) -> str:
+        """The queue a key's parked copies wait in for a start slot of its rate (``rate=`` with
+        ``on_contention=Park()``): ``parked/`` plus the window's path; for a rate of several
+        windows, one queue named by all of them, shortest first (a copy waits for a slot of
+        each), apart from the queue of any one of them alone (a deploy that changes the windows
+        moves the key to another queue, and the old one drains: see :meth:`gates_of_parked`).
 
             >>> Layout("/r").parked_rate("partner:x", 1.0)
             '/r/parked/rates/k-partner:x@1s'
             >>> Layout("/r").lock_of_parked(Layout("/r").parked_rate("partner:x", 1.0))
             '/r/rates/k-partner:x@1s'
+            >>> Layout("/r").parked_rate("partner:x", 86400.0, 1.0)
+            '/r/parked/rates/k-partner:x@1s,86400s'
         """
-        return f"{self.root}/{PARKED}/{RATES}/{self.name(key)}@{window:g}s"
+        windows = ",".join(f"{w:g}s" for w in sorted((window, *more)))
+        return f"{self.root}/{PARKED}/{RATES}/{self.name(key)}@{windows}"
+
+    def gates_of_parked(self, parked: str) -> List[str]:
+        """The nodes a parked queue's copies wait for room in: its key's lock, or each window of
+        its rate (:meth:`parked_rate`), shortest first.
+
+            >>> Layout("/r").gates_of_parked("/r/parked/rates/k-a@b@1s,60s")
+            ['/r/rates/k-a@b@1s', '/r/rates/k-a@b@60s']
+            >>> Layout("/r").gates_of_parked("/r/parked/locks/k-a@1s,2s")
+            ['/r/locks/k-a@1s,2s']
+        """
+        lock = self.lock_of_parked(parked)
+        if not lock.startswith(f"{self.rate_tree}/"):
+            return [lock]
+        name, _, windows = lock.rpartition("@")
+        return [f"{name}@{window}" for window in windows.split(",")]
 
     def lock_of_parked(self, parked: str) -> str:
         """The lock a parked queue's copies wait for (the inverse of :meth:`parked`).

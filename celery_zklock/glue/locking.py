@@ -164,7 +164,7 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
         if session is not None and parks and abandon_received(task, session, settings, spec, exc):
             raise Ignore() from None  # still parked, and sent again: as Parking.abandoned()
         raise ZooKeeperUnavailable(f"{where}: {exc}; the task did not run") from None
-    if not parks or parked_elsewhere(task, locks[0]):
+    if not parks or parked_elsewhere(task, locks, units):
         # Parked under an older deploy (another policy, or another key): it leaves that queue
         # before it contends (or drops itself as a second send). Else its own queue's receive
         # would take it for a new copy, never take its old node, and run it once a send.
@@ -174,7 +174,8 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
     # ZooKeeper does not: not acquired, so the policy applies.
     until = deadline(policy.wait_for if waits else settings.connect_timeout)
     stack = _stack()
-    parking = _parking(task, spec, policy, locks, session, settings, defaults) if isinstance(policy, Park) else None
+    parking = _parking(task, spec, policy, locks, session, settings, defaults, units) \
+        if isinstance(policy, Park) else None
     if parking is not None:
         parkings.append(parking)
     preempter = _preempting(task, spec, locks, settings, defaults, place) if preempts else None
@@ -299,15 +300,16 @@ def _begin(locks: List[Lock]) -> None:
 
 
 def _parking(task: Any, spec: LockSpec, policy: Park, locks: List[Lock], session: Session, settings: Settings,
-             defaults: TaskDefaults) -> Parking:
+             defaults: TaskDefaults, units: int) -> Parking:
     """This call's part in its key's parked queue, under :class:`Park`."""
     where = f"task {task.name}"
-    problem = policy_problem(where, spec, defaults, len(locks))
+    # Its keys, not its locks: a rate of several windows takes a start slot of each, on one key.
+    problem = policy_problem(where, spec, defaults, len({one.key for one in locks}))
     if problem:
         raise ConfigurationError(problem)
     if layout_of(task.app).secret is not None:
         raise ConfigurationError(PARK_HASHED.format(where=where))
-    return Parking(task, locks[0], session, settings, policy.queue_limit)
+    return Parking(task, locks[0], session, settings, policy.queue_limit, units, locks)
 
 
 class _Preempter(ContenderObserver):

@@ -182,7 +182,7 @@ class LockSpec:
         elif not callable(units):
             checked(lambda: check_units(units, rates, f"units={units!r}"), 1)
         if isinstance(policy, Contention):
-            refused_here = _rate_refusal(policy, rates, limit, units, alone=rate_only)
+            refused_here = _rate_refusal(policy, rates, limit, alone=rate_only)
             if refused_here:
                 found.append(f"{where}: {refused_here}")
         if isinstance(policy, Contention) and locking is True and valid_lock and not found:
@@ -221,10 +221,11 @@ class LockSpec:
         return policy if isinstance(policy, Park) else None
 
     @property
-    def parked_rate(self) -> Optional[Rate]:
-        """The rate window a parked copy of this task waits for (``rate=`` alone, one window), else None."""
+    def parked_rates(self) -> Tuple[Rate, ...]:
+        """The rate windows a parked copy of this task waits for a start slot of, each (``rate=``
+        alone), shortest first; () for a task whose copies wait for its lock."""
         rates = self.rate
-        return rates[0] if self.rate_only and isinstance(rates, tuple) and len(rates) == 1 else None
+        return rates if self.rate_only and isinstance(rates, tuple) else ()
 
     @property
     def parks_at_publish(self) -> bool:
@@ -300,7 +301,7 @@ def policy_problem(where: str, spec: LockSpec, defaults: TaskDefaults, keys: int
     ``keys`` keys (None: it can). A task's own policy was checked as it was defined; the
     default is checked as the app is finalized, and again by each call."""
     policy = spec.policy_as_set(defaults)
-    refused = _rate_refusal(policy, spec.rate, spec.limit, spec.units, spec.rate_only) or policy.refusal(
+    refused = _rate_refusal(policy, spec.rate, spec.limit, spec.rate_only) or policy.refusal(
         spec.mode, _shown(spec.limit), keys, spec.dedupe)
     return f"{where}: {spec.contention_source(defaults)}: {refused}" if refused else None
 
@@ -337,14 +338,16 @@ def _shown(limit: Union[int, Callable[..., int], None]) -> Optional[int]:
     return shown
 
 
-def _rate_refusal(policy: Contention, rate: Any, limit: Any, units: Any = 1, alone: bool = True) -> Optional[str]:
-    """Why ``policy`` cannot serve a task with this ``rate=`` or ``limit=`` (None: it can); ``units``
-    and ``alone`` (no ``limit=`` nor ``mode=`` beside the rate) as the task gives them.
+def _rate_refusal(policy: Contention, rate: Any, limit: Any, alone: bool = True) -> Optional[str]:
+    """Why ``policy`` cannot serve a task with this ``rate=`` or ``limit=`` (None: it can); ``alone``
+    (no ``limit=`` nor ``mode=`` beside the rate) as the task gives it. Under ``Park()`` a rate of
+    several windows, and weighted starts (``units=``, a callable too: whoever parks a copy has its
+    arguments, and its node's name says its units), are served.
 
-    >>> _rate_refusal(Park(), (Rate(3, 1.0),), None) is None
+    >>> _rate_refusal(Park(), (Rate(3, 1.0), Rate(100, 60.0)), None) is None
     True
-    >>> _rate_refusal(Park(), (Rate(3, 1.0), Rate(100, 60.0)), None)[:61]
-    'rate= of 2 windows with on_contention=Park() is not built yet'
+    >>> _rate_refusal(Park(), (Rate(3, 1.0),), 2, alone=False)[:57]
+    'rate= beside limit= or mode= with on_contention=Park() is'
     """
     if rate and isinstance(policy, Preempt):
         return (f"rate= with on_contention={policy!r} is not built yet: a newer copy would have to take the start "
@@ -355,15 +358,9 @@ def _rate_refusal(policy: Contention, rate: Any, limit: Any, units: Any = 1, alo
             # As a callable limit: the consumer and a publisher decide a park before any call.
             return (f"rate= as a callable with on_contention={policy!r} is not built yet: a park is decided "
                     f"before the task's arguments reach a call; give the rate itself, or {others}")
-        if len(rate) > 1:
-            return (f"rate= of {len(rate)} windows with on_contention={policy!r} is not built yet: a parked copy "
-                    f"waits in one window's queue; give one window, or {others}")
         if not alone:
             return (f"rate= beside limit= or mode= with on_contention={policy!r} is not built yet: a parked copy "
                     f"waits for a start slot or for the lock, not for both; drop limit= and mode=, or {others}")
-        if units != 1:
-            return (f"units={_shown_units(units)} with on_contention={policy!r} is not built yet: a parked copy is "
-                    f"sent on as one start's room frees; drop units=, or {others}")
     if callable(limit) and isinstance(policy, Park):
         # The worker's consumer and a publisher decide a park from the key's rule before any call.
         return (f"limit= as a callable with on_contention={policy!r} is not built yet: a park is decided "
@@ -388,10 +385,6 @@ def _path_refusal(limit: Any, rate: Any, parts: Tuple[KeyPart, ...], policy: Any
                 "finds a key's lock under zklock_root, not at a path of its own; use Wait(...), Skip(), "
                 "Retry(...) or Raise()")
     return None
-
-
-def _shown_units(units: Any) -> str:
-    return _fn_name(units) if callable(units) else repr(units)
 
 
 #: Where each option of the flat shape went: its policy's field.

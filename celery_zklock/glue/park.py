@@ -27,7 +27,7 @@ import posixpath
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, cast
 
 from celery import states
 from celery.exceptions import Ignore
@@ -39,7 +39,7 @@ from ..exceptions import ConfigurationError, ParkedMessageTooLarge, ZooKeeperUna
 from ..layout import node_object
 from ..recipes import Lock
 from ..recipes.park import Looked, Nudge, ParkedQueue, Redelivery, delivery_token, redelivery
-from ..recipes.park_rules import Contended, contention
+from ..recipes.park_rules import Contended, contention, parked_units
 from ..recipes.park_watch import QueueWatch
 from ..zk import Session, deadline, timeouts
 from ..zk.deadlines import remaining
@@ -115,7 +115,10 @@ class Stage(str, enum.Enum):
 class Parking:
     """One call's part in its key's parked queue."""
 
-    def __init__(self, task: Any, lock: Lock, session: Session, settings: Settings, limit: int) -> None:
+    def __init__(self, task: Any, lock: Lock, session: Session, settings: Settings, limit: int,
+                 units: int = 1, locks: Sequence[Lock] = ()) -> None:
+        """``lock`` is the first of the call's ``locks`` (all of them: a rate's start slots, one
+        per window, wait in one queue); ``units`` how many of its rate's count the copy takes."""
         self.task = task
         self.request = task.request
         self.settings = settings
@@ -124,7 +127,8 @@ class Parking:
         self.where = f"task {task.name}[{self.request.id}]"
         self.label = lock.label
         self.lock = lock
-        self.queue = queue_of_lock(session, task.app, lock)
+        self.units = units
+        self.queue = queue_of_lock(session, task.app, locks or [lock])
         header = parked_header(self.request)
         #: This copy held the key (and must hand it on as it lets go): run_locked's second net reads it.
         self.took = False
@@ -135,8 +139,9 @@ class Parking:
         #: What look() read just before the release, for released() to claim the head from.
         self._looked: Optional[Looked] = None
         #: Our node's name, when this copy was sent again from this key's queue.
+        #: (Under other units than the call's it is not: it left that node, see parked_elsewhere.)
         self.received = posixpath.basename(header) if header and posixpath.dirname(header) == self.queue.path \
-            else None
+            and parked_units(posixpath.basename(header)) == units else None
         #: This copy's message as it would park, built by before() (see _payload).
         self._message: Optional[bytes] = None
         #: The nonce of the send it came in, where its message may be delivered again (acks_late):
@@ -215,7 +220,7 @@ class Parking:
             # acknowledging it), finds that park's record and is not parked twice (nor run).
             delivery = delivery_token(self.request.id, self.request.retries or 0)
             found = self.queue.park(self.request.id, self._payload, self.limit, until, behind=behind,
-                                    delivery=delivery, patience=self._untold)
+                                    delivery=delivery, patience=self._untold, units=self.units)
             if found and self.queue.recorded and not self.task.acks_late:
                 self.queue.acked(delivery)  # acknowledged as it came to this process: its record may go
             if found == "":

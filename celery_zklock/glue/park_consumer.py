@@ -59,7 +59,7 @@ class _ConsumerParking(ConsumerParks):
         planned = self._plan(task, spec, consumer, message)
         if planned is None:
             return False, None
-        key, retries = planned
+        key, retries, units = planned
         entry = self._entry(key, spec)
         limit = cast(Park, spec.parks(self.defaults)).queue_limit  # this strategy is a park task's
 
@@ -76,7 +76,7 @@ class _ConsumerParking(ConsumerParks):
             else:
                 qos = None
             job = Job(entry, task, request, delivery_token(request.id, retries), limit, lambda: passing(entry),
-                       acking, go, lent=qos)
+                       acking, go, lent=qos, units=units)
             with self._lock:
                 entry.jobs.append(job)
                 if len(entry.jobs) == 1:  # else the batch before it, once done, hands it to the thread
@@ -108,8 +108,9 @@ class _ConsumerParking(ConsumerParks):
         entry.passed.append(ref)
         entry.unsettled[request.id] = ref
         self._read_again(entry, later=0.0)
-    def _plan(self, task: Any, spec: Any, consumer: Any, message: Any) -> Optional[Tuple[str, int]]:
-        """The key and retry count of a plain first delivery, or None: anything else goes to the pool."""
+    def _plan(self, task: Any, spec: Any, consumer: Any, message: Any) -> Optional[Tuple[str, int, int]]:
+        """The key, retry count and units (``units=`` of a rate) of a plain first delivery, or
+        None: anything else goes to the pool."""
         headers = message.headers
         if not isinstance(headers, dict) or PARK_HEADER in headers or SENT_HEADER in headers:
             return None
@@ -126,10 +127,12 @@ class _ConsumerParking(ConsumerParks):
             return None  # a canvas: the pool parks it as before
         try:
             keys = spec.keys(task.name, task.run, tuple(args or ()), dict(kwargs or {}), False, False)
+            rates = spec.parked_rates
+            units = spec.units_for(task.name, tuple(args or ()), dict(kwargs or {}), False, rates) if rates else 1
         except Exception:  # noqa: BLE001 - the pool process says why
             return None
         retries = headers.get("retries") or 0
-        return (keys[0], int(retries)) if len(keys) == 1 and isinstance(retries, int) else None
+        return (keys[0], int(retries), units) if len(keys) == 1 and isinstance(retries, int) else None
 
     def _entry(self, key: str, spec: Any) -> KeyState:
         with self._lock:
@@ -137,14 +140,17 @@ class _ConsumerParking(ConsumerParks):
             if entry is not None:
                 self._keys.move_to_end(key)
                 return entry
-            rate = spec.parked_rate
-            if rate is not None:
-                # A start rate: its copies wait for a slot of its window, which counts every slot
-                # there, a released one too until its window passes.
-                entry = self._keys[key] = KeyState(key, self.layout.parked_rate(key, rate.window),
-                                               self.layout.rate(key, rate.window), semaphore(rate.count), "rate",
-                                               self)
-                entry.rate = rate
+            rates = spec.parked_rates
+            if rates:
+                # A start rate: its copies wait for a slot of each window, which counts every slot
+                # there, a released one too until its window passes. In the order a copy takes them.
+                gates = sorted((self.layout.rate(key, rate.window), rate) for rate in rates)
+                first, rate = gates[0]
+                entry = self._keys[key] = KeyState(key, self.layout.parked_rate(key, *(r.window for r in rates)),
+                                                   first, semaphore(rate.count), "rate", self)
+                entry.rates = tuple(one for _, one in gates)
+                entry.gates = [(path, semaphore(one.count)) for path, one in gates]
+                entry.units = spec.units if isinstance(spec.units, int) else 1
             else:
                 semaphored = spec.limit is not None
                 rule = app_rule(self.app, spec.mode, spec.limit)

@@ -51,7 +51,8 @@ class ConsumerParks(ConsumerReads):
             self._again(first, where, "no ZooKeeper session")
             return
         queue = self._queue(session, entry)
-        copies = [Parking(job.request.id, functools.partial(_message, job), job.limit, job.token) for job in jobs]
+        copies = [Parking(job.request.id, functools.partial(_message, job), job.limit, job.token, job.units)
+                  for job in jobs]
         try:
             names = queue.park_many(copies, deadline(self.timeout), again=first.tries > 0)
         except ParkUntold as exc:

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple, cast
 
 from kazoo.exceptions import NoNodeError
 
@@ -228,20 +228,23 @@ class ConsumerReads:
             return
         client = session.client
         until = deadline(self.timeout)
-        locked = client.get_children_async(entry.lock, watch=entry.fired)
+        # Each gate: the key's lock, or every window of its rate (a copy needs a slot of each).
+        locked = [client.get_children_async(path, watch=entry.fired) for path, _ in entry.gates]
         listed = client.get_children_async(entry.queue_path, watch=entry.fired)
         try:
-            contenders = _children(client, entry.lock, locked, entry.fired, until)
+            gates = [_children(client, path, one, entry.fired, until) for (path, _), one in zip(entry.gates, locked)]
             children = _children(client, entry.queue_path, listed, entry.fired, until)
         except Exception as exc:  # noqa: BLE001 - no view: copies go to the pool meanwhile
             logger.debug("celery-zklock: the consumer could not read key %r (%s)", entry.key, explain(exc))
             self._read_again(entry, later=RETRY_EVERY if entry.unsettled else 1.0)
             return
-        if contenders is None or children is None:
+        if any(one is None for one in gates) or children is None:
             self._read_again(entry)  # made between our two reads: read again, with a child watch
             return
+        contenders = cast(List[str], gates[0])
         parked = [c for c in children if c.startswith(_PARKED_PREFIX)]
-        blocked = not entry.rule.has_room(contenders)
+        blocked = any(not rule.has_room(cast(List[str], one), entry.units)
+                      for (_, rule), one in zip(entry.gates, gates))
         # A viewer of ours we do not stand by (its create answered after we stopped waiting) goes:
         # left, it would stand for a watcher of this key for our session's life.
         for stray in [c for c in children if c.startswith(f"{VIEWER}{self.token}-") and c != entry.viewer]:
@@ -283,8 +286,8 @@ class ConsumerReads:
             _watch(session, self.settings, self.app).add(self._queue(session, entry), self._send)
 
     def _queue(self, session: Session, entry: KeyState) -> ParkedQueue:
-        if entry.rate is not None:
-            return _rate_queue(session, self.app, entry.queue_path, entry.lock, entry.rate)
+        if entry.rates:
+            return _rate_queue(session, self.app, entry.queue_path, [path for path, _ in entry.gates], entry.rates)
         return ParkedQueue(session, entry.queue_path, entry.lock, entry.rule,
                            live=_live_of(self.app, entry.lock, entry.rule))
     # -- the parker's, the event loop's (see ConsumerParks and _ConsumerParking) ---------------

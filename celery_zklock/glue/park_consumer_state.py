@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 from celery.worker.state import reserved_requests
 
@@ -95,8 +95,15 @@ class KeyState:
 
     def __init__(self, key: str, queue_path: str, lock: str, rule: Rule, mode: str, owner: Reader) -> None:
         self.key, self.queue_path, self.lock, self.rule, self.mode = key, queue_path, lock, rule, mode
-        #: The rate window its copies wait for (``rate=`` with park), else None: its queue frees orphans.
-        self.rate: Optional[Rate] = None
+        #: The rate windows its copies wait for a slot of (``rate=`` with park), else (): its queue
+        #: frees orphans. In the order of ``gates``.
+        self.rates: Tuple[Rate, ...] = ()
+        #: The nodes a copy needs room in, and their rules: the lock, or each rate window (the
+        #: first is ``lock``, the one a copy takes first).
+        self.gates: Sequence[Tuple[str, Rule]] = ((lock, rule),)
+        #: How many of its rate's count each copy takes (``units=``; 1 where a callable says per copy:
+        #: a view that guesses free is safe, the pool process parks the copy).
+        self.units = 1
         #: What the last read found (None: none answered since the key came into view).
         self.view: Optional[View] = None
         #: A read is asked for and not yet done (so watches that fire meanwhile ask for none), due then (monotonic).
@@ -137,7 +144,9 @@ class KeyState:
 
     def decide(self) -> Decision:
         in_pool = self.in_pool()
-        return decide(self.view, in_pool, len(self.unsettled), self.parking, self.rule.leases)
+        # A rate of several windows: the smallest count is the first our own pool's copies fill.
+        leases = min(rule.leases for _, rule in self.gates)
+        return decide(self.view, in_pool, len(self.unsettled), self.parking, leases)
 
     def busy(self) -> bool:
         """Copies of this key are with the consumer or its pool: what it knows of them keeps their order."""
@@ -166,3 +175,5 @@ class Job(NamedTuple):
     #: The consumer's prefetch window (kombu's QoS) it widened by one while the copy parks: given back
     #: as its message is acknowledged or handed to the pool (None: not widened).
     lent: Any = None
+    #: How many of its key's rate count the copy takes as it starts (``units=``, from its arguments).
+    units: int = 1

@@ -10,7 +10,7 @@ import logging
 import posixpath
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Tuple
 
 from celery.exceptions import Ignore
 from celery.utils import uuid
@@ -19,10 +19,11 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ..conf import Settings
 from ..exceptions import ParkedMessageTooLarge, ZkLockError, explain
-from ..layout import decode_key, node_object
+from ..layout import PARKED, RATES, decode_key, node_object
 from ..recipes import Lock
 from ..recipes.live import LiveSource
 from ..recipes.park import MAX_PAYLOAD, ParkedQueue
+from ..recipes.park_rules import parked_units
 from ..recipes.park_watch import QueueWatch
 from ..recipes.rate import Rate, RateOrphans, RateSlot
 from ..recipes.rules import Rule, semaphore
@@ -139,10 +140,16 @@ def _queue_at(session: Session, app: Any, path: str, spec: Any) -> ParkedQueue:
     """The parked queue at ``path`` (a header's or a sweep's), beside its key's lock, under
     ``spec``'s rule (None: a copy's removal alone, which reads no rule); ValueError for a path
     that names no queue of ``app``'s root."""
-    lock = layout_of(app).lock_of_parked(path)
-    rate = spec.parked_rate if spec is not None else None
-    if rate is not None and lock.endswith(f"@{rate.window:g}s"):
-        return _rate_queue(session, app, path, lock, rate)
+    layout = layout_of(app)
+    gates = layout.gates_of_parked(path)
+    rates = spec.parked_rates if spec is not None else ()
+    if rates and path.startswith(f"{layout.root}/{PARKED}/{RATES}/") \
+            and [posixpath.basename(gate).rpartition("@")[2] for gate in gates] == [f"{r.window:g}s" for r in rates]:
+        return _rate_queue(session, app, path, gates, rates)
+    # Any other queue, a rate's under other windows too (a deploy changed them): its path's
+    # node has no contenders of our rule, so every head is sent on, and leaves the queue as it
+    # is received (parked_elsewhere), to run, or park again, as a new copy of the task would.
+    lock = layout.lock_of_parked(path)
     rule = app_rule(app) if spec is None else app_rule(app, spec.mode, spec.limit)
     return ParkedQueue(session, path, lock, rule, live=_live_of(app, lock, rule))
 
@@ -151,44 +158,66 @@ def parked_queue(session: Session, app: Any, spec: Any, key: str, limit: Optiona
     """The parked queue of ``key`` under ``spec`` (``limit``: the call's, if any): beside its
     lock, or, for a task that parks on a start rate, beside its rate window (see :func:`_queue_path`)."""
     layout = layout_of(app)
-    rate = spec.parked_rate
-    if rate is not None:
-        return _rate_queue(session, app, layout.parked_rate(key, rate.window), layout.rate(key, rate.window), rate)
+    rates = spec.parked_rates
+    if rates:
+        return _rate_queue(session, app, layout.parked_rate(key, *(r.window for r in rates)),
+                           [layout.rate(key, r.window) for r in rates], rates)
     lock, rule = lock_path(app, key, limit), app_rule(app, spec.mode, limit)
     return ParkedQueue(session, layout.parked(key, limit is not None), lock, rule, live=_live_of(app, lock, rule))
 
 
-def _rate_queue(session: Session, app: Any, path: str, window: str, rate: Rate) -> ParkedQueue:
-    """The parked queue at ``path`` of the rate window at ``window``: its copies wait for a start
-    slot, which frees on a timer (its holder's) or as an orphan, which the queue's first watcher
-    frees (:class:`RateOrphans`), judged against the key's live counts too."""
+def _rate_queue(session: Session, app: Any, path: str, windows: Sequence[str], rates: Sequence[Rate]
+                ) -> ParkedQueue:
+    """The parked queue at ``path`` of the rate windows at ``windows`` (one per rate of
+    ``rates``): its copies wait for a start slot of each, which frees on a timer (its holder's)
+    or as an orphan, which the queue's first watcher frees (:class:`RateOrphans`), judged
+    against the key's live counts too. Its first window is the one a copy takes first (their
+    paths' order, as :func:`.locking.run_locked` takes them): a taken record names its slot there."""
     layout = layout_of(app)
-    name = posixpath.basename(window).rpartition("@")[0]
-    live = LiveSource(f"{layout.limits_tree}/{name}", rate.window)
-    return ParkedQueue(session, path, window, semaphore(rate.count), RateOrphans(session, window, rate, live))
+    name = posixpath.basename(windows[0]).rpartition("@")[0]
+    orphans = sorted((RateOrphans(session, window, rate, LiveSource(f"{layout.limits_tree}/{name}", rate.window))
+                      for window, rate in zip(windows, rates)), key=lambda one: one.path)
+    first = orphans[0]
+    return ParkedQueue(session, path, first.path, semaphore(first.rate.count), first, more=orphans[1:])
 
 
-def parked_elsewhere(task: Any, lock: Lock) -> bool:
-    """The copy was sent again from a parked queue that is not ``lock``'s key's: a deploy changed
-    its task's key (or its limit). Its own queue's receive would not know it, so it leaves that
-    queue first (:func:`leave_queue`), as a copy of a task that no longer parks does."""
+def parked_elsewhere(task: Any, locks: Sequence[Lock], units: int = 1) -> bool:
+    """The copy was sent again from a parked queue that is not its ``locks``' key's: a deploy
+    changed its task's key (or its limit, or its rate's windows). Its own queue's receive would
+    not know it, so it leaves that queue first (:func:`leave_queue`), as a copy of a task that no
+    longer parks does. So does one parked under other ``units`` than the call's (a deploy changed
+    them): its node's name says how much room its head waits for, and a head sent for too little
+    would be refused, and sent again, for as long as the window stays that full."""
     header = parked_header(task.request)
-    return header is not None and posixpath.dirname(header) != _queue_path(task.app, lock)
+    return header is not None and (posixpath.dirname(header) != _queue_path(task.app, locks)
+                                   or parked_units(posixpath.basename(header)) != units)
 
 
-def _queue_path(app: Any, lock: Lock) -> str:
-    """The parked queue of ``lock``'s key: a start slot's (``rate=``) is its window's, apart from
-    the key's lock and semaphore, whose copies wait for a release, not for a window to pass."""
-    if isinstance(lock, RateSlot):
-        return layout_of(app).parked_rate(lock.key or "", lock.rate.window)
+def _slots(locks: Sequence[Lock]) -> Tuple[RateSlot, ...]:
+    return tuple(one for one in locks if isinstance(one, RateSlot))
+
+
+def _queue_path(app: Any, locks: Sequence[Lock]) -> str:
+    """The parked queue of the key the call's ``locks`` are taken on: start slots' (``rate=``)
+    is their windows', apart from the key's lock and semaphore, whose copies wait for a
+    release, not for a window to pass."""
+    slots = _slots(locks)
+    if slots:
+        return layout_of(app).parked_rate(slots[0].key or "", *(one.rate.window for one in slots))
+    lock = locks[0]
     return layout_of(app).parked(lock.key or "", lock.rule.name == "semaphore")
 
 
-def queue_of_lock(session: Session, app: Any, lock: Lock) -> ParkedQueue:
-    """The parked queue of the key ``lock`` is taken on (one call's, see :class:`.park.Parking`)."""
-    if isinstance(lock, RateSlot):
-        return _rate_queue(session, app, _queue_path(app, lock), lock.path, lock.rate)
-    return ParkedQueue(session, _queue_path(app, lock), lock.path, lock.rule, live=_live_of(app, lock.path, lock.rule))
+def queue_of_lock(session: Session, app: Any, locks: Sequence[Lock]) -> ParkedQueue:
+    """The parked queue of the key the call's ``locks`` are taken on (one call's, see
+    :class:`.park.Parking`): a rate's, of every window its slots are in."""
+    slots = _slots(locks)
+    if slots:
+        return _rate_queue(session, app, _queue_path(app, slots), [one.path for one in slots],
+                           [one.rate for one in slots])
+    lock = locks[0]
+    return ParkedQueue(session, _queue_path(app, locks), lock.path, lock.rule,
+                       live=_live_of(app, lock.path, lock.rule))
 
 
 def _live_of(app: Any, lock: str, rule: Rule) -> Optional[LiveSource]:

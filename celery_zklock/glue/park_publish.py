@@ -114,7 +114,10 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
         lock_limit = spec.limit_for(task.name, args, kwargs, False)
         queue = parked_queue(session, app, spec, key, lock_limit)
         limit = cast(Park, spec.contention(defaults)).queue_limit
-        parked = queue.park(task_id, lambda: encode(task, task_id, signature), limit, deadline(wait), guarded=True)
+        rates = spec.parked_rates  # a weighted start (units=) parks under its units, its head waits for them
+        units = spec.units_for(task.name, args, kwargs, False, rates) if rates else 1
+        parked = queue.park(task_id, lambda: encode(task, task_id, signature), limit, deadline(wait), guarded=True,
+                            units=units)
     except ParkUntold as exc:
         raise ParkInDoubt(
             f"task {task.name}[{task_id}]: {exc}. It was not published as well: if it parked, it runs in its "

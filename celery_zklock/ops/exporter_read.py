@@ -228,11 +228,12 @@ def read_tree(session: Session, layout: Layout, max_reads: int) -> Snapshot:
         if holding:
             with_holder.add(path)  # a window's parked copies wait for these slots to go
 
-    # A parked queue is idle where its head is not in flight and its key has no holder: nobody
-    # sends it on. A rate window's queue is judged only once its window was read.
+    # A parked queue is idle where its head is not in flight and its key has no holder (a rate
+    # of several windows: no slot in any of them): nobody sends it on. A rate window's queue is
+    # judged only once its window was read.
     rates_read = "rates" not in budget.cut
     snap.idle = {(p, q[0]) for p, names, q in queues
-                 if CLAIM + q[0] not in names and layout.lock_of_parked(p) not in with_holder
+                 if CLAIM + q[0] not in names and not with_holder.intersection(layout.gates_of_parked(p))
                  and (rates_read or not p.startswith(parked_trees[2] + "/"))}
     snap.stalled = {**{head: None for head in snap.idle},
                     **{(p, q[0]): stat.ctime / 1000 for p, _, q in queues

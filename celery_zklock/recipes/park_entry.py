@@ -22,6 +22,7 @@ from .park_rules import (
     Guard,
     Park,
     park_turn,
+    parked_name,
 )
 from .park_rules import failed as _failed
 from .park_rules import parked_prefix as _prefix
@@ -74,6 +75,8 @@ class Parking(NamedTuple):
     payload: Union[bytes, Callable[[], bytes]]  #: its message, or what builds it (only to park)
     limit: int
     delivery: bytes  #: its message's :func:`delivery_token`
+    #: How many units of its key's rate count it takes as it starts (``units=``): in its node's name.
+    units: int = 1
 
 
 #: The most copies one transaction of :meth:`ParkedQueue.park_many` parks: their tokens must
@@ -87,8 +90,8 @@ class Entry(QueueBase):
     # -- the parker ------------------------------------------------------------------------
     def park(self, task_id: str, payload: Union[bytes, Callable[[], bytes]], limit: int, until: Optional[float],
              behind: bool = False, guarded: bool = False, delivery: Optional[bytes] = None,
-             unacked: bool = False, patience: Optional[Callable[[Exception], Optional[float]]] = None
-             ) -> Optional[str]:
+             unacked: bool = False, patience: Optional[Callable[[Exception], Optional[float]]] = None,
+             units: int = 1) -> Optional[str]:
         """Put copy ``task_id`` at the back of the queue: its node's name, or None when the
         queue holds ``limit`` copies already. A copy already parked (its message delivered
         again) keeps its place: its node's name is returned and no second node is made.
@@ -117,6 +120,9 @@ class Entry(QueueBase):
         while, and returns the next try's deadline, or raises), and the same park, with the same
         token, is tried again until ZooKeeper tells whether it parked. Without it, such a park
         raises the connection's error, and may have parked.
+
+        ``units``: how many of its key's rate count the copy takes as it starts (``units=``), said
+        in its node's name (:func:`.park_rules.parked_name`): its head waits for that much room.
         """
         attempt = _ParkTry(payload)
         if not behind:
@@ -127,7 +133,7 @@ class Entry(QueueBase):
         while True:
             try:
                 return through_blips(self.session, until, functools.partial(
-                    self._park_now, task_id, attempt, limit, until, mark, behind, guarded, delivery, unacked))
+                    self._park_now, task_id, attempt, limit, until, mark, behind, guarded, delivery, unacked, units))
             except (ConnectionLoss, SessionExpiredError, *timeouts()) as exc:
                 if patience is not None and not (guarded or unacked) and attempt.unanswered is not None:
                     until = patience(exc)  # it may have parked, and only ZooKeeper can tell: try again
@@ -149,7 +155,7 @@ class Entry(QueueBase):
 
     def _park_now(self, task_id: str, attempt: _ParkTry, limit: int, until: Optional[float], token: bytes,
                   behind: bool, guarded: bool, delivery: Optional[bytes] = None,
-                  unacked: bool = False) -> Optional[str]:
+                  unacked: bool = False, units: int = 1) -> Optional[str]:
         client = self.session.client
         nodes = self.session.nodes
         prefix = _prefix(task_id)
@@ -164,7 +170,7 @@ class Entry(QueueBase):
             synced = client.sync_async(self.path)
             read = client.get_async(self.path)
             listed = client.get_children_async(self.path)
-            locked = client.get_children_async(self.lock_path) if guarded else None
+            locked = [client.get_children_async(path) for path in self.gate_paths] if guarded else None
             try:
                 reply(synced, until)
                 data, stat = reply(read, until)
@@ -177,17 +183,17 @@ class Entry(QueueBase):
                 nodes.container_gone(self.path)  # reaped since we last used it
                 continue
             nodes.container_used(self.path)
-            contenders: List[str] = []
-            if locked is not None:
+            gates: List[List[str]] = []
+            for one in locked or ():
                 try:
-                    contenders = reply(locked, until)
+                    gates.append(list(reply(one, until)))
                 except NoNodeError:
-                    pass
+                    gates.append([])
             record = UNACKED + delivery.decode() if delivery is not None else None
             self.recorded = record is not None and record in children
             unanswered = attempt.unanswered
             turn = park_turn(children, data, prefix, token, record, unanswered, stat.version, stat.czxid, limit,
-                             behind, (contenders, self.rule) if guarded else None)
+                             behind, list(zip(gates, self.rules())) if guarded else None, units)
             if turn.action == Park.THERE:
                 return turn.node
             if turn.action == Park.GONE:
@@ -204,7 +210,7 @@ class Entry(QueueBase):
             attempt.unanswered = (stat.version, stat.czxid)
             tx = client.transaction()
             tx.set_data(self.path, (data + token)[-RING * TOKEN:], version=stat.version)
-            tx.create(self.node_path(prefix), payload, sequence=True)
+            tx.create(self.node_path(parked_name(task_id, units)), payload, sequence=True)
             if unacked and record is not None:
                 tx.create(self.node_path(record), b"")
             for guard in self._guards(turn.guard):  # gone by the commit: read again and decide again
@@ -313,8 +319,8 @@ class Entry(QueueBase):
             tx = client.transaction()
             tokens = b"".join(copies[i].delivery for i, _, _ in writes)
             tx.set_data(self.path, (data + tokens)[-RING * TOKEN:], version=stat.version)
-            for i, prefix, record in writes:
-                tx.create(self.node_path(prefix), messages[i], sequence=True)
+            for i, _, record in writes:
+                tx.create(self.node_path(parked_name(copies[i].task_id, copies[i].units)), messages[i], sequence=True)
                 tx.create(self.node_path(record), b"")
             results = reply(tx.commit_async(), until)
             if not _failed(results):
@@ -373,5 +379,5 @@ class Entry(QueueBase):
         """
         if guard is None:
             return []
-        blocker = f"{self.lock_path}/{guard.blocker}" if guard.in_lock else self.node_path(guard.blocker)
+        blocker = f"{self.gate_paths[guard.gate]}/{guard.blocker}" if guard.in_lock else self.node_path(guard.blocker)
         return [self.node_path(guard.member), blocker]

@@ -9,7 +9,7 @@ import json
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, cast
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
@@ -32,11 +32,13 @@ from .park_rules import (
 )
 from .park_rules import failed as _failed
 from .park_rules import parked as _parked
+from .rate import RateOrphans
 
 #: ``send(node path, payload)``: publish a parked copy again (the glue's part).
 Send = Callable[[str, bytes], None]
-#: What :meth:`ParkedQueue.look` found: the queue's children, and the key's contenders.
-Looked = Tuple[List[str], List[str]]
+#: What :meth:`ParkedQueue.look` found: the queue's children, and the contenders of each of the
+#: key's gates (its lock, or each window of its rate: :attr:`.QueueBase.gate_paths`).
+Looked = Tuple[List[str], List[List[str]]]
 
 
 def _record(holder: str, sent: str) -> bytes:
@@ -120,18 +122,19 @@ class HandOff(QueueBase):
         client = self.session.client
         synced = client.sync_async(self.path)
         listed = client.get_children_async(self.path)
-        locked = client.get_children_async(self.lock_path)
+        locked = [client.get_children_async(path) for path in self.gate_paths]
 
         def read(until: Optional[float]) -> Optional[Looked]:
             try:
                 reply(synced, until)
                 children = reply(listed, until)
-                contenders = reply(locked, until)
+                gates = [reply(one, until) for one in locked]
             except NoNodeError:
                 return None
             # A start slot is not let go with its holder's release: it stays out its window.
             gone = leaving if self.orphans is None else None
-            return (children, [c for c in contenders if c != gone]) if _parked(children) else None
+            return (children, [[c for c in contenders if c != gone] for contenders in gates]) \
+                if _parked(children) else None
 
         return read
 
@@ -180,24 +183,27 @@ class HandOff(QueueBase):
         while True:
             looked, attempt.looked = attempt.looked, None  # once: a retry, or a failed claim, reads afresh
             if looked is not None:
-                children, contenders = looked
+                children, gates = looked
             else:
                 synced = None if attempt.synced else client.sync_async(self.path)
                 attempt.synced = False  # a retry, after what it read, syncs
                 listed = client.get_children_async(self.path, watch=watch)
-                locked = client.get_children_async(self.lock_path, watch=watch)
+                # Each gate watched: a slot of any window going may make room for the head.
+                locked = [client.get_children_async(path, watch=watch) for path in self.gate_paths]
                 try:
                     if synced is not None:
                         reply(synced, until)
                     children = reply(listed, until)
                 except NoNodeError:
                     return Nudge.EMPTY
-                try:
-                    contenders = reply(locked, until)
-                except NoNodeError:
-                    contenders = []
-            rule = self.rule_now(until)
-            turn = head_turn(children, contenders, rule)
+                gates = []
+                for one in locked:
+                    try:
+                        gates.append(list(reply(one, until)))
+                    except NoNodeError:
+                        gates.append([])
+            rules = self.rules_now(until)
+            turn = head_turn(children, gates[0], rules[0], list(zip(gates[1:], rules[1:])))
             if looked is not None and turn.action != Hand.CLAIM:
                 continue  # only a claim may come of a look: any other answer is read after the release
             if turn.action == Hand.EMPTY:
@@ -224,10 +230,13 @@ class HandOff(QueueBase):
                     # A rate window: the slots that fill it go on their owners' timers, which
                     # fire the watch; an orphan's owner is gone, so no timer frees it, and no
                     # contender may be left to (every copy is parked). We do, when its time
-                    # comes; until then our watcher looks again at orphan_due.
-                    freed = self.orphans.free(contenders, until)
-                    self.orphan_due = freed.next_due
-                    if freed.free:
+                    # comes, in each window without room; until then our watcher looks again
+                    # at orphan_due, the soonest of theirs.
+                    windows = self.window_orphans()
+                    turns = [cast(RateOrphans, windows[i]).free(gates[i], until) for i in turn.busy]
+                    dues = [one.next_due for one in turns if one.next_due is not None]
+                    self.orphan_due = min(dues) if dues else None
+                    if any(one.free for one in turns):
                         continue
                 return Nudge.BUSY
             tx = client.transaction()

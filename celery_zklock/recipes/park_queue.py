@@ -4,7 +4,7 @@ and the base of :class:`.park.ParkedQueue` (its paths and its synced read). See 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, NamedTuple, Optional, Tuple, cast
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from kazoo.exceptions import NoNodeError
 
@@ -107,7 +107,8 @@ class QueueBase:
     parker's and the hand-off's halves of :class:`.park.ParkedQueue` share."""
 
     def __init__(self, session: Session, path: str, lock_path: str, rule: Rule,
-                 orphans: Optional[RateOrphans] = None, live: Optional[LiveSource] = None) -> None:
+                 orphans: Optional[RateOrphans] = None, live: Optional[LiveSource] = None,
+                 more: Sequence[RateOrphans] = ()) -> None:
         self.session = session
         self.path = path
         self.lock_path = lock_path
@@ -121,6 +122,9 @@ class QueueBase:
         #: A rate window's orphans (its key's lock is a start slot, ``rate=``): with every copy
         #: parked no contender is left to free them, so a nudge that finds no room does.
         self.orphans = orphans
+        #: A rate's other windows (``rate=`` of several, ``orphans`` the first's): a head is sent
+        #: only when each has room for it too, and their orphans are freed as the first's are.
+        self.more: Tuple[RateOrphans, ...] = tuple(more)
         #: When the next orphan the last nudge saw may be freed (monotonic; None: none seen):
         #: the queue's watcher nudges again then (no watch fires for a time passing).
         self.orphan_due: Optional[float] = None
@@ -141,6 +145,24 @@ class QueueBase:
             return self.rule
         stored = self.live.stored(self.session, until, self.waiter)
         return self.rule if stored is None else dataclasses.replace(self.rule, leases=stored)
+
+    @property
+    def gate_paths(self) -> List[str]:
+        """The nodes whose contenders a head waits for room among: the key's lock, or each
+        window of its rate, the first (``lock_path``) the one a copy takes first."""
+        return [self.lock_path, *(window.path for window in self.more)]
+
+    def rules_now(self, until: Optional[float]) -> List[Rule]:
+        """:meth:`rule_now` of each of :attr:`gate_paths`."""
+        return [self.rule_now(until), *(window.rule(until, self.waiter) for window in self.more)]
+
+    def rules(self) -> List[Rule]:
+        """The code's rule of each of :attr:`gate_paths` (a publisher's guard decides under it)."""
+        return [self.rule, *(window.rule_of_code() for window in self.more)]
+
+    def window_orphans(self) -> List[Optional[RateOrphans]]:
+        """The orphans of each of :attr:`gate_paths` (None: a lock's, which has none)."""
+        return [self.orphans, *self.more]
 
     # -- reads ---------------------------------------------------------------------------
     def parked(self, until: Optional[float]) -> List[str]:

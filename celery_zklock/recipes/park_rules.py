@@ -17,13 +17,14 @@ the design page ("The life of a parked copy").
 Example::
 
     >>> head_turn(["p-a-0000000002", "p-b-0000000001"], [], EXCLUSIVE)
-    HeadTurn(action=<Hand.CLAIM: 'claim'>, head='p-b-0000000001')
+    HeadTurn(action=<Hand.CLAIM: 'claim'>, head='p-b-0000000001', busy=())
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import re
 from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from kazoo.exceptions import NoNodeError
@@ -48,15 +49,15 @@ from .park_copy_rules import (
     timed_turn,
     watch_turn,
 )
-from .rules import EXCLUSIVE, Rule, sequence  # noqa: F401 - EXCLUSIVE: the doctests' rule
+from .rules import EXCLUSIVE, Rule, semaphore, sequence  # noqa: F401 - EXCLUSIVE, semaphore: the doctests' rules
 
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "CLAIM", "MEMBER", "PARKED", "RING", "SENT", "TAKEN", "TAKEN_MARK",
-           "TOKEN", "UNACKED", "VIEWER", "Contended", "Follow", "FollowTurn", "GiveUp", "Guard", "Hand", "HeadTurn",
-           "Nudge", "Park", "ParkTurn", "Redelivery", "TimedTurn", "Watch", "WatchTurn", "backs_off", "contention",
-           "declines", "delivery_token", "failed", "follow_turn", "forgets", "give_up_turn", "guard", "head_turn",
-           "member_prefix", "members", "next_wait", "orphaned", "park_turn", "parked", "parked_prefix",
-           "parked_sequence", "received_answer", "redelivery", "resends", "resent_at", "timed_turn", "took",
-           "viewers", "watch_turn"]
+           "TOKEN", "UNACKED", "VIEWER", "Contended", "Follow", "FollowTurn", "Gate", "GiveUp", "Guard", "Hand",
+           "HeadTurn", "Nudge", "Park", "ParkTurn", "Redelivery", "TimedTurn", "Watch", "WatchTurn", "backs_off",
+           "contention", "declines", "delivery_token", "failed", "follow_turn", "forgets", "give_up_turn", "guard",
+           "head_turn", "member_prefix", "members", "next_wait", "orphaned", "park_turn", "parked", "parked_name",
+           "parked_prefix", "parked_sequence", "parked_units", "received_answer", "redelivery", "resends",
+           "resent_at", "timed_turn", "took", "viewers", "watch_turn"]
 
 #: A parked copy's node name starts with this, then a hash of its task id.
 PARKED = "p-"
@@ -92,6 +93,31 @@ def parked_prefix(task_id: str) -> str:
     'p-628b49d96dcde97a-'
     """
     return f"{PARKED}{hashlib.sha256(task_id.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}-"
+
+
+def parked_name(task_id: str, weight: int = 1) -> str:
+    """What a copy's parked node is created as (the server appends its sequence number): its
+    :func:`parked_prefix`, then, for a start of several units of a rate's count (``units=``),
+    how many, so that a nudge decides from names alone whether the head fits, as a rate
+    window's contenders do (``<uuid>-<units>__sem__<seq>``).
+
+    >>> parked_name("t1"), parked_name("t1", 3)
+    ('p-628b49d96dcde97a-', 'p-628b49d96dcde97a-3-')
+    """
+    return parked_prefix(task_id) + (f"{weight}-" if weight > 1 else "")
+
+
+_UNITS_RE = re.compile(r"^p-[0-9a-f]{16}-([1-9][0-9]*)-[0-9]+$")
+
+
+def parked_units(name: str) -> int:
+    """How many units of a rate's count a parked copy takes as it starts (see :func:`parked_name`).
+
+    >>> parked_units("p-628b49d96dcde97a-3-0000000007"), parked_units("p-628b49d96dcde97a-0000000007")
+    (3, 1)
+    """
+    m = _UNITS_RE.match(name)
+    return int(m.group(1)) if m else 1
 
 
 def parked_sequence(name: str) -> int:
@@ -158,6 +184,21 @@ def delivery_token(task_id: str, retries: int) -> bytes:
 
 
 # -- the parker --------------------------------------------------------------------------------
+#: What a parked copy waits for, read once: the contenders of one node it must find room in
+#: (its key's lock, or one window of its key's rate), and the rule they decide under. A copy of
+#: a key limited in several windows waits for room in each: one gate a window.
+Gate = Tuple[Sequence[str], Rule]
+
+
+def busy(gates: Sequence[Gate], weight: int = 1) -> Tuple[int, ...]:
+    """The gates (by index) with no room for a newcomer of ``weight`` units.
+
+    >>> busy([(["a__sem__0000000001"], semaphore(3)), (["b-2__sem__0000000001"], semaphore(3))], 2)
+    (1,)
+    """
+    return tuple(i for i, (contenders, rule) in enumerate(gates) if not rule.has_room(contenders, weight))
+
+
 class Guard(NamedTuple):
     """What a publisher's park commits on: two nodes that must still be there."""
 
@@ -166,26 +207,34 @@ class Guard(NamedTuple):
     #: What keeps the copy from running now: a contender of the key (``in_lock``), or the queue's head.
     blocker: str
     in_lock: bool
+    #: Which gate the blocker is a contender of (``in_lock``): a rate's window, of several.
+    gate: int = 0
 
 
-def guard(children: Sequence[str], contenders: Sequence[str], rule: Rule) -> Optional[Guard]:
-    """What a publisher's park commits on, or None where it must not park: the copy is published
-    as it is, and a worker decides. See :meth:`.ParkedQueue._guards` for why each node.
+def guard(children: Sequence[str], gates: Sequence[Gate], weight: int = 1) -> Optional[Guard]:
+    """What a publisher's park of a copy of ``weight`` units commits on, or None where it must not
+    park: the copy is published as it is, and a worker decides. See :meth:`.ParkedQueue._guards`
+    for why each node.
 
-    >>> guard(["p-a-0000000001"], ["x__lock__0000000001"], EXCLUSIVE) is None   # nobody watches
+    >>> held = [(["x__lock__0000000001"], EXCLUSIVE)]
+    >>> guard(["p-a-0000000001"], held) is None                        # nobody watches
     True
-    >>> guard(["w-t-0000000003"], ["x__lock__0000000001"], EXCLUSIVE)           # behind the holder
-    Guard(member='w-t-0000000003', blocker='x__lock__0000000001', in_lock=True)
-    >>> guard(["v-t-0000000004", "p-a-0000000001"], [], EXCLUSIVE)              # behind the head
-    Guard(member='v-t-0000000004', blocker='p-a-0000000001', in_lock=False)
-    >>> guard(["w-t-0000000003"], [], EXCLUSIVE) is None                         # it may run at once
+    >>> guard(["w-t-0000000003"], held)                                # behind the holder
+    Guard(member='w-t-0000000003', blocker='x__lock__0000000001', in_lock=True, gate=0)
+    >>> guard(["v-t-0000000004", "p-a-0000000001"], [([], EXCLUSIVE)])  # behind the head
+    Guard(member='v-t-0000000004', blocker='p-a-0000000001', in_lock=False, gate=0)
+    >>> guard(["w-t-0000000003"], [([], EXCLUSIVE)]) is None            # it may run at once
     True
+    >>> guard(["w-t-0000000003"], [([], semaphore(2)), (["a-2__sem__0000000001"], semaphore(3))], 2).gate
+    1
     """
     watching = members(children) or viewers(children)
     if not watching:
         return None
-    if not rule.has_room(contenders):
-        return Guard(watching[0], min(rule.blockers(contenders), key=sequence), True)
+    full = busy(gates, weight)
+    if full:
+        contenders, rule = gates[full[0]]
+        return Guard(watching[0], min(rule.blockers(contenders), key=sequence), True, full[0])
     queued = parked(children)
     if queued:
         return Guard(watching[0], queued[0], False)
@@ -214,20 +263,21 @@ class ParkTurn(NamedTuple):
 
 def park_turn(children: Sequence[str], ring: bytes, prefix: str, token: bytes, record: Optional[str],
               first: Optional[Tuple[int, int]], version: int, czxid: int, limit: int, behind: bool = False,
-              guarded: Optional[Tuple[Sequence[str], Rule]] = None) -> ParkTurn:
+              guarded: Optional[Sequence[Gate]] = None, weight: int = 1) -> ParkTurn:
     """Decide a park of the copy whose nodes start with ``prefix``, from its queue's ``children``
     and node (its data, the ``ring`` of the parks' tokens; its ``version`` and ``czxid``).
 
     ``token`` is this park's own; ``record`` its message's unacked record's name (a worker's
     main process), if any; ``first`` the queue node's (version, czxid) under an earlier try of
     this park whose reply was lost, if any. ``guarded`` is a publisher's park: the key's
-    contenders and its rule. In this order::
+    gates (its contenders and rule; one per window of a rate), which a copy of ``weight``
+    units must find room in. In this order::
 
         >>> def turn(children, **kw):
         ...     return park_turn(children, b"", "p-a-", b"t" * 16, None, None, 1, 7, 2, **kw).action.value
         >>> turn(["p-a-0000000003"]), turn(["p-b-0000000001", "p-c-0000000002"]), turn(["p-b-0000000001"])
         ('there', 'full', 'write')
-        >>> turn([], behind=True), turn(["w-x-0000000001"], guarded=([], EXCLUSIVE))
+        >>> turn([], behind=True), turn(["w-x-0000000001"], guarded=[([], EXCLUSIVE)])
         ('alone', 'unguarded')
         >>> park_turn(["a-m1"], b"", "p-a-", b"t" * 16, "a-m1", None, 1, 7, 2).action.value  # record: parked before
         'gone'
@@ -251,7 +301,7 @@ def park_turn(children: Sequence[str], ring: bytes, prefix: str, token: bytes, r
         return ParkTurn(Park.OVERRUN)
     if behind and not queued:
         return ParkTurn(Park.ALONE)
-    found = guard(children, *guarded) if guarded is not None else None
+    found = guard(children, guarded, weight) if guarded is not None else None
     if guarded is not None and found is None:
         return ParkTurn(Park.UNGUARDED)
     if len(queued) >= limit:
@@ -316,15 +366,26 @@ class Hand(str, enum.Enum):
 class HeadTurn(NamedTuple):
     action: Hand
     head: Optional[str] = None
+    #: BUSY: the gates (by index) with no room for the head.
+    busy: Tuple[int, ...] = ()
 
 
-def head_turn(children: Iterable[str], contenders: Iterable[str], rule: Rule) -> HeadTurn:
-    """Decide a nudge from the queue's children and the key's contenders: the head is sent
-    again only when the key has room for it and nobody claims it.
+def head_turn(children: Iterable[str], contenders: Iterable[str], rule: Rule,
+              more: Sequence[Gate] = ()) -> HeadTurn:
+    """Decide a nudge from the queue's children and the key's contenders under ``rule`` (and
+    ``more`` gates: a rate's other windows): the head is sent again only when every gate has
+    room for it, its units too (:func:`parked_units`), and nobody claims it.
 
     >>> [head_turn(c, k, EXCLUSIVE).action.value for c, k in [([], []), (["p-a-0000000001", "c-p-a-0000000001"], []),
     ...                                                       (["p-a-0000000001"], ["x__lock__0000000001"])]]
     ['empty', 'claimed', 'busy']
+    >>> head = "p-628b49d96dcde97a-2-0000000001"                     # a start of 2 units
+    >>> head_turn([head], ["a-2__sem__0000000001"], semaphore(3)).action.value
+    'busy'
+    >>> head_turn([head], [], semaphore(3), [(["a-2__sem__0000000001"], semaphore(5))])
+    HeadTurn(action=<Hand.CLAIM: 'claim'>, head='p-628b49d96dcde97a-2-0000000001', busy=())
+    >>> head_turn([head], [], semaphore(3), [(["a-4__sem__0000000001"], semaphore(5))]).busy
+    (1,)
     """
     children = list(children)
     queued = parked(children)
@@ -333,8 +394,9 @@ def head_turn(children: Iterable[str], contenders: Iterable[str], rule: Rule) ->
     head = queued[0]
     if CLAIM + head in children:
         return HeadTurn(Hand.CLAIMED, head)
-    if not rule.has_room(contenders):
-        return HeadTurn(Hand.BUSY, head)
+    full = busy([(list(contenders), rule), *more], parked_units(head))
+    if full:
+        return HeadTurn(Hand.BUSY, head, full)
     return HeadTurn(Hand.CLAIM, head)
 
 

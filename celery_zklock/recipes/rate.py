@@ -377,6 +377,10 @@ class RateOrphans:
                 stored = self.rate.other_count(reply(self.session.client.get_async(self.path), until)[0])
         return semaphore(self.rate.count if stored is None else stored)
 
+    def rule_of_code(self) -> Rule:
+        """The rule of the code's count, read from nothing."""
+        return semaphore(self.rate.count)
+
     def free(self, children: List[str], until: Optional[float]) -> OrphanTurn:
         counts = [self.rate.count]
         if self.live is not None:

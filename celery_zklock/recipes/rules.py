@@ -162,14 +162,16 @@ class Rule:
         """
         return [c for c in children if (parsed := contender(c)) and parsed[0] in self.blocked_by]
 
-    def has_room(self, children: Iterable[str]) -> bool:
-        """Whether a contender that came now would hold at once: a parked copy is sent again
-        only then (every node of a blocking kind is ahead of a newcomer).
+    def has_room(self, children: Iterable[str], weight: int = 1) -> bool:
+        """Whether a contender of ``weight`` units that came now would hold at once: a parked
+        copy is sent again only then (every node of a blocking kind is ahead of a newcomer).
 
         >>> EXCLUSIVE.has_room(["a__rlock__0000000001"]), READ.has_room(["a__rlock__0000000001", "junk"])
         (False, True)
+        >>> semaphore(4).has_room(["a-2__sem__0000000001"], 2), semaphore(4).has_room(["a-2__sem__0000000001"], 3)
+        (True, False)
         """
-        return sum(map(units, self.blockers(children))) < self.leases
+        return sum(map(units, self.blockers(children))) + weight <= self.leases
 
     def waiters_ahead(self, children: Iterable[str], me: str) -> int:
         """How many contenders that block ``me`` wait ahead of it, not counting those that hold

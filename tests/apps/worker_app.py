@@ -465,6 +465,35 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         """One start per 4 s per key, or ZKT_DEPLOY_COUNT: a deploy that changes the count, parked."""
         return _rated_start(self, key, seconds, seq, gated)
 
+    def _rated_starts(task: Any, key: str, seconds: float, seq: int, units: int = 1) -> int:
+        """A start of a rate of several windows (one slot each, all begun at once) or of
+        ``units``, then a body of ``seconds``."""
+        began = {one.began for one in current_locks() if one.mode == "rate"}
+        assert len(began) == 1, began  # one start, however many windows count it
+        note("start", key=key, seq=seq, units=units, windows=len(current_locks()), began=began.pop())
+        hold_plain(seconds)
+        return seq
+
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-win:{key}", rate=[(3, 1.0), (5, 4.0)], on_contention="park")
+    def rated_parking_windows(self, key: str, seconds: float, seq: int) -> int:
+        """Three starts a second and five in any 4 s per key; a copy without a slot of each parks."""
+        return _rated_starts(self, key, seconds, seq)
+
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-win-slow:{key}", rate=[(1, 2.0), (2, 8.0)], on_contention="park")
+    def rated_parking_windows_slowly(self, key: str, seconds: float, seq: int) -> int:
+        """One start per 2 s and two per 8 s per key, parked: holders killed inside both windows."""
+        return _rated_starts(self, key, seconds, seq)
+
+    @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-units:{key}", rate=[(4, 1.0), (6, 3.0)],
+               units=lambda key, seconds, seq, units: units, on_contention="park")
+    def rated_parking_units(self, key: str, seconds: float, seq: int, units: int) -> int:
+        """Weighted starts, parked: at most 4 units a second and 6 in any 3 s per key, each copy
+        taking ``units`` (a callable of its arguments)."""
+        return _rated_starts(self, key, seconds, seq, units)
+
     @app.task(bind=True, shared=False)
     @zk_locked(key="sem-park:{key}", limit=2, on_contention="park")
     def sem_parking(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:

@@ -13,6 +13,7 @@ from typing import List
 import pytest
 import redis
 
+from celery_zklock.recipes.park_rules import parked_units
 from celery_zklock.recipes.rate import Rate
 from celery_zklock.testing import rate_violations
 from tests.apps import worker_app
@@ -201,3 +202,97 @@ def test_a_deploy_that_changes_the_count_while_copies_are_parked_sends_none_into
     assert sorted(e["task_id"] for e in starts) == sorted(r.id for r in [first, *rest])
     assert rate_violations([e["began"] for e in starts], 2, 4.0) == []
     assert max(received(new, rest).values()) <= 3, dict(received(new, rest))
+
+
+# -- a rate of several windows, and weighted starts (issue 44: every policy serves rate=) ---------
+def windows_queue(zk_root: str, key: str, *windows: float) -> str:
+    return f"{zk_root}/parked/rates/k-{key}@{','.join(f'{w:g}s' for w in windows)}"
+
+
+def test_a_burst_under_two_windows_parks_in_one_queue_and_starts_within_each(workers, queue, redis_server, kazoo,
+                                                                            zk_root):
+    # 15 copies of one key at 3 a second and 5 in any 4 s, on two workers of two processes. The
+    # copies that find no slot in either window park in the key's one queue for both, and its
+    # head is sent only when both windows have room: the 1 s window frees first, the 4 s one
+    # later, so most sends wait on the second window (its slots, its watch). A head sent on the
+    # first window's room alone would be refused by the second, and sent again: each copy
+    # reaches a worker a few times at most. Refused before.
+    pair = [workers("w1", concurrency=2), workers("w2", concurrency=2)]
+    short, long = Rate(3, 1.0), Rate(5, 4.0)
+    keyed = [send(worker_app.rated_parking_windows, queue, "burst", 0.05, i) for i in range(15)]
+    path = windows_queue(zk_root, "rate-park-win:burst", 1.0, 4.0)
+    wait_until(lambda: len(parked_left(kazoo, path)) >= 5, timeout=30)  # parked in the queue of both windows
+    assert not kazoo.exists(rate_queue(zk_root, "rate-park-win:burst", 1.0))
+    assert sorted(r.get(timeout=90) for r in keyed) == list(range(15)), "every caller gets its own copy's result"
+    history = events(redis_server.url)
+    starts = [e for e in history if e["event"] == "start"]
+    assert sorted(e["task_id"] for e in starts) == sorted(r.id for r in keyed), "a copy ran twice or not at all"
+    assert {e["windows"] for e in starts} == {2}
+    began = [e["began"] for e in starts]
+    assert rate_violations(began, short.count, short.window) == []
+    assert rate_violations(began, long.count, long.window) == []
+    # The rate, not a trickle: 15 starts at 5 per 4 s take about 2 long windows past the first.
+    assert max(began) - min(began) < 3 * long.window + 2.5, sorted(round(b - min(began), 2) for b in began)
+    sends = received(pair[0], keyed) + received(pair[1], keyed)
+    assert max(sends.values()) <= 3, dict(sends)
+    wait_until(lambda: parked_left(kazoo, path) == [], timeout=10)
+
+
+def test_a_weighted_burst_parks_and_takes_at_most_each_windows_units(workers, queue, redis_server, kazoo, zk_root):
+    # Weighted starts (units= a callable of the arguments) at 4 units a second and 6 in any 3 s:
+    # a parked copy's units are in its node's name, and its head is sent only when both windows
+    # have room for all of them (a head of 3 waits behind 2 units free, as the engine's own queue
+    # does). A head sent for too little room would be refused and sent again: each copy reaches
+    # a worker a few times at most. Refused before.
+    pair = [workers("w1", concurrency=2), workers("w2", concurrency=2)]
+    weights = [3, 2, 1, 3, 1, 2, 3, 1, 2, 1]
+    keyed = [send(worker_app.rated_parking_units, queue, "w", 0.05, i, u) for i, u in enumerate(weights)]
+    path = windows_queue(zk_root, "rate-park-units:w", 1.0, 3.0)
+    wait_until(lambda: any(parked_units(n) > 1 for n in parked_left(kazoo, path)), timeout=30)
+    assert sorted(r.get(timeout=90) for r in keyed) == list(range(len(weights)))
+    starts = starts_of(redis_server.url)
+    assert sorted(e["task_id"] for e in starts) == sorted(r.id for r in keyed), "a copy ran twice or not at all"
+    weighted = [(e["began"], e["units"]) for e in starts]
+    assert sorted(u for _, u in weighted) == sorted(weights)
+    assert rate_violations(weighted, 4, 1.0) == []
+    assert rate_violations(weighted, 6, 3.0) == []
+    # 19 units at 6 per 3 s: about 3 long windows past the first, not a trickle.
+    began = [b for b, _ in weighted]
+    assert max(began) - min(began) < 4 * 3.0 + 2.5, sorted(round(b - min(began), 2) for b in began)
+    sends = received(pair[0], keyed) + received(pair[1], keyed)
+    assert max(sends.values()) <= 3, dict(sends)
+    wait_until(lambda: parked_left(kazoo, path) == [], timeout=10)
+
+
+def test_holders_killed_inside_two_windows_leave_orphans_that_the_queue_frees_in_each(
+        workers, queue, redis_server, kazoo, zk_root):
+    # One start per 2 s and two per 8 s. b runs two copies, 2 s apart (the second parked, then
+    # sent), and the rest park; b is SIGKILLed inside the 8 s window of both (and, most likely,
+    # the 2 s window of the second): its slots there are orphans (their owner's timer died with
+    # it), and every copy is parked, so no contender is left to free them. The queue's watcher
+    # (a, once it adopts the queue) frees each window's orphans W after it sees them, the 8 s
+    # window's too: freed only in the first window, the key stalls for good.
+    a = workers("a", concurrency=2, queue=f"{queue}-a", ZKT_PARK_RESEND_AFTER="1")
+    b = workers("b", concurrency=2, ZKT_PARK_RESEND_AFTER="1")
+    held = [send(worker_app.rated_parking_windows_slowly, queue, "kill", 0.05, i) for i in range(2)]
+    wait_until(lambda: {e["task_id"] for e in starts_of(redis_server.url)} == {r.id for r in held}, timeout=30)
+    rest = [send(worker_app.rated_parking_windows_slowly, queue, "kill", 0.05, i) for i in range(2, 5)]
+    path = windows_queue(zk_root, "rate-park-win-slow:kill", 2.0, 8.0)
+    wait_until(lambda: len(parked_left(kazoo, path)) == 3, timeout=30)
+    consume("a", queue)
+    b.crash()
+    killed = time.monotonic()
+    # b's session ends 4 s after the kill; a adopts within 1 s; the 8 s window's orphans go 8 s
+    # after a sees them; then one start per 2 s, and the third waits for the 8 s window again.
+    assert [r.get(timeout=4 + 1 + 8 + 2 + 8 + 30) for r in rest] == [2, 3, 4], "the key stalled behind an orphan"
+    starts = starts_of(redis_server.url)
+    assert sorted(e["task_id"] for e in starts) == sorted(r.id for r in [*held, *rest])
+    began = [e["began"] for e in starts]
+    assert rate_violations(began, 1, 2.0) == []
+    assert rate_violations(began, 2, 8.0) == []
+    later = sorted(e["time"] - killed for e in starts if e["task_id"] not in {r.id for r in held})
+    # Seen orphaned only once b's session ended (4 s), and freed 8 s after that.
+    assert later[0] >= 8.0, f"the 8 s window's orphans were freed before their window could have passed: {later}"
+    assert later[0] < 4 + 1 + 8 + 3, f"the next copy started {later[0]:.2f}s after the kill"
+    assert a.log_text()
+    wait_until(lambda: parked_left(kazoo, path) == [], timeout=10)

@@ -138,17 +138,11 @@ def test_under_hashed_names_a_key_error_quotes_no_argument_in_its_message_traceb
     ({"rate": (3, 0)}, r"rate \(3, 0\): the window must be a positive number of seconds, not 0"),
     ({"rate": ["1/s", "5/s"]}, r"two windows of 1s"),
     ({"rate": "1/s", "on_contention": Preempt()}, r"rate= with on_contention=Preempt\(\) is not built yet"),
-    # Park with a rate is built for one window, alone, a start of one unit (issue 44's park).
-    ({"rate": ["1/s", "100/m"], "on_contention": "park"},
-     r"rate= of 2 windows with on_contention=Park\(\) is not built yet: a parked copy waits in one window's queue"),
+    # Park with a rate is built for the rate alone (issue 44's park): any windows, any units.
     ({"rate": "3/s", "limit": 2, "on_contention": "park"},
      r"rate= beside limit= or mode= with on_contention=Park\(\) is not built yet"),
     ({"rate": "3/s", "mode": "exclusive", "on_contention": Park(limit=5)},
      r"rate= beside limit= or mode= with on_contention=Park\(limit=5\) is not built yet"),
-    ({"rate": "3/s", "units": 2, "on_contention": "park"},
-     r"units=2 with on_contention=Park\(\) is not built yet: a parked copy is sent on as one start's room frees"),
-    ({"rate": "3/s", "units": lambda x: 2, "on_contention": "park"},
-     r"units=.*<lambda>.* with on_contention=Park\(\) is not built yet"),
     ({"rate": lambda x: "3/s", "on_contention": "park"},
      r"rate= as a callable with on_contention=Park\(\) is not built yet: a park is decided before"),
     ({"rate": "1/s", "dedupe": "queued", "lock": False}, r"rate applies only with the lock"),
@@ -589,3 +583,18 @@ def test_a_preempt_copy_without_a_place_is_warned_of_once_per_task_name(caplog):
     assert re.match(r"celery-zklock: task unit\.render\[r\d\]: ", said[0][1]), said
     assert said[1][1].startswith("celery-zklock: task unit.other[o1]: "), said
     assert "publish through an app that has it registered" in said[0][1]
+
+
+@pytest.mark.parametrize("options", [
+    {"rate": ["1/s", "100/m"], "on_contention": "park"},
+    {"rate": "3/s", "units": 2, "on_contention": "park"},
+    {"rate": ["3/s", "100/m"], "units": lambda x: 2, "on_contention": Park(at_publish=True)},
+])
+def test_park_serves_a_rate_of_several_windows_and_weighted_starts(options):
+    # Refused before (issue 44's park was built for one window and one unit a start).
+    def fn(x):
+        pass
+    locking = locking_of(zk_locked(**options)(fn))
+    assert locking.problem == "" and locking.spec is not None
+    windows = [rate.window for rate in locking.spec.parked_rates]
+    assert windows == sorted(windows) and len(windows) == (2 if isinstance(options["rate"], list) else 1)
