@@ -19,6 +19,9 @@ from celery.signals import beat_init, worker_init
 from celery_zklock import Park, Preempt, Wait, zk_locked
 
 app = Celery("traced_app")
+# Its tasks are not shared (``shared=False``): the test process imports this module, and a shared
+# task would be added to every app finalized after it there, such as a docs example's app under
+# hashed key names, which refuses the parking task.
 app.conf.update(
     broker_url=os.environ.get("ZKT_BROKER", "memory://"),
     result_backend=os.environ.get("ZKT_BROKER", "cache+memory://"),
@@ -62,33 +65,33 @@ worker_init.connect(_traced, weak=False)
 beat_init.connect(_traced, weak=False)
 
 
-@app.task
+@app.task(shared=False)
 @zk_locked(key="t:{key}", on_contention=Wait(timeout=30))
 def waiting(key: str, seconds: float) -> str:
     time.sleep(seconds)
     return "ran"
 
 
-@app.task
+@app.task(shared=False)
 @zk_locked(key="t:{key}", on_contention=Wait(timeout=0.3))
 def impatient(key: str) -> str:
     return "ran"
 
 
-@app.task
+@app.task(shared=False)
 @zk_locked(key="t:{key}", on_contention="skip")
 def skipping(key: str) -> str:
     return "ran"
 
 
-@app.task
+@app.task(shared=False)
 @zk_locked(key="p:{key}", on_contention=Park())
 def parking(key: str, seconds: float) -> str:
     time.sleep(seconds)
     return "ran"
 
 
-@app.task(bind=True)
+@app.task(shared=False, bind=True)
 @zk_locked(key="pre:{key}", on_contention=Preempt(timeout=30))
 def preempting(self: Any, key: str, seconds: float) -> str:
     deadline = time.monotonic() + seconds
@@ -97,18 +100,18 @@ def preempting(self: Any, key: str, seconds: float) -> str:
     return "ran"
 
 
-@app.task
+@app.task(shared=False)
 @zk_locked(key="latest:{key}", dedupe="latest", lock=False)
 def newest(key: str, n: int) -> int:
     return n
 
 
-@app.task
+@app.task(shared=False)
 def publish_newest(key: str, n: int, countdown: float) -> str:
     """Publishes a ``latest`` copy from a worker, where the SDK is: the publish's span is here."""
     return newest.apply_async((key, n), countdown=countdown).id
 
 
-@app.task
+@app.task(shared=False)
 def beat_tick() -> str:
     return "tick"
