@@ -1,6 +1,7 @@
 """Locks a Java service shares: ours under ``zklock_lock_names="curator"`` against Apache Curator's
 ``InterProcessMutex`` and ``InterProcessReadWriteLock`` (Debian's ``libcurator-recipes-java``) on one
-znode, every holder/contender pair both ways, and a Curator holder killed.
+znode, every holder/contender pair both ways, a Curator holder killed, and either side's link cut
+or create reply lost (the ensemble's faults are in ``test_ensemble_partitions.py``).
 
 One JVM per test (about 0.3 s to start), driven over stdin: ``harness/curator.py``.
 """
