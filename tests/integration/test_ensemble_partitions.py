@@ -206,6 +206,7 @@ class CuratorHold:
         """Wait for the JVM to hold; its token is its node's czxid, read through ``client``."""
         said, self.start = self.java.result_at("h", timeout)
         assert said == "held", said
+        client.sync(self.path)  # the JVM's server made the node; ``client``'s may not have applied it yet
         self.token = client.exists(f"{self.path}/{self.java.nodes['h']}").czxid
 
     def suspended(self, timeout: float) -> float:
