@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import tempfile
 import uuid
-from typing import Iterator, List
+from pathlib import Path
+from typing import Callable, Iterator, List
 
 import pytest
 from celery import Celery
@@ -17,6 +19,7 @@ from celery_zklock.conf import Settings
 from celery_zklock.testing import ZooKeeperServer
 from celery_zklock.zk import Session, close_sessions
 from harness import RedisServer, ZooKeeperEnsemble
+from harness.curator import CuratorHolder, compile_holder
 
 _started: List[object] = []
 
@@ -139,6 +142,29 @@ def kazoo(zk_server: ZooKeeperServer) -> Iterator[KazooClient]:
     yield client
     client.stop()
     client.close()
+
+
+@pytest.fixture(scope="session")
+def curator_classpath() -> Iterator[str]:
+    """Curator's test holder (harness/CuratorHolder.java), compiled once per session."""
+    with tempfile.TemporaryDirectory(prefix="zklock-curator-") as classes:  # removed after the session
+        yield compile_holder(Path(classes))
+
+
+@pytest.fixture
+def curator_holders(curator_classpath: str) -> Iterator[Callable[..., CuratorHolder]]:
+    """Factory of Java services locking with Curator: ``start(hosts, session_ms)``, one JVM (one
+    Curator client, one session) each, closed after the test."""
+    started: List[CuratorHolder] = []
+
+    def start(hosts: str, session_ms: int = 2000) -> CuratorHolder:
+        holder = CuratorHolder(curator_classpath, hosts, session_ms=session_ms)
+        started.append(holder)
+        return holder.start()
+
+    yield start
+    for holder in started:
+        holder.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Locks a Java service shares: ours under ``zklock_lock_names="curator"`` against Apache Curator's
 ``InterProcessMutex`` and ``InterProcessReadWriteLock`` (Debian's ``libcurator-recipes-java``) on one
-znode, every holder/contender pair both ways, and a Curator holder killed.
+znode, every holder/contender pair both ways, a Curator holder killed, and either side's link cut
+or create reply lost (the ensemble's faults are in ``test_ensemble_partitions.py``).
 
 One JVM per test (about 0.3 s to start), driven over stdin: ``harness/curator.py``.
 """
@@ -8,11 +9,10 @@ One JVM per test (about 0.3 s to start), driven over stdin: ``harness/curator.py
 from __future__ import annotations
 
 import re
-import tempfile
 import threading
 import time
-from pathlib import Path
-from typing import Iterator, List
+from collections import Counter
+from typing import Iterator, List, Optional
 
 import pytest
 
@@ -23,25 +23,19 @@ from celery_zklock.layout import Layout
 from celery_zklock.ops.exporter_read import read_tree
 from celery_zklock.ops.tree import locks
 from celery_zklock.recipes.engine import ContenderObserver
-from harness.curator import CuratorHolder, compile_holder
-from tests.util import children
+from celery_zklock.testing import Hold, violations
+from harness import Fault, Op, TcpProxy
+from harness.curator import CuratorHolder
+from tests.util import children, wait_until
 
 #: Our mode and the Curator lock it pairs with on one znode, as Curator's own recipes pair.
 PAIRS = [("exclusive", "mutex"), ("read", "read"), ("read", "write"), ("write", "read"), ("write", "write")]
 KEY = "invoice-42"
 
 
-@pytest.fixture(scope="session")
-def curator_classpath() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="zklock-curator-") as classes:  # removed after the session
-        yield compile_holder(Path(classes))
-
-
 @pytest.fixture
-def java(curator_classpath, zk_server) -> Iterator[CuratorHolder]:
-    holder = CuratorHolder(curator_classpath, zk_server.hosts, session_ms=2000).start()
-    yield holder
-    holder.close()
+def java(curator_holders, zk_server) -> CuratorHolder:
+    return curator_holders(zk_server.hosts, session_ms=2000)
 
 
 @pytest.fixture
@@ -200,3 +194,201 @@ def test_a_path_template_is_validated_as_keys_are(curator_app):
         celery_zklock.lock(curator_app, KEY, path="svc/{key}")
     with pytest.raises(celery_zklock.KeyBuildError, match=r"with a '/' in it"):
         celery_zklock.lock(curator_app, "a/b", path="/svc/{key}")
+
+
+# -- faults: a Curator lock and ours never both hold -----------------------------------------------
+#
+# Each side's hold is recorded as that side saw it and checked with the rules (``violations``):
+# ours from its acquire's return to the moment it counted the lock lost (``on_state``) or let
+# it go; Curator's from the moment this process read "held" (after the JVM's acquire returned)
+# to the moment it read the JVM's connection turn SUSPENDED (Curator's own word that its locks
+# may be gone: an ``InterProcessMutex`` never says it lost anything) or asked it to let go.
+
+#: The mode a Curator lock holds in, as the history's rules name it.
+CURATOR_MODE = {"mutex": "exclusive", "read": "read", "write": "write"}
+
+
+def curator_hold(java: CuratorHolder, kazoo, lock_id: str, path: str, kind: str, start: float, end: float) -> Hold:
+    """The hold of the JVM's lock ``lock_id`` at ``path``, its token its node's czxid (as ours)."""
+    stat = kazoo.exists(f"{path}/{java.nodes[lock_id]}")
+    token = stat.czxid if stat is not None else -1
+    return Hold(path, CURATOR_MODE[kind], token, start, end, f"curator {lock_id}")
+
+
+def our_hold(lock, start: float, end: float, who: str) -> Hold:
+    return Hold(lock.path, lock.mode, lock.fencing_token, start, end, who)
+
+
+class LostAt:
+    """When a lock of ours counted itself lost (its ``on_state``)."""
+
+    def __init__(self) -> None:
+        self.at: Optional[float] = None
+
+    def __call__(self, lock, state: str) -> None:
+        if state == "lost" and self.at is None:
+            self.at = time.monotonic()
+
+
+@pytest.fixture
+def proxy(zk_server) -> Iterator[TcpProxy]:
+    with TcpProxy(zk_server.port) as p:
+        yield p
+
+
+@pytest.mark.slow
+def test_our_holders_cut_off_count_their_locks_lost_before_curators_contenders_hold(
+        curator_app, java, kazoo, proxy, new_session, zk_root):
+    # Our holders' link goes dark (a mutex's and a read/write lock's contender wait behind
+    # them in the JVM): each counts its lock lost before the server expires its session,
+    # which is when Curator's contender can hold. The lost-lock handling of the exclusion row.
+    session = new_session(hosts=proxy.hosts, session_timeout=2)
+    pairs = [("exclusive", "mutex"), ("read", "write")]
+    ours, lost, started = [], [], []
+    for i, (mode, kind) in enumerate(pairs):
+        at = LostAt()
+        lock = celery_zklock.lock(curator_app, f"{KEY}-{i}", mode, path=f"{zk_root}/svc/{{key}}", session=session,
+                                  on_state=at)
+        assert lock.acquire(timeout=10)
+        started.append(time.monotonic())
+        ours.append(lock)
+        lost.append(at)
+        java.take(f"c{i}", kind, lock.path, timeout=30)
+    wait_until(lambda: all(len(children(kazoo, lock.path)) == 2 for lock in ours))  # each JVM contender queued
+    proxy.mode = "blackhole"
+    cut = time.monotonic()
+    history: List[Hold] = []
+    for i, ((mode, kind), lock, at) in enumerate(zip(pairs, ours, lost)):
+        said, theirs_at = java.result_at(f"c{i}", 20)
+        assert said == "held"
+        history.append(curator_hold(java, kazoo, f"c{i}", lock.path, kind, theirs_at, time.monotonic()))
+        java.release(f"c{i}")
+        assert at.at is not None, "the server expired our session and we never counted the lock lost"
+        history.append(our_hold(lock, started[i], at.at, f"ours {i}"))
+        print(f"{mode} against {kind}: ours lost {at.at - cut:.2f}s after the cut, "
+              f"Curator held {theirs_at - cut:.2f}s after")
+    assert violations(history) == [], history
+    proxy.mode = "pass"
+    for lock in ours:
+        lock.release()
+
+
+@pytest.mark.slow
+def test_a_curator_holder_cut_off_is_suspended_before_ours_holds(curator_app, curator_holders, kazoo, proxy, zk_root):
+    # The JVM's link goes dark while it holds a mutex and a write lock; ours wait on the server's
+    # side. ZooKeeper's Java client counts 2/3 of its session timeout of silence as a disconnect:
+    # Curator says SUSPENDED before the server can expire the session, and ours can hold only
+    # after that. Curator's own lock objects never notice: each still says it is acquired, and
+    # Curator says LOST only a whole session timeout after SUSPENDED, after ours held. A Java
+    # service keeps the promise by stopping at SUSPENDED, as Curator's error-handling docs say.
+    java = curator_holders(proxy.hosts, session_ms=2000)
+    pairs = [("mutex", "exclusive"), ("write", "read")]
+    held_at, ours, got = [], [], []
+    for i, (kind, mode) in enumerate(pairs):
+        path = f"{zk_root}/svc/{KEY}-{i}"
+        java.take(f"h{i}", kind, path)
+        said, at = java.result_at(f"h{i}", 10)
+        assert said == "held"
+        held_at.append(at)
+        lock = celery_zklock.lock(curator_app, f"{KEY}-{i}", mode, path=f"{zk_root}/svc/{{key}}")
+        ours.append(lock)
+        got.append([])
+    waiters = [threading.Thread(target=lambda lock=lock, got=got[i]: got.append(
+        (lock.acquire(timeout=20), time.monotonic()))) for i, lock in enumerate(ours)]
+    for waiter in waiters:
+        waiter.start()
+    wait_until(lambda: all(len(children(kazoo, lock.path)) == 2 for lock in ours))
+    proxy.mode = "blackhole"
+    cut = time.monotonic()
+    suspended = java.wait_state("SUSPENDED", 10, after=cut)
+    for waiter in waiters:
+        waiter.join(20)
+    history: List[Hold] = []
+    for i, ((kind, mode), lock) in enumerate(zip(pairs, ours)):
+        assert got[i] and got[i][0][0], f"ours ({mode}) never held after the JVM's session expired"
+        ours_at = got[i][0][1]
+        history.append(our_hold(lock, ours_at, time.monotonic(), f"ours {i}"))
+        history.append(curator_hold(java, kazoo, f"h{i}", lock.path, kind, held_at[i], suspended))
+        print(f"{kind} against {mode}: Curator SUSPENDED {suspended - cut:.2f}s after the cut, "
+              f"ours held {ours_at - cut:.2f}s after")
+    lost = java.wait_state("LOST", 10, after=cut)
+    print(f"Curator LOST {lost - cut:.2f}s after the cut; its locks say acquired: "
+          f"{[java.owns(f'h{i}') for i in range(len(pairs))]}")
+    assert violations(history) == [], history
+    # What is not promised: a Java service that waits for LOST, or asks its lock, runs on beside ours.
+    assert lost > min(got[i][0][1] for i in range(len(pairs)))
+    assert all(java.owns(f"h{i}") for i in range(len(pairs)))
+    for lock in ours:
+        lock.release()
+    proxy.mode = "pass"
+
+
+def _lose_create_reply(proxy: TcpProxy) -> Fault:
+    """The next create (of a contender: ours is create2, Curator's too) reaches the server, its
+    reply never comes back, and the connection is cut: the client reconnects to its session."""
+    return proxy.arm(Fault("request", lambda xid, op: op in (Op.CREATE, Op.CREATE2), "cut_after",
+                           describe="create"))
+
+
+@pytest.mark.slow
+def test_lost_create_replies_on_both_sides_leave_one_node_each_and_neither_adopts_the_others(
+        curator_app, curator_holders, kazoo, zk_server, new_session, zk_root):
+    # Both sides find their node after a lost create reply by their `_c_<uuid>-` prefix (ours
+    # in the engine, Curator's withProtection() lookup): with each other's nodes beside theirs,
+    # neither may take another's node for its own, nor leave a second node of its own.
+    with TcpProxy(zk_server.port) as our_link, TcpProxy(zk_server.port) as java_link:
+        java = curator_holders(java_link.hosts, session_ms=4000)
+        session = new_session(hosts=our_link.hosts, session_timeout=8)
+        history: List[Hold] = []
+        for first in ("ours", "curator"):
+            lock = celery_zklock.lock(curator_app, f"{KEY}-{first}-first", "exclusive", path=f"{zk_root}/svc/{{key}}",
+                                      session=session)
+            kazoo.ensure_path(lock.path)  # each side's first create under it is its contender's
+            history += _both_lose_a_create_reply(lock, java, kazoo, our_link, java_link, first)
+        assert violations(history) == [], history
+
+
+def _both_lose_a_create_reply(lock, java: CuratorHolder, kazoo, our_link: TcpProxy, java_link: TcpProxy,
+                              first: str) -> List[Hold]:
+    path = lock.path
+    lost_ours, lost_java = _lose_create_reply(our_link), _lose_create_reply(java_link)
+    got: List[float] = []
+    if first == "ours":
+        assert lock.acquire(timeout=20)
+        got.append(time.monotonic())
+        java.take("c", "mutex", path, timeout=30)
+        assert lost_java.done.wait(10)
+        wait_until(lambda: len(children(kazoo, path)) == 2)
+        assert java.pending("c", 0.5)
+    else:
+        java.take("c", "mutex", path, timeout=30)
+        said, java_at = java.result_at("c", 20)
+        assert said == "held" and lost_java.done.is_set()
+        waiter = threading.Thread(target=lambda: lock.acquire(timeout=30) and got.append(time.monotonic()))
+        waiter.start()
+        assert lost_ours.done.wait(10)
+        wait_until(lambda: len(children(kazoo, path)) == 2 and lock.node is not None)  # found again
+    nodes = children(kazoo, path)
+    owners = {n: kazoo.exists(f"{path}/{n}").ephemeralOwner for n in nodes}
+    # One node each, each its own session's; ours is the one our lock names. (A second node
+    # Curator made would outlive its lock: the key's children never empty below.)
+    assert lock.node in nodes and sorted(Counter(owners.values()).values()) == [1, 1], owners
+    assert owners[lock.node] == lock.session.client.client_id[0]
+    if first == "ours":
+        released = time.monotonic()
+        lock.release()
+        said, java_at = java.result_at("c", 20)
+        assert said == "held" and java.nodes["c"] in nodes
+        holds = [our_hold(lock, got[0], released, "ours, first"),
+                 curator_hold(java, kazoo, "c", path, "mutex", java_at, time.monotonic())]
+        java.release("c")
+    else:
+        assert java.nodes["c"] in nodes and not got
+        holds = [curator_hold(java, kazoo, "c", path, "mutex", java_at, time.monotonic())]
+        java.release("c")
+        waiter.join(20)
+        assert got, "ours never held after Curator let go"
+        holds.append(our_hold(lock, got[0], time.monotonic(), "ours, second"))
+        lock.release()
+    wait_until(lambda: children(kazoo, path) == [])
+    return holds

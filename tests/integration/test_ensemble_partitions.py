@@ -25,6 +25,7 @@ import redis
 from celery_zklock.exceptions import ZkLockError
 from celery_zklock.recipes.lock import EXCLUSIVE, Lock
 from celery_zklock.recipes.rate import Rate, RateSlot
+from celery_zklock.recipes.rules import CURATOR, Rule
 from celery_zklock.testing import Hold, rate_violations, violations
 from celery_zklock.zk import Session
 from harness import CeleryBeat, Op, TcpProxy, ZooKeeperEnsemble
@@ -58,9 +59,9 @@ def healed(ensemble: ZooKeeperEnsemble) -> Iterator[None]:
 class Holder:
     """One contender for ``path`` through ``session``, and its hold as it saw it."""
 
-    def __init__(self, session: Session, path: str, who: str) -> None:
+    def __init__(self, session: Session, path: str, who: str, rule: Rule = EXCLUSIVE) -> None:
         self.who = who
-        self.lock = Lock(session, path, EXCLUSIVE)
+        self.lock = Lock(session, path, rule)
         self.lock.on_state = self._on_state
         self.start: Optional[float] = None
         self.end: Optional[float] = None
@@ -185,6 +186,161 @@ def test_a_partition_healed_in_time_loses_nothing_the_server_kept(ensemble, new_
     assert holder.end is None and holder.lock.is_held
     holder.lock.ensure()
     holder.finish()
+
+
+class CuratorHold:
+    """A Java service's Curator lock at ``path`` (a JVM of its own, on ``hosts``), and its hold
+    as Curator's own connection states tell it: from the JVM's "held" to its first SUSPENDED."""
+
+    def __init__(self, curator_holders, hosts: str, session_ms: int, path: str, who: str) -> None:
+        self.java = curator_holders(hosts, session_ms=session_ms)
+        self.path, self.who = path, who
+        self.start: Optional[float] = None
+        self.end: Optional[float] = None
+        self.token = -1
+
+    def take(self, timeout: float = 30.0) -> None:
+        self.java.take("h", "mutex", self.path, timeout=timeout)
+
+    def held(self, client, timeout: float) -> None:
+        """Wait for the JVM to hold; its token is its node's czxid, read through ``client``."""
+        said, self.start = self.java.result_at("h", timeout)
+        assert said == "held", said
+        client.sync(self.path)  # the JVM's server made the node; ``client``'s may not have applied it yet
+        self.token = client.exists(f"{self.path}/{self.java.nodes['h']}").czxid
+
+    def suspended(self, timeout: float) -> float:
+        assert self.start is not None
+        self.end = self.java.wait_state("SUSPENDED", timeout, after=self.start)
+        return self.end
+
+    def finish(self) -> List[Hold]:
+        if self.start is None:
+            return []
+        if self.end is None:
+            self.end = time.monotonic()
+            self.java.release("h")
+        return [Hold(self.path, "exclusive", self.token, self.start, self.end, self.who)]
+
+
+def test_a_curator_holder_on_a_follower_cut_from_the_leader_says_suspended_before_ours_holds_with_a_session_past_sync_limit(  # noqa: E501
+        ensemble, new_session, zk_root, curator_holders):
+    # A Curator holder's only signal is its connection. The cut follower answers its pings
+    # until it gives up on the leader (syncLimit x tickTime: 5 s here), and then drops its
+    # clients: Curator says SUSPENDED then. The leader expires the JVM's session a session
+    # timeout after it last heard of it. With a session longer than syncLimit x tickTime, the
+    # JVM hears SUSPENDED before ours (on the majority side) can hold; with a shorter one
+    # (3 s here), ours holds while the JVM still says CONNECTED: what the table does not promise.
+    on = sessions(ensemble, new_session)
+    leader = ensemble.leader()
+    follower, other = [s for s in ensemble.servers if s is not leader]
+    majority = on(other)
+    sync_limit = int(follower.config()["syncLimit"]) * follower.tick_ms / 1000
+    javas = {ms: CuratorHold(curator_holders, follower.hosts, ms, f"{zk_root}/svc/k-{ms}ms", f"curator, {ms} ms")
+             for ms in (3000, 7000)}
+    ours = {ms: Holder(majority, j.path, f"ours behind curator, {ms} ms", CURATOR["exclusive"])
+            for ms, j in javas.items()}
+    for java in javas.values():
+        java.take()
+        java.held(majority.client, 15)
+    waiters = [threading.Thread(target=holder.acquire, args=(30,)) for holder in ours.values()]
+    for waiter in waiters:
+        waiter.start()
+    wait_until(lambda: all(len(majority.client.get_children(j.path)) == 2 for j in javas.values()))
+    ensemble.cut(follower.myid, leader.myid)
+    cut = time.monotonic()
+    for java in javas.values():
+        java.suspended(sync_limit + 5)
+    for waiter in waiters:
+        waiter.join(30)
+    for ms, java in javas.items():
+        assert ours[ms].start is not None, f"ours never held after the {ms} ms session expired"
+        print(f"{ms} ms session: Curator SUSPENDED {java.end - cut:.2f}s after the cut (syncLimit "
+              f"{sync_limit:g}s), ours held {ours[ms].start - cut:.2f}s after")
+    assert violations(javas[7000].finish() + ours[7000].finish()) == []
+    # The limit, measured: a session shorter than syncLimit x tickTime expires while its JVM
+    # still says CONNECTED, and ours holds beside a Curator holder that does not know yet.
+    assert violations(javas[3000].finish() + ours[3000].finish()) != []
+
+
+def test_the_leader_isolated_a_curator_holder_and_ours_there_stop_before_the_other_side_holds(
+        ensemble, new_session, zk_root, curator_holders):
+    # On the isolated leader, a JVM holds one znode and ours another; the other side's
+    # contender waits on the majority side for each. The leader drops its clients once it
+    # sees it lost its quorum (syncLimit ticks): the JVM says SUSPENDED then, and ours counts
+    # its lock lost by its own clock. The majority elects a new leader only after its own
+    # syncLimit, which starts every session's countdown afresh: neither waiter holds before.
+    on = sessions(ensemble, new_session)
+    leader = ensemble.leader()
+    follower, other = [s for s in ensemble.servers if s is not leader]
+    majority = on(other)
+    java_there = CuratorHold(curator_holders, leader.hosts, 3000, f"{zk_root}/svc/k-curator", "curator on the leader")
+    ours_there = Holder(on(leader), f"{zk_root}/svc/k-ours", "ours on the leader", CURATOR["exclusive"])
+    ours_behind = Holder(majority, java_there.path, "ours on the majority", CURATOR["exclusive"])
+    # Long enough to ride out the majority's own election.
+    java_behind = CuratorHold(curator_holders, f"{other.hosts},{follower.hosts}", 20000, ours_there.lock.path,
+                              "curator on the majority")
+    java_there.take()
+    java_there.held(majority.client, 15)
+    assert ours_there.acquire(10)
+    waiter = threading.Thread(target=ours_behind.acquire, args=(60,))
+    waiter.start()
+    java_behind.take(timeout=60)
+    wait_until(lambda: all(len(majority.client.get_children(p)) == 2 for p in (java_there.path, ours_there.lock.path)))
+    ensemble.isolate(leader.myid)
+    cut = time.monotonic()
+    java_there.suspended(15)
+    java_behind.held(majority.client, 60)
+    waiter.join(60)
+    wait_until(lambda: ours_there.end is not None, timeout=15)
+    assert ours_behind.start is not None, "ours never held after the isolated JVM's session expired"
+    print(f"Curator on the leader SUSPENDED {java_there.end - cut:.2f}s after the cut, ours held its znode "
+          f"{ours_behind.start - cut:.2f}s after; ours on the leader lost {ours_there.end - cut:.2f}s after, "
+          f"Curator held its znode {java_behind.start - cut:.2f}s after")
+    history = java_there.finish() + ours_behind.finish() + ours_there.finish() + java_behind.finish()
+    assert violations(history) == [], history
+
+
+@pytest.mark.parametrize("fault", ["killed_server", "quorum_loss"])
+def test_a_curator_holder_rides_out_a_killed_server_or_a_lost_quorum_and_ours_waits(
+        ensemble, new_session, zk_root, curator_holders, fault):
+    # The JVM (its session 10 s, every server in its connect string) holds; its server is
+    # killed (and, for a lost quorum, the leader or another too) for 2 s. Its session moves or
+    # waits, its node stays, and Curator says RECONNECTED: it holds throughout, and ours (its
+    # server never killed) waits until the JVM lets go.
+    java = CuratorHold(curator_holders, ensemble.hosts, 10000, f"{zk_root}/svc/k-{fault}", f"curator, {fault}")
+    java.take()
+    waiting = [s for s in ensemble.servers if s.port != java.java.where()]
+    ours = Holder(new_session(hosts=waiting[-1].hosts, session_timeout=10, connect_timeout=30,
+                              server_tick_time=waiting[-1].tick_ms / 1000),
+                  java.path, "ours", CURATOR["exclusive"])
+    java.held(ours.lock.session.client, 15)
+    got: List[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(ours.acquire(60)))
+    waiter.start()
+    wait_until(lambda: len(ours.lock.session.client.get_children(java.path)) == 2)
+    hit = next(s for s in ensemble.servers if s.port == java.java.where())
+    down = [hit] + ([waiting[0]] if fault == "quorum_loss" else [])
+    for server in down:
+        server.stop(signal.SIGKILL)
+    killed = time.monotonic()
+    java.java.wait_state("SUSPENDED", 10, after=killed)
+    time.sleep(2.0)  # the fault's length: the schedule under test
+    for server in down:
+        server.start(wait=False)
+    for server in down:
+        server.wait_serving()
+    java.java.wait_state("RECONNECTED", 30, after=killed)
+    assert java.java.owns("h") and "LOST" not in [s for s, _ in java.java.states]
+    assert not got and ours.start is None  # the JVM's node stayed: ours still waits
+    released = time.monotonic()
+    java.finish()
+    waiter.join(30)
+    assert got == [True]
+    history = [Hold(java.path, "exclusive", java.token, java.start, released, java.who), *ours.finish()]
+    assert violations(history) == [], history
+    print(f"{fault}: the JVM reconnected {java.java.wait_state('RECONNECTED', 0, after=killed) - killed:.2f}s "
+          f"after the kill, its node kept; ours held {history[1].start - released:.2f}s after it let go")
 
 
 SCHEDULERS = {"LeaderScheduler": "celery_zklock.beat:LeaderScheduler",
