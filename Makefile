@@ -36,13 +36,15 @@ test: system venv $(DOCS_STAMP) $(BIN)/promtool
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The oldest Python, Celery and kazoo we support (tox env py39-celeryoldest): the unit tests and every
-# test whose behaviour depends on Celery's version (tasks, beat, CLI, interleavings), and the direct
+# test whose behaviour depends on Celery's version (tasks, beat, CLI, interleavings, the spans of the
+# Celery instrumentation and the headers a parked copy carries its trace in), and the direct
 # request path and the lock recipe, which lean on kazoo's internals and on the thread and socket
 # behaviour of each Python.
 PYTHON39 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3.9) $(shell command -v python3.9))
 OLDEST_TESTS ?= tests/unit tests/integration/test_beat.py tests/integration/test_tasks.py \
 	tests/integration/test_interleavings.py tests/integration/test_cli.py tests/integration/test_pytest_plugin.py \
-	tests/integration/test_request_path.py tests/integration/test_lock_recipe.py tests/integration/test_lock_contract.py
+	tests/integration/test_request_path.py tests/integration/test_lock_recipe.py tests/integration/test_lock_contract.py \
+	tests/integration/test_tracing.py
 test-oldest: system venv $(BIN)/promtool
 	@[ -n "$(PYTHON39)" ] || { echo "error: no Python 3.9 found (install it, e.g. with pyenv, or set PYTHON39=)"; exit 1; }
 	$(BIN)/tox -e py39-celeryoldest --skip-missing-interpreters false --discover $(PYTHON39) -- -p no:cacheprovider \
