@@ -495,6 +495,14 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         return _rated_starts(self, key, seconds, seq, units)
 
     @app.task(bind=True, shared=False)
+    @zk_locked(key="rate-park-win-deploy:{key}", rate=os.environ.get("ZKT_DEPLOY_RATE", "5/1s,2/6s").split(","),
+               on_contention="park")
+    def rated_parking_windows_deployed(self, key: str, seconds: float, seq: int) -> int:
+        """Its windows and counts from ZKT_DEPLOY_RATE (``"5/1s,2/6s"``): a deploy that changes a
+        window's count, or adds a window, while copies are parked."""
+        return _rated_starts(self, key, seconds, seq)
+
+    @app.task(bind=True, shared=False)
     @zk_locked(key="sem-park:{key}", limit=2, on_contention="park")
     def sem_parking(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
         """A semaphore of 2 per key, parked while full: its limit changed live."""
