@@ -202,7 +202,7 @@ class HandOff(QueueBase):
                         gates.append(list(reply(one, until)))
                     except NoNodeError:
                         gates.append([])
-            rules = self.rules_now(until)
+            rules = self.rules_now(until, gates)
             turn = head_turn(children, gates[0], rules[0], list(zip(gates[1:], rules[1:])))
             if looked is not None and turn.action != Hand.CLAIM:
                 continue  # only a claim may come of a look: any other answer is read after the release

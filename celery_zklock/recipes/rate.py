@@ -41,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import posixpath
@@ -64,8 +65,8 @@ from .live import LiveSource
 from .lock import Lock
 from .rules import Decision, Rule, semaphore, split_queue, units_tag
 
-__all__ = ["DRIFT", "OWNER", "OrphanTurn", "Rate", "RateOrphans", "RateSlot", "RateValue", "check_units",
-           "free_orphans", "orphan_turn", "owner", "parse_rate"]
+__all__ = ["DRIFT", "NO_ROOM", "OWNER", "OrphanTurn", "Rate", "RateOrphans", "RateSlot", "RateValue", "check_units",
+           "free_orphans", "orphan_turn", "owner", "parse_rate", "window_rule"]
 
 #: How much faster than real time a machine's monotonic clock may run (NTP slews a clock by at
 #: most 500 ppm): every wait of W here is W times (1 + DRIFT), so no observer with a true clock
@@ -75,6 +76,10 @@ DRIFT = 1e-3
 OWNER = "o-"
 #: When a host's clock first saw a slot orphaned: ``s-<slot's uuid>-<clock id>``, persistent.
 SIGHTING = "s-"
+
+#: A rule under which no start has room: a window whose node holds another count than the
+#: code's, while any slot stands (see :meth:`RateOrphans.rule`).
+NO_ROOM = dataclasses.replace(semaphore(1), leases=0)
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _RATE_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([smhd])\s*$")
@@ -350,6 +355,31 @@ def free_orphans(session: Session, path: str, children: List[str], judged: Rule,
     return turn
 
 
+def window_rule(count: int, stored: Optional[int], other: Optional[int], contenders: Optional[Sequence[str]]
+                ) -> Rule:
+    """The rule a parked head is sent under in a rate window of the code's ``count``: the count
+    ``stored`` live, if any; else, where the window's node holds an ``other`` count (a deploy
+    changed it), no room while any slot stands among the window's ``contenders`` (a contender
+    of ours is refused then) and the code's count once none does (it takes the node over);
+    with no ``contenders`` read, the node's count.
+
+    >>> [window_rule(3, 5, 2, []).leases, window_rule(3, None, None, ["a__sem__0000000001"]).leases]
+    [5, 3]
+    >>> old = ["a-2__sem__0000000001"]
+    >>> window_rule(3, None, 2, old).has_room(old, 1), window_rule(3, None, 2, []).has_room([], 3)
+    (False, True)
+    >>> window_rule(3, None, 2, None).leases
+    2
+    """
+    if stored is not None:
+        return semaphore(stored)
+    if other is None:
+        return semaphore(count)
+    if contenders is None:
+        return semaphore(other)
+    return NO_ROOM if any("__sem__" in c for c in contenders) else semaphore(count)
+
+
 class RateOrphans:
     """The orphans of one key's rate window, freed by someone that does not contend for it: the
     first watcher of the key's parked queue (``on_contention=Park()``), where every copy of the
@@ -366,16 +396,20 @@ class RateOrphans:
     def __init__(self, session: Session, path: str, rate: Rate, live: Optional[LiveSource] = None) -> None:
         self.session, self.path, self.rate, self.live = session, path, rate, live
 
-    def rule(self, until: Optional[float], waiter: Any = None) -> Rule:
+    def rule(self, until: Optional[float], waiter: Any = None, contenders: Optional[Sequence[str]] = None) -> Rule:
         """The rule a start is admitted under now: the count stored live (``waiter.wake()`` when
-        it changes); else the one the window's node holds, which a contender of another count
-        is refused under while its slots stand (a deploy that changed the count: sent under the
-        new one, a head was refused and sent again, 418 times in 5.5 s); else the code's."""
+        it changes); else the code's, unless the window's node holds another count (a deploy
+        changed it). A contender of ours is refused then while any slot stands, and takes the
+        node over once none does: given the window's ``contenders``, only an empty window has
+        room (sent under the node's count, a head was refused and sent again: 418 times in
+        5.5 s under the new count, 206 in 6 s under the old one with one old slot left); read
+        without them, the node's count."""
         stored = self.live.stored(self.session, until, waiter) if self.live is not None else None
+        other = None
         if stored is None:
             with contextlib.suppress(NoNodeError):
-                stored = self.rate.other_count(reply(self.session.client.get_async(self.path), until)[0])
-        return semaphore(self.rate.count if stored is None else stored)
+                other = self.rate.other_count(reply(self.session.client.get_async(self.path), until)[0])
+        return window_rule(self.rate.count, stored, other, contenders)
 
     def rule_of_code(self) -> Rule:
         """The rule of the code's count, read from nothing."""
