@@ -57,7 +57,7 @@ def lock_lines(rows: List[Dict[str, Any]], waiters: bool = False, task: Optional
 
     for row in rows:
         count = sum(h.get("units", 1) for h in row["holders"])  # a weighted start takes several
-        held = f"{count}/{row['limit']}" if row.get("limit") else str(count)
+        held = "-" if row.get("windows") else f"{count}/{row['limit']}" if row.get("limit") else str(count)
         parked = row.get("parked", [])
         for h in row["holders"]:
             lines.append(line(row["key"], h, held, age(h["held_for"]), str(row["waiters"]), str(len(parked))))
@@ -98,18 +98,25 @@ def unheld(row: Dict[str, Any]) -> str:
     'no holder: head in flight (parked copy abc, sent to be run; 1 more parked)'
     >>> unheld({"waiters": 0, "parked": [{"sent": False}], "watched": False})
     'no holder: 1 parked, head not sent (no live worker watches it: one adopts it in zklock_park_resend_after)'
+
+    A rate's queue of several windows holds no slot of its own (each window's row lists its
+    slots): its copies wait for room in every one of them.
+
+    >>> unheld({"waiters": 0, "parked": [{"sent": False}] * 2, "watched": True, "windows": ["1s", "4s"]})
+    'in every window: 2 parked, head not sent (a worker watching the queue sends it)'
     """
     parked = row.get("parked", [])
+    what = "in every window" if row.get("windows") else "no holder"
     if parked and parked[0].get("sent"):
         more = f"; {len(parked) - 1} more parked" if len(parked) > 1 else ""
-        return f"no holder: head in flight (parked copy {parked[0].get('task_id')}, sent to be run{more})"
+        return f"{what}: head in flight (parked copy {parked[0].get('task_id')}, sent to be run{more})"
     if row["waiters"]:
         return "no holder: its next waiter is taking it"
     if not row.get("watched", True):
         # Short enough for its column (117): cut, it named half a setting.
-        return (f"no holder: {len(parked)} parked, head not sent (no live worker watches it: one adopts it in "
+        return (f"{what}: {len(parked)} parked, head not sent (no live worker watches it: one adopts it in "
                 "zklock_park_resend_after)")
-    return f"no holder: {len(parked)} parked, head not sent (a worker watching the queue sends it)"
+    return f"{what}: {len(parked)} parked, head not sent (a worker watching the queue sends it)"
 
 
 def beat_who(candidate: Dict[str, Any]) -> str:

@@ -127,6 +127,13 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
         if wanted is not None and key_name != wanted:
             continue
         path = f"{base}/{name}"
+        if "," in window:
+            # The one queue of a rate of several windows (``<key>@1s,4s``): its copies wait for room
+            # in every window, whose own rows list their slots; it has none of its own (read as a
+            # window, it showed "0/1": no node at its path, so a count of 1).
+            row = _windows_queue(session, f"{parked_base}/{name}", key_name, window, pattern, wanted, now)
+            rows += [row] if row is not None else []
+            continue
         try:
             seconds: Optional[float] = float(window[:-1])
         except ValueError:
@@ -155,6 +162,21 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
                      "parked": parked, "watched": watched,
                      "limit": _rule(semaphore(1).kind, list(infos.values()), stored).leases})
     return rows
+
+
+def _windows_queue(session: Session, queue: str, key_name: str, window: str, pattern: Optional[str],
+                   wanted: Optional[str], now: float) -> Optional[Dict[str, Any]]:
+    """The row of a rate's parked queue of several windows (``window``: ``1s,4s``), at ``queue``:
+    its parked copies, and which windows they wait for room in; None when none is parked."""
+    parked = [_parked(node, data, since, now, sent) for node, data, since, sent in parked_copies(session, queue, None)]
+    if not parked:
+        return None
+    key = pattern if wanted is not None and pattern is not None else decode_key(key_name) or key_name
+    if wanted is None and pattern is not None and not fnmatch.fnmatchcase(key, pattern):
+        return None
+    watched = any(c.startswith(MEMBER) for c in children(session, queue))
+    return {"key": f"{key} per {window}", "path": queue, "holders": [], "waiters": 0, "waiting": [],
+            "parked": parked, "watched": watched, "limit": None, "windows": window.split(",")}
 
 
 def queue_of(session: Session, path: str, stored: Optional[int] = None
