@@ -155,7 +155,7 @@ class QueueBase:
 
     def rules_now(self, until: Optional[float], gates: Optional[Sequence[Sequence[str]]] = None) -> List[Rule]:
         """:meth:`rule_now` of each of :attr:`gate_paths` (``gates``: the contenders of each, as read)."""
-        each: Sequence[Optional[Sequence[str]]] = gates if gates is not None else [None] * len(self.gate_paths)
+        each: List[Optional[Sequence[str]]] = list(gates) if gates is not None else [None] * len(self.gate_paths)
         return [self.rule_now(until, each[0]),
                 *(window.rule(until, self.waiter, one) for window, one in zip(self.more, each[1:]))]
 
