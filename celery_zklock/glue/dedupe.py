@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -80,18 +81,12 @@ def publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, opt
                        "link) neither replaces a queued copy nor can be replaced, or a canvas would never "
                        "complete", where)
         return original(task, args, kwargs, task_id=task_id, **options)
-    if latest:
-        # A span around the publish (when an OpenTelemetry SDK is configured): the marker names
-        # it, and it links to the copy the marker named before, which this one replaces.
-        with tracing.superseding(task) as traced:
-            return _publish(task, original, args, kwargs, options, spec, key, ttl, task_id, path, traced)
-    return _publish(task, original, args, kwargs, options, spec, key, ttl, task_id, path, None)
+    return _publish(task, original, args, kwargs, options, spec, key, ttl, task_id, path)
 
 
 def _publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, options: Dict[str, Any],
-             spec: LockSpec, key: str, ttl: float, task_id: str, path: str,
-             traced: Optional[tracing.Superseding]) -> Any:
-    """:func:`publish`, once the copy's marker is known (``traced``: a ``latest`` publish's span)."""
+             spec: LockSpec, key: str, ttl: float, task_id: str, path: str) -> Any:
+    """:func:`publish`, once the copy's marker is known."""
     app = task.app
     where = f"task {task.name}"
     settings, layout, defaults = settings_of(app), layout_of(app), task_defaults(app)
@@ -103,69 +98,73 @@ def _publish(task: Any, original: Callable[..., Any], args: Any, kwargs: Any, op
     wait = defaults.dedupe_publish_timeout  # a web request's delay() must not hang for the connect timeout
     claiming = False  # a marker naming this copy may exist, and no message carries it yet
     try:
-        try:
-            session = session_for(settings, wait)
-            if not session.client.connected:
-                raise ZooKeeperUnavailable("the session is reconnecting")
-            claim_scheme(session, layout, wait)
-            # The queued life counts from here: a session that was slow to start (a loaded
-            # server, a first publish) must not leave the marker born with its life half spent.
-            now = time.time()
-            data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
-                    **({"key": key} if layout.secret is None else {}), **(traced.fields() if traced else {})}
-            claiming = True
-            if latest:
-                replaced = _in_tree(session, layout.queued_tree, wait, lambda: supersede(session, path, data, wait))
-                if traced is not None:
-                    traced.replaced(replaced)
-                existing = None
-            else:
-                existing = _claim(session, layout.queued_tree, path, data, wait)
-            if existing is not None and _releases.pending(path, existing["task_id"]):
-                # A copy this process never sent: it must not answer this publish. Its
-                # marker goes now (if this fails, so does this publish), and we claim again.
-                release(session, path, existing["task_id"], wait)
-                existing = _claim(session, layout.queued_tree, path, data, wait)
-        except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
-            if claiming:
-                # The create may have reached the server though its reply never reached us: a
-                # marker naming this copy, with no message behind it, would hold the key for its
-                # whole lifetime. It goes in the background (only if it names this very copy).
-                claiming = False
-                _releases.add(settings, path, task_id,
-                              None if policy.on_unavailable == "publish"
-                              else _never_sent(task, task_id, exc, ZooKeeperUnavailable), latest)
-            if policy.on_unavailable == "publish":
-                # Said once it went: a preempt copy, which needs ZooKeeper for its place, is not sent.
-                sent = original(task, args, kwargs, task_id=task_id, **options)
-                logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
-                signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="unavailable")
-                return sent
-            raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
-                                       f"({explain(exc)}); set {type(policy).__name__}(on_unavailable='publish') "
-                                       "to publish anyway, without dedupe") from None
-        claiming = existing is None
-        if existing is not None and _in_a_canvas(options):
-            # Answering with the queued copy would drop what this copy carries: a chain's tail,
-            # a chord's body, a group's count, a link. Nothing is dropped silently: publish it.
-            logger.warning("%s: published although a copy with key %r is %s (task id %s): a copy inside a "
-                           "canvas (chain, chord, group, link) is never deduplicated, or its canvas would never "
-                           "complete", where, label, policy.name.replace("_", " "),
-                           existing["task_id"])
-            signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="canvas")
+        # A latest publish's span (when an OpenTelemetry SDK is configured): the marker names it,
+        # and it links to the copy the marker named before, which this one replaces. Inside the
+        # try: an exception landing as the span ends, after the send, is one after the send.
+        with tracing.superseding(task) if latest else contextlib.nullcontext() as traced:
+            try:
+                session = session_for(settings, wait)
+                if not session.client.connected:
+                    raise ZooKeeperUnavailable("the session is reconnecting")
+                claim_scheme(session, layout, wait)
+                # The queued life counts from here: a session that was slow to start (a loaded
+                # server, a first publish) must not leave the marker born with its life half spent.
+                now = time.time()
+                data = {"task_id": task_id, "task": task.name, "enqueued": now, "expires": now + ttl,
+                        **({"key": key} if layout.secret is None else {}), **(traced.fields() if traced else {})}
+                claiming = True
+                if latest:
+                    replaced = _in_tree(session, layout.queued_tree, wait, lambda: supersede(session, path, data, wait))
+                    if traced is not None:
+                        traced.replaced(replaced)
+                    existing = None
+                else:
+                    existing = _claim(session, layout.queued_tree, path, data, wait)
+                if existing is not None and _releases.pending(path, existing["task_id"]):
+                    # A copy this process never sent: it must not answer this publish. Its
+                    # marker goes now (if this fails, so does this publish), and we claim again.
+                    release(session, path, existing["task_id"], wait)
+                    existing = _claim(session, layout.queued_tree, path, data, wait)
+            except (ZooKeeperUnavailable, KazooException, *timeouts()) as exc:
+                if claiming:
+                    # The create may have reached the server though its reply never reached us: a
+                    # marker naming this copy, with no message behind it, would hold the key for its
+                    # whole lifetime. It goes in the background (only if it names this very copy).
+                    claiming = False
+                    _releases.add(settings, path, task_id,
+                                  None if policy.on_unavailable == "publish"
+                                  else _never_sent(task, task_id, exc, ZooKeeperUnavailable), latest)
+                if policy.on_unavailable == "publish":
+                    # Said once it went: a preempt copy, which needs ZooKeeper for its place, is not sent.
+                    sent = original(task, args, kwargs, task_id=task_id, **options)
+                    logger.warning("%s: published without dedupe, ZooKeeper is unavailable (%s)", where, explain(exc))
+                    signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="unavailable")
+                    return sent
+                raise ZooKeeperUnavailable(f"{where}: not published: ZooKeeper is unavailable for its dedupe marker "
+                                           f"({explain(exc)}); set {type(policy).__name__}(on_unavailable='publish') "
+                                           "to publish anyway, without dedupe") from None
+            claiming = existing is None
+            if existing is not None and _in_a_canvas(options):
+                # Answering with the queued copy would drop what this copy carries: a chain's tail,
+                # a chord's body, a group's count, a link. Nothing is dropped silently: publish it.
+                logger.warning("%s: published although a copy with key %r is %s (task id %s): a copy inside a "
+                               "canvas (chain, chord, group, link) is never deduplicated, or its canvas would never "
+                               "complete", where, label, policy.name.replace("_", " "),
+                               existing["task_id"])
+                signals.task_dedupe_bypassed.send(sender=task, key=label, task_id=task_id, reason="canvas")
+                return original(task, args, kwargs, task_id=task_id, **options)
+            if existing is not None:
+                signals.task_deduplicated.send(sender=task, key=label, task_id=existing["task_id"])
+                on_duplicate = policy.on_duplicate if isinstance(policy, OneQueued) else "return"
+                if on_duplicate == "raise":
+                    raise AlreadyQueued(f"{where}: not published: a copy with key {label!r} is "
+                                        f"{policy.name.replace('_', ' ')} (task id {existing['task_id']})",
+                                        existing["task_id"])
+                return None if on_duplicate == "none" else task.AsyncResult(existing["task_id"])
+            _reap_now_and_then(session, layout.queued_tree, settings.connect_timeout)
+            signals.task_marked.send(sender=task, key=label, task_id=task_id, path=path)
+            options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
             return original(task, args, kwargs, task_id=task_id, **options)
-        if existing is not None:
-            signals.task_deduplicated.send(sender=task, key=label, task_id=existing["task_id"])
-            on_duplicate = policy.on_duplicate if isinstance(policy, OneQueued) else "return"
-            if on_duplicate == "raise":
-                raise AlreadyQueued(f"{where}: not published: a copy with key {label!r} is "
-                                    f"{policy.name.replace('_', ' ')} (task id {existing['task_id']})",
-                                    existing["task_id"])
-            return None if on_duplicate == "none" else task.AsyncResult(existing["task_id"])
-        _reap_now_and_then(session, layout.queued_tree, settings.connect_timeout)
-        signals.task_marked.send(sender=task, key=label, task_id=task_id, path=path)
-        options["headers"] = {**(options.get("headers") or {}), MARKER_HEADER: path}
-        return original(task, args, kwargs, task_id=task_id, **options)
     except BaseException as failure:
         if claiming:
             # Not sent (a failed send, a receiver that raised, a soft time limit landing
