@@ -150,10 +150,13 @@ def _rates(session: Session, root: str, pattern: Optional[str], wanted: Optional
             if owner(n) not in alive:
                 row["where"] = f"{row['host']}/{row['pid']}, gone"
             holders.append(row)
+        # The queue of a rate of several windows (``@1s,10s``) holds parked copies only, and
+        # has no count of its own: each window's count is on that window's row.
+        several = "," in window
         rows.append({"key": f"{key} per {window}", "path": path, "holders": holders, "waiters": len(waiting),
                      "waiting": [_contender(n, infos[n], nodes[n][1], now, "waiting_for") for n in waiting],
                      "parked": parked, "watched": watched,
-                     "limit": _rule(semaphore(1).kind, list(infos.values()), stored).leases})
+                     "limit": None if several else _rule(semaphore(1).kind, list(infos.values()), stored).leases})
     return rows
 
 
