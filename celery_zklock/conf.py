@@ -145,9 +145,10 @@ DESCRIPTIONS: Mapping[str, Tuple[str, str]] = {
                           "kazoo's names: its `Lock`, `ReadLock` and `WriteLock` share our locks) or `curator` "
                           "(`_c_<uuid>-lock-<seq>`, `-__READ__`, `-__WRIT__`: Apache Curator's "
                           "`InterProcessMutex` and `InterProcessReadWriteLock` share them; see "
-                          "[locks shared with Java](../guide/curator.md)). A kazoo-named lock shares nothing "
-                          "with Curator's. Every process of a root must agree: one that does not is refused "
-                          "at start. `curator` refuses `limit=` and `rate=`."),
+                          "[locks shared with Java](../guide/curator.md)). Under `kazoo`, Curator's locks do not "
+                          "see ours: a Java contender takes a znode ours holds (ours wait for Curator's, which "
+                          "is no help when the Java side comes second). Every process of a root must agree: one "
+                          "that does not is refused at start. `curator` refuses `limit=` and `rate=`."),
     "zklock_key_secret": ("str or bytes", "The HMAC key of `hashed` names: at least 16 bytes, the same in every "
                           "worker, beat and CLI of the app. Required by `hashed`, refused without it. Never printed."),
     "zklock_use_ssl": ("bool", "Talk TLS to ZooKeeper's `secureClientPort`."),

@@ -257,8 +257,9 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", repr(fn))
 
 
-def check_znode_path(path: str, what: str) -> str:
-    """``path`` if it is an absolute znode path ZooKeeper accepts, else ConfigurationError naming ``what``.
+def check_znode_path(path: str, what: str, shown: Optional[str] = None) -> str:
+    """``path`` if it is an absolute znode path ZooKeeper accepts, else ConfigurationError naming
+    ``what``, and quoting ``shown`` (what the user wrote: a template) in place of ``path``.
 
     >>> check_znode_path("/billing/locks/invoice-42", "path")
     '/billing/locks/invoice-42'
@@ -270,8 +271,10 @@ def check_znode_path(path: str, what: str) -> str:
     parts = path.split("/") if isinstance(path, str) else []
     if (len(parts) < 2 or parts[0] != "" or any(p in ("", ".", "..") for p in parts[1:])
             or any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f for c in path)):
-        raise ConfigurationError(f"{what}={path!r:.120} must be an absolute znode path (like /app/locks/invoice-42): "
-                                 "no empty, '.' or '..' names, no trailing '/', no control characters")
+        written = path if shown is None else shown
+        raise ConfigurationError(f"{what}={written!r:.120} must be an absolute znode path (like "
+                                 "/app/locks/invoice-42): no empty, '.' or '..' names, no trailing '/', no control "
+                                 "characters")
     return path
 
 
@@ -299,8 +302,9 @@ def check_path_template(template: Any, fn: Optional[Callable[..., Any]], where: 
             check_key_parts(template, fn, where)
         except ConfigurationError as exc:  # the same checks: said of the path
             raise ConfigurationError(str(exc).replace(": key template", ": path template", 1)) from None
+    # Checked with each field as "x", and said of the template as written.
     check_znode_path("".join(text + ("x" if field is not None else "")
-                             for text, field, _, _ in string.Formatter().parse(template)), f"{where}: path")
+                             for text, field, _, _ in string.Formatter().parse(template)), f"{where}: path", template)
     return template
 
 

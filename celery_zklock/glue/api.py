@@ -110,7 +110,7 @@ def curator_refusal(what: str, where: str) -> str:
     return (f"{where}: {what} is refused under zklock_lock_names='curator': Curator's semaphore "
             "(InterProcessSemaphoreV2) keeps its leases in a protocol of its own that this package does not "
             "speak, so a Java service would not count our holders; drop it, or use zklock_lock_names='kazoo' "
-            "(a kazoo-named lock shares nothing with Curator's)")
+            "(then Curator's locks do not see ours)")
 
 
 def lock_path(app: Any, key: str, limit: Optional[int] = None) -> str:

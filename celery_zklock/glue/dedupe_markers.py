@@ -33,7 +33,7 @@ def _dedupe_spec(task: Any) -> Optional[LockSpec]:
     if locking.spec is None:
         # Wrong lock options: published, it would go out without the dedupe it may have
         # asked for, as a copy that can only fail.
-        raise ConfigurationError(locking.problem)
+        raise ConfigurationError(locking.problem_of(task.name))
     # A policy the app's settings cannot serve (the default's, or park under hashed names):
     # sent, the copy could only fail on the worker, whose start refuses the app anyway.
     problem = contention_problem(task.app, f"task {task.name}", locking.spec, task_defaults(task.app))

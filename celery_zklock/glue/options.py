@@ -427,14 +427,27 @@ class Locking:
     problem: str = ""
     #: Which form asked for the lock: ``@zk_locked``, or ``zklock`` (ZkLockedTask's option).
     form: Literal["@zk_locked", "zklock"] = "@zk_locked"
+    #: How ``problem`` names the task: as it was defined, before Celery registered it.
+    where: str = ""
 
     @classmethod
     def check(cls, fn: Callable[..., Any], where: str, options: Mapping[str, Any],
               form: Literal["@zk_locked", "zklock"]) -> Locking:
         try:
-            return cls(LockSpec.make(fn, where, options), "", form)
+            return cls(LockSpec.make(fn, where, options), "", form, where)
         except ConfigurationError as exc:
-            return cls(None, str(exc), form)
+            return cls(None, str(exc), form, where)
+
+    def problem_of(self, name: Optional[str]) -> str:
+        """``problem``, naming the task as the app registered it (``name=``): @zk_locked runs
+        before ``@app.task`` does, and knows only its function's module and qualname.
+
+        >>> Locking(None, "task m.f: bad; task m.f: worse", where="task m.f").problem_of("billing.charge")
+        'task billing.charge: bad; task billing.charge: worse'
+        """
+        if not name or not self.where or self.where == f"task {name}":
+            return self.problem
+        return self.problem.replace(f"{self.where}: ", f"task {name}: ")
 
     def attach(self, run: Callable[..., Any]) -> Callable[..., Any]:
         """Keep this on ``run``, the one place :func:`locking_of` looks."""
@@ -539,7 +552,7 @@ def problems(app: Any) -> List[str]:
     for name, task in sorted(app.tasks.items()):
         locking = locking_of(task)
         locked = locked or locking is not None
-        problem = getattr(locking, "problem", "") or stray.get(name)
+        problem = (locking.problem_of(name) if locking is not None else "") or stray.get(name)
         if problem:
             found.append(problem)
     if locked:

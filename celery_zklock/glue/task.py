@@ -82,9 +82,9 @@ def _locked_run(fn: Callable[..., Any], locking: Locking) -> Callable[..., Any]:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         spec = locking.spec
-        if spec is None:
-            raise ConfigurationError(locking.problem)
         task = current_task()
+        if spec is None:
+            raise ConfigurationError(locking.problem_of(getattr(task, "name", None)))
         if task is None:
             raise ConfigurationError(f"{spec.where}: a locked task's body runs only as a Celery task")
         bound = bool(args) and args[0] is task  # bind=True, or a ZkLockedTask's run method

@@ -124,12 +124,27 @@ def evict(ctx: click.Context, key: Optional[str], node: Optional[str], yes: bool
         holder = eviction.to_evict(session, layout, key, node)
         for line in render.holder_lines(holder):
             click.echo(line)
+        # Another client's holder (a Java service's, by Curator) reads no request and is never
+        # told its node went: asking would only write over its data and wait out --wait.
+        foreign = render.foreign_holder(holder)
         task_id = holder["task_id"] if revoke and isinstance(holder["task_id"], str) and holder["task_id"] else None
         if revoke and task_id is None:
-            click.echo("--revoke: its node names no task id (a lock taken outside a task): nothing will be revoked")
+            click.echo("--revoke: a foreign holder names no task: nothing will be revoked" if foreign else
+                       "--revoke: its node names no task id (a lock taken outside a task): nothing will be revoked")
         if not yes:
-            click.confirm("Take the lock from it (ask it to let go, and delete its node if it has not within "
+            click.confirm("Take the lock from it (delete its node: a foreign holder cannot be asked to let go)?"
+                          if foreign else
+                          "Take the lock from it (ask it to let go, and delete its node if it has not within "
                           f"{wait:g}s)" + (" and revoke its task" if task_id else "") + "?", abort=True)
+        if foreign:
+            if not eviction.delete(session, holder):
+                click.echo(f"{holder['path']} is gone already: its holder let go; nothing deleted")
+                return
+            click.echo(f"evicted: deleted {holder['path']}: a foreign holder cannot be asked to let go, and is never "
+                       "told (a Curator lock goes on as if it held); the fencing token is what protects the stores "
+                       "that check it")
+            click.echo(f"  any later holder's fencing token is greater than {holder['token']}")
+            return
         if task_id is not None:
             # Before the request: a prefork worker kills the body's process as it answers, and
             # a revoke that cannot be sent leaves the lock as it was.

@@ -80,6 +80,16 @@ def lock_lines(rows: List[Dict[str, Any]], waiters: bool = False, task: Optional
     return lines
 
 
+def foreign_holder(holder: Dict[str, Any]) -> bool:
+    """Whether a holder's node is another client's (its data is not ours: a Curator lock's is
+    its client's address), which hears no eviction request and is never told its node went.
+
+    >>> foreign_holder({"data": "10.0.0.7"}), foreign_holder({"host": "vm", "pid": 7})
+    (True, False)
+    """
+    return holder.get("data") is not None
+
+
 def in_flight(copy: Dict[str, Any]) -> str:
     """How long a parked copy sent again has been on its way, and where it is.
 
@@ -147,11 +157,25 @@ def stalled(leader: Dict[str, Any], now: float) -> str:
 
 
 def holder_lines(holder: Dict[str, Any]) -> List[str]:
-    """Who holds it, for the operator to confirm (str() everywhere: node data may hold anything)."""
+    """Who holds it, for the operator to confirm (str() everywhere: node data may hold anything).
+
+    A foreign holder (another client's node, such as a Curator lock's) is what its data says:
+
+    >>> holder_lines({"label": "k", "mode": "write", "data": "10.0.0.7", "held_for": 1.0, "token": 7,
+    ...               "path": "/r/locks/k-k/_c_x-lock-0000000000", "waiters": 0})[2:4]  # doctest: +NORMALIZE_WHITESPACE
+    ["  process   10.0.0.7 (foreign: another client's lock, such as Apache Curator's)",
+     '  task      - (a foreign holder)']
+    """
+    if foreign_holder(holder):
+        process = f"{holder['data']} (foreign: another client's lock, such as Apache Curator's)"
+        task = "- (a foreign holder)"
+    else:
+        process = f"{holder.get('host')}/{holder.get('pid')}"
+        task = holder.get("task") or "- (a lock taken outside a task)"
     return [f"holder of {holder['label']!r} ({holder['mode']}):",
             f"  worker    {holder.get('worker') or '-'}",
-            f"  process   {holder.get('host')}/{holder.get('pid')}",
-            f"  task      {holder.get('task') or '- (a lock taken outside a task)'}",
+            f"  process   {process}",
+            f"  task      {task}",
             f"  task id   {holder.get('task_id') or '-'}",
             f"  held for  {age(holder['held_for'])}",
             f"  token     {holder['token']} (fencing token)",

@@ -367,3 +367,29 @@ def test_status_says_when_a_leader_blocks_at_its_very_first_tick(cli_env, queue)
     finally:
         beat.stop()
         beat.close()
+
+
+def test_a_queue_of_several_windows_shows_its_parked_copies_with_no_count_of_its_own(new_session, kazoo, zk_root):
+    """A rate of several windows parks its copies in one queue named by all of them
+    (``<key>@1s,10s``); its row in ``locks`` said ``0/1`` (``"limit": 1``), a count of one
+    that no window has. Each window's count is on its own row."""
+    from celery_zklock.ops.render import lock_lines
+    from celery_zklock.ops.tree import locks
+
+    layout = Layout(zk_root)
+    window = layout.rate("p:w", 10.0)
+    kazoo.create(window, json.dumps({"rate": [5, 10.0]}).encode(), makepath=True)
+    kazoo.create(f"{window}/aa__sem__", json.dumps({"key": "p:w", "mode": "rate", "rate": [5, 10.0]}).encode(),
+                 sequence=True)
+    queue = layout.parked_rate("p:w", 1.0, 10.0)
+    assert queue.endswith("/k-p:w@1s,10s")
+    for n in range(2):
+        kazoo.create(f"{queue}/p-0123456789abcdef-", json.dumps({"task": "t.rated", "id": f"copy-{n}"}).encode()
+                     + b"\nmessage", sequence=True, makepath=True)
+    rows = {row["key"]: row for row in locks(new_session(), zk_root)}
+    assert set(rows) == {"p:w per 10s", "p:w per 1s,10s"}, rows
+    assert rows["p:w per 10s"]["limit"] == 5 and len(rows["p:w per 10s"]["holders"]) == 1
+    both = rows["p:w per 1s,10s"]
+    assert both["limit"] is None and [p["task_id"] for p in both["parked"]] == ["copy-0", "copy-1"], both
+    [line] = [line for line in lock_lines(list(rows.values())) if line.startswith("  p:w per 1s,10s ")]
+    assert re.match(r"  p:w per 1s,10s +- +- in every window: 2 parked", line), line

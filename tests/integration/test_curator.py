@@ -1,17 +1,22 @@
 """Locks a Java service shares: ours under ``zklock_lock_names="curator"`` against Apache Curator's
 ``InterProcessMutex`` and ``InterProcessReadWriteLock`` (Debian's ``libcurator-recipes-java``) on one
 znode, every holder/contender pair both ways, a Curator holder killed, and either side's link cut
-or create reply lost (the ensemble's faults are in ``test_ensemble_partitions.py``).
+or create reply lost (the ensemble's faults are in ``test_ensemble_partitions.py``); and the
+guide's Java example, compiled as written, waiting for the guide's Python lock.
 
 One JVM per test (about 0.3 s to start), driven over stdin: ``harness/curator.py``.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Iterator, List, Optional
 
 import pytest
@@ -149,13 +154,17 @@ def test_a_root_whose_processes_disagree_on_lock_names_is_refused(new_session, z
         claim_scheme(new_session(), Layout(zk_root, lock_names="curator"), 10)
 
 
-def test_kazoo_names_share_nothing_with_curator(app, java, zk_root):
-    # The default: what the docs say plainly. Both hold at once (the issue's measurement).
+def test_under_kazoo_names_curator_takes_our_held_lock_though_ours_waits_for_curators(app, java, zk_root):
+    # The default: what the docs say plainly. A Curator contender second holds beside ours (the
+    # issue's measurement); ours second waits, as our rules know Curator's names whatever the setting.
     lock = celery_zklock.lock(app, KEY, "exclusive", path=f"{zk_root}/svc/{{key}}")
     assert lock.acquire(timeout=10)
     java.take("c", "mutex", f"{zk_root}/svc/{KEY}", timeout=10)
     assert java.result("c", 15) == "held"
+    lock.release()
+    assert lock.acquire(blocking=False) is False  # Curator's holder keeps ours out
     java.release("c")
+    assert lock.acquire(timeout=10)
     lock.release()
 
 
@@ -183,8 +192,8 @@ def test_a_locked_task_with_a_limit_is_refused_under_curator_names(curator_app):
     assert [p for p in found if "t." in p] == [
         "task t.limited: limit= is refused under zklock_lock_names='curator': Curator's semaphore "
         "(InterProcessSemaphoreV2) keeps its leases in a protocol of its own that this package does not speak, "
-        "so a Java service would not count our holders; drop it, or use zklock_lock_names='kazoo' (a kazoo-named "
-        "lock shares nothing with Curator's)"]
+        "so a Java service would not count our holders; drop it, or use zklock_lock_names='kazoo' (then Curator's "
+        "locks do not see ours)"]
 
 
 def test_a_path_template_is_validated_as_keys_are(curator_app):
@@ -392,3 +401,76 @@ def _both_lose_a_create_reply(lock, java: CuratorHolder, kazoo, our_link: TcpPro
         lock.release()
     wait_until(lambda: children(kazoo, path) == [])
     return holds
+
+
+def watchers(zk_server, node: str) -> List[str]:
+    """The sessions that watch ``node``, in ZooKeeper's own word (``wchp``)."""
+    host, port = zk_server.hosts.split(",")[0].rsplit(":", 1)
+    reply = b""
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"wchp")
+        while True:
+            chunk = sock.recv(65536)  # the server closes once it has answered
+            if not chunk:
+                break
+            reply += chunk
+    found: List[str] = []
+    at = None
+    for line in reply.decode().splitlines():
+        if line.startswith("/"):
+            at = line.strip()
+        elif at == node and line.strip():
+            found.append(line.strip())
+    return found
+
+
+def test_the_guides_java_example_compiles_and_waits_for_the_guides_lock(curator_app, curator_classpath, zk_server,
+                                                                       tmp_path):
+    """The guide's two sides as written: its Java block, in a class of its own, compiled against
+    Debian's Curator jars, waits for its Python ``lock()`` on the same znode, then charges."""
+    text = (Path(__file__).resolve().parents[2] / "docs/guide/curator.md").read_text()
+    [java_block] = re.findall(r"```java\n(.*?)```", text, re.S)
+    (tmp_path / "GuideExample.java").write_text(
+        "import java.util.concurrent.TimeUnit;\n"
+        "import org.apache.curator.framework.CuratorFramework;\n"
+        "import org.apache.curator.framework.CuratorFrameworkFactory;\n"
+        "import org.apache.curator.framework.recipes.locks.InterProcessMutex;\n"
+        "import org.apache.curator.retry.RetryOneTime;\n"
+        "public class GuideExample {\n"
+        "  static CuratorFramework client;\n"
+        "  // Its lock's contenders as it charges: its own alone, or ours beside it too.\n"
+        "  static void charge(int invoice) throws Exception {\n"
+        "    int contenders = client.getChildren().forPath(\"/billing/locks/invoice-\" + invoice).size();\n"
+        "    System.out.println(\"charged \" + invoice + \" among \" + contenders);\n"
+        "  }\n"
+        "  public static void main(String[] args) throws Exception {\n"
+        "    client = CuratorFrameworkFactory.newClient(args[0], new RetryOneTime(100));\n"
+        "    client.start();\n"
+        f"{java_block}"
+        "    System.out.println(\"done\");\n"
+        "    client.close();\n"
+        "  }\n"
+        "}\n")
+    compiled = subprocess.run(["javac", "-nowarn", "-d", str(tmp_path), "-cp", curator_classpath,
+                               str(tmp_path / "GuideExample.java")], capture_output=True, text=True, timeout=120)
+    assert compiled.returncode == 0, compiled.stderr
+    [python_block] = re.findall(r"```python\n(.*?)```", text, re.S)[:1]
+    [with_line] = [line for line in python_block.splitlines() if line.startswith("with celery_zklock.lock(")]
+    assert 'celery_zklock.lock(app, "invoice-42", path="/billing/locks/{key}", timeout=5)' in with_line
+    with celery_zklock.lock(curator_app, "invoice-42", path="/billing/locks/{key}", timeout=5) as mine:
+        java = subprocess.Popen(["java", "-cp", os.pathsep.join([str(tmp_path), curator_classpath]), "GuideExample",
+                                 zk_server.hosts], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            # Curator's acquire(5, SECONDS) waits behind ours, watching our node: a Curator blind
+            # to ours would never watch it, and would charge among 2.
+            ours = f"0x{mine.session.client.client_id[0]:x}"
+            wait_until(lambda: set(watchers(zk_server, f"{mine.path}/{mine.node}")) - {ours}, timeout=30)
+            assert java.poll() is None
+        except BaseException:
+            java.kill()
+            raise
+    try:
+        out, _ = java.communicate(timeout=30)
+    finally:
+        java.kill()
+    assert out == "charged 42 among 1\ndone\n" and java.returncode == 0, out  # ours had let go

@@ -356,3 +356,26 @@ def test_a_connection_lost_after_the_request_was_written_is_ridden_through(
     assert "Traceback" not in out.stderr and "evicted: its holder let go" in out.stdout, out.stdout
     with pytest.raises(LockLost):
         holder.get(timeout=30)
+
+
+def test_a_foreign_holder_is_shown_as_such_and_its_node_deleted_without_asking(cli_env, kazoo, zk_root):
+    """A Curator holder on a key's znode (curator guide): it cannot hear a request, so evict
+    wrote one over Curator's data (its client's address) and waited out --wait for nothing;
+    its holder showed as ``process None/None``, ``task - (a lock taken outside a task)``."""
+    path = Layout(zk_root).lock("k:j")
+    node = kazoo.create(f"{path}/_c_0f3a9b1d-7c2e-4b5a-9d8e-1f2a3b4c5d6e-lock-", b"10.0.0.7", ephemeral=True,
+                        sequence=True, makepath=True)
+    started = time.monotonic()
+    out = evict(cli_env, "k:j", "--yes", "--revoke")  # --wait 30, the default: nothing to wait for
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "holder of 'k:j' (write):" and lines[1] == "  worker    -", out.stdout
+    assert lines[2] == "  process   10.0.0.7 (foreign: another client's lock, such as Apache Curator's)", out.stdout
+    assert lines[3] == "  task      - (a foreign holder)" and f"  node      {node}" in lines, out.stdout
+    assert "--revoke: a foreign holder names no task: nothing will be revoked" in lines, out.stdout
+    assert "asked the holder" not in out.stdout and kazoo.exists(node) is None
+    assert lines[-2] == (f"evicted: deleted {node}: a foreign holder cannot be asked to let go, and is never told "
+                         "(a Curator lock goes on as if it held); the fencing token is what protects the stores "
+                         "that check it"), out.stdout
+    assert took < 20, took  # not the 30 s wait for a request nobody reads

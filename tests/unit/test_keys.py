@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_zklock.keys import MAX_NAME, encode_key
+from celery_zklock.exceptions import ConfigurationError
+from celery_zklock.keys import MAX_NAME, check_path_template, encode_key
 
 # What ZooKeeper accepts in a node name (PathUtils.validatePath), minus '/'.
 _FORBIDDEN = re.compile("[\u0000-\u001f\u007f-\u009f\ud800-\uf8ff\ufff0-\uffff/]")
@@ -185,3 +186,12 @@ def test_hashed_names_are_hmacs_that_reveal_nothing_and_differ_per_secret():
     # The scheme tells readable from hashed, and one secret from another, without revealing it.
     assert Layout("/r").scheme == "readable"
     assert a.scheme.startswith("hashed:") and a.scheme != b.scheme and "0123" not in a.scheme
+
+
+@pytest.mark.parametrize(("template", "fn"), [("x/{a}", lambda a: None), ("/x/{a}/", lambda a: None),
+                                              ("/x//{a}", lambda a: None), ("billing/{key}", None)])
+def test_a_wrong_path_template_is_quoted_as_written(template, fn):
+    # It was quoted with each field as "x" ('x/x' for 'x/{a}'): a path the user never wrote.
+    with pytest.raises(ConfigurationError) as caught:
+        check_path_template(template, fn, "task t")
+    assert str(caught.value).startswith(f"task t: path={template!r} must be an absolute znode path"), caught.value

@@ -485,7 +485,8 @@ for publish in (lambda: refresh.delay(7), lambda: app.send_task(refresh.name, (7
         print("refused:", exc)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.stdout.splitlines() == ["refused: task __main__.refresh: dedupe must be None, a policy (Queued(...), "
+    # Named as Celery registered it (a __main__ task under the app's main name), as its worker knows it.
+    assert out.stdout.splitlines() == ["refused: task only.refresh: dedupe must be None, a policy (Queued(...), "
                                        "QueuedOrRunning(...), Latest(...)) or one of queued, queued_or_running, "
                                        "latest, not 'queue'; did you mean 'queued'?"] * 2, out.stdout + out.stderr
 
@@ -598,3 +599,26 @@ def test_park_serves_a_rate_of_several_windows_and_weighted_starts(options):
     assert locking.problem == "" and locking.spec is not None
     windows = [rate.window for rate in locking.spec.parked_rates]
     assert windows == sorted(windows) and len(windows) == (2 if isinstance(options["rate"], list) else 1)
+
+
+def test_a_wrong_option_names_the_task_as_registered_not_its_function(caplog):
+    # A task registered under name= was named by its function's module and qualname
+    # (test_task_options.test_....<locals>.charge), a task no worker or CLI knows.
+    app = Celery("named", broker="memory://", set_as_current=False)
+
+    @app.task(name="billing.charge_invoice", shared=False)
+    @zk_locked(key="inv:{i}", path="/billing/{i}", on_contention="park", mode="shared")
+    def charge(i):
+        pass
+
+    app.finalize()
+    [problem] = [p for p in problems(app) if "charge" in p]
+    assert problem.startswith("task billing.charge_invoice: ") and problem.count("; task billing.charge_invoice: ") \
+        == 1 and "<locals>" not in problem, problem
+    assert problem in caplog.text  # logged so once the app is finalized
+    with pytest.raises(ConfigurationError) as called:
+        charge.apply((1,)).get()
+    assert str(called.value).startswith("task billing.charge_invoice: "), called.value
+    with pytest.raises(ConfigurationError) as published:
+        charge.delay(1)
+    assert str(published.value).startswith("task billing.charge_invoice: "), published.value
