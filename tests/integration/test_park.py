@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Dict, List, Sequence
@@ -402,6 +403,87 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
     assert children(kazoo, lock_path) == []
     assert [c for c in children(kazoo, parked_path) if not c.startswith("w-")] == []  # w-: its watcher, below
     wait_until(lambda: children(kazoo, parked_path) == [], timeout=10)  # and this process watches it no more
+
+
+def test_a_received_copy_whose_take_was_answered_into_a_lost_session_fails_and_says_why(celery_app, kazoo, zk_root,
+                                                                                       zk_server, new_session,
+                                                                                       monkeypatch):
+    # A park_publish round under a killed follower (CI, under load): a copy's take committed as
+    # the worker's server died, and the session expired before the worker reached ZooKeeper
+    # again. Its take, run again in the new session, found the node gone and no claim (the marked
+    # one went with the old session), and dropped the copy as a second send: it never ran, its
+    # result stayed PENDING, and its queue was empty. Placed here with the proxy: the take's
+    # reply held, the link dark until the session is gone, then back.
+    from celery.app.trace import build_tracer
+
+    from celery_zklock import zk_locked
+    from celery_zklock.exceptions import LockLost
+    from celery_zklock.recipes.lock import Lock
+
+    proxy = TcpProxy(zk_server.port).start()
+    try:
+        # A short session, and time enough for the take to outlive it and reach the next one.
+        celery_app.conf.update(zklock_root=zk_root, zklock_hosts=proxy.hosts, zklock_session_timeout=2,
+                               zklock_connect_timeout=30)
+        ran = []
+
+        @celery_app.task
+        @zk_locked(key="park:untold", on_contention="park")
+        def copy(n):
+            ran.append(n)
+            return n
+
+        celery_app.finalize()
+        lock_path, parked_path = f"{zk_root}/locks/k-park:untold", parked_queue(zk_root, "untold")
+        tracer = build_tracer(copy.name, copy, app=celery_app, eager=False, propagate=False)
+
+        def run(task_id: str, header: str = "") -> None:
+            request = {"id": task_id, "hostname": "test@here",
+                       "delivery_info": {"routing_key": f"nobody-reads-{zk_root[3:]}", "exchange": ""}}
+            if header:
+                request[park.PARK_HEADER] = header
+            tracer(task_id, (1,), {}, request)
+
+        task_id = f"copy-{uuid.uuid4()}"  # the suite's Redis keeps results: an id of its own
+        holder = Lock(new_session(), lock_path, EXCLUSIVE)
+        assert holder.acquire(timeout=10)
+        run(task_id)  # parks behind the holder
+        [node] = [c for c in children(kazoo, parked_path) if c.startswith("p-")]
+        holder.release()  # this process sends the copy on, to a queue no worker reads
+        wait_until(lambda: f"c-{node}" in children(kazoo, parked_path), timeout=10)
+
+        taking = ParkedQueue.take
+        faults = []
+
+        def lost_with_its_session(self, name, until, sent=None, holder=None):
+            held = proxy.hold_reply(Op.MULTI)  # the take's: it commits, and its answer never comes
+
+            def dark_until_expired() -> None:
+                try:
+                    held.wait_matched()
+                    proxy.mode = "blackhole"
+                    wait_until(lambda: children(kazoo, lock_path) == [], timeout=30)  # the session is gone
+                finally:
+                    proxy.reset()
+                    proxy.mode = "pass"
+                    held.release()
+
+            fault = threading.Thread(target=dark_until_expired)
+            fault.start()
+            faults.append(fault)
+            return taking(self, name, until, sent, holder)
+
+        monkeypatch.setattr(ParkedQueue, "take", lost_with_its_session)
+        run(task_id, f"{parked_path}/{node}")
+        faults[0].join(30)
+        assert ran == []
+        assert [c for c in children(kazoo, parked_path) if c.startswith("p-")] == [], "its take committed"
+        result = copy.AsyncResult(task_id)
+        assert result.state == "FAILURE" and isinstance(result.result, LockLost), \
+            f"{result.state} {result.result!r}: the copy was dropped unrun, and its caller waits for ever"
+        assert "cannot be told" in str(result.result)
+    finally:
+        proxy.close()
 
 
 def test_a_soft_time_limit_landing_as_a_holder_looks_at_its_queue_stops_the_body(celery_app, kazoo, zk_root,
