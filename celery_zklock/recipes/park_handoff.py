@@ -401,8 +401,9 @@ class HandOff(QueueBase):
 
         ``TakeUntold`` when the node is gone and nothing tells who took it: a try of ours whose
         answer was lost went out in a session that has ended since (it expired while the
-        connection was down), taking our marked claim along. Read as another's take, the copy
-        was dropped unrun and untold, its node gone (a killed server under CI's load).
+        connection was down), taking our marked claim along, and the take wrote no record (which
+        would tell). Read as another's take, the copy was dropped unrun and untold, its node gone
+        (a killed server under CI's load).
         """
         # A mark of this call's own: two deliveries of one copy may run in one process.
         attempt = _TakeTry(TAKEN_MARK + uuid.uuid4().hex.encode())
@@ -426,7 +427,14 @@ class HandOff(QueueBase):
             claim: Optional[bytes] = reply(self.session.client.get_async(self.node_path(CLAIM + name)), until)[0]
         except NoNodeError:
             claim = None
-        told = take_told(claim, mark, attempt.session_ended())
+        ended = attempt.session_ended()
+        found: Optional[bytes] = None
+        if claim is None and ended and record is not None:
+            try:  # written in the take's own transaction, and persistent: it tells
+                found = reply(self.session.client.get_async(self.node_path(TAKEN + name)), until)[0]
+            except NoNodeError:
+                pass
+        told = take_told(claim, mark, ended, record, found)
         if told is None:
             raise TakeUntold(f"parked copy {self.node_path(name)}: its take was sent in a ZooKeeper session that "
                              "ended before the answer came, and its node is gone; whether this take or another "

@@ -379,20 +379,26 @@ def took(claim: Optional[bytes], mark: bytes) -> bool:
     return claim == mark
 
 
-def take_told(claim: Optional[bytes], mark: bytes, session_ended: bool) -> Optional[bool]:
+def take_told(claim: Optional[bytes], mark: bytes, session_ended: bool, record: Optional[bytes] = None,
+              found: Optional[bytes] = None) -> Optional[bool]:
     """:func:`took`, for a take that may have sent a try in a session that has ended since
     (``session_ended``: its answer never came, and the client moved to a new session): the
     claim, ephemeral in that session, went with it, and our mark too. A claim with another's
-    mark still says another send took the copy; with no claim, nobody can tell (None): our
-    lost try may have taken the copy, or another send took it and let go since.
+    mark still says another send took the copy. With no claim, a taken record tells, where
+    the take wrote one in its transaction (``record``, under ``acks_late``; ``found``: the one
+    there now, None for none): persistent, it is there as written if our try took the copy.
+    Else nobody can tell (None): our lost try may have taken the copy, or another send took it
+    and let go since.
 
     >>> take_told(b"taken:1", b"taken:1", True), take_told(b"taken:2", b"taken:1", True)
     (True, False)
     >>> take_told(None, b"taken:1", False), take_told(None, b"taken:1", True) is None
     (False, True)
+    >>> take_told(None, b"taken:1", True, b"r1", b"r1"), take_told(None, b"taken:1", True, b"r1", None)
+    (True, False)
     """
     if claim is None and session_ended:
-        return None
+        return None if record is None else found == record
     return took(claim, mark)
 
 
