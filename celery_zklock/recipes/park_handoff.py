@@ -13,7 +13,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError
 
-from ..exceptions import ZkLockError
 from ..layout import node_object
 from ..zk import reply, through_blips
 from .park_queue import QueueBase
@@ -40,10 +39,11 @@ Send = Callable[[str, bytes], None]
 Looked = Tuple[List[str], List[str]]
 
 
-class TakeUntold(ZkLockError):
+class TakeUntold(Exception):
     """A take found its copy's node gone and no claim of ours: a try of its own went out in a
     session that ended before its answer came (its claim, ephemeral, went with that session,
-    and our mark with it). It may have taken the copy, or another send did: nobody can tell."""
+    and our mark with it). It may have taken the copy, or another send did: nobody can tell.
+    The recipe's, as ``ParkUntold`` is: the glue tells the caller in its own words."""
 
 
 def _record(holder: str, sent: str) -> bytes:
