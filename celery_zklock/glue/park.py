@@ -35,10 +35,10 @@ from kazoo.exceptions import ConnectionLoss, KazooException, SessionExpiredError
 
 from .. import signals
 from ..conf import Settings
-from ..exceptions import ConfigurationError, ParkedMessageTooLarge, ZooKeeperUnavailable, explain
+from ..exceptions import ConfigurationError, LockLost, ParkedMessageTooLarge, ZooKeeperUnavailable, explain
 from ..layout import node_object
 from ..recipes import Lock
-from ..recipes.park import Looked, Nudge, ParkedQueue, Redelivery, delivery_token, redelivery
+from ..recipes.park import Looked, Nudge, ParkedQueue, Redelivery, TakeUntold, delivery_token, redelivery
 from ..recipes.park_rules import Contended, contention, parked_units
 from ..recipes.park_watch import QueueWatch
 from ..zk import Session, deadline, timeouts
@@ -282,7 +282,14 @@ class Parking:
             self.stage = Stage.TAKEN  # a new copy: it holds the key, and runs
         else:
             self.stage = Stage.TAKING
-            if not self.queue.take(self.received, until, self.sent, self.lock.node):
+            try:
+                taken = self.queue.take(self.received, until, self.sent, self.lock.node)
+            except TakeUntold as exc:
+                # Its lock went with that session too: the copy cannot run, and ends as a failure
+                # (its caller told), not dropped as a second send, unrun and untold.
+                raise LockLost(f"{self.where}: {exc}; the copy's lock went with that session, so it does not "
+                               "run") from None
+            if not taken:
                 # Another send took it since our receive: still RECEIVED (it took nothing, and an
                 # exception now gives its claim back), it asks as a copy whose node was gone does.
                 self.stage = Stage.RECEIVED

@@ -22,7 +22,7 @@ from ..exceptions import ParkedMessageTooLarge, ZkLockError, explain
 from ..layout import PARKED, RATES, decode_key, node_object
 from ..recipes import Lock
 from ..recipes.live import LiveSource
-from ..recipes.park import MAX_PAYLOAD, ParkedQueue
+from ..recipes.park import MAX_PAYLOAD, ParkedQueue, TakeUntold
 from ..recipes.park_rules import parked_units
 from ..recipes.park_watch import QueueWatch
 from ..recipes.rate import Rate, RateOrphans, RateSlot
@@ -250,6 +250,10 @@ def leave_queue(task: Any, session: Session, settings: Settings, spec: Any) -> N
         raise Ignore() from None
     try:
         taken = queue.take(name, deadline(settings.connect_timeout))
+    except TakeUntold as exc:
+        # It may have left its queue, under a session gone since: it fails, its caller told (run,
+        # it might run beside another send's take; dropped, it might never run, untold).
+        raise ZkLockError(f"{where}: {exc}; it does not run here") from None
     except (KazooException, ZkLockError, *timeouts()) as exc:
         logger.warning("%s: %s before the copy could leave its parked queue; it stays parked, and is sent again",
                        where, explain(exc))

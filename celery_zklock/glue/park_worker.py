@@ -21,7 +21,7 @@ from kazoo.exceptions import KazooException, NoNodeError
 
 from ..exceptions import ConfigurationError, ZkLockError, explain
 from ..layout import LOCK_TREES, PARKED, RATES, node_object
-from ..recipes.park import TAKEN, head_and_count, unwatched
+from ..recipes.park import TAKEN, TakeUntold, head_and_count, unwatched
 from ..recipes.park_rules import GiveUp, give_up_turn
 from ..recipes.park_watch import QueueWatch
 from ..zk import Session, deadline, reply, session_for, timeouts
@@ -171,6 +171,11 @@ def leaves_unlocked(app: Any, task_name: str, message: Any) -> bool:
         return True
     try:
         taken = queue.take(name, deadline(settings.connect_timeout))
+    except TakeUntold as exc:
+        # At most once: run, it might run beside another send's take. Not promised to run (the
+        # guarantees page), and said, loudly, with its id.
+        logger.error("%s: %s; dropped, and it may never run: its caller is not told", where, explain(exc))
+        return False
     except (KazooException, ZkLockError, *timeouts()) as exc:
         logger.warning("%s: %s before the copy could leave its parked queue; it stays parked, and is sent again",
                        where, explain(exc))

@@ -64,7 +64,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..zk import reply, through_blips
 from .park_entry import BATCH, MAX_PAYLOAD, Entry, Parking, ParkUntold
-from .park_handoff import HandOff, Looked, Send
+from .park_handoff import HandOff, Looked, Send, TakeUntold
 from .park_queue import InFlight, head_and_count, head_of, unwatched, waiting
 from .park_rules import (
     CLAIM,
@@ -88,8 +88,8 @@ from .park_rules import member_prefix as _member
 
 __all__ = ["BATCH", "CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "UNACKED", "VIEWER",
            "InFlight", "Looked", "Nudge", "ParkUntold", "ParkedQueue", "Parking", "Redelivery", "Send",
-           "delivery_token", "head_and_count", "head_of", "parked_prefix", "parked_sequence", "redelivery",
-           "unwatched", "waiting"]
+           "TakeUntold", "delivery_token", "head_and_count", "head_of", "parked_prefix", "parked_sequence",
+           "redelivery", "unwatched", "waiting"]
 
 
 #: Seconds a watch's event waits before the nudge it asks for. A hand-off fires five events in

@@ -28,7 +28,7 @@ from .park_rules import (
     head_turn,
     received_answer,
     resends,
-    took,
+    take_told,
 )
 from .park_rules import failed as _failed
 from .park_rules import parked as _parked
@@ -39,6 +39,13 @@ Send = Callable[[str, bytes], None]
 #: What :meth:`ParkedQueue.look` found: the queue's children, and the contenders of each of the
 #: key's gates (its lock, or each window of its rate: :attr:`.QueueBase.gate_paths`).
 Looked = Tuple[List[str], List[List[str]]]
+
+
+class TakeUntold(Exception):
+    """A take found its copy's node gone and no claim of ours: a try of its own went out in a
+    session that ended before its answer came (its claim, ephemeral, went with that session,
+    and our mark with it). It may have taken the copy, or another send did: nobody can tell.
+    The recipe's, as ``ParkUntold`` is: the glue tells the caller in its own words."""
 
 
 def _record(holder: str, sent: str) -> bytes:
@@ -83,6 +90,24 @@ class _Unanswered:
 
 _UNANSWERED_MAX = 1024
 _UNANSWERED = _Unanswered()
+
+
+@dataclass
+class _TakeTry:
+    """One take across its tries (``through_blips`` runs a try again after a lost reply)."""
+
+    #: What our claim holds once we took the copy: this call's own (two deliveries of one copy
+    #: may run in one process).
+    mark: bytes
+    #: The session (its id; None: not connected) each try went out in, the latest last. Every
+    #: try but the latest ended with its answer lost, and may have committed in its session.
+    sessions: List[Optional[int]] = field(default_factory=list)
+
+    def session_ended(self) -> bool:
+        """Whether a try whose answer was lost went out in a session other than the latest's:
+        the client moved to a new session since (the old one expired), and the old one's
+        ephemeral nodes are gone, our claim among them."""
+        return any(sid is None or sid != self.sessions[-1] for sid in self.sessions[:-1])
 
 
 @dataclass
@@ -382,18 +407,27 @@ class HandOff(QueueBase):
         With ``sent`` (the nonce of the send this copy came in) and ``holder`` (our lock node),
         the take leaves a taken record in its own transaction, for a redelivery of this send
         (:func:`redelivery`); :meth:`forget` deletes it.
+
+        ``TakeUntold`` when the node is gone and nothing tells who took it: a try of ours whose
+        answer was lost went out in a session that has ended since (it expired while the
+        connection was down), taking our marked claim along, and the take wrote no record (which
+        would tell). Read as another's take, the copy was dropped unrun and untold, its node gone
+        (a killed server under CI's load).
         """
         # A mark of this call's own: two deliveries of one copy may run in one process.
-        mark = TAKEN_MARK + uuid.uuid4().hex.encode()
+        attempt = _TakeTry(TAKEN_MARK + uuid.uuid4().hex.encode())
         record = _record(holder, sent) if sent and holder else None
-        return through_blips(self.session, until, lambda: self._take_now(name, until, mark, record))
+        return through_blips(self.session, until, lambda: self._take_now(name, until, attempt, record))
 
-    def _take_now(self, name: str, until: Optional[float], mark: bytes, record: Optional[bytes]) -> bool:
+    def _take_now(self, name: str, until: Optional[float], attempt: _TakeTry, record: Optional[bytes]) -> bool:
         def on_node(tx: Any, node: str) -> None:
             tx.delete(node)
             if record is not None:
                 tx.create(self.node_path(TAKEN + name), record)
 
+        mark = attempt.mark
+        client_id = self.session.client.client_id  # read once: None while the connection is down
+        attempt.sessions.append(client_id[0] if client_id is not None else None)
         # Where our claim went with an older session of ours, it is made again, marked.
         taken = self._with_claim(name, until, on_node, lambda tx, claim: tx.set_data(claim, mark), mark)
         if taken:
@@ -402,7 +436,19 @@ class HandOff(QueueBase):
             claim: Optional[bytes] = reply(self.session.client.get_async(self.node_path(CLAIM + name)), until)[0]
         except NoNodeError:
             claim = None
-        return took(claim, mark)
+        ended = attempt.session_ended()
+        found: Optional[bytes] = None
+        if claim is None and ended and record is not None:
+            try:  # written in the take's own transaction, and persistent: it tells
+                found = reply(self.session.client.get_async(self.node_path(TAKEN + name)), until)[0]
+            except NoNodeError:
+                pass
+        told = take_told(claim, mark, ended, record, found)
+        if told is None:
+            raise TakeUntold(f"parked copy {self.node_path(name)}: its take was sent in a ZooKeeper session that "
+                             "ended before the answer came, and its node is gone; whether this take or another "
+                             "send's took it cannot be told")
+        return told
 
     def taken(self, name: str, until: Optional[float]) -> Tuple[Optional[Dict[str, Any]], int, List[str]]:
         """Copy ``name``'s taken record (None: there is none), its version, and the key's

@@ -4,8 +4,8 @@ half of :mod:`.park`, as :mod:`.rules` is the lock engine's.
 Each decision takes what one read of the queue (and of the key's contenders) returned, and
 answers with a small value: park or not (:func:`park_turn`), what a nudge does with the head
 (:func:`head_turn`), whether a watcher leads (:func:`follow_turn`), what a receive, a take,
-a resend and a decline found (:func:`received_answer`, :func:`took`, :func:`resends`,
-:func:`declines`), what a received copy that meets its key held does (:func:`contention`) and
+a resend and a decline found (:func:`received_answer`, :func:`took`, :func:`take_told`,
+:func:`resends`, :func:`declines`), what a received copy that meets its key held does (:func:`contention`) and
 one that will not run here (:func:`give_up_turn`), and what a delivery whose node is gone does
 (:func:`redelivery`); and a watch's timing, from a ``now`` it is given: when it nudges a failing
 queue again and drops an empty one (:func:`watch_turn`, :func:`backs_off`), and when a sent head
@@ -57,7 +57,7 @@ __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "CLAIM", "MEMBER", "PARKED", "RING", 
            "contention", "declines", "delivery_token", "failed", "follow_turn", "forgets", "give_up_turn", "guard",
            "head_turn", "member_prefix", "members", "next_wait", "orphaned", "park_turn", "parked", "parked_name",
            "parked_prefix", "parked_sequence", "parked_units", "received_answer", "redelivery", "resends",
-           "resent_at", "timed_turn", "took", "viewers", "watch_turn"]
+           "resent_at", "take_told", "timed_turn", "took", "viewers", "watch_turn"]
 
 #: A parked copy's node name starts with this, then a hash of its task id.
 PARKED = "p-"
@@ -439,6 +439,29 @@ def took(claim: Optional[bytes], mark: bytes) -> bool:
     (True, False, False)
     """
     return claim == mark
+
+
+def take_told(claim: Optional[bytes], mark: bytes, session_ended: bool, record: Optional[bytes] = None,
+              found: Optional[bytes] = None) -> Optional[bool]:
+    """:func:`took`, for a take that may have sent a try in a session that has ended since
+    (``session_ended``: its answer never came, and the client moved to a new session): the
+    claim, ephemeral in that session, went with it, and our mark too. A claim with another's
+    mark still says another send took the copy. With no claim, a taken record tells, where
+    the take wrote one in its transaction (``record``, under ``acks_late``; ``found``: the one
+    there now, None for none): persistent, it is there as written if our try took the copy.
+    Else nobody can tell (None): our lost try may have taken the copy, or another send took it
+    and let go since.
+
+    >>> take_told(b"taken:1", b"taken:1", True), take_told(b"taken:2", b"taken:1", True)
+    (True, False)
+    >>> take_told(None, b"taken:1", False), take_told(None, b"taken:1", True) is None
+    (False, True)
+    >>> take_told(None, b"taken:1", True, b"r1", b"r1"), take_told(None, b"taken:1", True, b"r1", None)
+    (True, False)
+    """
+    if claim is None and session_ended:
+        return None if record is None else found == record
+    return took(claim, mark)
 
 
 def declines(claim: bytes) -> bool:

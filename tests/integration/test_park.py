@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Dict, List, Sequence
@@ -346,46 +347,58 @@ def test_a_whole_worker_killed_leaves_its_parked_copies_to_the_next_worker(worke
     wait_until(lambda: queue_left(kazoo, zk_root, "dead") == [], timeout=10)
 
 
+class SentAgain:
+    """A park task on key ``park:<key>``, run in this process as a pool process runs it, and one copy
+    of it parked behind a holder and sent on by this process (to a queue no worker reads): the
+    test then runs that copy as the worker that received it would (:meth:`run` with its header)."""
+
+    def __init__(self, celery_app, kazoo, zk_root, new_session, key: str, **options) -> None:
+        from celery.app.trace import build_tracer
+
+        from celery_zklock import zk_locked
+        from celery_zklock.recipes.lock import Lock
+
+        self.ran: List[int] = []
+
+        @celery_app.task(**options)
+        @zk_locked(key=f"park:{key}", on_contention="park")
+        def copy(n):
+            self.ran.append(n)
+            return n
+
+        celery_app.finalize()
+        self.task, self.zk_root = copy, zk_root
+        self.lock_path, self.parked_path = f"{zk_root}/locks/k-park:{key}", parked_queue(zk_root, key)
+        self.tracer = build_tracer(copy.name, copy, app=celery_app, eager=False, propagate=False)
+        # An id of its own: the suite's Redis keeps results, and Celery never overwrites a SUCCESS.
+        self.task_id = f"copy-{uuid.uuid4()}"
+        holder = Lock(new_session(), self.lock_path, EXCLUSIVE)
+        assert holder.acquire(timeout=10)
+        self.run()  # parks behind the holder
+        [self.node] = [c for c in children(kazoo, self.parked_path) if c.startswith("p-")]
+        holder.release()  # this process watches the queue: it sends the copy (to a queue no worker reads)
+        wait_until(lambda: f"c-{self.node}" in children(kazoo, self.parked_path), timeout=10)
+
+    def run(self, received: bool = False) -> None:
+        """Run the copy: as published, or (``received``) as its send reached a worker."""
+        request = {"id": self.task_id, "hostname": "test@here",
+                   "delivery_info": {"routing_key": f"nobody-reads-{self.zk_root[3:]}", "exchange": ""}}
+        if received:
+            request.update({park.PARK_HEADER: f"{self.parked_path}/{self.node}", park.SENT_HEADER: "n1"})
+        self.tracer(self.task_id, (1,), {}, request)
+
+
 def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo, zk_root, new_session, monkeypatch):
     # The take is a round trip after the lock's last check: a loss heard during it came too
     # early for the body's guard, which let the body run without its lock beside the next
     # holder (the fuzzer's held replies: the session unproven during the take). Here the
     # loss is placed there: the copy's lock node is deleted once its take returns.
-    from celery.app.trace import build_tracer
-
-    from celery_zklock import zk_locked
     from celery_zklock.exceptions import LockLost
-    from celery_zklock.recipes.lock import Lock, LockState
+    from celery_zklock.recipes.lock import LockState
 
     celery_app.conf.zklock_root = zk_root
-    ran = []
-
-    @celery_app.task
-    @zk_locked(key="park:taken", on_contention="park")
-    def copy(n):
-        ran.append(n)
-        return n
-
-    celery_app.finalize()
-    lock_path, parked_path = f"{zk_root}/locks/k-park:taken", parked_queue(zk_root, "taken")
-    tracer = build_tracer(copy.name, copy, app=celery_app, eager=False, propagate=False)
-
-    def run(task_id: str, header: str = "") -> None:
-        request = {"id": task_id, "hostname": "test@here",
-                   "delivery_info": {"routing_key": f"nobody-reads-{zk_root[3:]}", "exchange": ""}}
-        if header:
-            request[park.PARK_HEADER] = header
-        tracer(task_id, (1,), {}, request)
-
-    # An id of its own: the suite's Redis keeps results, and Celery never overwrites a SUCCESS.
-    task_id = f"copy-{uuid.uuid4()}"
-    holder = Lock(new_session(), lock_path, EXCLUSIVE)
-    assert holder.acquire(timeout=10)
-    run(task_id)  # parks behind the holder
-    [node] = [c for c in children(kazoo, parked_path) if c.startswith("p-")]
-    holder.release()  # this process watches the queue: it sends the copy (to a queue no worker reads)
-    wait_until(lambda: f"c-{node}" in children(kazoo, parked_path), timeout=10)
-
+    copy = SentAgain(celery_app, kazoo, zk_root, new_session, "taken")
+    lock_path, parked_path = copy.lock_path, copy.parked_path
     taking = park.Parking.holding
 
     def holding_then_lost(self, until):
@@ -395,13 +408,70 @@ def test_a_lock_lost_during_a_received_copys_take_runs_no_body(celery_app, kazoo
         return taken
 
     monkeypatch.setattr(park.Parking, "holding", holding_then_lost)
-    run(task_id, f"{parked_path}/{node}")
-    assert ran == [], "the body ran after its lock was lost"
-    result = copy.AsyncResult(task_id)
+    copy.run(received=True)
+    assert copy.ran == [], "the body ran after its lock was lost"
+    result = copy.task.AsyncResult(copy.task_id)
     assert result.state == "FAILURE" and isinstance(result.result, LockLost), (result.state, result.result)
     assert children(kazoo, lock_path) == []
     assert [c for c in children(kazoo, parked_path) if not c.startswith("w-")] == []  # w-: its watcher, below
     wait_until(lambda: children(kazoo, parked_path) == [], timeout=10)  # and this process watches it no more
+
+
+@pytest.mark.parametrize("acks_late", [False, True])
+def test_a_received_copy_whose_take_was_answered_into_a_lost_session_fails_and_says_why(celery_app, kazoo, zk_root,
+                                                                                       zk_server, new_session,
+                                                                                       monkeypatch, acks_late):
+    # A park_publish round under a killed follower (CI, under load): a copy's take committed as
+    # the worker's server died, and the session expired before the worker reached ZooKeeper
+    # again. Its take, run again in the new session, found the node gone and no claim (the marked
+    # one went with the old session), and dropped the copy as a second send: it never ran, its
+    # result stayed PENDING, and its queue was empty. Placed here with the proxy: the take's
+    # reply held, the link dark until the session is gone, then back.
+    from celery_zklock.exceptions import LockLost
+
+    proxy = TcpProxy(zk_server.port).start()
+    try:
+        # A short session, and time enough for the take to outlive it and reach the next one.
+        celery_app.conf.update(zklock_root=zk_root, zklock_hosts=proxy.hosts, zklock_session_timeout=2,
+                               zklock_connect_timeout=30)
+        copy = SentAgain(celery_app, kazoo, zk_root, new_session, "untold", acks_late=acks_late)
+        taking = ParkedQueue.take
+        faults = []
+
+        def lost_with_its_session(self, name, until, sent=None, holder=None):
+            held = proxy.hold_reply(Op.MULTI)  # the take's: it commits, and its answer never comes
+
+            def dark_until_expired() -> None:
+                try:
+                    held.wait_matched()
+                    proxy.mode = "blackhole"
+                    wait_until(lambda: children(kazoo, copy.lock_path) == [], timeout=30)  # the session is gone
+                finally:
+                    proxy.reset()
+                    proxy.mode = "pass"
+                    held.release()
+
+            fault = threading.Thread(target=dark_until_expired)
+            fault.start()
+            faults.append(fault)
+            return taking(self, name, until, sent, holder)
+
+        monkeypatch.setattr(ParkedQueue, "take", lost_with_its_session)
+        copy.run(received=True)
+        faults[0].join(30)
+        assert copy.ran == []
+        assert [c for c in children(kazoo, copy.parked_path) if c.startswith("p-")] == [], "its take committed"
+        result = copy.task.AsyncResult(copy.task_id)
+        assert result.state == "FAILURE" and isinstance(result.result, LockLost), \
+            f"{result.state} {result.result!r}: the copy was dropped unrun, and its caller waits for ever"
+        if acks_late:
+            # Its record, written with the take, told that the take was its own: the copy then
+            # failed as its lock was lost, and the record went as its result was stored.
+            wait_until(lambda: children(kazoo, copy.parked_path) == [], timeout=10)
+        else:
+            assert "cannot be told" in str(result.result)
+    finally:
+        proxy.close()
 
 
 def test_a_soft_time_limit_landing_as_a_holder_looks_at_its_queue_stops_the_body(celery_app, kazoo, zk_root,

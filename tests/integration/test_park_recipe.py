@@ -17,6 +17,7 @@ from celery_zklock.recipes.park import (
     ParkedQueue,
     Parking,
     ParkUntold,
+    TakeUntold,
     delivery_token,
     head_of,
     parked_sequence,
@@ -662,3 +663,50 @@ def test_a_batch_parks_in_order_and_run_again_after_a_lost_reply_makes_no_second
     assert records == {UNACKED + c.delivery.decode() for c in copies[:3]}
     queue.acked_many([c.delivery for c in copies[:3]], deadline(10))
     assert not [c for c in kazoo.get_children(queue_path) if c.startswith(UNACKED)]
+
+
+@pytest.mark.parametrize("acks_late", [False, True])
+def test_a_take_whose_reply_was_lost_with_its_session_says_it_cannot_tell(new_session, proxy, zk_root, kazoo,
+                                                                          acks_late):
+    """A killed follower under CI's load: a received copy's take committed, its reply died with
+    the server, and the receiver's session expired before it reached another. Run again in its
+    new session, the take found the node gone and no claim (ours, marked taken, had gone with
+    the old session), read that as another send's take, and the copy was dropped: never run,
+    its caller never told, its queue empty. Under ``acks_late`` the take's record, persistent
+    and written in the same transaction, tells that it was ours."""
+    queue_path, lock_path = paths(zk_root)
+    sender = ParkedQueue(new_session(), queue_path, lock_path, EXCLUSIVE)
+    receiving = new_session(hosts=proxy.hosts, session_timeout=2.0)
+    receiver = ParkedQueue(receiving, queue_path, lock_path, EXCLUSIVE)
+    name = str(sender.park("copy-1", b"m1", 10, deadline(10)))
+    sends = Sends()
+    assert sender.nudge(sends, deadline(10)) == Nudge.SENT
+    assert receiver.receive(name, deadline(10))
+    claim = receiver.node_path(f"c-{name}")
+    old = receiving.client.client_id
+    held = proxy.hold_reply(Op.MULTI)  # the take commits; its answer never comes
+    outcome: List[object] = []
+    sent, holder = ("n1", "x__lock__0000000001") if acks_late else (None, None)
+
+    def take() -> None:
+        try:
+            outcome.append(receiver.take(name, deadline(60), sent, holder))
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    held.wait_matched()
+    proxy.mode = "blackhole"  # the server is gone for the receiver...
+    wait_until(lambda: kazoo.exists(claim) is None, timeout=30)  # ...until its session expired, marked claim and all
+    assert kazoo.exists(receiver.node_path(name)) is None, "the take committed"
+    proxy.reset()
+    proxy.mode = "pass"
+    held.release()
+    thread.join(60)
+    assert receiving.client.client_id != old, "a new session"
+    if acks_late:
+        assert outcome == [True], "its own record says the take was ours"
+    else:
+        assert len(outcome) == 1 and isinstance(outcome[0], TakeUntold), \
+            f"{outcome}: the copy's node is gone, and the take reads it as another send's"
