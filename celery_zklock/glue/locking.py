@@ -214,6 +214,11 @@ def _run(task: Any, spec: LockSpec, fn: Callable[..., Any], args: Sequence[Any],
                 # before it ended): it waits for its key, as it would had it never parked.
                 held.append(one)
                 if one.acquire(blocking=True, timeout=None):
+                    # That wait's owner is its taker's session (and, on a rate window, its slot's
+                    # window: an orphan goes a window after it is seen), which may pass
+                    # zklock_connect_timeout: what follows gets its own bound, else the copy
+                    # would fail on a deadline spent waiting (a KazooTimeoutError, unrun).
+                    until = deadline(settings.connect_timeout)
                     parking.took = True
                     signals.lock_acquired.send(sender=task, lock=one, waited_seconds=one.waited_seconds)
                     tracing.acquired(task, one)

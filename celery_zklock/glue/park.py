@@ -38,7 +38,7 @@ from ..conf import Settings
 from ..exceptions import ConfigurationError, LockLost, ParkedMessageTooLarge, ZooKeeperUnavailable, explain
 from ..layout import node_object
 from ..recipes import Lock
-from ..recipes.park import Looked, Nudge, ParkedQueue, Redelivery, TakeUntold, delivery_token, redelivery
+from ..recipes.park import Looked, Nudge, ParkedQueue, Redelivery, TakeUntold, delivery_token, redelivery, taker_sign
 from ..recipes.park_rules import Contended, contention, parked_units
 from ..recipes.park_watch import QueueWatch
 from ..zk import Session, deadline, timeouts
@@ -316,10 +316,15 @@ class Parking:
         ours = self.lock.node
         while True:
             record, version, contenders = self.queue.taken(self.received, until)
-            turn = redelivery(record, self.sent, contenders, ours)
+            turn = redelivery(record, self.sent, contenders, ours, self.queue.marked)
             if turn == Redelivery.WAIT:
-                # A semaphore's lease beside the copy's taker, alive or not yet seen dead: wait for it to go.
-                self._wait_gone(str((record or {}).get("holder")))
+                # A lease beside the copy's taker, alive or not yet seen dead (on a rate window, a
+                # start slot of our own beside the taker's, whose mark says): wait for it to go.
+                self._wait_gone(taker_sign(str((record or {}).get("holder")), self.queue.marked))
+                # That wait's owner is the taker's session, which ZooKeeper ends within its
+                # timeout once the taker dies (it may pass zklock_connect_timeout): the reads after
+                # it get their own bound, else the copy would fail on a deadline spent waiting.
+                until = deadline(self.settings.connect_timeout)
                 continue
             if turn != Redelivery.RUN or ours is None:
                 return False
@@ -333,9 +338,9 @@ class Parking:
             self._look_ahead()
             return True
 
-    def _wait_gone(self, holder: str) -> None:
+    def _wait_gone(self, node: str) -> None:
         gone = threading.Event()
-        path = posixpath.join(self.lock.path, holder)
+        path = posixpath.join(self.lock.path, node)
         if self.queue.session.client.exists(path, watch=lambda event: gone.set()) is not None:
             gone.wait(self.settings.connect_timeout)  # and read again: the watch may die with a session
 

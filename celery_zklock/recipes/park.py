@@ -83,13 +83,14 @@ from .park_rules import (
     parked_prefix,
     parked_sequence,
     redelivery,
+    taker_sign,
 )
 from .park_rules import member_prefix as _member
 
 __all__ = ["BATCH", "CLAIM", "MAX_PAYLOAD", "MEMBER", "PARKED", "SENT", "TAKEN", "TAKEN_MARK", "UNACKED", "VIEWER",
            "InFlight", "Looked", "Nudge", "ParkUntold", "ParkedQueue", "Parking", "Redelivery", "Send",
            "TakeUntold", "delivery_token", "head_and_count", "head_of", "parked_prefix", "parked_sequence",
-           "redelivery", "unwatched", "waiting"]
+           "redelivery", "taker_sign", "unwatched", "waiting"]
 
 
 #: Seconds a watch's event waits before the nudge it asks for. A hand-off fires five events in

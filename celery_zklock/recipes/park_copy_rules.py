@@ -3,7 +3,8 @@ alone (no server, no threads, no clock: ``now`` is given): the second half of
 :mod:`.park_rules`, which re-exports every name here.
 
 - a received copy that meets its key held (:func:`contention`), one that will not run here
-  (:func:`give_up_turn`), a delivery whose node is gone (:func:`redelivery`, :func:`forgets`);
+  (:func:`give_up_turn`), a delivery whose node is gone (:func:`redelivery`, :func:`taker_sign`,
+  :func:`forgets`);
 - a watch's timing: when it nudges a failing queue again and drops an empty one
   (:func:`watch_turn`, :func:`backs_off`), and when a sent head is sent again and the patrol
   looks (:func:`timed_turn`, :func:`resent_at`, :func:`next_wait`)."""
@@ -13,6 +14,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Collection, Dict, Iterable, Mapping, NamedTuple, Optional, Tuple
 
+from .rate import owner
 from .rules import EXCLUSIVE, Rule, sequence  # noqa: F401 - EXCLUSIVE: the doctests' rule
 
 
@@ -183,15 +185,29 @@ class Redelivery(str, enum.Enum):
 
     DROP = "drop"  # a second send, or a copy that ended: it must not run
     CONTEND = "contend"  # the send that took the copy, delivered again: it waits for the key, as `wait` does
-    WAIT = "wait"  # it holds a lease beside the copy's last taker, which still holds one: wait for that to go
+    WAIT = "wait"  # the copy's last taker may still run it (its lease, or a rate slot's mark, is there): wait
     RUN = "run"  # the copy's last taker let go of the key and the copy did not end: this delivery runs it
 
 
+def taker_sign(holder: str, marked: bool) -> str:
+    """The contender whose presence says a copy's last taker may still run it: the taker's lock
+    node, or on a rate window (``marked``) its start slot's owner mark. A slot outlives its owner
+    by design (it counts for its window from its start, :mod:`.rate`), and only a contender it
+    blocks frees it: a redelivery that found a slot of its own would wait for nobody. The mark is
+    ephemeral, and goes with the taker's session, as a lock node does.
+
+    >>> taker_sign("a__lock__0000000001", False), taker_sign("0f3a__sem__0000000007", True)
+    ('a__lock__0000000001', 'o-0f3a')
+    """
+    return owner(holder) if marked else holder
+
+
 def redelivery(record: Optional[Dict[str, Any]], sent: Optional[str], contenders: Optional[Collection[str]],
-               ours: Optional[str]) -> Redelivery:
+               ours: Optional[str], marked: bool = False) -> Redelivery:
     """Decide for a delivery whose parked node is gone, from the copy's taken record (None: no
     record), the nonce of the send the delivery came in, and, once it holds the key, the key's
-    contenders and its own lock node (``ours``; None while it does not hold the key yet).
+    contenders and its own lock node (``ours``; None while it does not hold the key yet);
+    ``marked``: the key is a rate window, whose slots have owner marks (:func:`taker_sign`).
 
     Only the very send that took the copy, delivered again (its nonce in the record), may run
     it: every other send carries another nonce and drops itself, whatever the record says. And
@@ -207,13 +223,24 @@ def redelivery(record: Optional[Dict[str, Any]], sent: Optional[str], contenders
         'wait'
         >>> redelivery(record, "n1", ["b__lock__0000000002"], "b__lock__0000000002").value
         'run'
+
+    On a rate window the taker's slot stays for its window, whether its taker lives or not: its
+    owner's mark says. The delivery holds a start slot of its own (counted in every window), so
+    running it in the dead taker's place puts no window over its count::
+
+        >>> rated = {"sent": "n1", "holder": "a__sem__0000000001"}
+        >>> slots = ["a__sem__0000000001", "o-a", "b__sem__0000000002", "o-b"]
+        >>> redelivery(rated, "n1", slots, "b__sem__0000000002", marked=True).value
+        'wait'
+        >>> redelivery(rated, "n1", slots[:1] + slots[2:], "b__sem__0000000002", marked=True).value
+        'run'
     """
     if record is None or not sent or record.get("sent") != sent:
         return Redelivery.DROP
     if ours is None or contenders is None:
         return Redelivery.CONTEND
     holder = record.get("holder")
-    if holder != ours and holder in contenders:
+    if isinstance(holder, str) and holder != ours and taker_sign(holder, marked) in contenders:
         return Redelivery.WAIT
     return Redelivery.RUN
 

@@ -131,6 +131,12 @@ class QueueBase:
         #: The last park found its message's record (see park's ``unacked``).
         self.recorded = False
 
+    @property
+    def marked(self) -> bool:
+        """Whether the key's contenders are start slots with owner marks (a rate window): a
+        slot outlives its owner, and only its mark says whether the owner lives."""
+        return self.orphans is not None
+
     def node_path(self, name: str) -> str:
         return f"{self.path}/{name}"
 

@@ -7,12 +7,12 @@ answers with a small value: park or not (:func:`park_turn`), what a nudge does w
 a resend and a decline found (:func:`received_answer`, :func:`took`, :func:`take_told`,
 :func:`resends`, :func:`declines`), what a received copy that meets its key held does (:func:`contention`) and
 one that will not run here (:func:`give_up_turn`), and what a delivery whose node is gone does
-(:func:`redelivery`); and a watch's timing, from a ``now`` it is given: when it nudges a failing
-queue again and drops an empty one (:func:`watch_turn`, :func:`backs_off`), and when a sent head
-is sent again and the patrol looks (:func:`timed_turn`, :func:`resent_at`, :func:`next_wait`). No
-server, no threads, no clock: :class:`.park.ParkedQueue` and :class:`.park_watch.QueueWatch` read and
-write ZooKeeper (and the clock) and ask these; the life of a parked copy they decide is drawn in
-the design page ("The life of a parked copy").
+(:func:`redelivery`, :func:`taker_sign`); and a watch's timing, from a ``now`` it is given: when
+it nudges a failing queue again and drops an empty one (:func:`watch_turn`, :func:`backs_off`),
+and when a sent head is sent again and the patrol looks (:func:`timed_turn`, :func:`resent_at`,
+:func:`next_wait`). No server, no threads, no clock: :class:`.park.ParkedQueue` and
+:class:`.park_watch.QueueWatch` read and write ZooKeeper (and the clock) and ask these; the life
+of a parked copy they decide is drawn in the design page ("The life of a parked copy").
 
 Example::
 
@@ -46,6 +46,7 @@ from .park_copy_rules import (
     next_wait,
     redelivery,
     resent_at,
+    taker_sign,
     timed_turn,
     watch_turn,
 )
@@ -57,7 +58,7 @@ __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "CLAIM", "MEMBER", "PARKED", "RING", 
            "contention", "declines", "delivery_token", "failed", "follow_turn", "forgets", "give_up_turn", "guard",
            "head_turn", "member_prefix", "members", "next_wait", "orphaned", "park_turn", "parked", "parked_name",
            "parked_prefix", "parked_sequence", "parked_units", "received_answer", "redelivery", "resends",
-           "resent_at", "take_told", "timed_turn", "took", "viewers", "watch_turn"]
+           "resent_at", "take_told", "taker_sign", "timed_turn", "took", "viewers", "watch_turn"]
 
 #: A parked copy's node name starts with this, then a hash of its task id.
 PARKED = "p-"

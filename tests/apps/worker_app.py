@@ -439,6 +439,15 @@ if not os.environ.get("ZKT_KEY_SECRET"):
         """Three starts a second per key; a copy that finds no start slot parks (no pool slot)."""
         return _rated_start(self, key, seconds, seq, gated)
 
+    @app.task(bind=True, shared=False, acks_late=True, reject_on_worker_lost=True)
+    @zk_locked(key="rate-park-late:{key}", rate=(int(os.environ.get("ZKT_LATE_COUNT", "2")), 4.0),
+               on_contention="park")
+    def rated_parking_late(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:
+        """Two starts per 4 s per key (ZKT_LATE_COUNT: another count), parked, whose message Celery
+        requeues if its process dies: a copy killed in its body after its take is delivered again
+        (its slot outlives it)."""
+        return _rated_start(self, key, seconds, seq, gated)
+
     @app.task(bind=True, shared=False)
     @zk_locked(key="rate-park-pub:{key}", rate=(1, 2.0), on_contention=Park(at_publish=True))
     def rated_parking_at_publish(self, key: str, seconds: float, seq: int, gated: bool = False) -> int:

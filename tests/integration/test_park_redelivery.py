@@ -20,8 +20,10 @@ import redis
 from billiard.exceptions import WorkerLostError
 
 from celery_zklock.glue import park
-from celery_zklock.testing import Hold, violations
+from celery_zklock.recipes.rate import Rate
+from celery_zklock.testing import Hold, rate_violations, violations
 from tests.apps import worker_app
+from tests.integration.test_park_rate import parked_left, rate_queue, starts_of
 from tests.util import children, events, holds, send, wait_until
 
 pytestmark = pytest.mark.slow
@@ -35,6 +37,10 @@ def parked_queue(zk_root: str, key: str) -> str:
 
 def queue_left(kazoo: Any, zk_root: str, key: str) -> List[str]:
     return children(kazoo, parked_queue(zk_root, key)) if kazoo.exists(parked_queue(zk_root, key)) else []
+
+
+def queue_left_at(kazoo: Any, path: str) -> List[str]:
+    return children(kazoo, path) if kazoo.exists(path) else []
 
 
 def starts(redis_url: str, task_id: str) -> List[Dict[str, Any]]:
@@ -218,3 +224,49 @@ def test_past_a_hard_time_limit_celery_requeues_it_and_it_runs_again_once(worker
     assert [holder.get(timeout=30), victim.get(timeout=1), after.get(timeout=30)] == [0, 1, 2]
     history = checked(redis_server.url, killed, victim)
     moved_on(redis_server.url, history, [holder, victim, after], kazoo, zk_root, "limit")
+
+
+@pytest.mark.parametrize("count", [2, 1])
+def test_a_rated_copy_killed_in_its_body_runs_again_once_its_takers_session_ends(workers, queue, redis_server,
+                                                                                kazoo, zk_root, count):
+    # rate=(count, 4.0), Park(), acks_late: `count` copies fill the window, the next parks, is
+    # sent as their slots go, takes and starts, and its pool process is SIGKILLed in its body.
+    # Its slot is persistent (it counts for its window whatever becomes of its owner), and only
+    # a contender it blocks frees it, a window after seeing its owner's mark gone.
+    # count=2: the redelivery finds a slot of its own free beside it, and asked the killed
+    # taker's slot whether the taker still ran: nobody frees that slot while nobody is blocked,
+    # so it waited with no bound, and failed unrun on its deadline (a KazooTimeoutError, 7 s
+    # after the kill). The taker's owner mark answers now: it goes with the taker's session.
+    # count=1: the redelivery waits for a slot (the killed one's, freed a window after its
+    # mark goes) past zklock_connect_timeout, then failed the same way, holding it.
+    rate, rated, key = Rate(count, 4.0), worker_app.rated_parking_late, f"body{count}"
+    # zklock_connect_timeout below the session's: each wait has the taker's session for owner,
+    # not the copy's deadline, which such a wait spent (it failed so, unrun, at either count).
+    workers("w1", concurrency=2, ZKT_LATE_COUNT=str(count), ZKT_CONNECT_TIMEOUT="2")
+    first = [send(rated, queue, key, 0.05, i) for i in range(count)]
+    wait_until(lambda: len(starts_of(redis_server.url)) == count, timeout=30)
+    victim = send(rated, queue, key, 30.0, count, True)
+    path = rate_queue(zk_root, f"rate-park-late:{key}", rate.window)
+    wait_until(lambda: len(parked_left(kazoo, path)) == 1, timeout=30)  # the window is full: it parked
+    wait_until(lambda: starts(redis_server.url, victim.id), timeout=30)  # sent as the first slots went
+    window = f"{zk_root}/rates/k-rate-park-late:{key}@4s"
+    # Only its slot left (the others' owners' timers run in the process about to die): else
+    # the redelivery would wait on their orphans too, not on the taker alone.
+    wait_until(lambda: len([c for c in children(kazoo, window) if "__sem__" in c]) == 1, timeout=10)
+    os.kill(starts(redis_server.url, victim.id)[0]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    # Its taker's session ends 4 s after the kill (Celery sees the death first, and requeues);
+    # at a count of 1 the killed slot goes a window after that.
+    bound = 4 + (rate.window if count == 1 else 0) + 4
+    wait_until(lambda: len(starts(redis_server.url, victim.id)) == 2, timeout=bound + 10)
+    ran = starts(redis_server.url, victim.id)[1]["time"] - killed
+    assert ran < bound, f"the redelivery ran {ran:.2f}s after the kill, past {bound}s"
+    # Its second run's gate, opened only now: a push right after the kill may reach the killed
+    # client's wait, which Redis has yet to see closed.
+    release(redis_server.url, victim)
+    assert victim.get(timeout=30) == count
+    assert [r.get(timeout=10) for r in first] == list(range(count))
+    assert len(starts(redis_server.url, victim.id)) == 2
+    # Its own start slot, counted with the killed one's in every window.
+    assert rate_violations([e["began"] for e in starts_of(redis_server.url)], rate.count, rate.window) == []
+    wait_until(lambda: queue_left_at(kazoo, path) == [], timeout=10)  # its taken record too
