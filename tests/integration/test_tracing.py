@@ -92,6 +92,8 @@ def test_a_wait_is_a_span_under_the_run_with_its_outcome(traced, kazoo):
     wait_until(lambda: children(kazoo, lock_path(traced_app.app, "t:a")) != [], timeout=20)
     waiter_headers = publisher()
     waiter = traced_app.waiting.apply_async(("a", 0.0), headers=waiter_headers)
+    # The waiter queues first (four pool processes take the copies in any order): none waits ahead of it.
+    wait_until(lambda: len(children(kazoo, lock_path(traced_app.app, "t:a"))) == 2, timeout=20)
     late = traced_app.impatient.apply_async(("a",), headers=publisher())
     skip = traced_app.skipping.apply_async(("a",), headers=publisher())
     assert skipped(skip.get(timeout=20)) is not None
