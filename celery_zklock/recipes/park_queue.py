@@ -140,10 +140,10 @@ class QueueBase:
     def node_path(self, name: str) -> str:
         return f"{self.path}/{name}"
 
-    def rule_now(self, until: Optional[float], contenders: Optional[Sequence[str]] = None) -> Rule:
+    def rule_now(self, until: Optional[float], contenders: Sequence[str]) -> Rule:
         """The rule a head is sent under now: the one its contenders will decide under (a count
         stored live in the code's place; for a rate window, see :meth:`RateOrphans.rule`, which
-        reads ``contenders``, the window's, where given). Sent under the code's count instead, a
+        reads ``contenders``, the window's). Sent under the code's count instead, a
         copy found no room where the hand-off saw some, and was sent again and again (918 sends
         in 10 s under a limit lowered live)."""
         if self.orphans is not None:
@@ -159,11 +159,10 @@ class QueueBase:
         window of its rate, the first (``lock_path``) the one a copy takes first."""
         return [self.lock_path, *(window.path for window in self.more)]
 
-    def rules_now(self, until: Optional[float], gates: Optional[Sequence[Sequence[str]]] = None) -> List[Rule]:
+    def rules_now(self, until: Optional[float], gates: Sequence[Sequence[str]]) -> List[Rule]:
         """:meth:`rule_now` of each of :attr:`gate_paths` (``gates``: the contenders of each, as read)."""
-        each: List[Optional[Sequence[str]]] = list(gates) if gates is not None else [None] * len(self.gate_paths)
-        return [self.rule_now(until, each[0]),
-                *(window.rule(until, self.waiter, one) for window, one in zip(self.more, each[1:]))]
+        return [self.rule_now(until, gates[0]),
+                *(window.rule(until, self.waiter, one) for window, one in zip(self.more, gates[1:]))]
 
     def rules(self) -> List[Rule]:
         """The code's rule of each of :attr:`gate_paths` (a publisher's guard decides under it)."""

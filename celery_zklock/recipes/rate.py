@@ -355,28 +355,22 @@ def free_orphans(session: Session, path: str, children: List[str], judged: Rule,
     return turn
 
 
-def window_rule(count: int, stored: Optional[int], other: Optional[int], contenders: Optional[Sequence[str]]
-                ) -> Rule:
+def window_rule(count: int, stored: Optional[int], other: Optional[int], contenders: Sequence[str]) -> Rule:
     """The rule a parked head is sent under in a rate window of the code's ``count``: the count
     ``stored`` live, if any; else, where the window's node holds an ``other`` count (a deploy
     changed it), no room while any slot stands among the window's ``contenders`` (a contender
-    of ours is refused then) and the code's count once none does (it takes the node over);
-    with no ``contenders`` read, the node's count.
+    of ours is refused then) and the code's count once none does (it takes the node over).
 
     >>> [window_rule(3, 5, 2, []).leases, window_rule(3, None, None, ["a__sem__0000000001"]).leases]
     [5, 3]
     >>> old = ["a-2__sem__0000000001"]
     >>> window_rule(3, None, 2, old).has_room(old, 1), window_rule(3, None, 2, []).has_room([], 3)
     (False, True)
-    >>> window_rule(3, None, 2, None).leases
-    2
     """
     if stored is not None:
         return semaphore(stored)
     if other is None:
         return semaphore(count)
-    if contenders is None:
-        return semaphore(other)
     return NO_ROOM if any("__sem__" in c for c in contenders) else semaphore(count)
 
 
@@ -396,14 +390,13 @@ class RateOrphans:
     def __init__(self, session: Session, path: str, rate: Rate, live: Optional[LiveSource] = None) -> None:
         self.session, self.path, self.rate, self.live = session, path, rate, live
 
-    def rule(self, until: Optional[float], waiter: Any = None, contenders: Optional[Sequence[str]] = None) -> Rule:
+    def rule(self, until: Optional[float], waiter: Any, contenders: Sequence[str]) -> Rule:
         """The rule a start is admitted under now: the count stored live (``waiter.wake()`` when
         it changes); else the code's, unless the window's node holds another count (a deploy
         changed it). A contender of ours is refused then while any slot stands, and takes the
-        node over once none does: given the window's ``contenders``, only an empty window has
+        node over once none does: among the window's ``contenders``, only an empty window has
         room (sent under the node's count, a head was refused and sent again: 418 times in
-        5.5 s under the new count, 206 in 6 s under the old one with one old slot left); read
-        without them, the node's count."""
+        5.5 s under the new count, 206 in 6 s under the old one with one old slot left)."""
         stored = self.live.stored(self.session, until, waiter) if self.live is not None else None
         other = None
         if stored is None:
